@@ -1,0 +1,157 @@
+"""Hook specifications, grouped by the moment in a server's life they run.
+
+Every hook is documented with one summary line, its parameters, what it returns, and
+whether the first non-``None`` result wins (``firstresult``). A plugin implements any
+subset; parameter names must match, but a plugin may accept fewer of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from omlx_core.hookspecs import hookspec
+
+if TYPE_CHECKING:
+    from omlx_core.config import Config
+    from omlx_core.engine import Engine
+    from omlx_core.memory.types import BoundarySnapshot, PeakQuery, PreflightRequest, Rejection
+    from omlx_core.server_context import ServerContext
+    from omlx_core.settings import Setting
+
+
+# -- registration: runs once, when the plugin manager is built ---------------------------
+
+
+@hookspec
+def register_settings(register: Callable[[Setting], None]) -> None:
+    """Declare the configuration keys this plugin reads.
+
+    Keys live under ``[plugin.<name>]`` in a tier file; unknown keys there are errors,
+    so a plugin with settings must declare them here.
+
+    :param register: call ``register(Setting(...))`` once per key.
+    :returns: nothing; results are ignored.
+    """
+
+
+@hookspec
+def register_engines(register: Callable[..., None]) -> None:
+    """Make engine types available to the model registry.
+
+    A model entry in the configuration names its engine (``engine = "batched"``); the
+    factory registered under that name builds the engine when the model loads.
+
+    :param register: call ``register(name, factory)`` where ``factory(model, config)``
+        takes a :class:`~omlx_core.models.ModelSpec` and the effective
+        :class:`~omlx_core.config.Config` and returns an :class:`~omlx_core.engine.Engine`.
+    :returns: nothing; results are ignored. Two plugins registering one name is an error.
+    """
+
+
+@hookspec
+def register_caches(register: Callable[..., None]) -> None:
+    """Make KV cache back ends (in-memory prefix cache, paged SSD store...) available.
+
+    :param register: call ``register(name, factory)`` where ``factory(model, config)``
+        returns a cache object the engine consults for prefix reuse.
+    :returns: nothing; results are ignored. Two plugins registering one name is an error.
+    """
+
+
+# -- process lifecycle ----------------------------------------------------------------------
+
+
+@hookspec
+def startup(context: ServerContext) -> None:
+    """Run once when the server has loaded its configuration and before it takes requests.
+
+    :param context: the running server: configuration, loaded engines, plugin manager.
+    :returns: nothing; results are ignored. An exception aborts start-up with the
+        plugin's name in the error.
+    """
+
+
+@hookspec
+def shutdown(context: ServerContext) -> None:
+    """Run once when the server stops, after the last request finished or was aborted.
+
+    :param context: the same object :func:`startup` received.
+    :returns: nothing; results are ignored. Exceptions are logged, never raised, so
+        every plugin gets its turn.
+    """
+
+
+# -- memory: estimate, limits, admission ----------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def estimate_peak(query: PeakQuery) -> int | None:
+    """Estimate the peak bytes a prefill will add on top of memory already in use.
+
+    The query carries the model (dims from its config), ``new_tokens`` to prefill over
+    ``cached_tokens`` already resident, in chunks of ``chunk_size``. The estimate must
+    never undercount (that crashes machines) and should overcount by little.
+
+    :param query: a :class:`~omlx_core.memory.types.PeakQuery`.
+    :returns: peak bytes, or ``None`` to let the next implementation answer.
+        firstresult: the first non-``None`` result is used.
+    """
+
+
+@hookspec(firstresult=True)
+def resolve_scheduler(engine: Engine) -> Any | None:
+    """Find the object that receives memory limits for an engine.
+
+    Engines may wrap other engines (a speculative engine around a batched one); the
+    enforcer asks this hook which object actually schedules prefills. An engine that
+    bypasses the scheduler returns its own guard object.
+
+    :param engine: a loaded engine, possibly a wrapper.
+    :returns: an object with ``apply_memory_limits(snapshot)``, or ``None`` if this
+        plugin does not know the engine. firstresult: the first non-``None`` result is used.
+    """
+
+
+@hookspec
+def preflight(request: PreflightRequest) -> None:
+    """Check, before any response byte is sent, that a request can ever fit.
+
+    Runs in the HTTP responder after tokenization (chat template applied, the same
+    tokens the engine will prefill).
+
+    :param request: a :class:`~omlx_core.memory.types.PreflightRequest`: request id,
+        model, prompt and cached token counts, chunk size, the current limit snapshot.
+    :returns: nothing. Raise
+        :class:`~omlx_core.memory.types.PrefillMemoryExceededError` to refuse the
+        request; the front end turns it into HTTP 413. Every implementation runs.
+    """
+
+
+@hookspec
+def on_rejection(rejection: Rejection) -> str | None:
+    """Turn a memory rejection into advice an operator can act on.
+
+    :param rejection: estimate, limit, the ceiling breakdown and which ceiling binds.
+    :returns: one advice text, or ``None``. All non-``None`` results are shown, in hook
+        call order. To replace the built-in advice rather than add to it, implement this
+        as ``@hookimpl(wrapper=True)`` and return your own list.
+    """
+
+
+# -- caches ------------------------------------------------------------------------------------
+
+
+@hookspec
+def on_boundary_snapshot(snapshot: BoundarySnapshot) -> None:
+    """Receive a non-sliceable cache state captured at a block boundary during prefill.
+
+    Layers such as ``ArraysCache`` (GatedDeltaNet, Mamba) or rotating windows cannot be
+    cut back to an earlier token count, so the engine captures them as prefill crosses
+    each block boundary. They are keyed by **request id**: the batch slot does not
+    exist yet while a request is prefilling.
+
+    :param snapshot: request id, block index, token count, chain hash of the block
+        prefix, and the per-layer states.
+    :returns: nothing; results are ignored. Implementations must not block the MLX
+        thread: copy or enqueue, then return.
+    """

