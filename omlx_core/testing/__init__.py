@@ -1,0 +1,33 @@
+"""Tiny, seeded, random-weight models of real mlx-lm families for tests and examples.
+
+Each model is a directory in mlx-lm format with a real byte-level BPE tokenizer and a
+ChatML chat template, loaded through the same loader as a real checkpoint.
+"""
+
+from omlx_core.testing.models import (
+    FAMILIES,
+    build_model,
+    build_weights,
+    cached_model,
+    family_config,
+)
+from omlx_core.testing.tokenizer import (
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    VOCAB_SIZE,
+    build_tokenizer,
+    special_token_id,
+)
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "FAMILIES",
+    "SPECIAL_TOKENS",
+    "VOCAB_SIZE",
+    "build_model",
+    "build_tokenizer",
+    "build_weights",
+    "cached_model",
+    "family_config",
+    "special_token_id",
+]
