@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from omlx_core import __version__
 from omlx_core.config import ConfigError, parse_set_flag
-from omlx_core.models.registry import ModelError
+from omlx_core.models.errors import ModelError
 from omlx_core.pluginmanager import PluginError
 
 # Commands that run mlx matmuls and so want the optimized BLAS preloaded.
@@ -238,14 +238,15 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     command = args.models_command or "list"
     if command == "convert-gguf":
-        from omlx_core.models.default import model_cache_dir
+        from omlx_core.models.default import ensure_converted
         from omlx_core.models.gguf import convert_gguf
 
         if not args.path.is_file():
             raise ModelError(f"{args.path} is not a file; give the path of a .gguf file")
-        out = args.out or model_cache_dir() / args.path.stem.lower()
-        convert_gguf(args.path, out, dtype=args.dtype)
-        print(out)
+        if args.out:
+            print(convert_gguf(args.path, args.out, dtype=args.dtype))
+        else:
+            print(ensure_converted(args.path, args.path.stem.lower(), dtype=args.dtype))
         return 0
     if command == "default":
         from omlx_core.models.default import ensure_default_model

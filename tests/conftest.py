@@ -1,1 +1,41 @@
+"""Test session set-up: OpenBLAS, an isolated model cache, shared fixtures."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from omlx_core.platform.blas import ensure_optimized_blas
+
+import pytest
+
 pytest_plugins = ["omlx_core.testing.pytest_fixtures"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    # Re-execute pytest once with OpenBLAS preloaded: the mlx-cpu wheel's reference BLAS
+    # makes every forward ~30x slower. Output capture holds fd 1 and 2 by now, so release
+    # them first or the re-executed run would write into the capture file.
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.stop_global_capturing()
+    ensure_optimized_blas()
+    if capture is not None:
+        capture.start_global_capturing()
+    # Tests convert the default model once per session into a private cache, never the user's.
+    config._omlx_cache = tempfile.mkdtemp(prefix="omlx-test-cache-")
+    os.environ["OMLX_CACHE_DIR"] = config._omlx_cache
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "_omlx_cache", ""), ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The real default model (SmolLM2-135M-Instruct float32), converted once per session."""
+    from omlx_core.models.default import ensure_default_model
+
+    return ensure_default_model(progress=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 from pathlib import Path
 
@@ -300,7 +301,10 @@ def test_footprint_of_this_process_tracks_an_allocation() -> None:
     before = probe_process_footprint()
     if not before:
         pytest.skip(f"no footprint probe here: {before.reason}")
-    ballast = b"\x01" * (64 * MIB)  # touched pages, so they are resident
+    # A fresh anonymous mapping, written through: malloc could hand back pages an earlier
+    # test freed, which are resident already and would not move the reading.
+    ballast = mmap.mmap(-1, 64 * MIB)
+    ballast.write(b"\x01" * (64 * MIB))
     after = probe_process_footprint()
     assert after.rss_bytes - before.rss_bytes >= 48 * MIB
-    del ballast
+    ballast.close()

@@ -13,10 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from omlx_core.config import ModelEntry
-
-
-class ModelError(Exception):
-    """A configured model cannot be found or read; the message says how to fix it."""
+from omlx_core.models.errors import ModelError
 
 
 @dataclass(frozen=True)

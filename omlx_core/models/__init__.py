@@ -1,0 +1,1 @@
+"""Model sources: GGUF conversion and the embedded default model."""
