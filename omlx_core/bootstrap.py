@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 from omlx_core.config import Config, load_config, raw_value, read_layers
+from omlx_core.memory.guard import install_memory_guard
 from omlx_core.pluginmanager import PluginError, PluginManager, build_plugin_manager
 from omlx_core.server_context import ServerContext
 
@@ -84,12 +85,17 @@ def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
         log.info("starting engine %r for model %r (%s)", entry.engine, spec.id, spec.path)
         engine.start()
         context.engines[spec.id] = engine
+    install_memory_guard(context)
     plugins.hook.startup(context=context)
     return context
 
 
 def stop_engines(context: ServerContext) -> None:
-    """Run ``shutdown`` hooks (every plugin gets its turn), then stop each engine."""
+    """Stop the memory enforcer, run ``shutdown`` hooks (every plugin gets its turn),
+    then stop each engine."""
+    close_guard = getattr(context.memory_guard, "close", None)
+    if callable(close_guard):
+        close_guard()
     for impl in reversed(context.plugins.hook.shutdown.get_hookimpls()):
         try:
             impl.function(context=context)

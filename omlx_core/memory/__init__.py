@@ -1,2 +1,14 @@
 """Memory: how much this machine can give, how much a request will take, and the guard
-between the two. :mod:`omlx_core.memory.probes` reads the machine."""
+between the two.
+
+- :mod:`~omlx_core.memory.probes` reads the machine (RAM, cgroup, Metal, CUDA, own RSS);
+- :mod:`~omlx_core.memory.ceilings` turns readings and the tier into the four ceilings;
+- :mod:`~omlx_core.memory.usage` says how much this process holds now;
+- :mod:`~omlx_core.memory.estimate` says how much a prefill will add;
+- :mod:`~omlx_core.memory.enforcer` publishes a limit snapshot to every engine each poll;
+- :mod:`~omlx_core.memory.guard` refuses what can never fit (preflight, HTTP 413);
+- :mod:`~omlx_core.memory.admission` makes what fits alone wait for room (HTTP 503 when
+  the queue is full);
+- :mod:`~omlx_core.memory.forward_gate` refuses a prefill chunk before its forward runs;
+- :mod:`~omlx_core.memory.types` holds the values that cross the memory hooks.
+"""

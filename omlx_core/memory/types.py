@@ -53,6 +53,8 @@ class LimitSnapshot:
     in_use_bytes: int = 0
     taken_at: float = 0.0
     sequence: int = 0
+    #: memory held while no request runs (weights, runtime): what every request sits on
+    baseline_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,16 @@ class PeakQuery:
     # True when the engine evaluates the logits of every prompt token (not just the last).
     full_logits: bool = False
     model_id: str = ""
+    #: group size of a quantized KV cache (``kv_bits``)
+    kv_group_size: int = 64
+    #: the last of ``new_tokens`` may be fed by the decode batch (mlx-lm ``BatchGenerator``
+    #: copies the cache when it joins); the estimate then covers that as well
+    first_token: bool = True
+    #: the cached tokens' KV is already in memory inside the cache being extended; False
+    #: when a reused prefix is copied into a fresh cache by the forward (counted as new)
+    cached_kv_resident: bool = True
+    #: "cpu", "cuda" or "metal": whether attention scores materialize (cpu, cuda)
+    backend: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -95,15 +107,26 @@ class Rejection:
     model_id: str = ""
     prompt_tokens: int = 0
     stage: str = "preflight"  # "preflight", "admission" or "forward"
+    #: memory the estimate comes on top of (idle baseline for preflight, current use
+    #: for the forward gate); the comparison is ``base_bytes + estimated_bytes > limit``
+    base_bytes: int = 0
 
     @property
     def binding(self) -> str | None:
         return self.breakdown.binding if self.breakdown else None
 
+    @property
+    def needed_bytes(self) -> int:
+        return self.base_bytes + self.estimated_bytes
+
     def summary(self) -> str:
         limit = format_size(self.limit_bytes) if self.limit_bytes is not None else "unknown"
         text = (f"prefill of {self.prompt_tokens} tokens needs an estimated "
-                f"{format_size(self.estimated_bytes)}, over the {limit} memory limit")
+                f"{format_size(self.estimated_bytes)}")
+        if self.base_bytes:
+            text += (f" on top of {format_size(self.base_bytes)} already in use "
+                     f"({format_size(self.needed_bytes)} in all)")
+        text += f", over the {limit} memory limit"
         return text + (f" ({self.binding} ceiling binds)" if self.binding else "")
 
 

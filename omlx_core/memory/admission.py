@@ -1,0 +1,224 @@
+"""Budget admission: a request that fits alone but not next to the running ones waits.
+
+Each admitted request holds a reservation (its estimated peak) until its ticket is
+released. A new request runs at once when nobody is waiting and
+
+    baseline + cost(running requests and itself) <= hard × admit_watermark
+
+where the cost of a set of requests is the sum of their reservations, except that
+requests sharing a padded decode batch (``batch`` key, one per engine) each cost as much
+as the largest of them: mlx-lm's ``BatchGenerator`` left-pads every sequence's KV cache
+to the longest one in the batch, so a short request next to a long one holds as much KV
+as the long one.
+
+otherwise it joins a bounded FIFO queue. Only the head of the queue is ever admitted,
+so a large request at the head is never overtaken by small ones behind it. A request
+runs alone whenever nothing else is reserved: it passed preflight, so it fits alone,
+and waiting could not make room. A full queue, or a wait longer than the timeout,
+raises :class:`~omlx_core.memory.types.AdmissionQueueFullError` (HTTP 503 with
+``Retry-After``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterable
+
+from omlx_core.memory.types import AdmissionQueueFullError, LimitSnapshot
+from omlx_core.settings import format_size
+
+log = logging.getLogger(__name__)
+
+# Retry-After when no request has finished yet to learn typical hold times from.
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
+class AdmissionTimeoutError(AdmissionQueueFullError):
+    """A request waited in the admission queue longer than ``memory.queue_timeout_s``."""
+
+    def __init__(self, request_id: str, waited_s: float, retry_after_s: float):
+        Exception.__init__(self, f"request {request_id} waited {waited_s:.1f} s for memory "
+                                 f"without room freeing up; retry in {retry_after_s:.0f} s or "
+                                 "raise memory.queue_timeout_s")
+        self.queue_size = 0
+        self.retry_after_s = retry_after_s
+        self.waited_s = waited_s
+
+
+@dataclass
+class _Waiter:
+    request_id: str
+    reserve_bytes: int
+    batch: Hashable | None
+
+
+def reservation_cost(reservations: Iterable[tuple[int, Hashable | None]]) -> int:
+    """Bytes a set of ``(reserve_bytes, batch)`` reservations holds together: each padded
+    batch costs its size times its largest member; unbatched ones add up."""
+    total = 0
+    batches: dict[Hashable, list[int]] = {}
+    for reserve, batch in reservations:
+        if batch is None:
+            total += reserve
+        else:
+            batches.setdefault(batch, []).append(reserve)
+    return total + sum(len(members) * max(members) for members in batches.values())
+
+
+class AdmissionTicket:
+    """A granted reservation. Releasing it (``with`` exit or :meth:`release`) frees the
+    budget for the next request; releasing twice is harmless."""
+
+    def __init__(self, queue: "AdmissionQueue", request_id: str, reserve_bytes: int,
+                 waited_s: float, batch: Hashable | None = None):
+        self.request_id = request_id
+        self.reserve_bytes = reserve_bytes
+        self.batch = batch
+        self.waited_s = waited_s
+        self._queue = queue
+        self._granted_at = queue.clock()
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._queue._release(self, self._queue.clock() - self._granted_at)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class AdmissionQueue:
+    """The reservation ledger and the FIFO of requests waiting for room."""
+
+    def __init__(self, queue_size: int, timeout_s: float, admit_watermark: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.queue_size = queue_size
+        self.timeout_s = timeout_s
+        self.admit_watermark = admit_watermark
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._waiting: deque[_Waiter] = deque()
+        self._running: dict[int, AdmissionTicket] = {}
+        self._snapshot: LimitSnapshot | None = None
+        self._mean_hold_s: float | None = None
+
+    # -- reading ------------------------------------------------------------------------
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the running requests hold together (padded batches included)."""
+        with self._cond:
+            return self._cost()
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def idle(self) -> bool:
+        """No request holds a reservation or waits for one."""
+        with self._cond:
+            return not self._running and not self._waiting
+
+    def budget_bytes(self, snapshot: LimitSnapshot | None) -> int | None:
+        """What running requests may reserve in all under ``snapshot``; None: unlimited."""
+        if snapshot is None or snapshot.hard_bytes is None:
+            return None
+        return int(snapshot.hard_bytes * self.admit_watermark) - snapshot.baseline_bytes
+
+    def retry_after_s(self) -> float:
+        """A client's best wait before retrying: the typical hold time of a request."""
+        hold = self._mean_hold_s if self._mean_hold_s is not None else DEFAULT_RETRY_AFTER_S
+        return max(1.0, min(hold, max(self.timeout_s, 1.0)))
+
+    # -- changing ---------------------------------------------------------------------------
+
+    def update(self, snapshot: LimitSnapshot) -> None:
+        """A new limit snapshot: waiters re-check whether they fit now."""
+        with self._cond:
+            self._snapshot = snapshot
+            self._cond.notify_all()
+
+    def admit(self, request_id: str, reserve_bytes: int,
+              batch: Hashable | None = None) -> AdmissionTicket:
+        """Block until ``reserve_bytes`` fits next to the running requests.
+
+        :param batch: requests with the same key share a padded decode batch (one key
+            per engine); ``None`` for a request whose memory adds up with the others'.
+        :raises AdmissionQueueFullError: the queue is full, or the wait timed out
+            (:class:`AdmissionTimeoutError`).
+        """
+        reserve_bytes = max(0, int(reserve_bytes))
+        start = self.clock()
+        with self._cond:
+            if not self._waiting and self._fits(reserve_bytes, batch):
+                return self._grant(request_id, reserve_bytes, 0.0, batch)
+            if len(self._waiting) >= self.queue_size:
+                raise AdmissionQueueFullError(len(self._waiting), self.retry_after_s())
+            waiter = _Waiter(request_id, reserve_bytes, batch)
+            self._waiting.append(waiter)
+            log.info("request %s waits for memory (%s; %s held by %d running, budget %s, "
+                     "%d waiting)", request_id, format_size(reserve_bytes),
+                     format_size(self._cost()), len(self._running),
+                     _size_or_unlimited(self.budget_bytes(self._snapshot)), len(self._waiting))
+            deadline = start + self.timeout_s
+            try:
+                while True:
+                    if self._waiting[0] is waiter and self._fits(reserve_bytes, batch):
+                        self._waiting.popleft()
+                        # The next waiter may fit as well.
+                        self._cond.notify_all()
+                        return self._grant(request_id, reserve_bytes, self.clock() - start, batch)
+                    remaining = deadline - self.clock()
+                    if remaining <= 0:
+                        raise AdmissionTimeoutError(request_id, self.clock() - start,
+                                                    self.retry_after_s())
+                    self._cond.wait(remaining)
+            except BaseException:
+                if waiter in self._waiting:
+                    self._waiting.remove(waiter)
+                    self._cond.notify_all()
+                raise
+
+    def _cost(self, extra: tuple[int, Hashable | None] | None = None) -> int:
+        held = [(t.reserve_bytes, t.batch) for t in self._running.values()]
+        return reservation_cost(held + ([extra] if extra is not None else []))
+
+    def _fits(self, reserve_bytes: int, batch: Hashable | None) -> bool:
+        if not self._running:
+            return True
+        budget = self.budget_bytes(self._snapshot)
+        return budget is None or self._cost((reserve_bytes, batch)) <= budget
+
+    def _grant(self, request_id: str, reserve_bytes: int, waited_s: float,
+               batch: Hashable | None) -> AdmissionTicket:
+        ticket = AdmissionTicket(self, request_id, reserve_bytes, waited_s, batch)
+        self._running[id(ticket)] = ticket
+        return ticket
+
+    def _release(self, ticket: AdmissionTicket, held_s: float) -> None:
+        with self._cond:
+            if self._running.pop(id(ticket), None) is None:
+                return
+            self._mean_hold_s = held_s if self._mean_hold_s is None else (
+                0.8 * self._mean_hold_s + 0.2 * held_s)
+            self._cond.notify_all()
+
+
+def _size_or_unlimited(value: int | None) -> str:
+    return "unlimited" if value is None else format_size(value)

@@ -1,0 +1,148 @@
+"""The enforcer: a background thread that re-reads the ceilings every
+``memory.poll_interval_s`` and publishes one immutable limit snapshot to every engine.
+
+Each poll builds a :class:`~omlx_core.memory.types.LimitSnapshot` (ceilings, hard
+limit, current use, idle baseline) and hands that same object to the guard and to each
+loaded engine's limit receiver, found through the ``resolve_scheduler`` hook. Engines
+are re-listed on every poll, so an engine loaded after start-up has limits within one
+poll. A receiver that can take a forward gate (``set_forward_gate``) gets the guard's.
+An engine the hook cannot resolve is reported once per engine type, loudly: that is
+how a guard silently goes dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from omlx_core.memory.ceilings import ProbeReadings, TierPolicy, compute_ceilings, read_probes
+from omlx_core.memory.types import LimitSnapshot
+from omlx_core.settings import format_size
+
+if TYPE_CHECKING:
+    from omlx_core.memory.guard import DefaultMemoryGuard
+
+log = logging.getLogger(__name__)
+
+
+class MemoryEnforcer:
+    """Polls ceilings and usage; publishes limit snapshots to the guard and the engines.
+
+    :param guard: receives every snapshot first (admission re-checks its waiters) and
+        supplies usage readings, idleness and forward gates.
+    :param engines: returns the engines loaded right now (called on every poll).
+    :param resolve: the ``resolve_scheduler`` hook: engine -> limit receiver or None.
+    :param policy: the active memory tier.
+    :param interval_s: seconds between polls.
+    :param read: returns fresh probe readings (tests pass fixed ones).
+    """
+
+    def __init__(self, guard: DefaultMemoryGuard, engines: Callable[[], Iterable[Any]],
+                 resolve: Callable[[Any], Any], policy: TierPolicy, interval_s: float,
+                 read: Callable[[], ProbeReadings] = read_probes):
+        self.guard = guard
+        self._engines = engines
+        self._resolve = resolve
+        self.policy = policy
+        self.interval_s = interval_s
+        self._read = read
+        self._sequence = 0
+        self._baseline: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned_types: set[str] = set()
+        self._logged_notes: set[str] = set()
+        self.polls = 0
+        self.last_error: str | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> LimitSnapshot:
+        """Publish the first snapshot synchronously, then keep polling on a daemon thread."""
+        first = self.poll_once()
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="omlx-memory-enforcer",
+                                            daemon=True)
+            self._thread.start()
+        return first
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll_once()
+            except Exception as exc:  # the enforcer must outlive any one bad poll
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("memory enforcer poll failed; the last limits stay in force")
+
+    # -- one poll --------------------------------------------------------------------------
+
+    def poll_once(self) -> LimitSnapshot:
+        """Compute and publish one snapshot; returns it."""
+        breakdown = compute_ceilings(self._read(), self.policy)
+        for note in breakdown.notes:
+            if note not in self._logged_notes:
+                self._logged_notes.add(note)
+                log.warning("memory ceilings: %s", note)
+        usage = self.guard.usage
+        resident = usage.resident()
+        usage.observe(resident)
+        if self.guard.idle() or self._baseline is None:
+            # What is held with no request running is what every request sits on.
+            self._baseline = resident
+        self._sequence += 1
+        snapshot = LimitSnapshot(
+            hard_bytes=breakdown.hard, breakdown=breakdown,
+            in_use_bytes=max(resident, usage.recent_peak()), taken_at=time.time(),
+            sequence=self._sequence, baseline_bytes=self._baseline)
+        self.guard.update(snapshot)
+        self._publish(snapshot)
+        self.polls += 1
+        if self._sequence == 1:
+            log.info("memory limit %s (%s ceiling binds, tier %s); baseline in use %s",
+                     format_size(snapshot.hard_bytes) if snapshot.hard_bytes else "none",
+                     breakdown.binding or "no", breakdown.tier, format_size(self._baseline))
+        return snapshot
+
+    def _publish(self, snapshot: LimitSnapshot) -> None:
+        for engine in list(self._engines()):
+            kind = type(engine).__qualname__
+            try:
+                receiver = self._resolve(engine)
+            except Exception:
+                self._warn_once(kind, "resolve_scheduler raised for engine type %s; it gets no "
+                                      "memory limits", exc_info=True)
+                continue
+            if receiver is None:
+                self._warn_once(kind, "no plugin resolves engine type %s to an object with "
+                                      "apply_memory_limits(snapshot): its prefills run without "
+                                      "memory limits (implement resolve_scheduler, or give the "
+                                      "engine or its scheduler apply_memory_limits)")
+                continue
+            try:
+                receiver.apply_memory_limits(snapshot)
+                set_gate = getattr(receiver, "set_forward_gate", None)
+                if callable(set_gate):
+                    gate = self.guard.forward_gate_for(engine)
+                    if getattr(receiver, "forward_gate", None) is not gate:
+                        set_gate(gate)
+            except Exception:
+                self._warn_once(kind, "publishing memory limits to engine type %s failed",
+                                exc_info=True)
+
+    def _warn_once(self, kind: str, message: str, exc_info: bool = False) -> None:
+        if kind not in self._warned_types:
+            self._warned_types.add(kind)
+            log.warning(message, kind, exc_info=exc_info)

@@ -1,0 +1,113 @@
+"""The forward gate: refuse a prefill chunk before its forward runs, not after.
+
+Before a scheduler step's prefill forwards, the engine asks :meth:`PrefillForwardGate.
+check_prefill`. For each planned chunk, in the order they will run, the projected peak
+is
+
+    high-water current use + resident KV of the step's earlier chunks
+    + this chunk's estimated peak + memory.transient_margin
+
+and a chunk whose projection passes the hard limit is refused: its request ends with
+``finish_reason="error"`` and its memory is freed, while every other request goes on.
+Admission keeps running requests inside the budget; the gate catches what drifted past
+it (estimates that undercounted, decode growth, memory taken by other processes).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+from omlx_core.memory.types import LimitSnapshot, PeakQuery, Rejection
+from omlx_core.memory.usage import MemoryUsage
+from omlx_core.settings import format_size
+
+log = logging.getLogger(__name__)
+
+Estimate = Callable[[PeakQuery], "int | None"]
+Advise = Callable[[Rejection], "list[str]"]
+
+
+class PrefillForwardGate:
+    """A :class:`~omlx_core.plugins.batched.gate.ForwardGate` for any engine.
+
+    :param estimate: peak bytes of a prefill (the ``estimate_peak`` hook).
+    :param usage: where current use is read; readings here are taken between forwards,
+        so they feed its high-water mark.
+    :param transient_margin: bytes added to every chunk's estimate.
+    :param advise: turns a refusal into advice text (the ``on_rejection`` hook).
+    """
+
+    def __init__(self, estimate: Estimate, usage: MemoryUsage, transient_margin: int,
+                 advise: Advise | None = None, *, dtype_bytes: int = 4,
+                 full_logits: bool = False, backend: str = "cpu"):
+        self._estimate = estimate
+        self._usage = usage
+        self.transient_margin = transient_margin
+        self._advise = advise
+        self.dtype_bytes = dtype_bytes
+        self.full_logits = full_logits
+        self.backend = backend
+        self.refused_total = 0
+        self._warned_no_limits: set[str] = set()
+
+    def check_prefill(self, step: Any) -> Mapping[str, str] | None:
+        limits: LimitSnapshot | None = step.limits
+        if limits is None or limits.hard_bytes is None:
+            if step.model_id not in self._warned_no_limits:
+                self._warned_no_limits.add(step.model_id)
+                log.warning("forward gate for model %r has no memory limit yet; prefill chunks "
+                            "run unchecked until the enforcer publishes one", step.model_id)
+            return None
+        hard = limits.hard_bytes
+        current = self._usage.high_water(record=True)
+        earlier_kv = 0
+        refused: dict[str, str] = {}
+        for chunk in step.chunks:
+            peak = self._chunk_estimate(step, chunk, chunk.new_tokens)
+            if peak is None:
+                refused[chunk.request_id] = (
+                    f"no estimate_peak plugin could estimate a prefill of model "
+                    f"{step.model_id!r}, so the memory guard cannot let it run")
+                continue
+            projected = current + earlier_kv + peak + self.transient_margin
+            if projected > hard:
+                refused[chunk.request_id] = self._reason(step, chunk, peak, current + earlier_kv,
+                                                         limits)
+                continue
+            # What stays resident after this forward is its KV, not its transient: a
+            # one-token chunk's estimate is (almost) only that.
+            resident = self._chunk_estimate(step, chunk, 1)
+            earlier_kv += peak if resident is None else min(resident, peak)
+        if refused:
+            self.refused_total += len(refused)
+        return refused
+
+    def _chunk_estimate(self, step: Any, chunk: Any, chunk_size: int) -> int | None:
+        # The chunk extends the request's own cache, whose KV is already in current use;
+        # after the prompt's last chunk the request joins the decode batch.
+        last = chunk.cached_tokens + chunk.new_tokens >= chunk.prompt_tokens - 1
+        return self._estimate(PeakQuery(
+            model_config=step.model_config, new_tokens=chunk.new_tokens,
+            cached_tokens=chunk.cached_tokens, chunk_size=max(1, chunk_size),
+            dtype_bytes=self.dtype_bytes, full_logits=self.full_logits, model_id=step.model_id,
+            first_token=last, cached_kv_resident=True, backend=self.backend))
+
+    def _reason(self, step: Any, chunk: Any, peak: int, base: int, limits: LimitSnapshot) -> str:
+        rejection = Rejection(
+            estimated_bytes=peak + self.transient_margin, limit_bytes=limits.hard_bytes,
+            breakdown=limits.breakdown, request_id=chunk.request_id, model_id=step.model_id,
+            prompt_tokens=chunk.prompt_tokens, stage="forward", base_bytes=base)
+        log.warning("forward gate refuses a %d-token prefill chunk of request %s (model %r): "
+                    "%s in use + %s estimated + %s margin > %s limit", chunk.new_tokens,
+                    chunk.request_id, step.model_id, format_size(base), format_size(peak),
+                    format_size(self.transient_margin), format_size(limits.hard_bytes))
+        text = (f"memory ran short during prefill (tokens {chunk.cached_tokens}-"
+                f"{chunk.cached_tokens + chunk.new_tokens} of {chunk.prompt_tokens}): the next "
+                f"chunk needs an estimated {format_size(peak)} (+{format_size(self.transient_margin)} "
+                f"margin) on top of {format_size(base)} in use, over the "
+                f"{format_size(limits.hard_bytes)} limit"
+                + (f" ({rejection.binding} ceiling binds)" if rejection.binding else "")
+                + "; the request was stopped before the forward ran")
+        advice = self._advise(rejection) if self._advise else []
+        return text + (". " + " ".join(advice) if advice else "")

@@ -1,0 +1,120 @@
+"""How much memory this process holds now: the figure every limit is compared against.
+
+Current use is the largest of mlx's active memory, the process footprint (resident set
+on Linux, ``ps`` on macOS) and the recent high-water mark of both. The footprint covers
+what mlx does not count (the interpreter, tokenizers, allocator caches); the high-water
+mark covers memory freed a moment ago that the OS may not have taken back yet.
+
+Only readings taken *between* forwards feed the high-water mark (the forward gate and
+idle polls record; a poll that may land inside a forward does not): a reading taken
+during a forward contains that forward's transient, and adding the next chunk's
+estimate on top of it would count a transient twice and refuse prefills that fit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import platform
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from omlx_core.memory import probes
+
+log = logging.getLogger(__name__)
+
+# glibc's mallopt parameter and the size above which allocations get their own mapping.
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def return_freed_buffers_to_the_os() -> bool:
+    """Pin glibc's mmap threshold so freed large buffers go back to the OS at once.
+
+    By default glibc raises the threshold after each large free (up to 32 MiB), and
+    later buffers below it come from the heap, which keeps freed memory resident: the
+    footprint then stays high after a prefill's transient is gone, and the guard would
+    count that transient twice. Returns whether the setting took (glibc only).
+    """
+    if platform.system() != "Linux":
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError) as error:  # musl and others have no mallopt
+        log.debug("mallopt unavailable (%s): the footprint may lag frees", error)
+        return False
+
+
+def mlx_active_bytes() -> int:
+    import mlx.core as mx
+
+    return int(mx.get_active_memory())
+
+
+def mlx_peak_bytes() -> int:
+    import mlx.core as mx
+
+    return int(mx.get_peak_memory())
+
+
+def footprint_bytes() -> int:
+    footprint = probes.probe_process_footprint()
+    return footprint.rss_bytes if footprint else 0
+
+
+class MemoryUsage:
+    """Reads current use and keeps the recent high-water mark; safe from any thread."""
+
+    def __init__(self, window_s: float = 2.0, *,
+                 read_active: Callable[[], int] = mlx_active_bytes,
+                 read_footprint: Callable[[], int] = footprint_bytes,
+                 clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self._read_active = read_active
+        self._read_footprint = read_footprint
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._samples: deque[tuple[float, int]] = deque()
+        self._peak = 0
+
+    def resident(self) -> int:
+        """Bytes held right now: max(mlx active, process footprint)."""
+        return max(self._read_active(), self._read_footprint())
+
+    def recent_peak(self) -> int:
+        """The largest recorded reading within the last ``window_s`` seconds."""
+        with self._lock:
+            self._expire(self._clock())
+            return max((value for _, value in self._samples), default=0)
+
+    def high_water(self, *, record: bool = True) -> int:
+        """max(resident now, recent peak); ``record`` adds this reading to the window
+        (only for readings taken between forwards, see the module docstring)."""
+        now_bytes = self.resident()
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            recent = max((value for _, value in self._samples), default=0)
+            if record:
+                self._samples.append((now, now_bytes))
+            self._peak = max(self._peak, now_bytes)
+        return max(now_bytes, recent)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest reading ever taken (recorded or not)."""
+        return self._peak
+
+    def observe(self, value: int) -> None:
+        """Count a reading made elsewhere toward :attr:`peak_bytes` only."""
+        with self._lock:
+            self._peak = max(self._peak, value)
+
+    def _expire(self, now: float) -> None:
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()

@@ -1,0 +1,153 @@
+"""The advice ladder: each binding ceiling gets the knob that moves it, and third-party
+plugins can add advice or replace it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from omlx_core.hookspecs import hookimpl
+from omlx_core.memory.types import CeilingBreakdown, Rejection
+from omlx_core.pluginmanager import PluginManager
+from omlx_core.plugins import advice as advice_plugin
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+@pytest.fixture
+def plugins() -> PluginManager:
+    manager = PluginManager()
+    manager.register(advice_plugin, "advice")
+    return manager
+
+
+def rejection(breakdown: CeilingBreakdown | None, needed: int = 30 * GIB,
+              stage: str = "preflight") -> Rejection:
+    base = 20 * GIB
+    return Rejection(estimated_bytes=needed - base, limit_bytes=breakdown.hard if breakdown else None,
+                     breakdown=breakdown, prompt_tokens=110_000, stage=stage, base_bytes=base)
+
+
+def advise(plugins: PluginManager, r: Rejection) -> list[str]:
+    return plugins.hook.on_rejection(rejection=r)
+
+
+def test_dynamic_binding_says_close_other_apps_with_static_cap_and_reclaimable(plugins):
+    b = CeilingBreakdown(static=40 * GIB, dynamic=int(36.7 * GIB), tier="balanced",
+                         total_ram=48 * GIB, reclaimable=12 * GIB, own_footprint=int(31.2 * GIB))
+    [text] = advise(plugins, rejection(b))
+    assert "Close other applications" in text
+    assert "40.00 GiB" in text and "12.00 GiB" in text  # the static cap and what is free now
+    assert "custom" not in text
+
+
+def test_dynamic_binding_under_tier_custom_says_the_pinned_ceiling_does_not_help(plugins):
+    b = CeilingBreakdown(static=48 * GIB, dynamic=26 * GIB, custom=44 * GIB, tier="custom",
+                         total_ram=48 * GIB, reclaimable=6 * GIB, own_footprint=20 * GIB)
+    [text] = advise(plugins, rejection(b))
+    assert "custom ceiling (44.00 GiB)" in text
+    assert "Raising the custom ceiling cannot help" in text and "close other applications" in text
+
+
+def test_custom_binding_says_raise_the_custom_ceiling_with_a_number(plugins):
+    b = CeilingBreakdown(static=40 * GIB, dynamic=36 * GIB, custom=24 * GIB, tier="custom",
+                         total_ram=48 * GIB, reclaimable=20 * GIB)
+    [text] = advise(plugins, rejection(b, needed=30 * GIB))
+    assert "memory.custom_ceiling" in text and "--memory-ceiling" in text
+    assert "33.00 GiB" in text and "--memory-ceiling 33GiB" in text  # 30 GiB + 10 %
+    assert "allow up to 36.00 GiB" in text
+
+
+def test_custom_binding_when_nothing_could_hold_it(plugins):
+    b = CeilingBreakdown(static=20 * GIB, dynamic=18 * GIB, custom=10 * GIB, tier="custom")
+    [text] = advise(plugins, rejection(b, needed=30 * GIB))
+    assert "allow only 18.00 GiB" in text and "shorten the prompt" in text
+
+
+def test_metal_device_binding_gives_a_sysctl_command_with_a_number(plugins):
+    b = CeilingBreakdown(static=96 * GIB, dynamic=100 * GIB, device=24 * GIB,
+                         device_kind="metal", tier="aggressive", total_ram=128 * GIB)
+    [text] = advise(plugins, rejection(b, needed=30 * GIB))
+    command = re.search(r"sudo sysctl iogpu\.wired_limit_mb=(\d+)", text)
+    assert command, text
+    assert int(command.group(1)) * MIB >= 30 * GIB  # enough for this request
+    assert int(command.group(1)) * MIB < 128 * GIB - 4 * GIB  # and leaves macOS room
+
+
+def test_metal_device_binding_beyond_what_the_mac_has_says_pick_a_smaller_model(plugins):
+    b = CeilingBreakdown(static=12 * GIB, dynamic=12 * GIB, device=10 * GIB, device_kind="metal",
+                         tier="aggressive", total_ram=16 * GIB)
+    [text] = advise(plugins, rejection(b, needed=30 * GIB))
+    assert "sysctl" not in text and "smaller model" in text
+
+
+def test_cgroup_device_binding_says_raise_the_container_limit(plugins):
+    b = CeilingBreakdown(static=180 * GIB, dynamic=190 * GIB, device=8 * GIB, device_kind="cgroup",
+                         tier="balanced", total_ram=256 * GIB)
+    [text] = advise(plugins, rejection(b, needed=12 * GIB))
+    assert "container's memory limit" in text and "memory.max" in text
+    assert "--memory=" in text
+
+
+def test_cuda_device_binding_says_pick_a_smaller_model(plugins):
+    b = CeilingBreakdown(static=400 * GIB, dynamic=400 * GIB, device=80 * GIB, device_kind="cuda",
+                         tier="balanced")
+    [text] = advise(plugins, rejection(b, needed=90 * GIB))
+    assert "CUDA" in text and "smaller" in text
+
+
+@pytest.mark.parametrize("tier, expected", [
+    ("safe", "raise the tier to 'balanced' or 'aggressive'"),
+    ("balanced", "raise the tier to 'aggressive'"),
+    ("aggressive", 'memory.tier = "custom"'),
+])
+def test_static_binding_says_reduce_context_or_raise_the_tier(plugins, tier, expected):
+    b = CeilingBreakdown(static=20 * GIB, dynamic=30 * GIB, tier=tier, total_ram=32 * GIB)
+    [text] = advise(plugins, rejection(b))
+    assert "reduce the context" in text and expected in text
+
+
+def test_missing_breakdown_gives_a_generic_but_usable_message(plugins):
+    [text] = advise(plugins, rejection(None))
+    assert "shorten the prompt" in text.lower()
+    assert "memory.tier" in text and "--memory-ceiling" in text and "doctor" in text
+
+
+def test_forward_stage_advice_mentions_retrying_later(plugins):
+    b = CeilingBreakdown(static=20 * GIB, dynamic=30 * GIB, tier="balanced", total_ram=32 * GIB)
+    [text] = advise(plugins, rejection(b, stage="forward"))
+    assert "retry when fewer requests are running" in text
+
+
+# -- third-party advice ------------------------------------------------------------------------
+
+
+class ExtraAdvice:
+    @hookimpl
+    def on_rejection(self, rejection):
+        return f"Ask ops for a bigger box (binding: {rejection.binding})."
+
+
+class ReplacingAdvice:
+    @hookimpl(wrapper=True)
+    def on_rejection(self, rejection):
+        builtin = yield
+        assert builtin, "the built-in advice ran underneath"
+        return ["Call the help desk at extension 4242."]
+
+
+def test_a_third_party_hookimpl_adds_advice(plugins):
+    plugins.register(ExtraAdvice(), "extra")
+    b = CeilingBreakdown(static=20 * GIB, dynamic=30 * GIB, tier="balanced", total_ram=32 * GIB)
+    texts = advise(plugins, rejection(b))
+    assert len(texts) == 2
+    assert any("reduce the context" in t for t in texts)
+    assert "Ask ops for a bigger box (binding: static)." in texts
+
+
+def test_a_wrapper_hookimpl_replaces_the_advice(plugins):
+    plugins.register(ReplacingAdvice(), "replacing")
+    b = CeilingBreakdown(static=20 * GIB, dynamic=30 * GIB, tier="balanced", total_ram=32 * GIB)
+    assert advise(plugins, rejection(b)) == ["Call the help desk at extension 4242."]

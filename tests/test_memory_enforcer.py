@@ -1,0 +1,318 @@
+"""The enforcer publishes one immutable snapshot to every engine on every poll: engines
+loaded before and after it started, engines behind wrappers, and it says once per type
+when an engine cannot receive limits."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from omlx_core.config import load_config
+from omlx_core.memory.ceilings import ProbeReadings
+from omlx_core.memory.guard import DefaultMemoryGuard
+from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
+from omlx_core.memory.types import LimitSnapshot
+from omlx_core.memory.usage import MemoryUsage
+from omlx_core.pluginmanager import PluginManager
+from omlx_core.plugins import memory_guard as memory_guard_plugin
+
+GIB = 1024**3
+MIB = 1024**2
+POLL_S = 0.05
+
+
+def readings(available: int = 20 * GIB) -> ProbeReadings:
+    return ProbeReadings(
+        system="Linux",
+        meminfo=LinuxMeminfo(32 * GIB, available, available, available, 0, 0),
+        cgroup=CgroupMemory(2, Path("/sys/fs/cgroup/x"), None, None, None),
+        footprint=ProcessFootprint(GIB, GIB, "test"))
+
+
+class Receiver:
+    """An object that takes limits, as a scheduler does."""
+
+    def __init__(self):
+        self.snapshots: list[LimitSnapshot] = []
+
+    def apply_memory_limits(self, snapshot: LimitSnapshot) -> None:
+        self.snapshots.append(snapshot)
+
+
+class SchedulerEngine:
+    """An engine that keeps its scheduler at ``.scheduler``."""
+
+    def __init__(self):
+        self.scheduler = Receiver()
+
+
+class GuardEngine:
+    """An engine that bypasses any scheduler and takes limits itself."""
+
+    def __init__(self):
+        self.snapshots: list[LimitSnapshot] = []
+
+    def apply_memory_limits(self, snapshot: LimitSnapshot) -> None:
+        self.snapshots.append(snapshot)
+
+
+class InnerWrapper:
+    def __init__(self, inner):
+        self.inner = inner
+
+
+class EngineWrapper:
+    def __init__(self, engine):
+        self.engine = engine
+
+
+class DecoratedWrapper:
+    def __init__(self, wrapped):
+        self.__wrapped__ = wrapped
+
+
+class OpaqueEngine:
+    """Nothing along it takes limits."""
+
+
+class SelfLoop:
+    """A wrapper chain with a cycle must not hang the walk."""
+
+    def __init__(self):
+        self.inner = self
+
+
+def make_guard(plugins: PluginManager | None = None, *, resident: int = GIB,
+               **overrides: str) -> DefaultMemoryGuard:
+    if plugins is None:
+        plugins = PluginManager()
+        plugins.register(memory_guard_plugin, "memory_guard")
+    config = load_config(tier="cpu-small", env={}, overrides=[
+        ("memory.poll_interval_s", str(POLL_S), "test"),
+        *((key, value, "test") for key, value in overrides.items())])
+    usage = MemoryUsage(window_s=1.0, read_active=lambda: resident, read_footprint=lambda: 0)
+    return DefaultMemoryGuard(plugins, config, usage=usage)
+
+
+def received(engine) -> list[LimitSnapshot]:
+    target = getattr(engine, "scheduler", None) or engine
+    while not hasattr(target, "snapshots"):
+        target = (getattr(target, "inner", None) or getattr(target, "engine", None)
+                  or getattr(target, "__wrapped__"))
+        target = getattr(target, "scheduler", None) or target
+    return target.snapshots
+
+
+def wait_for(condition, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+# -- propagation ----------------------------------------------------------------------------
+
+
+def test_engines_loaded_before_and_after_start_get_limits_within_one_poll():
+    guard = make_guard()
+    engines = {"before": SchedulerEngine()}
+    enforcer = guard.start(lambda: engines.values(), read=readings)
+    try:
+        assert received(engines["before"]), "the first snapshot is published synchronously"
+        engines["after"] = SchedulerEngine()  # e.g. a model loaded on first request
+        wait_for(lambda: received(engines["after"]), timeout=POLL_S * 10)
+        latest = guard.snapshot
+        assert latest.hard_bytes and latest.hard_bytes == latest.breakdown.hard
+        polls = enforcer.polls
+        wait_for(lambda: enforcer.polls >= polls + 2)
+        # Every poll publishes, not only when something changed.
+        assert len(received(engines["before"])) >= 3
+    finally:
+        guard.close()
+    assert not enforcer.running
+
+
+def test_every_engine_gets_the_same_immutable_snapshot_each_poll():
+    guard = make_guard()
+    engines = [SchedulerEngine(), GuardEngine(), InnerWrapper(SchedulerEngine())]
+    guard.start(lambda: engines, read=readings)
+    guard.close()
+    firsts = [received(engine)[0] for engine in engines]
+    assert all(snapshot is guard.snapshot for snapshot in firsts)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        firsts[0].hard_bytes = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        firsts[0].breakdown.dynamic = 1
+
+
+def test_snapshots_are_numbered_and_carry_breakdown_usage_and_baseline():
+    guard = make_guard(resident=3 * GIB)
+    enforcer = guard.start(lambda: [], read=readings)
+    guard.close()
+    second = enforcer.poll_once()
+    assert second.sequence == 2
+    assert second.in_use_bytes == 3 * GIB and second.baseline_bytes == 3 * GIB
+    assert second.breakdown.tier == "safe" and second.hard_bytes == second.breakdown.hard
+
+
+@pytest.mark.parametrize("engine", [
+    SchedulerEngine(),
+    GuardEngine(),
+    InnerWrapper(SchedulerEngine()),
+    EngineWrapper(SchedulerEngine()),
+    DecoratedWrapper(GuardEngine()),
+    InnerWrapper(EngineWrapper(DecoratedWrapper(SchedulerEngine()))),
+], ids=["scheduler", "own-guard", "inner", "engine", "__wrapped__", "three-deep"])
+def test_wrapper_chains_are_walked_to_the_limit_receiver(engine):
+    guard = make_guard()
+    guard.start(lambda: [engine], read=readings)
+    guard.close()
+    assert received(engine) == [guard.snapshot]
+
+
+def test_a_plugin_resolver_answers_before_the_generic_walk():
+    plugins = PluginManager()
+    plugins.register(memory_guard_plugin, "memory_guard")
+    special = Receiver()
+
+    class KnowsItsEngine:
+        from omlx_core.hookspecs import hookimpl
+
+        @hookimpl
+        def resolve_scheduler(self, engine):
+            return special if isinstance(engine, OpaqueEngine) else None
+
+    plugins.register(KnowsItsEngine(), "knows")
+    guard = make_guard(plugins)
+    guard.start(lambda: [OpaqueEngine()], read=readings)
+    guard.close()
+    assert special.snapshots == [guard.snapshot]
+
+
+def test_unresolvable_engine_type_warns_once(caplog):
+    guard = make_guard()
+    engines = [OpaqueEngine(), OpaqueEngine(), SelfLoop()]
+    with caplog.at_level(logging.WARNING, logger="omlx_core.memory.enforcer"):
+        enforcer = guard.start(lambda: engines, read=readings)
+        for _ in range(3):
+            enforcer.poll_once()
+        guard.close()
+    warnings = [r.getMessage() for r in caplog.records if "apply_memory_limits" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # one per type: OpaqueEngine, SelfLoop
+    assert any("OpaqueEngine" in w for w in warnings) and any("SelfLoop" in w for w in warnings)
+
+
+def test_a_receiver_that_raises_does_not_stop_the_others(caplog):
+    class Broken:
+        def apply_memory_limits(self, snapshot):
+            raise RuntimeError("boom")
+
+    guard = make_guard()
+    healthy = SchedulerEngine()
+    with caplog.at_level(logging.WARNING, logger="omlx_core.memory.enforcer"):
+        enforcer = guard.start(lambda: [Broken(), healthy], read=readings)
+        enforcer.poll_once()
+        guard.close()
+    assert len(received(healthy)) == 2
+    assert sum("publishing memory limits" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_forward_gate_is_installed_where_the_receiver_takes_one():
+    class GatedScheduler(Receiver):
+        forward_gate = None
+
+        def set_forward_gate(self, gate):
+            self.forward_gate = gate
+
+    engine = SchedulerEngine()
+    engine.scheduler = GatedScheduler()
+    guard = make_guard()
+    guard.start(lambda: [engine], read=readings)
+    guard.close()
+    assert engine.scheduler.forward_gate is guard.forward_gate_for(engine)
+
+
+def test_changing_ceilings_reach_engines_on_the_next_poll():
+    guard = make_guard()
+    engine = SchedulerEngine()
+    current = {"available": 30 * GIB}
+    guard.start(lambda: [engine], read=lambda: readings(current["available"]))
+    try:
+        first = received(engine)[-1]
+        current["available"] = 2 * GIB  # other programs took memory
+        wait_for(lambda: received(engine)[-1].hard_bytes < first.hard_bytes)
+        latest = received(engine)[-1]
+        assert latest.breakdown.binding == "dynamic"
+        assert first.breakdown.binding == "static"
+    finally:
+        guard.close()
+
+
+def test_baseline_is_only_resampled_while_idle():
+    resident = {"bytes": GIB}
+    plugins = PluginManager()
+    plugins.register(memory_guard_plugin, "memory_guard")
+    config = load_config(tier="cpu-small", env={})
+    usage = MemoryUsage(read_active=lambda: resident["bytes"], read_footprint=lambda: 0)
+    guard = DefaultMemoryGuard(plugins, config, usage=usage)
+    enforcer = guard.start(lambda: [], read=readings)
+    guard.close()
+    ticket = guard.admission.admit("busy", MIB)
+    resident["bytes"] = 5 * GIB  # a request's KV and transients
+    busy = enforcer.poll_once()
+    assert (busy.baseline_bytes, busy.in_use_bytes) == (GIB, 5 * GIB)
+    ticket.release()
+    resident["bytes"] = int(1.2 * GIB)  # back to idle, a little heap growth
+    assert enforcer.poll_once().baseline_bytes == int(1.2 * GIB)
+
+
+def test_a_failing_poll_keeps_the_thread_and_the_last_limits(caplog):
+    guard = make_guard()
+    calls = {"n": 0}
+
+    def flaky() -> ProbeReadings:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("probe exploded")
+        return readings()
+
+    with caplog.at_level(logging.ERROR, logger="omlx_core.memory.enforcer"):
+        enforcer = guard.start(lambda: [], read=flaky)
+        try:
+            wait_for(lambda: calls["n"] >= 4)
+            assert enforcer.running and "probe exploded" in (enforcer.last_error or "")
+        finally:
+            guard.close()
+
+
+# -- start-up and shutdown -------------------------------------------------------------------------
+
+
+def test_start_engines_installs_the_guard_and_stop_engines_stops_its_enforcer(tiny_model_path,
+                                                                              tmp_path):
+    from omlx_core.bootstrap import load_setup, start_engines, stop_engines
+
+    model_dir = tiny_model_path("llama")
+    config = tmp_path / "omlx.toml"
+    config.write_text(f'[server]\nmodels = ["tiny"]\n\n[models.tiny]\npath = "{model_dir}"\n'
+                      'engine = "batched"\n')
+    setup = load_setup("cpu-small", [config], [("memory.poll_interval_s", str(POLL_S), "test")])
+    context = start_engines(setup, progress=False)
+    try:
+        guard = context.memory_guard
+        assert isinstance(guard, DefaultMemoryGuard) and guard.enforcer.running
+        scheduler = context.engines["tiny"].scheduler
+        assert scheduler.limits is not None and scheduler.limits.hard_bytes
+        assert scheduler.forward_gate is guard.forward_gate_for(context.engines["tiny"])
+        first = scheduler.limits.sequence
+        wait_for(lambda: scheduler.limits.sequence > first)
+        enforcer = guard.enforcer
+    finally:
+        stop_engines(context)
+    assert not enforcer.running and guard.enforcer is None

@@ -1,0 +1,195 @@
+"""The forward gate refuses a prefill chunk before its forward runs, ending only the
+request that would overshoot; the others keep going."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from omlx_core.config import load_config
+from omlx_core.engine import GenerationRequest, SamplingParams
+from omlx_core.hookspecs import hookimpl
+from omlx_core.memory.ceilings import ProbeReadings
+from omlx_core.memory.forward_gate import PrefillForwardGate
+from omlx_core.memory.guard import DefaultMemoryGuard
+from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
+from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PeakQuery
+from omlx_core.memory.usage import MemoryUsage
+from omlx_core.pluginmanager import PluginManager
+from omlx_core.plugins import advice as advice_plugin
+from omlx_core.plugins import memory_guard as memory_guard_plugin
+from omlx_core.plugins.batched import BatchedEngine, PrefillChunk, PrefillStep
+from omlx_core.plugins.batched import resolve_scheduler as batched_resolve_scheduler
+from omlx_core.models.registry import spec_for_path
+
+GIB = 1024**3
+MIB = 1024**2
+MARGIN = 16 * MIB
+RESIDENT = 100 * MIB
+
+
+def per_token(query: PeakQuery) -> int:
+    """A stand-in estimate: 1 MiB per new token."""
+    return query.new_tokens * MIB
+
+
+def limits(hard: int) -> LimitSnapshot:
+    return LimitSnapshot(hard_bytes=hard, breakdown=CeilingBreakdown(custom=hard, tier="custom"),
+                         baseline_bytes=RESIDENT)
+
+
+def fixed_usage(resident: int = RESIDENT) -> MemoryUsage:
+    return MemoryUsage(read_active=lambda: resident, read_footprint=lambda: 0)
+
+
+def step(*chunks: PrefillChunk, hard: int | None) -> PrefillStep:
+    return PrefillStep(model_id="tiny", chunks=chunks, decoding=1, chunk_size=64,
+                       limits=limits(hard) if hard is not None else None,
+                       model_config={"model_type": "llama"})
+
+
+def chunk(request_id: str, new: int, cached: int = 0) -> PrefillChunk:
+    return PrefillChunk(request_id, new, cached, cached + new + 1)
+
+
+# -- the gate's arithmetic ---------------------------------------------------------------------
+
+
+def test_only_the_chunk_that_would_overshoot_is_refused():
+    gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
+    # 100 MiB in use + 16 MiB margin: 50 MiB chunks fit under 170 MiB, 60 MiB do not.
+    refused = gate.check_prefill(step(chunk("small", 50), chunk("big", 60), hard=170 * MIB))
+    assert set(refused) == {"big"}
+    assert "the request was stopped before the forward ran" in refused["big"]
+
+
+def test_the_margin_is_part_of_the_check():
+    fits_without_margin = step(chunk("a", 60), hard=170 * MIB)
+    assert PrefillForwardGate(per_token, fixed_usage(), 0).check_prefill(fits_without_margin) == {}
+    assert set(PrefillForwardGate(per_token, fixed_usage(), MARGIN).check_prefill(
+        fits_without_margin)) == {"a"}
+
+
+def test_kv_left_by_earlier_chunks_of_the_step_counts():
+    gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
+    # Each fits alone (100 + 40 + 16 <= 160); the second sits on the first's 40 MiB of KV.
+    refused = gate.check_prefill(step(chunk("first", 40), chunk("second", 40), hard=160 * MIB))
+    assert set(refused) == {"second"}
+
+
+def test_a_refused_chunk_leaves_no_kv_for_the_ones_after_it():
+    gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
+    refused = gate.check_prefill(step(chunk("big", 100), chunk("next", 40), hard=160 * MIB))
+    assert set(refused) == {"big"}
+
+
+def test_current_use_is_the_high_water_of_recent_readings():
+    readings = iter([300 * MIB, RESIDENT])
+    usage = MemoryUsage(read_active=lambda: next(readings), read_footprint=lambda: 0)
+    gate = PrefillForwardGate(per_token, usage, MARGIN)
+    assert gate.check_prefill(step(chunk("a", 10), hard=400 * MIB)) == {}
+    # Memory just dropped to 100 MiB, but 300 MiB was read a moment ago.
+    assert set(gate.check_prefill(step(chunk("b", 90), hard=400 * MIB))) == {"b"}
+
+
+def test_footprint_counts_when_it_is_above_active_memory():
+    usage = MemoryUsage(read_active=lambda: RESIDENT, read_footprint=lambda: 300 * MIB)
+    gate = PrefillForwardGate(per_token, usage, MARGIN)
+    assert set(gate.check_prefill(step(chunk("a", 90), hard=400 * MIB))) == {"a"}
+
+
+def test_no_limits_lets_chunks_run_and_warns_once(caplog):
+    gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
+    with caplog.at_level(logging.WARNING, logger="omlx_core.memory.forward_gate"):
+        assert gate.check_prefill(step(chunk("a", 10**6), hard=None)) is None
+        assert gate.check_prefill(step(chunk("b", 10**6), hard=None)) is None
+    assert sum("no memory limit yet" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_no_estimate_refuses_rather_than_guessing():
+    gate = PrefillForwardGate(lambda query: None, fixed_usage(), MARGIN)
+    refused = gate.check_prefill(step(chunk("a", 1), hard=GIB))
+    assert "cannot let it run" in refused["a"]
+
+
+def test_refusal_reason_carries_figures_and_advice():
+    plugins = PluginManager()
+    plugins.register(advice_plugin, "advice")
+    advise = lambda r: plugins.hook.on_rejection(rejection=r)  # noqa: E731
+    gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN, advise)
+    reason = gate.check_prefill(step(chunk("a", 64, cached=128), hard=170 * MIB))["a"]
+    assert "tokens 128-192 of 193" in reason
+    assert "64.00 MiB" in reason and "100.00 MiB in use" in reason and "170.00 MiB limit" in reason
+    assert "custom ceiling binds" in reason and "memory.custom_ceiling" in reason
+
+
+# -- wired into the batched engine ---------------------------------------------------------------
+
+
+class PerTokenPlugin:
+    @hookimpl
+    def estimate_peak(self, query):
+        return per_token(query)
+
+
+@pytest.fixture
+def served(tiny_model_path):
+    """A started batched engine on a tiny model with the guard's gate installed."""
+    plugins = PluginManager()
+    plugins.register(memory_guard_plugin, "memory_guard")
+    plugins.register(advice_plugin, "advice")
+    plugins.register(PerTokenPlugin(), "estimator")
+    import omlx_core.plugins.batched as batched_plugin
+
+    plugins.register(batched_plugin, "batched")
+    # Ceiling 100 MiB resident + 16 MiB margin + 24 MiB: a 20-token chunk fits, 32 do not.
+    config = load_config(tier="cpu-small", env={}, overrides=[
+        ("memory.tier", "custom", "test"), ("memory.custom_ceiling", str(140 * MIB), "test"),
+        ("memory.transient_margin", str(MARGIN), "test"),
+        ("engine.prefill_step_size", "32", "test"), ("cache.memory_budget", "0", "test")])
+    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
+    engine.start()
+    guard = DefaultMemoryGuard(plugins, config, usage=fixed_usage())
+    readings = ProbeReadings(
+        system="Linux", meminfo=LinuxMeminfo(32 * GIB, 20 * GIB, 20 * GIB, 20 * GIB, 0, 0),
+        cgroup=CgroupMemory(2, Path("/x"), None, None, None),
+        footprint=ProcessFootprint(GIB, GIB, "test"))
+    guard.start(lambda: [engine], read=lambda: readings)
+    try:
+        yield engine, guard
+    finally:
+        guard.close()
+        engine.shutdown()
+
+
+def run(engine: BatchedEngine, request_id: str, prompt: list[int]):
+    return engine.submit(GenerationRequest(request_id, prompt, SamplingParams(
+        temperature=0.0, max_tokens=4)))
+
+
+def test_batched_engine_ends_only_the_request_whose_chunk_would_overshoot(served):
+    engine, guard = served
+    assert engine.scheduler.forward_gate is guard.forward_gate_for(engine)
+    assert engine.scheduler.limits is guard.snapshot
+    long_handle = run(engine, "long", [5 + i % 50 for i in range(100)])  # 32-token chunks
+    short_handle = run(engine, "short", [7, 8, 9, 10, 11, 12, 13, 14, 15, 16])  # one 9-token chunk
+    long_outputs = list(long_handle)
+    short_outputs = list(short_handle)
+    long_last, short_last = long_outputs[-1], short_outputs[-1]
+    assert long_last.finish_reason == "error"
+    assert "stopped before the forward ran" in (long_last.error or "")
+    assert not any(o.token_ids for o in long_outputs), "no token came out of a refused prefill"
+    assert short_last.finish_reason in ("stop", "length") and short_last.error is None
+    assert sum(len(o.token_ids) for o in short_outputs) >= 1
+    stats = engine.scheduler.stats()
+    assert (stats["prefilling"], stats["running"], stats["queue_depth"]) == (0, 0, 0)
+    # The refused request never ran a forward: only the short prompt's 9 tokens did.
+    assert stats["prompt_tokens_prefilled"] == 9
+    assert guard.forward_gate_for(engine).refused_total == 1
+
+
+def test_batched_resolve_scheduler_and_the_generic_walk_agree(served):
+    engine, _guard = served
+    assert batched_resolve_scheduler(engine) is memory_guard_plugin.resolve_scheduler(engine)

@@ -1,0 +1,268 @@
+"""Preflight and admission through the guard: a request that can never fit is refused
+with its estimate, the limit, the ceilings, the binding one and advice; one that fits
+alone is never refused because of the current load."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from omlx_core.config import load_config
+from omlx_core.hookspecs import hookimpl
+from omlx_core.memory.ceilings import ProbeReadings
+from omlx_core.memory.guard import DefaultMemoryGuard
+from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
+from omlx_core.memory.types import (
+    AdmissionQueueFullError,
+    PeakQuery,
+    PrefillMemoryExceededError,
+    Rejection,
+)
+from omlx_core.memory.usage import MemoryUsage
+from omlx_core.models.registry import ModelSpec
+from omlx_core.pluginmanager import PluginManager
+from omlx_core.plugins import advice as advice_plugin
+from omlx_core.plugins import memory_guard as memory_guard_plugin
+
+GIB = 1024**3
+MIB = 1024**2
+PER_TOKEN = MIB
+
+
+class PerTokenEstimate:
+    """A stand-in estimator for guard logic: one MiB per token allocated, every query
+    recorded. Cached tokens cost nothing only when their KV stays resident."""
+
+    def __init__(self):
+        self.queries: list[PeakQuery] = []
+
+    @hookimpl
+    def estimate_peak(self, query):
+        self.queries.append(query)
+        copied = 0 if query.cached_kv_resident else query.cached_tokens
+        return (query.new_tokens + copied) * PER_TOKEN
+
+
+class Engine:
+    """What the guard reads from an engine: its model and a few optional hints."""
+
+    def __init__(self, **hints):
+        self.model = ModelSpec("tiny", Path("/nonexistent"), "batched", "test",
+                               {"model_type": "llama", "num_hidden_layers": 2})
+        self.cached = 0
+        for name, value in hints.items():
+            setattr(self, name, value)
+
+    def cached_tokens(self, prompt_tokens):
+        return self.cached
+
+
+def readings(available: int = 20 * GIB) -> ProbeReadings:
+    return ProbeReadings(
+        system="Linux", meminfo=LinuxMeminfo(32 * GIB, available, available, available, 0, 0),
+        cgroup=CgroupMemory(2, Path("/sys/fs/cgroup/x"), None, None, None),
+        footprint=ProcessFootprint(GIB, GIB, "test"))
+
+
+class Setup:
+    def __init__(self, ceiling: int = GIB, baseline: int = 200 * MIB, **overrides: str):
+        self.plugins = PluginManager()
+        self.plugins.register(memory_guard_plugin, "memory_guard")
+        self.plugins.register(advice_plugin, "advice")
+        self.estimator = PerTokenEstimate()
+        self.plugins.register(self.estimator, "estimator")
+        self.resident = baseline
+        config = load_config(tier="cpu-small", env={}, overrides=[
+            ("memory.tier", "custom", "test"), ("memory.custom_ceiling", str(ceiling), "test"),
+            ("engine.prefill_step_size", "64", "test"),
+            *((k, v, "test") for k, v in overrides.items())])
+        usage = MemoryUsage(read_active=lambda: self.resident, read_footprint=lambda: 0)
+        self.guard = DefaultMemoryGuard(self.plugins, config, usage=usage)
+        self.enforcer = self.guard.start(lambda: [], read=readings)
+        self.guard.close()  # polls are driven by hand below
+
+
+@pytest.fixture
+def setup() -> Setup:
+    return Setup()
+
+
+def tokens(n: int) -> list[int]:
+    return list(range(n))
+
+
+def test_a_request_that_fits_passes(setup):
+    setup.guard.preflight(Engine(), "ok", tokens(700))  # 200 MiB + 700 MiB <= 1 GiB
+
+
+def test_a_request_that_can_never_fit_is_refused_with_everything_needed(setup):
+    with pytest.raises(PrefillMemoryExceededError) as info:
+        setup.guard.preflight(Engine(), "huge", tokens(900))  # 200 + 900 MiB > 1 GiB
+    rejection = info.value.rejection
+    assert rejection.estimated_bytes == 900 * MIB
+    assert rejection.base_bytes == 200 * MIB
+    assert rejection.limit_bytes == GIB
+    assert rejection.breakdown is setup.guard.snapshot.breakdown
+    assert rejection.binding == "custom"
+    assert (rejection.request_id, rejection.model_id, rejection.prompt_tokens) == ("huge", "tiny", 900)
+    assert rejection.stage == "preflight"
+    assert info.value.advice and "memory.custom_ceiling" in info.value.advice[0]
+    message = str(info.value)
+    assert "900.00 MiB" in message and "1.00 GiB" in message and "custom ceiling binds" in message
+
+
+def test_the_current_load_does_not_make_a_fitting_request_unfittable(setup):
+    # Other requests are running and hold 700 MiB more than at idle.
+    ticket = setup.guard.admission.admit("running", 700 * MIB)
+    setup.resident = 900 * MIB
+    snapshot = setup.enforcer.poll_once()
+    assert snapshot.in_use_bytes == 900 * MIB and snapshot.baseline_bytes == 200 * MIB
+    # 900 + 700 MiB is over the limit right now, but alone it fits: preflight lets it
+    # through and admission makes it wait.
+    setup.guard.preflight(Engine(), "fits-alone", tokens(700))
+    ticket.release()
+
+
+def test_no_limits_yet_means_no_refusal():
+    plugins = PluginManager()
+    plugins.register(memory_guard_plugin, "memory_guard")
+    plugins.register(PerTokenEstimate(), "estimator")
+    guard = DefaultMemoryGuard(plugins, load_config(tier="cpu-small", env={}))
+    assert guard.snapshot is None
+    guard.preflight(Engine(), "early", tokens(10**6))
+
+
+def test_without_an_estimator_requests_pass_and_the_gap_is_logged_once(caplog):
+    plugins = PluginManager()
+    plugins.register(memory_guard_plugin, "memory_guard")
+    guard = DefaultMemoryGuard(plugins, load_config(tier="cpu-small", env={}))
+    guard.update(Setup().guard.snapshot)
+    with caplog.at_level(logging.WARNING, logger="omlx_core.memory.guard"):
+        guard.preflight(Engine(), "a", tokens(10**6))
+        guard.preflight(Engine(), "b", tokens(10**6))
+    assert sum("no estimate_peak plugin" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_third_party_preflight_rejection_gets_the_advice_ladder(setup):
+    class Strict:
+        @hookimpl
+        def preflight(self, request):
+            if request.prompt_tokens > 10:
+                raise PrefillMemoryExceededError(Rejection(
+                    estimated_bytes=request.estimated_bytes, limit_bytes=request.limits.hard_bytes,
+                    breakdown=request.limits.breakdown, prompt_tokens=request.prompt_tokens))
+
+    setup.plugins.register(Strict(), "strict")
+    with pytest.raises(PrefillMemoryExceededError) as info:
+        setup.guard.preflight(Engine(), "x", tokens(20))
+    assert info.value.advice and "custom" in info.value.advice[0]
+
+
+def test_the_query_uses_the_engine_chunk_size_or_the_configured_one(setup):
+    setup.guard.preflight(Engine(), "a", tokens(10))
+    setup.guard.preflight(Engine(prefill_step_size=128), "b", tokens(10))
+    assert [q.chunk_size for q in setup.estimator.queries] == [64, 128]
+    assert setup.estimator.queries[0].model_config["model_type"] == "llama"
+
+
+def test_full_logits_unless_the_engine_says_its_prefill_skips_them(setup):
+    setup.guard.preflight(Engine(), "a", tokens(10))
+    setup.guard.preflight(Engine(prefill_full_logits=False), "b", tokens(10))
+    assert [q.full_logits for q in setup.estimator.queries] == [True, False]
+
+
+def test_cached_kv_counts_as_allocated_unless_the_engine_keeps_it_resident(setup):
+    copying = Engine()
+    copying.cached = 512
+    resident = Engine(cached_kv_is_resident=True)
+    resident.cached = 512
+    # 800 tokens, 512 of them cached: fits only if the cached KV is not allocated again.
+    with pytest.raises(PrefillMemoryExceededError):
+        setup.guard.preflight(copying, "copy", tokens(900))
+    setup.guard.preflight(resident, "shared", tokens(900))
+    copy_query, shared_query = setup.estimator.queries
+    assert (copy_query.new_tokens, copy_query.cached_tokens) == (388, 512)
+    assert (copy_query.cached_kv_resident, shared_query.cached_kv_resident) == (False, True)
+
+
+def test_cached_tokens_never_cover_the_whole_prompt(setup):
+    engine = Engine()
+    engine.cached = 10_000
+    setup.guard.preflight(engine, "all-cached", tokens(100))
+    query = setup.estimator.queries[0]
+    assert (query.new_tokens, query.cached_tokens) == (1, 99)
+
+
+def test_admission_reserves_the_estimate_and_queues_what_does_not_fit(setup):
+    setup.guard.admission.timeout_s = 0.1
+    first = setup.guard.admit(Engine(), "a", tokens(500))
+    assert setup.guard.admission.reserved_bytes == 500 * MIB
+    # 200 MiB baseline + 500 + 400 MiB > 1 GiB x 0.95 watermark: waits, then times out.
+    with pytest.raises(AdmissionQueueFullError):
+        setup.guard.admit(Engine(), "b", tokens(400))
+    with first:
+        pass
+    with setup.guard.admit(Engine(), "b", tokens(400), max_tokens=100):
+        assert setup.guard.admission.reserved_bytes == 500 * MIB  # prompt + completion KV
+    assert setup.guard.idle()
+
+
+# -- with the built-in estimator and a real engine --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_guard(tiny_model_path):
+    """The built-in plugins (estimator, memory_guard, advice, batched) around a started
+    batched engine on a tiny llama; 100 MiB in use, a 110 MiB pinned ceiling, 1 MiB margin."""
+    from omlx_core.pluginmanager import build_plugin_manager
+    from omlx_core.plugins.batched import BatchedEngine
+    from omlx_core.models.registry import spec_for_path
+
+    plugins = build_plugin_manager(["estimator", "memory_guard", "advice", "batched"])
+    plugins.require(["estimator", "memory_guard", "advice", "batched"])
+    config = load_config(tier="cpu-small", env={}, overrides=[
+        ("memory.tier", "custom", "test"), ("memory.custom_ceiling", "110MiB", "test"),
+        ("memory.transient_margin", "1MiB", "test"),
+        ("engine.prefill_step_size", "64", "test"), ("cache.memory_budget", "0", "test")])
+    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
+    engine.start()
+    usage = MemoryUsage(read_active=lambda: 100 * MIB, read_footprint=lambda: 0)
+    guard = DefaultMemoryGuard(plugins, config, usage=usage)
+    guard.start(lambda: [engine], read=readings)
+    guard.close()
+    yield guard, engine
+    engine.shutdown()
+
+
+def test_the_builtin_estimate_refuses_what_cannot_fit_and_passes_what_can(real_guard):
+    from omlx_core.memory.estimate import estimate_for_config
+
+    guard, engine = real_guard
+    guard.preflight(engine, "fits", tokens(300))
+    with pytest.raises(PrefillMemoryExceededError) as info:
+        guard.preflight(engine, "too-long", tokens(6000))
+    rejection = info.value.rejection
+    expected = estimate_for_config(dict(engine.model.config), 6000, 0, 64, full_logits=True).total
+    assert rejection.estimated_bytes == expected
+    assert rejection.base_bytes + rejection.estimated_bytes > rejection.limit_bytes == 110 * MIB
+    assert info.value.advice
+
+
+def test_the_builtin_estimate_covers_a_real_prefill(real_guard):
+    import mlx.core as mx
+
+    from omlx_core.engine import GenerationRequest, SamplingParams
+
+    guard, engine = real_guard
+    prompt = [5 + (i * 7) % 400 for i in range(1500)]
+    estimate = guard.estimate(guard.peak_query(engine, prompt))
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    outputs = list(engine.submit(GenerationRequest("measured", prompt, SamplingParams(
+        temperature=0.0, max_tokens=1))))
+    assert outputs[-1].finish_reason in ("stop", "length")
+    measured = mx.get_peak_memory() - before
+    assert 0 < measured <= estimate, (measured, estimate)
