@@ -1,0 +1,127 @@
+"""The Falcon WSGI app: routes, middleware and error handlers around a ServerContext."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import falcon
+
+from omlx_core.http.anthropic_api import Messages
+from omlx_core.http.auth import APIKeyAuth
+from omlx_core.http.errors import install_error_handlers
+from omlx_core.http.generation import Generations
+from omlx_core.http.inflight import InFlight
+from omlx_core.http.metrics import CONTENT_TYPE, Metrics
+from omlx_core.http.openai_api import ChatCompletions, Models, TextCompletions
+from omlx_core.http.openapi import openapi_document
+from omlx_core.settings import parse_size
+
+if TYPE_CHECKING:
+    from omlx_core.server_context import ServerContext
+
+log = logging.getLogger(__name__)
+
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+
+class RequestCounter:
+    """Counts every answered request by route template (never the raw path) and status."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any,
+                         req_succeeded: bool) -> None:
+        route = req.uri_template or "unmatched"
+        method = req.method if req.method in _METHODS else "OTHER"
+        self.metrics.requests.labels(route, method, str(resp.status_code)).inc()
+
+
+class Health:
+    def __init__(self, context: ServerContext, in_flight: InFlight):
+        self.context = context
+        self.in_flight = in_flight
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        engines = {}
+        for model_id, engine in list(self.context.engines.items()):
+            try:
+                stats = engine.stats() or {}
+            except Exception as exc:
+                stats = {"error": f"{type(exc).__name__}: {exc}"}
+            engines[model_id] = {str(k): v for k, v in stats.items()
+                                 if isinstance(v, (str, int, float, bool)) or v is None}
+        resp.status = 200 if self.context.engines else 503
+        resp.media = {"status": "ok" if self.context.engines else "no models loaded",
+                      "models": list(self.context.engines), "in_flight": len(self.in_flight),
+                      "engines": engines}
+
+
+class MetricsResource:
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.content_type = CONTENT_TYPE
+        resp.data = self.metrics.render()
+
+
+class OpenAPIResource:
+    def __init__(self, document: dict[str, Any]):
+        self.body = json.dumps(document, indent=1)
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.content_type = falcon.MEDIA_JSON
+        resp.text = self.body
+
+
+@dataclass
+class Frontend:
+    """The app and the state a server needs to shut it down cleanly."""
+
+    app: falcon.App
+    generations: Generations
+    metrics: Metrics
+    in_flight: InFlight
+    max_body: int
+
+    def shutdown(self) -> int:
+        """Abort every in-flight request (their streams end with an in-band error)."""
+        aborted = self.in_flight.abort_all()
+        self.in_flight.stop()
+        return aborted
+
+
+def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = None,
+                   max_body: int | None = None) -> Frontend:
+    """The app with its state; ``api_keys`` and ``max_body`` default to the configuration."""
+    config = context.config
+    keys = list(config.get("server.api_keys", []) or []) if api_keys is None else list(api_keys)
+    body_limit = parse_size(config.get("server.max_body", "8MiB")) if max_body is None else max_body
+    holder: dict[str, Metrics] = {}
+    in_flight = InFlight(on_disconnect=lambda _rid: holder["metrics"].client_disconnects.inc())
+    metrics = holder["metrics"] = Metrics(context, lambda: len(in_flight))
+    generations = Generations(context, metrics, in_flight)
+    auth = APIKeyAuth(keys)
+    app = falcon.App(middleware=[RequestCounter(metrics), auth])
+    app.req_options.strip_url_path_trailing_slash = True
+    install_error_handlers(app)
+    models = Models(generations)
+    app.add_route("/v1/chat/completions", ChatCompletions(generations, body_limit))
+    app.add_route("/v1/completions", TextCompletions(generations, body_limit))
+    app.add_route("/v1/messages", Messages(generations, body_limit))
+    app.add_route("/v1/models", models)
+    app.add_route("/v1/models/{model_id:path}", models, suffix="one")
+    app.add_route("/health", Health(context, in_flight))
+    app.add_route("/metrics", MetricsResource(metrics))
+    app.add_route("/openapi.json", OpenAPIResource(openapi_document(list(context.engines),
+                                                                    auth.enabled)))
+    return Frontend(app, generations, metrics, in_flight, body_limit)
+
+
+def create_app(context: ServerContext) -> falcon.App:
+    """The WSGI app serving ``context``'s engines (settings from ``context.config``)."""
+    return build_frontend(context).app

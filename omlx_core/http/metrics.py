@@ -1,0 +1,181 @@
+"""Prometheus metrics of one app, in its own registry (two apps in a process never mix).
+
+Counters and the TTFT histogram are updated as requests run; engine counters, queue
+depths and memory readings are read at scrape time from ``engine.stats()`` and from the
+memory guard's latest limit snapshot, and a source that fails is skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from omlx_core.server_context import ServerContext
+
+log = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+QUEUE_DEPTH_KEYS = ("queue_depth", "waiting", "queued")
+CACHE_HIT_KEYS = ("prefix_cache_hits", "cache_hits")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """What the front end counts, plus the collector that reads live values on scrape."""
+
+    def __init__(self, context: ServerContext, in_flight: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter("omlx_http_requests", "HTTP requests answered, by route and status",
+                                ["route", "method", "status"], registry=registry)
+        self.prompt_tokens = Counter("omlx_prompt_tokens", "prompt tokens of admitted requests",
+                                     ["model"], registry=registry)
+        self.cached_prompt_tokens = Counter(
+            "omlx_cached_prompt_tokens", "prompt tokens served from the prefix cache",
+            ["model"], registry=registry)
+        self.completion_tokens = Counter("omlx_completion_tokens", "tokens generated",
+                                         ["model"], registry=registry)
+        self.ttft = Histogram("omlx_time_to_first_token_seconds",
+                              "request arrival to first generated output", ["model"],
+                              buckets=TTFT_BUCKETS, registry=registry)
+        self.rejections = Counter(
+            "omlx_memory_rejections", "requests refused because they can never fit in memory, "
+            "by the ceiling that binds", ["binding", "stage"], registry=registry)
+        self.queue_full = Counter("omlx_admission_queue_full",
+                                  "requests refused with 503 because the admission queue is full",
+                                  registry=registry)
+        self.stream_errors = Counter("omlx_stream_errors",
+                                     "errors sent in-band after a stream had started", ["model"],
+                                     registry=registry)
+        self.client_disconnects = Counter("omlx_client_disconnects",
+                                          "requests aborted because the client hung up",
+                                          registry=registry)
+        registry.register(_LiveValues(context, in_flight))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _flatten(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"prefix_cache": {"hits": 3}}`` -> ``{"prefix_cache_hits": 3}``."""
+    flat: dict[str, Any] = {}
+    for key, value in stats.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "_"))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _metric_name(key: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower() or "value"
+
+
+def guard_snapshot(guard: Any) -> Any | None:
+    """The guard's latest :class:`~omlx_core.memory.types.LimitSnapshot`, if it exposes one."""
+    if guard is None:
+        return None
+    for name in ("snapshot", "limits", "latest_snapshot"):
+        found = getattr(guard, name, None)
+        if found is None:
+            continue
+        value = found() if callable(found) else found
+        if value is not None and hasattr(value, "hard_bytes"):
+            return value
+    return None
+
+
+class _LiveValues(Collector):
+    def __init__(self, context: ServerContext, in_flight: Callable[[], int]):
+        self._context = context
+        self._in_flight = in_flight
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("omlx_http_requests_in_flight",
+                                "generation requests being served", value=self._in_flight())
+        yield from self._engine_values()
+        try:
+            yield from self._memory_values()
+        except Exception:
+            log.warning("reading the memory guard for /metrics failed", exc_info=True)
+
+    def _engine_values(self) -> Iterator[GaugeMetricFamily]:
+        queue = GaugeMetricFamily("omlx_queue_depth", "requests waiting in the engine",
+                                  labels=["model"])
+        hits = GaugeMetricFamily("omlx_cache_hits", "prefix cache hits reported by the engine",
+                                 labels=["model"])
+        stats_by_name: dict[str, GaugeMetricFamily] = {}
+        for model_id, engine in list(self._context.engines.items()):
+            try:
+                stats = _flatten(engine.stats() or {})
+            except Exception:
+                log.warning("engine.stats() of %s failed", model_id, exc_info=True)
+                continue
+            for key in QUEUE_DEPTH_KEYS:
+                if (value := _number(stats.get(key))) is not None:
+                    queue.add_metric([model_id], value)
+                    break
+            for key in CACHE_HIT_KEYS:
+                if (value := _number(stats.get(key))) is not None:
+                    hits.add_metric([model_id], value)
+                    break
+            for key, raw in stats.items():
+                value = _number(raw)
+                if value is None:
+                    continue
+                name = "omlx_engine_" + _metric_name(str(key))
+                family = stats_by_name.get(name)
+                if family is None:
+                    family = stats_by_name[name] = GaugeMetricFamily(
+                        name, f"engine.stats()[{key!r}]", labels=["model"])
+                family.add_metric([model_id], value)
+        yield queue
+        yield hits
+        yield from stats_by_name.values()
+
+    def _memory_values(self) -> Iterator[GaugeMetricFamily]:
+        guard = self._context.memory_guard
+        snapshot = guard_snapshot(guard)
+        if snapshot is not None:
+            ceilings = GaugeMetricFamily("omlx_memory_ceiling_bytes", "each memory ceiling",
+                                         labels=["ceiling"])
+            breakdown = snapshot.breakdown
+            binding = breakdown.binding if breakdown is not None else None
+            for name, value in (breakdown.ceilings() if breakdown is not None else {}).items():
+                ceilings.add_metric([name], value)
+            yield ceilings
+            if snapshot.hard_bytes is not None:
+                yield GaugeMetricFamily("omlx_memory_hard_limit_bytes",
+                                        "the binding (smallest) ceiling", value=snapshot.hard_bytes)
+            yield GaugeMetricFamily("omlx_memory_in_use_bytes", "memory in use at the last poll",
+                                    value=snapshot.in_use_bytes)
+            if binding is not None:
+                flag = GaugeMetricFamily("omlx_memory_binding_ceiling",
+                                         "1 for the ceiling that is the hard limit",
+                                         labels=["ceiling"])
+                flag.add_metric([binding], 1)
+                yield flag
+        for name in ("queue_depth", "waiting"):
+            value = getattr(guard, name, None) if guard is not None else None
+            value = value() if callable(value) else value
+            if (number := _number(value)) is not None:
+                yield GaugeMetricFamily("omlx_admission_queue_depth",
+                                        "requests waiting for memory", value=number)
+                break

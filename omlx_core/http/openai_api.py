@@ -1,0 +1,305 @@
+"""The OpenAI-compatible endpoints: chat completions, completions and models."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Mapping
+
+import falcon
+
+from omlx_core.engine import SamplingParams, TokenLogprob
+from omlx_core.http.body import read_request
+from omlx_core.http.errors import APIError, bad_request, openai_error_body
+from omlx_core.http.generation import Generation, Generations, Job
+from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST
+from omlx_core.http.sse import SSE_HEADERS, StreamBody, frame
+from omlx_core.http.tokens import token_texts
+
+DONE = b"data: [DONE]\n\n"
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+def _get(body: Mapping[str, Any], name: str, default: Any) -> Any:
+    value = body.get(name)
+    return default if value is None else value
+
+
+def sampling_from(body: Mapping[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """Sampling parameters shared by chat and text completions (already schema-checked)."""
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    return SamplingParams(
+        temperature=float(_get(body, "temperature", 1.0)),
+        top_p=float(_get(body, "top_p", 1.0)),
+        top_k=int(_get(body, "top_k", 0)),
+        min_p=float(_get(body, "min_p", 0.0)),
+        seed=int(body["seed"]) if body.get("seed") is not None else None,
+        max_tokens=max_tokens,
+        stop=stops,
+        repetition_penalty=float(_get(body, "repetition_penalty", 1.0)),
+        presence_penalty=float(_get(body, "presence_penalty", 0.0)),
+        frequency_penalty=float(_get(body, "frequency_penalty", 0.0)),
+        logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
+        logprobs=logprobs,
+    )
+
+
+def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    return stream, bool((options or {}).get("include_usage"))
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+def chat_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
+    messages = [{"role": "system" if m["role"] == "developer" else m["role"],
+                 "content": _message_text(m["content"])} for m in body["messages"]]
+    given = body.get("max_completion_tokens")
+    param = "max_completion_tokens"
+    if given is None:
+        given, param = body.get("max_tokens"), "max_tokens"
+    logprobs = None
+    if body.get("logprobs"):
+        logprobs = int(_get(body, "top_logprobs", 0))
+    elif body.get("top_logprobs") is not None:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    sampling = sampling_from(body, int(given) if given is not None else default_max_tokens, logprobs)
+    return Job(body["model"], sampling, messages=messages, max_tokens_given=given is not None,
+               prompt_param="messages", max_tokens_param=param, id_prefix="chatcmpl-")
+
+
+def completion_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
+    prompt = body["prompt"]
+    text, token_ids = None, None
+    if isinstance(prompt, str):
+        text = prompt
+    elif all(isinstance(p, str) for p in prompt):
+        text = prompt[0]
+    else:
+        token_ids = [int(t) for t in prompt]
+    given = body.get("max_tokens")
+    logprobs = body.get("logprobs")
+    sampling = sampling_from(body, int(given) if given is not None else default_max_tokens,
+                             int(logprobs) if logprobs is not None else None)
+    return Job(body["model"], sampling, text=text, token_ids=token_ids,
+               max_tokens_given=given is not None, prompt_param="prompt", id_prefix="cmpl-")
+
+
+def usage_of(generation: Generation) -> dict[str, Any]:
+    return {
+        "prompt_tokens": generation.prompt_tokens,
+        "completion_tokens": generation.completion_tokens,
+        "total_tokens": generation.prompt_tokens + generation.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
+    }
+
+
+def _error_frames(message: str) -> list[bytes]:
+    return [frame(openai_error_body(500, message, "stream_error")), DONE]
+
+
+class _Logprobs:
+    """Turns engine logprobs into the two OpenAI shapes (chat and legacy completions)."""
+
+    def __init__(self, generation: Generation):
+        self._texts = token_texts(generation.engine.model.path)
+        self._offset = 0
+
+    def chat(self, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        return {"content": [self._chat_entry(lp) for lp in logprobs], "refusal": None}
+
+    def _chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
+        entry = self._token(lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [self._token(t, v) for t, v in lp.top]
+        return entry
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self._texts.bytes_of(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
+                "bytes": list(raw)}
+
+    def completion(self, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for lp in logprobs:
+            text = self._texts.text_of(lp.token_id)
+            tokens.append(text)
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._texts.text_of(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+
+def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+    for part in parts:
+        for key in merged:
+            merged[key].extend(part[key])
+    return merged
+
+
+class _Completions:
+    """What chat completions and text completions share: run, stream or collect."""
+
+    object_name = ""
+    chunk_object_name = ""
+    schema: Mapping[str, Any] = {}
+
+    def __init__(self, generations: Generations, max_body: int):
+        self.generations = generations
+        self.max_body = max_body
+
+    def job(self, body: Mapping[str, Any]) -> Job:
+        raise NotImplementedError
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_request(req, self.max_body, self.schema)
+        job = self.job(body)
+        stream, include_usage = _stream_flags(body)
+        generation = self.generations.start(job, req.env)
+        if not stream:
+            try:
+                resp.media = self.collect(generation)
+            finally:
+                generation.close()
+            return
+        resp.content_type = "text/event-stream"
+        resp.set_headers(SSE_HEADERS)
+        resp.stream = StreamBody(self.frames(generation, include_usage), generation, _error_frames,
+                                 self.generations.early_close)
+
+    def collect(self, generation: Generation) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def frames(self, generation: Generation, include_usage: bool) -> Iterator[bytes]:
+        raise NotImplementedError
+
+    def _head(self, generation: Generation, object_name: str) -> dict[str, Any]:
+        return {"id": generation.request_id, "object": object_name, "created": generation.created,
+                "model": generation.model_id, "system_fingerprint": None}
+
+    def _ended_in_error(self, generation: Generation) -> bool:
+        return generation.finish_reason not in FINISH_REASONS
+
+    def _raise_generation_error(self, generation: Generation) -> None:
+        raise APIError(500, generation.error or "generation failed", code="engine_error")
+
+
+class ChatCompletions(_Completions):
+    schema = CHAT_COMPLETION_REQUEST
+
+    def job(self, body: Mapping[str, Any]) -> Job:
+        return chat_job(body, self.generations.default_max_tokens)
+
+    def collect(self, generation: Generation) -> dict[str, Any]:
+        wants_logprobs = generation.sampling.logprobs is not None
+        logprobs = _Logprobs(generation) if wants_logprobs else None
+        text, entries = [], []
+        for delta in generation.deltas():
+            text.append(delta.text)
+            if logprobs is not None and delta.logprobs:
+                entries.extend(logprobs.chat(delta.logprobs)["content"])
+        if self._ended_in_error(generation):
+            self._raise_generation_error(generation)
+        return {**self._head(generation, "chat.completion"), "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": "".join(text), "refusal": None},
+            "logprobs": {"content": entries, "refusal": None} if wants_logprobs else None,
+            "finish_reason": FINISH_REASONS[generation.finish_reason],
+        }], "usage": usage_of(generation)}
+
+    def frames(self, generation: Generation, include_usage: bool) -> Iterator[bytes]:
+        head = self._head(generation, "chat.completion.chunk")
+        usage_field = {"usage": None} if include_usage else {}
+        logprobs = _Logprobs(generation) if generation.sampling.logprobs is not None else None
+
+        def chunk(delta: dict[str, Any], finish: str | None = None,
+                  token_logprobs: Any = None) -> bytes:
+            return frame({**head, "choices": [{"index": 0, "delta": delta,
+                                               "logprobs": token_logprobs,
+                                               "finish_reason": finish}], **usage_field})
+
+        yield chunk({"role": "assistant", "content": ""})
+        for delta in generation.deltas():
+            entries = logprobs.chat(delta.logprobs) if logprobs and delta.logprobs else None
+            yield chunk({"content": delta.text}, token_logprobs=entries)
+        if self._ended_in_error(generation):
+            yield from _error_frames(generation.error or "generation failed")
+            self.generations.stream_error(generation)
+            return
+        yield chunk({}, FINISH_REASONS[generation.finish_reason])
+        if include_usage:
+            yield frame({**head, "choices": [], "usage": usage_of(generation)})
+        yield DONE
+
+
+class TextCompletions(_Completions):
+    schema = COMPLETION_REQUEST
+
+    def job(self, body: Mapping[str, Any]) -> Job:
+        return completion_job(body, self.generations.default_max_tokens)
+
+    def collect(self, generation: Generation) -> dict[str, Any]:
+        logprobs = _Logprobs(generation) if generation.sampling.logprobs is not None else None
+        text, parts = [], []
+        for delta in generation.deltas():
+            text.append(delta.text)
+            if logprobs is not None and delta.logprobs:
+                parts.append(logprobs.completion(delta.logprobs))
+        if self._ended_in_error(generation):
+            self._raise_generation_error(generation)
+        return {**self._head(generation, "text_completion"), "choices": [{
+            "index": 0, "text": "".join(text),
+            "logprobs": _merge_completion_logprobs(parts) if logprobs is not None else None,
+            "finish_reason": FINISH_REASONS[generation.finish_reason],
+        }], "usage": usage_of(generation)}
+
+    def frames(self, generation: Generation, include_usage: bool) -> Iterator[bytes]:
+        head = self._head(generation, "text_completion")
+        usage_field = {"usage": None} if include_usage else {}
+        logprobs = _Logprobs(generation) if generation.sampling.logprobs is not None else None
+
+        def chunk(text: str, finish: str | None = None, token_logprobs: Any = None) -> bytes:
+            return frame({**head, "choices": [{"index": 0, "text": text,
+                                               "logprobs": token_logprobs,
+                                               "finish_reason": finish}], **usage_field})
+
+        for delta in generation.deltas():
+            entries = logprobs.completion(delta.logprobs) if logprobs and delta.logprobs else None
+            yield chunk(delta.text, token_logprobs=entries)
+        if self._ended_in_error(generation):
+            yield from _error_frames(generation.error or "generation failed")
+            self.generations.stream_error(generation)
+            return
+        yield chunk("", FINISH_REASONS[generation.finish_reason])
+        if include_usage:
+            yield frame({**head, "choices": [], "usage": usage_of(generation)})
+        yield DONE
+
+
+class Models:
+    def __init__(self, generations: Generations):
+        self.generations = generations
+        self.started = int(time.time())
+
+    def _entry(self, model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": self.started, "owned_by": "omlx-core"}
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = {"object": "list",
+                      "data": [self._entry(m) for m in self.generations.context.engines]}
+
+    def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
+        self.generations.engine(model_id)
+        resp.media = self._entry(model_id)

@@ -1,0 +1,112 @@
+"""The OpenAPI 3.1 document served at ``/openapi.json``, built from the same request
+schemas the server validates against."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from omlx_core import __version__
+from omlx_core.http import schemas
+
+_ERROR_STATUSES = {
+    "400": "invalid request: the message names the parameter",
+    "401": "missing or invalid API key",
+    "404": "unknown model",
+    "413": "request_too_large (body over server.max_body) or prefill_memory_exceeded (the "
+           "prompt can never fit in memory; the body has estimated_bytes, limit_bytes, "
+           "binding_ceiling and advice)",
+    "415": "the body is not JSON",
+    "503": "the admission queue is full; retry after Retry-After seconds",
+    "500": "a server bug or an engine failure before the first token",
+}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _errors(error_ref: str, protected: bool) -> dict[str, Any]:
+    return {status: {"description": text, "content": _json({"$ref": error_ref})}
+            for status, text in _ERROR_STATUSES.items() if protected or status != "401"}
+
+
+def _generation(summary: str, request_ref: str, error_ref: str, stream_text: str,
+                protected: bool) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json({"$ref": request_ref})},
+        "responses": {
+            "200": {"description": "the completion, or with stream: true " + stream_text,
+                    "content": {**_json({"type": "object"}),
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            **_errors(error_ref, protected),
+        },
+    }}
+
+
+def _get(summary: str, content: dict[str, Any], error_ref: str, protected: bool,
+         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    operation: dict[str, Any] = {"summary": summary,
+                                 "responses": {"200": {"description": summary, "content": content}}}
+    if protected:
+        operation["responses"]["401"] = {"description": _ERROR_STATUSES["401"],
+                                         "content": _json({"$ref": error_ref})}
+    else:
+        operation["security"] = []
+    operation.update(extra or {})
+    return {"get": operation}
+
+
+def openapi_document(model_ids: Sequence[str], api_keys: bool) -> dict[str, Any]:
+    """The document; ``api_keys`` says whether the /v1 routes and /metrics need a key."""
+    error = "#/components/schemas/Error"
+    anthropic_error = "#/components/schemas/AnthropicError"
+    # The served ids, so generated clients and fuzzers pick a real one; the server itself
+    # answers any other string with 404 model_not_found.
+    model_schema = {**schemas.MODEL, "enum": list(model_ids)} if model_ids else schemas.MODEL
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "omlx-core", "version": __version__,
+                 "description": "OpenAI- and Anthropic-compatible LLM serving on MLX. A request "
+                                "that can never fit in memory is refused with 413 before any "
+                                "byte of a stream; errors after the first byte arrive in-band."},
+        "paths": {
+            "/v1/chat/completions": _generation(
+                "OpenAI chat completion", "#/components/schemas/ChatCompletionRequest", error,
+                "server-sent chat.completion.chunk events ending with data: [DONE]", api_keys),
+            "/v1/completions": _generation(
+                "OpenAI text completion", "#/components/schemas/CompletionRequest", error,
+                "server-sent text_completion events ending with data: [DONE]", api_keys),
+            "/v1/messages": _generation(
+                "Anthropic Messages", "#/components/schemas/MessagesRequest", anthropic_error,
+                "Anthropic message events ending with message_stop (or event: error)", api_keys),
+            "/v1/models": _get("served models", _json({"type": "object"}), error, api_keys),
+            "/v1/models/{model_id}": _get(
+                "one served model", _json({"type": "object"}), error, api_keys, {
+                    "parameters": [{"name": "model_id", "in": "path", "required": True,
+                                    "schema": model_schema}],
+                }),
+            "/health": _get("liveness and engine counters", _json({"type": "object"}), error,
+                            False),
+            "/metrics": _get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}},
+                             error, api_keys),
+            "/openapi.json": _get("this document", _json({"type": "object"}), error, False),
+        },
+        "components": {"schemas": {
+            "ChatCompletionRequest": {**schemas.CHAT_COMPLETION_REQUEST, "properties": {
+                **schemas.CHAT_COMPLETION_REQUEST["properties"], "model": model_schema}},
+            "CompletionRequest": {**schemas.COMPLETION_REQUEST, "properties": {
+                **schemas.COMPLETION_REQUEST["properties"], "model": model_schema}},
+            "MessagesRequest": {**schemas.MESSAGES_REQUEST, "properties": {
+                **schemas.MESSAGES_REQUEST["properties"], "model": model_schema}},
+            "Error": schemas.ERROR_RESPONSE,
+            "AnthropicError": schemas.ANTHROPIC_ERROR_RESPONSE,
+        }},
+    }
+    if api_keys:
+        document["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
+        document["security"] = [{"bearer": []}, {"apiKey": []}]
+    return document

@@ -1,0 +1,224 @@
+"""The JSON Schemas of the request bodies: validated on every request and published in
+``/openapi.json``. Parameters of the OpenAI and Anthropic APIs that omlx-core does not
+implement and that would change the answer (tools, response formats, several choices)
+are refused with a 400 that names them; others (``user``, ``metadata``, ``store``...) are
+accepted and ignored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 512
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` or ``null``: null means "use the default", as many clients send it."""
+    kinds = schema["type"]
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    return {**schema, "type": [*kinds, "null"]}
+
+
+def _unsupported(what: str) -> dict[str, Any]:
+    return {"not": {}, "description": f"not supported: {what}", "x-error": f"not supported: {what}"}
+
+
+MODEL = {"type": "string", "minLength": 1, "maxLength": 256,
+         "description": "id of a served model, as listed by GET /v1/models"}
+
+TEXT_PART = {
+    "type": "object",
+    "description": "a text content part",
+    "required": ["type", "text"],
+    "properties": {
+        "type": {"const": "text", "x-error": "only text content parts are supported"},
+        "text": {"type": "string"},
+    },
+}
+
+_SAMPLING = {
+    "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2,
+                              "description": "0 is greedy decoding; default 1"}),
+    "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    "top_k": _nullable({"type": "integer", "minimum": 0, "maximum": INT32_MAX,
+                        "description": "omlx-core extension; 0 disables it"}),
+    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1,
+                        "description": "omlx-core extension; 0 disables it"}),
+    "seed": _nullable({"type": "integer", "minimum": 0, "maximum": INT64_MAX}),
+    "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 10,
+                                     "description": "omlx-core extension; 1 disables it"}),
+    "logit_bias": _nullable({
+        "type": "object",
+        "description": "token id (as a string) to a bias added to its logit",
+        "propertyNames": {"type": "string", "pattern": "^[0-9]{1,9}$",
+                          "x-error": "logit_bias keys must be token ids, e.g. \"1234\""},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "maxProperties": 1024,
+    }),
+    "stop": {
+        "anyOf": [
+            {"type": "null"},
+            {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH},
+            {"type": "array", "maxItems": MAX_STOP_SEQUENCES,
+             "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}},
+        ],
+        "description": "text that ends the completion; it is not included in the output",
+    },
+    "stream": _nullable({"type": "boolean"}),
+    "stream_options": _nullable({
+        "type": "object",
+        "properties": {"include_usage": _nullable({"type": "boolean"})},
+    }),
+    "n": _nullable({"type": "integer", "minimum": 1, "maximum": 1,
+                    "x-error": "only n=1 is supported; send one request per choice"}),
+    "user": {"type": "string"},
+}
+
+CHAT_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant"],
+                 "x-error": "role must be system, developer, user or assistant (tool messages "
+                            "are not supported)"},
+        "content": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": TEXT_PART},
+        ]},
+        "name": {"type": "string"},
+    },
+}
+
+CHAT_COMPLETION_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": MODEL,
+        "messages": {"type": "array", "minItems": 1, "items": CHAT_MESSAGE},
+        "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": INT32_MAX}),
+        "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": INT32_MAX}),
+        **_SAMPLING,
+        "logprobs": _nullable({"type": "boolean"}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                                   "description": "needs logprobs: true"}),
+        "response_format": _nullable({
+            "type": "object", "required": ["type"],
+            "properties": {"type": {"const": "text",
+                                    "x-error": "only response_format {\"type\": \"text\"} is "
+                                               "supported"}},
+        }),
+        "tools": _unsupported("tool calling"),
+        "tool_choice": _unsupported("tool calling"),
+        "functions": _unsupported("function calling"),
+        "function_call": _unsupported("function calling"),
+        "audio": _unsupported("audio output"),
+        "prediction": _unsupported("predicted outputs"),
+    },
+}
+
+COMPLETION_REQUEST = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        "model": MODEL,
+        "prompt": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"},
+             "x-error": "give exactly one prompt string; send one request per prompt"},
+            {"type": "array", "minItems": 1,
+             "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX},
+             "description": "token ids"},
+        ]},
+        "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": INT32_MAX}),
+        **_SAMPLING,
+        "logprobs": _nullable({"type": "integer", "minimum": 0,
+                               "maximum": MAX_COMPLETION_LOGPROBS}),
+        "echo": {"anyOf": [{"type": "null"}, {"const": False}],
+                 "x-error": "echo is not supported"},
+        "suffix": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 0}],
+                   "x-error": "suffix (insertion) is not supported"},
+        "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": 1,
+                              "x-error": "only best_of=1 is supported"}),
+    },
+}
+
+ANTHROPIC_TEXT_BLOCK = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {
+        "type": {"const": "text", "x-error": "only text content blocks are supported"},
+        "text": {"type": "string"},
+    },
+}
+
+MESSAGES_REQUEST = {
+    "type": "object",
+    "required": ["model", "max_tokens", "messages"],
+    "properties": {
+        "model": MODEL,
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": INT32_MAX},
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "role": {"enum": ["user", "assistant"]},
+                "content": {"anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": ANTHROPIC_TEXT_BLOCK},
+                ]},
+            },
+        }},
+        "system": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": ANTHROPIC_TEXT_BLOCK},
+        ]},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0, "maximum": INT32_MAX},
+        "stop_sequences": {"type": "array", "maxItems": MAX_STOP_SEQUENCES,
+                           "items": {"type": "string", "minLength": 1,
+                                     "maxLength": MAX_STOP_LENGTH}},
+        "stream": {"type": "boolean"},
+        "metadata": {"type": "object"},
+        "tools": _unsupported("tool use"),
+        "tool_choice": _unsupported("tool use"),
+        "thinking": {"type": "object", "required": ["type"],
+                     "properties": {"type": {"const": "disabled",
+                                             "x-error": "extended thinking is not supported"}}},
+    },
+}
+
+ERROR_RESPONSE = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type"],
+        "properties": {
+            "message": {"type": "string"},
+            "type": {"type": "string"},
+            "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "null"]},
+            "estimated_bytes": {"type": "integer"},
+            "limit_bytes": {"type": ["integer", "null"]},
+            "binding_ceiling": {"type": ["string", "null"]},
+            "advice": {"type": "array", "items": {"type": "string"}},
+        },
+    }},
+}
+
+ANTHROPIC_ERROR_RESPONSE = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {"type": "object", "required": ["type", "message"],
+                  "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
+    },
+}

@@ -1,0 +1,102 @@
+"""Serving the app with waitress: a start/stop server for tests and ``omlx-core serve``.
+
+Waitress runs with ``channel_request_lookahead = 1`` so its event loop keeps reading a
+connection while a request on it is being served; that is how it notices a client
+that hangs up mid-stream (see :mod:`omlx_core.http.inflight`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+import waitress
+from waitress import wasyncore
+
+from omlx_core.http.app import Frontend, build_frontend
+
+if TYPE_CHECKING:
+    from omlx_core.server_context import ServerContext
+
+log = logging.getLogger(__name__)
+
+# Waitress refuses bodies over its own limit with a plain-text 413 before the app runs;
+# keep it well above server.max_body so the app's JSON 413 is what clients normally see.
+WAITRESS_BODY_LIMIT_FACTOR = 4
+
+
+class HTTPServer:
+    """A waitress server for one ServerContext, run on a background thread."""
+
+    def __init__(self, context: ServerContext, *, host: str | None = None,
+                 port: int | None = None, threads: int | None = None,
+                 frontend: Frontend | None = None):
+        config = context.config
+        self.frontend = frontend or build_frontend(context)
+        host = host if host is not None else config.get("server.host", "127.0.0.1")
+        port = port if port is not None else int(config.get("server.port", 8000))
+        threads = threads if threads is not None else int(config.get("server.threads", 8))
+        max_body = self.frontend.max_body
+        self._server = waitress.create_server(
+            self.frontend.app, host=host, port=port, threads=threads,
+            channel_request_lookahead=1,
+            max_request_body_size=max(max_body * WAITRESS_BODY_LIMIT_FACTOR, max_body + 2**20),
+            ident="omlx-core", clear_untrusted_proxy_headers=True, expose_tracebacks=False)
+        self.host = str(self._server.effective_host)
+        self.port = int(self._server.effective_port)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> "HTTPServer":
+        self._thread = threading.Thread(target=self._server.run, name="omlx-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting, abort in-flight requests, finish the worker threads, close sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        server = self._server
+        stopped_listening = threading.Event()
+
+        def stop_listening() -> None:
+            wasyncore.dispatcher.close(server)
+            stopped_listening.set()
+
+        if self._thread is not None and self._thread.is_alive():
+            server.trigger.pull_trigger(stop_listening)
+            stopped_listening.wait(timeout)
+        aborted = self.frontend.shutdown()
+        if aborted:
+            log.info("aborted %d in-flight request(s) on shutdown", aborted)
+        server.task_dispatcher.shutdown(timeout=timeout)
+        if self._thread is not None and self._thread.is_alive():
+            server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map, ignore_all=True))
+            self._thread.join(timeout)
+        else:
+            wasyncore.close_all(server._map, ignore_all=True)
+
+    def __enter__(self) -> "HTTPServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_forever(context: ServerContext, stop: threading.Event) -> None:
+    """Serve until ``stop`` is set, printing one ready line with the URL; then shut down cleanly."""
+    server = HTTPServer(context).start()
+    models = ", ".join(context.engines) or "none"
+    print(f"omlx-core ready: {server.url} (OpenAI /v1, Anthropic /v1/messages; models: {models})",
+          flush=True)
+    try:
+        stop.wait()
+    finally:
+        server.close()

@@ -1,0 +1,126 @@
+"""The front end's pure parts: schema checking and its messages, stop strings, token
+bytes for logprobs, and the two error shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from omlx_core.http.errors import anthropic_error_body, openai_error_body
+from omlx_core.http.generation import StopMatcher
+from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST, MESSAGES_REQUEST
+from omlx_core.http.tokens import TokenTexts
+from omlx_core.http.validation import SchemaViolation, validate
+from omlx_core.testing import cached_model
+
+
+def violation(body: dict, schema: dict = CHAT_COMPLETION_REQUEST) -> SchemaViolation:
+    with pytest.raises(SchemaViolation) as raised:
+        validate(body, schema)
+    return raised.value
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def test_valid_requests_pass() -> None:
+    validate({"model": "m", "messages": CHAT, "stop": None, "temperature": None, "n": 1,
+              "stream_options": {"include_usage": True}, "logit_bias": {"12": -100},
+              "anything_else": {"ignored": True}}, CHAT_COMPLETION_REQUEST)
+    validate({"model": "m", "prompt": [1, 2, 3], "echo": False, "suffix": None},
+             COMPLETION_REQUEST)
+    validate({"model": "m", "max_tokens": 5, "messages": CHAT,
+              "system": [{"type": "text", "text": "s"}], "thinking": {"type": "disabled"}},
+             MESSAGES_REQUEST)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"model": "m", "messages": CHAT, "temperature": True}, "temperature",
+     "temperature must be a number or null, got a boolean"),
+    ({"model": "m", "messages": CHAT, "top_p": 0}, "top_p", "top_p must be greater than 0"),
+    ({"model": "m", "messages": CHAT, "n": 4}, "n",
+     "n: only n=1 is supported; send one request per choice"),
+    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+     "messages[0].content must be a string or an array, got an integer"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+     "messages[0].content[0].text", "messages[0].content[0].text must be a string"),
+    ({"model": "m", "messages": CHAT, "stop": ["ok", ""]}, "stop[1]", "stop[1] must not be empty"),
+    ({"model": "", "messages": CHAT}, "model", "model must not be empty"),
+])
+def test_violations_name_the_parameter(body, param, message) -> None:
+    found = violation(body)
+    assert found.param == param
+    assert found.message.startswith(message), found.message
+
+
+def test_completion_prompt_alternatives_explain_the_closest_one() -> None:
+    assert "exactly one prompt string" in violation(
+        {"model": "m", "prompt": ["a", "b"]}, COMPLETION_REQUEST).message
+    found = violation({"model": "m", "prompt": [1, -2]}, COMPLETION_REQUEST)
+    assert found.param == "prompt[1]" and "at least 0" in found.message
+    assert "echo is not supported" in violation(
+        {"model": "m", "prompt": "x", "echo": True}, COMPLETION_REQUEST).message
+
+
+def test_non_finite_and_huge_numbers_are_rejected() -> None:
+    assert "finite" in violation({"model": "m", "messages": CHAT,
+                                  "temperature": float("inf")}).message
+    assert violation({"model": "m", "messages": CHAT, "max_tokens": 2**80}).param == "max_tokens"
+
+
+def feed_all(matcher: StopMatcher, pieces: list[str]) -> str:
+    out = "".join(matcher.feed(piece) for piece in pieces)
+    return out if matcher.matched else out + matcher.flush()
+
+
+def test_stop_matcher_across_pieces() -> None:
+    matcher = StopMatcher(["world"])
+    assert matcher.feed("Hello wor") == "Hello "  # "wor" may start the stop string
+    assert matcher.feed("ld and more") == "" and matcher.matched == "world"
+    assert feed_all(StopMatcher(["world"]), ["wo", "x", "yz"]) == "woxyz"
+    assert feed_all(StopMatcher(["b", "abc"]), ["xa", "bc"]) == "x"  # the earliest match wins
+    assert feed_all(StopMatcher([]), ["any", "thing"]) == "anything"
+    assert feed_all(StopMatcher(["\n\n"]), ["line\n", "\nnext"]) == "line"
+
+
+def test_token_bytes_spell_the_text_even_across_character_boundaries(tmp_path) -> None:
+    from tokenizers import Tokenizer
+
+    model_dir = cached_model("llama", 0, cache_dir=tmp_path)
+    texts = TokenTexts(model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = "Crème brûlée, 你好, emoji 😀 end"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert b"".join(texts.bytes_of(i) for i in ids) == text.encode("utf-8")
+    assert any("\ufffd" in texts.text_of(i) for i in ids), "some token should be half a character"
+
+
+def test_error_shapes() -> None:
+    body = openai_error_body(413, "too big", "prefill_memory_exceeded", None,
+                             {"estimated_bytes": 5, "limit_bytes": 4})
+    assert body == {"error": {"message": "too big", "type": "invalid_request_error", "param": None,
+                              "code": "prefill_memory_exceeded", "estimated_bytes": 5,
+                              "limit_bytes": 4}}
+    assert openai_error_body(500, "bug")["error"]["type"] == "server_error"
+    assert anthropic_error_body(404, "no model") == {
+        "type": "error", "error": {"type": "not_found_error", "message": "no model"}}
+    assert anthropic_error_body(503, "busy", "admission_queue_full")["error"] == {
+        "type": "overloaded_error", "message": "busy", "code": "admission_queue_full"}
+
+
+def test_api_keys_come_from_the_environment(monkeypatch) -> None:
+    import falcon.testing
+
+    from omlx_core.bootstrap import load_setup
+    from omlx_core.http import build_frontend
+    from omlx_core.server_context import ServerContext
+
+    monkeypatch.setenv("OMLX_SERVER_API_KEYS", "env-key-1,env-key-2")
+    setup = load_setup("cpu-small")
+    client = falcon.testing.TestClient(build_frontend(ServerContext(setup.config,
+                                                                    setup.plugins)).app)
+    assert client.simulate_get("/v1/models").status_code == 401
+    assert client.simulate_get("/v1/models", headers={"x-api-key": "env-key-2"}).status_code == 200
+    assert client.simulate_get(
+        "/v1/models", headers={"Authorization": "Bearer env-key-1"}).status_code == 200
+    document = client.simulate_get("/openapi.json").json
+    assert set(document["components"]["securitySchemes"]) == {"bearer", "apiKey"}
