@@ -130,26 +130,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        serve_http = _http_server()
-        if serve_http is not None:
-            serve_http(context, stop)
-        else:
-            for model_id, engine in context.engines.items():
-                print(f"ready: model {model_id!r} on engine {type(engine).__name__} "
-                      f"(tier {setup.config.tier}); the HTTP front end is not installed, "
-                      "press Ctrl-C to stop", flush=True)
-            stop.wait()
+        from omlx_core.http.serve import serve_forever
+
+        serve_forever(context, stop)
     finally:
         stop_engines(context)
     return 0
-
-
-def _http_server() -> Any:
-    try:
-        from omlx_core.http.serve import serve_forever
-    except ImportError:
-        return None
-    return serve_forever
 
 
 def _served_models(setup: Any, requested: list[str]) -> list[str] | None:
@@ -221,15 +207,22 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps({"tier": config.tier, "files": [str(f) for f in config.files],
-                          "settings": {k: {"value": v, "source": s} for k, v, s in config.rows()}},
+                          "settings": {k: {"value": v, "source": s}
+                                       for k, v, s in _masked(config.rows())}},
                          indent=2, default=str))
         return 0
     print(f"# tier: {config.tier}")
     print("# files: " + ", ".join(str(f) for f in config.files))
     print(_table(("KEY", "VALUE", "SOURCE"),
                  [(k, json.dumps(v) if not isinstance(v, str) else repr(v), s)
-                  for k, v, s in config.rows()]))
+                  for k, v, s in _masked(config.rows())]))
     return 0
+
+
+def _masked(rows: list[tuple[str, Any, str]]) -> list[tuple[str, Any, str]]:
+    """Secrets are shown as a count, never as values."""
+    return [(k, f"<{len(v)} key(s) hidden>" if k == "server.api_keys" and v else v, s)
+            for k, v, s in rows]
 
 
 # -- models -----------------------------------------------------------------------------

@@ -180,3 +180,12 @@ def test_cli_config_show_prints_values_with_sources():
     assert rows["server.port"].split()[1:] == ["8123", "env", "OMLX_SERVER_PORT"]
     assert rows["engine.prefill_step_size"].endswith("cpu-small.toml")
     assert rows["memory.tier"].endswith("cpu-small.toml")
+
+
+def test_cli_config_show_never_prints_api_keys():
+    result = run_cli("config", "show", "--tier", "cpu-small", "--json",
+                     env_extra={"OMLX_SERVER_API_KEYS": "sk-secret-one,sk-secret-two"})
+    assert result.returncode == 0, result.stderr
+    assert "sk-secret" not in result.stdout
+    settings = json.loads(result.stdout)["settings"]
+    assert settings["server.api_keys"]["value"] == "<2 key(s) hidden>"
