@@ -1,0 +1,289 @@
+"""Accuracy benchmark of the prefill peak estimate against real forwards.
+
+For each model, prompt length and chunk size it runs a prefill exactly as the batched
+engine does -- chunks over an mlx-lm prompt cache, evaluating only the cache state per
+chunk, the prompt's last token fed through mlx-lm's ``BatchGenerator`` -- and compares
+``mx.get_peak_memory()`` (minus the memory in use before) with
+:func:`omlx_core.memory.estimate.estimate_prefill_peak`. The target is a ratio
+(estimate / measured) of at least 1.00 and at most 1.15.
+
+Run it with OpenBLAS preloaded (see the README)::
+
+    python -m omlx_core.memory.bench_estimate --out docs/estimator-accuracy.md
+    python -m omlx_core.memory.bench_estimate --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from omlx_core.memory.estimate import ModelDims, PeakBreakdown, estimate_prefill_peak
+
+#: estimate / measured must stay within these bounds
+TARGET_MIN_RATIO = 1.00
+TARGET_MAX_RATIO = 1.15
+
+TINY_FAMILIES = ("llama", "qwen3", "gemma3", "qwen3_next", "qwen3_moe")
+DEFAULT_MODEL = "default"
+
+# (prompt tokens, chunk size) per run; tiny models are cheap, so they go long.
+FULL_TINY_GRID = tuple((n, c) for n in (64, 512, 2048, 8192) for c in (256, 512, 2048) if c <= max(n, 256))
+# An 8k prefill of the default model takes ~8 minutes on a 2-core CPU, so the grid has one.
+FULL_DEFAULT_GRID = ((512, 256), (512, 512), (2048, 256), (2048, 512), (2048, 2048),
+                     (4096, 512), (8192, 2048))
+QUICK_TINY_GRID = ((128, 256), (1024, 256), (1024, 512))
+QUICK_DEFAULT_GRID = ((512, 256), (1024, 512))
+
+
+@dataclass(frozen=True)
+class PrefillMeasurement:
+    """Peak bytes a real prefill added over the memory in use before it."""
+
+    peak_bytes: int
+    resident_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    family: str
+    prompt_tokens: int
+    chunk_size: int
+    measured: PrefillMeasurement
+    estimate: PeakBreakdown
+
+    @property
+    def ratio(self) -> float:
+        return self.estimate.total / self.measured.peak_bytes
+
+    @property
+    def within_target(self) -> bool:
+        return TARGET_MIN_RATIO <= self.ratio <= TARGET_MAX_RATIO
+
+
+def activation_dtype_bytes(model: Any) -> int:
+    """Bytes per element of the model's activations: its most common float parameter dtype."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    counts: dict[Any, int] = {}
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            counts[value.dtype] = counts.get(value.dtype, 0) + value.size
+    if not counts:
+        raise ValueError("model has no floating-point parameters to take the activation dtype from")
+    return max(counts, key=lambda dtype: counts[dtype]).size
+
+
+def measure_prefill_peak(model: Any, prompt: Sequence[int], chunk_size: int, *,
+                         cached_tokens: int = 0, evaluate_logits: bool = False,
+                         first_token: bool = True, cache: list[Any] | None = None) -> PrefillMeasurement:
+    """Prefill ``prompt`` the way the batched engine does and measure its peak.
+
+    All tokens but the last go through the model in chunks of ``chunk_size``, each
+    followed by an eval of the cache state only (with ``evaluate_logits``, of the chunk's
+    logits too) and ``mx.clear_cache()``; the last token joins a ``BatchGenerator`` with
+    that cache, which samples the first token (with ``first_token=False`` it is
+    prefilled like the others instead). The first ``cached_tokens`` are prefilled before
+    the measurement starts, so their KV counts as memory already in use. ``cache``
+    replaces the model's own prompt cache (e.g. a quantized one).
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator, generation_stream
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if len(prompt) < 1 or chunk_size < 1 or not 0 <= cached_tokens < len(prompt):
+        raise ValueError("need at least one prompt token past the cached ones and a positive chunk size")
+    tokens = list(prompt)
+    prompt_cache = make_prompt_cache(model) if cache is None else cache
+    del cache
+
+    def prefill(start: int, stop: int) -> None:
+        while start < stop:
+            end = min(start + chunk_size, stop)
+            with mx.stream(generation_stream):
+                logits = model(mx.array(tokens[start:end])[None], cache=prompt_cache)
+                mx.eval([layer.state for layer in prompt_cache] + ([logits] if evaluate_logits else []))
+            del logits
+            mx.clear_cache()
+            start = end
+
+    prefill(0, cached_tokens)
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    started = time.perf_counter()
+    prefill(cached_tokens, len(tokens) - 1 if first_token else len(tokens))
+
+    generator = None
+    if first_token:
+        generator = BatchGenerator(model, completion_batch_size=1, prefill_batch_size=1,
+                                   prefill_step_size=chunk_size)
+        generator.insert([[tokens[-1]]], max_tokens=[1], caches=[prompt_cache],
+                         all_tokens=[tokens[:-1]])
+        del prompt_cache
+        while not generator.next_generated():
+            pass
+    mx.synchronize()
+    peak = mx.get_peak_memory() - before
+    resident = mx.get_active_memory() - before
+    seconds = time.perf_counter() - started
+    if generator is not None:
+        generator.close()
+    del generator
+    gc.collect()
+    mx.clear_cache()
+    return PrefillMeasurement(peak_bytes=peak, resident_bytes=resident, seconds=seconds)
+
+
+def random_prompt(length: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """Token ids drawn uniformly (seeded) from ``[3, vocab_size)``; ids 0-2 are specials."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab_size) for _ in range(length)]
+
+
+def run_model(family: str, model_path: Path, grid: Iterable[tuple[int, int]],
+              progress: Any = None) -> list[BenchRow]:
+    """Measure and estimate every (prompt, chunk) of ``grid`` on one model."""
+    from mlx_lm import load
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    dims = ModelDims.from_config(config)
+    model, _ = load(str(model_path))
+    dtype_bytes = activation_dtype_bytes(model)
+    rows = []
+    for prompt_tokens, chunk in grid:
+        if progress is not None:
+            progress.set_postfix_str(f"{family} {prompt_tokens} tok / chunk {chunk}")
+        measured = measure_prefill_peak(model, random_prompt(prompt_tokens, dims.vocab_size), chunk)
+        estimate = estimate_prefill_peak(dims, prompt_tokens, 0, chunk, dtype_bytes=dtype_bytes)
+        rows.append(BenchRow(family, prompt_tokens, chunk, measured, estimate))
+        if progress is not None:
+            progress.update(1)
+    del model
+    return rows
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:.2f}"
+
+
+def format_table(rows: Sequence[BenchRow]) -> str:
+    """The results as a markdown table, then a per-family min/max ratio summary."""
+    lines = ["| family | prompt | chunk | measured MiB | estimate MiB | ratio | dominant | seconds |",
+             "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for row in rows:
+        flag = "" if row.within_target else " ⚠"
+        lines.append(f"| {row.family} | {row.prompt_tokens} | {row.chunk_size} | "
+                     f"{_mib(row.measured.peak_bytes)} | {_mib(row.estimate.total)} | "
+                     f"{row.ratio:.3f}{flag} | {row.estimate.dominant} | {row.measured.seconds:.1f} |")
+    lines += ["", "| family | runs | min ratio | max ratio | within target |",
+              "|---|---:|---:|---:|---:|"]
+    for family, group in _by_family(rows).items():
+        ratios = [r.ratio for r in group]
+        ok = sum(r.within_target for r in group)
+        lines.append(f"| {family} | {len(group)} | {min(ratios):.3f} | {max(ratios):.3f} | {ok}/{len(group)} |")
+    return "\n".join(lines)
+
+
+def _by_family(rows: Sequence[BenchRow]) -> dict[str, list[BenchRow]]:
+    groups: dict[str, list[BenchRow]] = {}
+    for row in rows:
+        groups.setdefault(row.family, []).append(row)
+    return groups
+
+
+def render_markdown(rows: Sequence[BenchRow], command: str, seconds: float) -> str:
+    import mlx.core as mx
+    import mlx_lm
+
+    under = [r for r in rows if r.ratio < TARGET_MIN_RATIO]
+    over = [r for r in rows if r.ratio > TARGET_MAX_RATIO]
+    verdict = ("every run within target" if not (under or over) else
+               f"{len(under)} undercount(s), {len(over)} overcount(s) past {TARGET_MAX_RATIO:.2f}")
+    return "\n".join([
+        "# Prefill peak estimate: accuracy",
+        "",
+        f"Generated by `{command}` in {seconds / 60:.1f} min on {platform.machine()} "
+        f"{platform.system()}, mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, CPU backend.",
+        "",
+        "*measured*: `mx.get_peak_memory()` minus the memory in use before the prefill, "
+        "run as the batched engine runs it (chunks over an mlx-lm prompt cache, cache state "
+        "evaluated per chunk, last token through `BatchGenerator`). *estimate*: "
+        "`estimate_prefill_peak` from the model's `config.json`. *ratio* = estimate / "
+        f"measured; target {TARGET_MIN_RATIO:.2f} to {TARGET_MAX_RATIO:.2f} (⚠ marks a miss). "
+        "*dominant*: the estimate's largest component. Prompts are random token ids.",
+        "",
+        f"Result: {verdict}.",
+        "",
+        format_table(rows),
+        "",
+        "Where the tiny test models miss the 1.15 bound it is by overcounting: their whole "
+        "prefill takes well under a MiB, so the fixed per-forward overhead the estimate "
+        "carries (token ids, RoPE tables, mask index vectors: 128 KiB) and its one-layer "
+        "allocation allowance weigh more than they do for a real model; the MoE allowance "
+        "is sized for real expert widths and overcounts the tiny MoE's 32-wide experts.",
+        "",
+    ])
+
+
+def _default_model_path() -> Path:
+    from omlx_core.models.default import ensure_default_model
+
+    return ensure_default_model(progress=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m omlx_core.memory.bench_estimate",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run (a minute or two)")
+    parser.add_argument("--out", type=Path, help="write the results as markdown to this file")
+    parser.add_argument("--families", default=",".join(TINY_FAMILIES + (DEFAULT_MODEL,)),
+                        help="comma-separated tiny families and/or 'default' (the SmolLM2 default model)")
+    args = parser.parse_args(argv)
+
+    import mlx.core as mx
+    from tqdm import tqdm
+
+    from omlx_core.testing import cached_model
+
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = [f for f in families if f not in TINY_FAMILIES + (DEFAULT_MODEL,)]
+    if unknown:
+        parser.error(f"unknown families {unknown}; choose from {', '.join(TINY_FAMILIES + (DEFAULT_MODEL,))}")
+    tiny_grid = QUICK_TINY_GRID if args.quick else FULL_TINY_GRID
+    default_grid = QUICK_DEFAULT_GRID if args.quick else FULL_DEFAULT_GRID
+    plan = [(f, default_grid if f == DEFAULT_MODEL else tiny_grid) for f in families]
+
+    started = time.perf_counter()
+    rows: list[BenchRow] = []
+    with tqdm(total=sum(len(g) for _, g in plan), unit="run", desc="prefill peaks") as progress:
+        for family, grid in plan:
+            path = _default_model_path() if family == DEFAULT_MODEL else cached_model(family)
+            rows += run_model(family, path, grid, progress)
+            mx.clear_cache()
+    elapsed = time.perf_counter() - started
+
+    print(format_table(rows))
+    command = "python -m omlx_core.memory.bench_estimate" + (" --quick" if args.quick else "")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(render_markdown(rows, command, elapsed))
+        print(f"wrote {args.out}")
+    misses = [r for r in rows if r.ratio < TARGET_MIN_RATIO]
+    return 1 if misses else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
