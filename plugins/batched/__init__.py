@@ -1,0 +1,81 @@
+"""The built-in ``batched`` engine: continuous batching on mlx-lm's ``BatchGenerator``.
+
+Registered like any third-party plugin (entry point ``batched`` in the ``omlx_core``
+group). What it provides through the public hooks:
+
+- ``register_engines``: ``"batched"`` -> :class:`~.engine.BatchedEngine`;
+- ``register_caches``: ``"memory"`` -> the in-memory :class:`~.prefix_cache.PrefixCache`;
+- ``resolve_scheduler``: a batched engine's :class:`~.scheduler.Scheduler`, the object
+  that takes ``apply_memory_limits(snapshot)`` and ``set_forward_gate(gate)``;
+- ``startup``: connects each batched engine to ``on_boundary_snapshot`` and puts the
+  first lower cache tier another plugin registered (e.g. ``ssd_cache``) behind its
+  prefix cache.
+
+Threads: every mlx operation, model loading included, runs on the process's one MLX
+thread (:mod:`.mlx_thread`). ``submit`` only validates and enqueues; outputs come back
+through a queue per request that the :class:`~.engine.BatchedRequestHandle` iterates;
+closing the handle aborts the request within one scheduler step.
+
+Forward-gate seam (for the memory guard): before each step's prefill forwards, the
+scheduler calls ``gate.check_prefill(PrefillStep)`` with the request ids, chunk token
+counts and cached-token counts about to run; a refused request ends with
+``finish_reason="error"`` and its cache is freed while the rest of the batch goes on.
+The contract is in :mod:`.gate`; the scheduling around it in :mod:`.scheduler`.
+
+Throughput against plain ``mlx_lm.stream_generate``:
+``python -m omlx_core.plugins.batched.benchmark`` (see :mod:`.benchmark`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from omlx_core.hookspecs import hookimpl
+from omlx_core.plugins.batched.engine import (
+    MEMORY_CACHE_NAME,
+    BatchedEngine,
+    BatchedRequestHandle,
+    EngineSettings,
+    create_prefix_cache,
+)
+from omlx_core.plugins.batched.gate import ForwardGate, PrefillChunk, PrefillStep
+from omlx_core.plugins.batched.prefix_cache import BlockStore, CachedBlock, PrefixCache
+from omlx_core.plugins.batched.scheduler import Scheduler
+
+ENGINE_NAME = "batched"
+
+
+def create_engine(model: Any, config: Any) -> BatchedEngine:
+    """The ``register_engines`` factory: an unstarted engine for ``model``."""
+    return BatchedEngine(model, config)
+
+
+@hookimpl
+def register_engines(register: Callable[..., None]) -> None:
+    register(ENGINE_NAME, create_engine)
+
+
+@hookimpl
+def register_caches(register: Callable[..., None]) -> None:
+    register(MEMORY_CACHE_NAME, create_prefix_cache)
+
+
+@hookimpl
+def resolve_scheduler(engine: Any) -> Scheduler | None:
+    if isinstance(engine, BatchedEngine):
+        return engine.scheduler
+    return None
+
+
+@hookimpl
+def startup(context: Any) -> None:
+    for engine in context.engines.values():
+        if isinstance(engine, BatchedEngine):
+            engine.bind_plugins(context.plugins)
+
+
+__all__ = [
+    "ENGINE_NAME", "BatchedEngine", "BatchedRequestHandle", "BlockStore", "CachedBlock",
+    "EngineSettings", "ForwardGate", "PrefillChunk", "PrefillStep", "PrefixCache", "Scheduler",
+    "create_engine", "create_prefix_cache",
+]

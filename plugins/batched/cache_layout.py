@@ -1,0 +1,124 @@
+"""How one model's per-layer caches become prefix-cache blocks and back.
+
+A plain ``KVCache`` layer can be cut at any token: a block keeps just its own tokens'
+keys and values, and a prefix is rebuilt by concatenating blocks. Every other layer
+type (``RotatingKVCache`` windows, ``ArraysCache`` recurrent state, ``CacheList``...)
+cannot be cut back to an earlier token count, so it is captured whole at a block
+boundary (a *boundary state*) and restored only at exactly that boundary.
+
+Stored arrays are compact copies: a view would pin the whole buffer it was cut from
+and make the byte budget a lie.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from omlx_core.plugins.batched.prefix_cache import CachedBlock
+
+
+def _is_cuttable(layer: Any) -> bool:
+    # Exactly KVCache: subclasses (quantized, chunked) keep state a slice would corrupt.
+    return type(layer) is KVCache
+
+
+def _map_arrays(value: Any, on_array: Any) -> Any:
+    """A structural copy of ``value`` (lists, tuples, dicts, cache objects) with every
+    array replaced by ``on_array(array)``."""
+    if isinstance(value, mx.array):
+        return on_array(value)
+    if isinstance(value, list):
+        return [_map_arrays(v, on_array) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_map_arrays(v, on_array) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_arrays(v, on_array) for k, v in value.items()}
+    if hasattr(value, "__dict__") and type(value).__module__.startswith("mlx_lm."):
+        clone = copy.copy(value)
+        for name, item in vars(value).items():
+            setattr(clone, name, _map_arrays(item, on_array))
+        return clone
+    return copy.deepcopy(value)
+
+
+def _arrays(value: Any) -> list[mx.array]:
+    found: list[mx.array] = []
+    _map_arrays(value, lambda a: found.append(a) or a)
+    return found
+
+
+class CacheLayout:
+    """Which layers of a model can be cut, and the cutting, capturing and rebuilding."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        template = make_prompt_cache(model)
+        self.cuttable = tuple(_is_cuttable(layer) for layer in template)
+        self.layer_types = tuple(type(layer).__name__ for layer in template)
+
+    @property
+    def needs_boundaries(self) -> bool:
+        """Whether some layer can only be resumed at a captured boundary."""
+        return not all(self.cuttable)
+
+    def new_cache(self) -> list[Any]:
+        return make_prompt_cache(self._model)
+
+    def cut(self, cache: Sequence[Any], start: int, end: int) -> tuple[Any, ...]:
+        """Compact copies of tokens ``[start, end)`` of every cuttable layer (``None``
+        for the others); not yet evaluated."""
+        kv: list[Any] = []
+        for layer, cuttable in zip(cache, self.cuttable):
+            if cuttable:
+                kv.append((mx.array(layer.keys[..., start:end, :]),
+                           mx.array(layer.values[..., start:end, :])))
+            else:
+                kv.append(None)
+        return tuple(kv)
+
+    def capture(self, cache: Sequence[Any]) -> tuple[Any, ...]:
+        """Compact copies of the whole state of every non-cuttable layer (``None`` for
+        cuttable ones); not yet evaluated."""
+        return tuple(None if cuttable else _map_arrays(layer, mx.array)
+                     for layer, cuttable in zip(cache, self.cuttable))
+
+    def make_block(self, block_hash: bytes, parent_hash: bytes, index: int, block_size: int,
+                   kv: tuple[Any, ...], boundary: tuple[Any, ...] | None) -> CachedBlock:
+        arrays = _arrays(kv) + (_arrays(boundary) if boundary is not None else [])
+        mx.eval(arrays)
+        return CachedBlock(
+            block_hash=block_hash,
+            parent_hash=parent_hash,
+            index=index,
+            block_size=block_size,
+            kv=kv,
+            boundary=boundary,
+            reusable_end=boundary is not None or not self.needs_boundaries,
+            nbytes=sum(a.nbytes for a in arrays),
+        )
+
+    def restore(self, blocks: Sequence[CachedBlock]) -> list[Any]:
+        """A fresh cache holding the prefix ``blocks`` cover; the last must be a reusable end."""
+        cache = self.new_cache()
+        if not blocks:
+            return cache
+        last = blocks[-1]
+        if not last.reusable_end:
+            raise ValueError("cannot resume after a block that has no boundary state")
+        for layer_index, cuttable in enumerate(self.cuttable):
+            if cuttable:
+                layer = cache[layer_index]
+                keys = [b.kv[layer_index][0] for b in blocks]
+                values = [b.kv[layer_index][1] for b in blocks]
+                layer.keys = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
+                layer.values = values[0] if len(values) == 1 else mx.concatenate(values, axis=2)
+                layer.offset = last.end_token
+            else:
+                # Arrays are immutable values in mlx, so the stored state can be shared;
+                # only the containers the cache mutates in place are copied.
+                cache[layer_index] = _map_arrays(last.boundary[layer_index], lambda a: a)
+        return cache

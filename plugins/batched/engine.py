@@ -1,0 +1,283 @@
+"""The ``batched`` engine: one model, continuous batching, served from the MLX thread."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import platform
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+
+from omlx_core.engine import Engine, GenerationOutput, GenerationRequest, RequestHandle
+from omlx_core.plugins.batched.mlx_thread import MLXThread, mlx_thread
+from omlx_core.plugins.batched.prefix_cache import PrefixCache
+from omlx_core.plugins.batched.sampling import check_sampling
+from omlx_core.plugins.batched.scheduler import Scheduler, new_sequence
+
+if TYPE_CHECKING:
+    from omlx_core.models.registry import ModelSpec
+    from omlx_core.pluginmanager import PluginManager
+
+log = logging.getLogger(__name__)
+
+#: the name the in-memory prefix cache is registered under with ``register_caches``
+MEMORY_CACHE_NAME = "memory"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The configuration keys the batched engine reads."""
+
+    max_batch_size: int = 16
+    prefill_step_size: int = 512
+    max_context: int = 0
+    block_size: int = 64
+    cache_budget: int = 1 << 30
+
+    @classmethod
+    def from_config(cls, config: Any) -> "EngineSettings":
+        return cls(
+            max_batch_size=int(config["engine.max_batch_size"]),
+            prefill_step_size=int(config["engine.prefill_step_size"]),
+            max_context=int(config["engine.max_context"]),
+            block_size=int(config["cache.block_size"]),
+            cache_budget=int(config["cache.memory_budget"]),
+        )
+
+
+def create_prefix_cache(model: ModelSpec, config: Any) -> PrefixCache:
+    """The in-memory prefix cache for ``model`` (``register_caches`` factory)."""
+    settings = EngineSettings.from_config(config)
+    return PrefixCache(settings.block_size, settings.cache_budget, namespace=f"{model.id}\0{model.path}")
+
+
+def _model_context_length(config: Mapping[str, Any]) -> int | None:
+    for table in (config, config.get("text_config") or {}):
+        value = table.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _trim_malloc_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc only; a no-op elsewhere).
+
+    Freed weights below glibc's mmap threshold stay in its arenas, resident, until
+    trimmed; the memory guard reads the process footprint and would count them.
+    """
+    if platform.system() != "Linux":
+        return
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        pass
+
+
+class BatchedRequestHandle(RequestHandle):
+    """A request's output stream; outputs that piled up are merged into one item."""
+
+    def __init__(self, request_id: str, outputs: queue.SimpleQueue, abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._outputs = outputs
+        self._abort = abort
+        self._finished = False
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        while not self._finished and not self._closed:
+            pending = [self._outputs.get()]
+            while not pending[-1].finished:
+                try:
+                    pending.append(self._outputs.get_nowait())
+                except queue.Empty:
+                    break
+            output = pending[0] if len(pending) == 1 else _merge(pending)
+            self._finished = output.finished
+            yield output
+
+    def close(self) -> None:
+        if not self._finished and not self._closed:
+            self._abort(self.request_id)
+        self._closed = True
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to abort
+            pass
+
+
+def _merge(outputs: list[GenerationOutput]) -> GenerationOutput:
+    last = outputs[-1]
+    logprobs = [lp for o in outputs if o.logprobs for lp in o.logprobs]
+    return GenerationOutput(
+        request_id=last.request_id,
+        text="".join(o.text for o in outputs),
+        token_ids=tuple(t for o in outputs for t in o.token_ids),
+        logprobs=tuple(logprobs) if any(o.logprobs is not None for o in outputs) else None,
+        finish_reason=last.finish_reason,
+        error=last.error,
+        usage=last.usage,
+    )
+
+
+class BatchedEngine(Engine):
+    """Serves one mlx-lm model with continuous batching, chunked prefill and a prefix cache."""
+
+    def __init__(self, model: ModelSpec, config: Any, *, thread: MLXThread | None = None,
+                 ignore_eos: bool = False) -> None:
+        self.model = model
+        self.config = config
+        self.settings = EngineSettings.from_config(config)
+        self.prefix_cache = create_prefix_cache(model, config)
+        self.scheduler: Scheduler | None = None
+        self.tokenizer: Any = None
+        self.vocab_size = 0
+        self.max_context: int | None = None
+        self._lm: Any = None
+        self._thread = thread or mlx_thread()
+        self._tokenizer_lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._boundary_listener: Callable[..., None] | None = None
+        self._ignore_eos = ignore_eos
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._start_lock:
+            if self.scheduler is not None:
+                return
+            self.scheduler = self._thread.run(self._load)
+            self._thread.attach(self.scheduler)
+
+    def _load(self) -> Scheduler:
+        from omlx_core.models.loader import load_model
+
+        lm, tokenizer = load_model(self.model.path)
+        self._lm, self.tokenizer = lm, tokenizer
+        args = getattr(lm, "args", None)
+        self.vocab_size = int(getattr(args, "vocab_size", 0) or self.model.config.get("vocab_size")
+                              or len(tokenizer))
+        self.max_context = self.settings.max_context or _model_context_length(self.model.config)
+        return Scheduler(
+            model=lm, tokenizer=tokenizer, model_id=self.model.id, model_config=self.model.config,
+            vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
+            prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,
+            wake=self._thread.wake, boundary_listener=self._on_boundary, ignore_eos=self._ignore_eos,
+        )
+
+    def shutdown(self) -> None:
+        with self._start_lock:
+            scheduler, self.scheduler = self.scheduler, None
+            if scheduler is None:
+                return
+            self._thread.run(scheduler.shutdown)
+            self._thread.detach(scheduler)
+            del scheduler
+            self._thread.run(self._release)
+
+    def _release(self) -> None:
+        import gc
+
+        import mlx.core as mx
+
+        self._lm = None
+        self.prefix_cache.clear()
+        # Freed buffers go to mlx's buffer cache, which still counts in the process's
+        # resident memory: collect the last references first, then empty that cache.
+        gc.collect()
+        mx.clear_cache()
+        _trim_malloc_heap()
+
+    def bind_plugins(self, plugins: PluginManager) -> None:
+        """Route boundary snapshots to ``on_boundary_snapshot`` and put the first lower
+        cache tier other plugins registered (``register_caches``) behind the prefix cache."""
+        hook = plugins.hook.on_boundary_snapshot
+        self._boundary_listener = (lambda snapshot: hook(snapshot=snapshot)) if hook.get_hookimpls() else None
+        tiers = []
+        for name, factory in plugins.caches().items():
+            if name == MEMORY_CACHE_NAME:
+                continue
+            store = factory(self.model, self.config)
+            if store is not None:
+                tiers.append((name, store))
+        if tiers:
+            if len(tiers) > 1:
+                log.warning("model %r: several lower cache tiers (%s); using %r", self.model.id,
+                            ", ".join(n for n, _ in tiers), tiers[0][0])
+            self.prefix_cache.attach_lower(tiers[0][1])
+
+    def _on_boundary(self, snapshot: Any) -> None:
+        listener = self._boundary_listener
+        if listener is not None:
+            listener(snapshot)
+
+    # -- tokenization ----------------------------------------------------------------
+
+    def _require_started(self) -> Scheduler:
+        scheduler = self.scheduler
+        if scheduler is None:
+            raise RuntimeError(f"engine for model {self.model.id!r} is not started; call start() first")
+        return scheduler
+
+    def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+        self._require_started()
+        with self._tokenizer_lock:
+            return list(self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True,
+                **template_kwargs))
+
+    def tokenize(self, text: str) -> list[int]:
+        self._require_started()
+        with self._tokenizer_lock:
+            return list(self.tokenizer.encode(text))
+
+    # -- requests --------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> BatchedRequestHandle:
+        """Queue ``request``; raises ``ValueError`` naming what makes it unservable."""
+        scheduler = self._require_started()
+        prompt = request.prompt_tokens
+        if len(prompt) == 0:
+            raise ValueError("prompt_tokens is empty; a request needs at least one prompt token")
+        bad = next((t for t in prompt if not 0 <= int(t) < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        check_sampling(request.sampling, self.vocab_size)
+        max_tokens = request.sampling.max_tokens
+        if self.max_context is not None:
+            room = self.max_context - len(prompt)
+            if room < 1:
+                raise ValueError(
+                    f"prompt has {len(prompt)} tokens but the context limit of model "
+                    f"{self.model.id!r} is {self.max_context} (engine.max_context, or the "
+                    "model's max_position_embeddings); shorten the prompt")
+            max_tokens = min(max_tokens, room)
+        sequence = new_sequence(request, max_tokens)
+        handle = BatchedRequestHandle(request.request_id, sequence.outputs, self.abort)
+        scheduler.enqueue(sequence)
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        scheduler = self.scheduler
+        if scheduler is not None:
+            scheduler.abort(request_id)
+
+    def cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
+        if not self.prefix_cache.enabled or len(prompt_tokens) < 2:
+            return 0
+        hashes = self.prefix_cache.hashes(list(prompt_tokens[:-1]))
+        return self.prefix_cache.peek(hashes) * self.prefix_cache.block_size
+
+    def stats(self) -> dict[str, Any]:
+        scheduler = self.scheduler
+        if scheduler is None:
+            return {"model": self.model.id, "started": False}
+        return {"model": self.model.id, "started": True, **scheduler.stats()}

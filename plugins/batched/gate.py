@@ -1,0 +1,70 @@
+"""The forward gate: where a memory guard can refuse a prefill chunk before its forward runs.
+
+Once per scheduler step that has prefill work, the scheduler plans the chunks it is
+about to run (at most ``engine.prefill_step_size`` tokens in all), describes them in a
+:class:`PrefillStep` and, if a gate is installed
+(:meth:`~omlx_core.plugins.batched.scheduler.Scheduler.set_forward_gate`), calls
+``gate.check_prefill(step)`` *before any of those forwards runs*. The gate answers with
+the request ids it refuses, each with a reason. A refused request ends at once with
+``finish_reason="error"`` and that reason as its error; its partial KV cache is dropped;
+every other chunk of the step runs as planned and the decode batch keeps going.
+
+What the gate can rely on:
+
+- chunks run one after another in the listed order, each its own forward over one
+  request's cache; only one chunk's transient buffers (attention scores, activations)
+  exist at a time, while each chunk's KV (``new_tokens``) stays resident afterwards;
+- a forward evaluates the cache state only, never the chunk's logits (a request's
+  last prompt token is fed through the decode batch instead, one token of logits);
+- ``limits`` is the latest :class:`~omlx_core.memory.types.LimitSnapshot` given to
+  the scheduler's ``apply_memory_limits``, read once for this step;
+- it is called on the MLX thread: it must be quick and must not wait on that thread.
+
+An exception raised by the gate refuses every chunk of the step (the requests end with
+an error naming the exception): a guard that cannot decide must not let a forward run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
+
+if TYPE_CHECKING:
+    from omlx_core.memory.types import LimitSnapshot
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One forward the scheduler is about to run: ``new_tokens`` over ``cached_tokens``."""
+
+    request_id: str
+    #: prompt tokens this forward adds to the request's KV cache
+    new_tokens: int
+    #: tokens already in the request's KV cache (reused prefix plus earlier chunks)
+    cached_tokens: int
+    #: the request's whole prompt length
+    prompt_tokens: int
+    #: of ``cached_tokens``, how many came from the prefix cache rather than a forward
+    reused_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """Everything a gate is asked to judge in one scheduler step."""
+
+    model_id: str
+    chunks: tuple[PrefillChunk, ...]
+    #: sequences in the decode batch during this step (their KV is already resident)
+    decoding: int
+    #: ``engine.prefill_step_size``: the most tokens one step prefills in all
+    chunk_size: int
+    limits: LimitSnapshot | None = None
+    model_config: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+
+class ForwardGate(Protocol):
+    """What the scheduler calls before each step's prefill forwards."""
+
+    def check_prefill(self, step: PrefillStep) -> Mapping[str, str] | None:
+        """Request ids to refuse, each with the reason shown to the client; ``None`` or
+        an empty mapping lets every chunk run."""

@@ -1,0 +1,121 @@
+"""The one thread that runs every mlx operation of the process.
+
+mlx streams, the Metal/CUDA command queues behind them and mlx-lm's generation
+stream are per thread, and model weights loaded on one thread and used on another
+invite races. So a process has exactly one MLX thread: model loads run on it as
+tasks (:meth:`MLXThread.run`), and each engine's scheduler is a :class:`Worker` the
+thread steps round-robin while it has work. Other threads only enqueue and wake it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable, Protocol, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Worker(Protocol):
+    """A scheduler the MLX thread steps."""
+
+    def has_work(self) -> bool:
+        """Whether :meth:`step` would do anything now; called often, must be cheap."""
+
+    def step(self) -> None:
+        """Do one bounded unit of work (one prefill budget and one decode step)."""
+
+    def fail(self, exc: BaseException) -> None:
+        """:meth:`step` raised ``exc``: end what is in flight and get back to a clean state."""
+
+
+class MLXThread:
+    """Runs tasks and steps workers, one at a time, on a single daemon thread."""
+
+    def __init__(self, name: str = "omlx-mlx") -> None:
+        self._cond = threading.Condition()
+        self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._workers: list[Worker] = []
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def is_current(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future:
+        """Run ``fn(*args, **kwargs)`` on the MLX thread; the future holds its result."""
+        future: Future = Future()
+        with self._cond:
+            self._tasks.append((lambda: fn(*args, **kwargs), future))
+            self._cond.notify_all()
+        return future
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the MLX thread and wait for its result (directly when already on it)."""
+        if self.is_current():
+            return fn(*args, **kwargs)
+        return self.submit(fn, *args, **kwargs).result()
+
+    def attach(self, worker: Worker) -> None:
+        with self._cond:
+            if worker not in self._workers:
+                self._workers.append(worker)
+            self._cond.notify_all()
+
+    def detach(self, worker: Worker) -> None:
+        with self._cond:
+            if worker in self._workers:
+                self._workers.remove(worker)
+
+    def wake(self) -> None:
+        """Tell the thread that a worker may have new work."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            # One round per call: its locals (the last task, the workers stepped) are
+            # released before the thread sleeps, so a detached engine's model can be freed.
+            self._round()
+
+    def _round(self) -> None:
+        with self._cond:
+            # has_work() is read under the lock that wake() takes, so a request
+            # enqueued before its wake() can never be missed here.
+            while not self._tasks and not any(w.has_work() for w in self._workers):
+                self._cond.wait()
+            tasks = list(self._tasks)
+            self._tasks.clear()
+            workers = list(self._workers)
+        for fn, future in tasks:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the caller, never lost
+                    future.set_exception(exc)
+        for worker in workers:
+            if not worker.has_work():
+                continue
+            try:
+                worker.step()
+            except Exception as exc:
+                log.exception("engine step failed; failing its in-flight requests")
+                try:
+                    worker.fail(exc)
+                except Exception:
+                    log.exception("recovering from a failed step failed too")
+
+_instance: MLXThread | None = None
+_instance_lock = threading.Lock()
+
+
+def mlx_thread() -> MLXThread:
+    """The process's MLX thread, started on first use."""
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            _instance = MLXThread()
+        return _instance

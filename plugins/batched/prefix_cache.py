@@ -1,0 +1,239 @@
+"""The in-memory prefix cache: chain-hashed KV blocks under a byte budget, LRU.
+
+A prompt is cut into blocks of ``cache.block_size`` tokens. Block ``i``'s hash covers
+its tokens *and* the hash of block ``i - 1``, so one hash names a whole prefix and
+two prompts share blocks exactly as far as they share tokens. A new request reuses
+the longest run of cached blocks from the start of its prompt, which is what a
+multi-turn chat re-sending its history needs.
+
+A :class:`CachedBlock` carries, per layer, either that block's keys and values (for
+layers whose cache can be cut at any token, plain ``KVCache``) or nothing; and, for
+models that also have layers that cannot be cut (rotating windows, recurrent
+``ArraysCache`` state), optionally a ``boundary``: those layers' whole state at the
+block's end. Such a model may only resume at a block that has one (``reusable_end``).
+How blocks are cut and put back together is :mod:`.cache_layout`'s business; this
+module only stores, finds and evicts them.
+
+Tiers: a slower store (the paged SSD cache of the ``ssd_cache`` plugin) can sit
+behind this one through :meth:`PrefixCache.attach_lower`. It implements
+:class:`BlockStore`: a lookup that misses here asks it (a block found there is
+promoted back), and a block evicted here is offered to it.
+
+Eviction is LRU by bytes. Each lookup and store refreshes a chain from its deepest
+block up to its root, so a parent is always more recent than its children and the
+leaves go first: evicting a parent would strand every block below it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+HASH_BYTES = 16
+
+
+def root_hash(namespace: str) -> bytes:
+    """The parent of a chain's first block; differs per model so chains never collide."""
+    return hashlib.blake2b(namespace.encode(), digest_size=HASH_BYTES).digest()
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes) -> list[bytes]:
+    """Hashes of every full block of ``tokens``, chained from ``parent``."""
+    hashes = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+        digest.update(array("q", tokens[start:start + block_size]).tobytes())
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(frozen=True, eq=False)
+class CachedBlock:
+    """One block of a prefix: its KV slices and, where needed, a boundary state."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    #: position of the block in its chain (0 = first ``block_size`` tokens)
+    index: int
+    block_size: int
+    #: per layer: ``(keys, values)`` of this block's tokens, or ``None`` for a layer
+    #: that cannot be cut and is carried by ``boundary`` instead
+    kv: tuple[Any, ...]
+    #: per layer: the whole state of a non-cuttable layer at this block's end (``None``
+    #: for cuttable layers); ``None`` altogether when not captured
+    boundary: tuple[Any, ...] | None
+    #: whether a request may resume right after this block
+    reusable_end: bool
+    nbytes: int
+
+    @property
+    def end_token(self) -> int:
+        return (self.index + 1) * self.block_size
+
+
+class BlockStore(Protocol):
+    """A lower cache tier (e.g. a paged SSD store) behind the in-memory prefix cache."""
+
+    def get(self, block_hash: bytes) -> CachedBlock | None:
+        """The block with this hash, or ``None``."""
+
+    def put(self, block: CachedBlock) -> None:
+        """Keep ``block`` (it is being evicted from memory); may decline silently."""
+
+    def contains(self, block_hash: bytes) -> bool:
+        """Whether :meth:`get` would find the block; must be cheap."""
+
+
+class PrefixCache:
+    """Chain-hashed KV blocks under ``budget_bytes``; ``budget_bytes == 0`` turns it off."""
+
+    def __init__(self, block_size: int, budget_bytes: int, namespace: str = "") -> None:
+        if block_size < 1:
+            raise ValueError(f"cache.block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.budget_bytes = budget_bytes
+        self.root = root_hash(namespace)
+        self._blocks: OrderedDict[bytes, CachedBlock] = OrderedDict()
+        self._lock = threading.Lock()
+        self._lower: BlockStore | None = None
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.tokens_saved = 0
+        self.evictions = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+    def attach_lower(self, store: BlockStore | None) -> None:
+        """Put ``store`` behind this cache (``None`` detaches)."""
+        with self._lock:
+            self._lower = store
+
+    def hashes(self, tokens: Sequence[int]) -> list[bytes]:
+        """Chain hashes of every full block of ``tokens``."""
+        return chain_hashes(tokens, self.block_size, self.root)
+
+    def extend_hashes(self, hashes: list[bytes], tokens: Sequence[int]) -> list[bytes]:
+        """``hashes`` (the chain of ``tokens``' first blocks) extended to all full blocks."""
+        start = len(hashes) * self.block_size
+        parent = hashes[-1] if hashes else self.root
+        return hashes + chain_hashes(tokens[start:], self.block_size, parent)
+
+    # -- lookups ---------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[CachedBlock]:
+        """The longest reusable cached prefix of the chain ``hashes``; counts a hit or miss."""
+        if not self.enabled:
+            return []
+        with self._lock:
+            found: list[CachedBlock] = []
+            for block_hash in hashes:
+                block = self._blocks.get(block_hash)
+                if block is None and self._lower is not None:
+                    block = self._lower.get(block_hash)
+                    if block is not None:
+                        self._add_locked(block)
+                if block is None:
+                    break
+                found.append(block)
+            self._touch_locked([b.block_hash for b in found])
+            self._evict_locked()
+            while found and not found[-1].reusable_end:
+                found.pop()
+            if found:
+                self.hits += 1
+                self.tokens_saved += len(found) * self.block_size
+            else:
+                self.misses += 1
+            return found
+
+    def peek(self, hashes: Sequence[bytes]) -> int:
+        """How many blocks :meth:`lookup` would reuse now from memory; changes nothing."""
+        if not self.enabled:
+            return 0
+        with self._lock:
+            usable = 0
+            for position, block_hash in enumerate(hashes):
+                block = self._blocks.get(block_hash)
+                if block is None:
+                    # Lower-tier blocks are not counted: callers size memory from this
+                    # figure, and a block that fails to load must not be counted as free.
+                    break
+                if block.reusable_end:
+                    usable = position + 1
+            return usable
+
+    def get(self, block_hash: bytes) -> CachedBlock | None:
+        """The in-memory block with this hash, without refreshing it."""
+        with self._lock:
+            return self._blocks.get(block_hash)
+
+    # -- stores ----------------------------------------------------------------------
+
+    def insert(self, blocks: Sequence[CachedBlock], chain: Sequence[bytes] | None = None) -> None:
+        """Store ``blocks`` and refresh ``chain`` (default: the blocks' own hashes), the
+        whole prefix they belong to, before anything is evicted. A block already present
+        is replaced only to gain a boundary state."""
+        if not self.enabled:
+            return
+        with self._lock:
+            for block in blocks:
+                self._add_locked(block)
+            self._touch_locked(chain if chain is not None else [b.block_hash for b in blocks])
+            self._evict_locked()
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Mark a chain as just used (deepest block first, root last)."""
+        with self._lock:
+            self._touch_locked(hashes)
+
+    def _add_locked(self, block: CachedBlock) -> None:
+        if block.nbytes > self.budget_bytes:
+            return
+        existing = self._blocks.get(block.block_hash)
+        if existing is not None:
+            if existing.reusable_end or not block.reusable_end:
+                return
+            self.nbytes -= existing.nbytes
+        self._blocks[block.block_hash] = block
+        self.nbytes += block.nbytes
+
+    def _touch_locked(self, hashes: Sequence[bytes]) -> None:
+        for block_hash in reversed(hashes):
+            if block_hash in self._blocks:
+                self._blocks.move_to_end(block_hash)
+
+    def _evict_locked(self) -> None:
+        while self.nbytes > self.budget_bytes and self._blocks:
+            block_hash, block = self._blocks.popitem(last=False)
+            self.nbytes -= block.nbytes
+            self.evictions += 1
+            if self._lower is not None:
+                self._lower.put(block)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self.nbytes = 0
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "enabled": self.enabled,
+                "hits": self.hits,
+                "misses": self.misses,
+                "tokens_saved": self.tokens_saved,
+                "blocks": len(self._blocks),
+                "bytes": self.nbytes,
+                "budget_bytes": self.budget_bytes,
+                "block_size": self.block_size,
+                "evictions": self.evictions,
+                "lower_tier": type(self._lower).__name__ if self._lower is not None else None,
+            }

@@ -1,0 +1,522 @@
+"""The batched engine's scheduler: continuous batching with chunked, gated prefill.
+
+It is a :class:`~omlx_core.plugins.batched.mlx_thread.Worker`: every call below except
+:meth:`Scheduler.enqueue`, :meth:`Scheduler.abort`, :meth:`Scheduler.apply_memory_limits`,
+:meth:`Scheduler.set_forward_gate` and the read-only counters runs on the MLX thread.
+
+A request moves through four phases:
+
+``waiting``
+    queued; admitted in arrival order while fewer than ``engine.max_batch_size``
+    sequences are prefilling or decoding. Admission looks up the prefix cache and
+    starts the request's own KV cache from the longest reusable cached prefix.
+``prefilling``
+    each :meth:`Scheduler.step` prefills at most ``engine.prefill_step_size`` prompt
+    tokens in all, split into chunks (one forward each, one request's cache each),
+    then runs one decode step: a long prompt never stalls the running streams for
+    more than one chunk budget. Chunk ends fall on ``cache.block_size`` boundaries
+    where they can, so full blocks (and, for models with non-cuttable layers, their
+    boundary states) go into the prefix cache as prefill crosses them.
+``decoding``
+    all prompt tokens but the last are in the cache; the request joins mlx-lm's
+    ``BatchGenerator`` (``insert`` with that cache and its last token) without waiting
+    for the batch to drain, and leaves it (``remove``) the moment it finishes.
+``done``
+    its final output (``finish_reason`` and usage) is in its queue.
+
+**Forward gate seam.** Before a step's prefill forwards run, the planned chunks are
+handed to the installed :class:`~omlx_core.plugins.batched.gate.ForwardGate`
+(``set_forward_gate``) as one :class:`~omlx_core.plugins.batched.gate.PrefillStep`:
+request ids, chunk token counts, cached-token counts, the decode batch size and the
+latest limit snapshot. A request the gate refuses ends with ``finish_reason="error"``
+and the gate's reason, its cache is dropped, and the other chunks and streams go on.
+See :mod:`omlx_core.plugins.batched.gate` for the full contract.
+
+**Memory limits.** :meth:`Scheduler.apply_memory_limits` stores the enforcer's latest
+immutable :class:`~omlx_core.memory.types.LimitSnapshot`; each decision reads it once
+(:attr:`Scheduler.limits`). The ``resolve_scheduler`` hook returns this object.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
+
+from omlx_core.engine import GenerationOutput, GenerationRequest, TokenLogprob, Usage
+from omlx_core.plugins.batched.cache_layout import CacheLayout
+from omlx_core.plugins.batched.gate import ForwardGate, PrefillChunk, PrefillStep
+from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
+from omlx_core.plugins.batched.sampling import make_logits_processors, make_sampler, token_logprob
+from omlx_core.plugins.batched.text import TextAssembler
+
+if TYPE_CHECKING:
+    from omlx_core.memory.types import BoundarySnapshot, LimitSnapshot
+
+log = logging.getLogger(__name__)
+
+WAITING, PREFILLING, DECODING, DONE = "waiting", "prefilling", "decoding", "done"
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """One request's state inside the scheduler."""
+
+    request: GenerationRequest
+    outputs: queue.SimpleQueue
+    prompt: list[int]
+    max_tokens: int
+    seed: int
+    phase: str = WAITING
+    block_hashes: list[bytes] = field(default_factory=list)
+    cache: list[Any] | None = None
+    prefilled: int = 0
+    reused: int = 0
+    stored_blocks: int = 0
+    uid: int | None = None
+    text: TextAssembler | None = None
+    completion_tokens: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens prefilled before decoding: all but the last, which the decode batch feeds."""
+        return len(self.prompt) - 1
+
+
+@dataclass
+class _Counters:
+    steps: int = 0
+    decode_steps: int = 0
+    prefill_chunks: int = 0
+    prompt_tokens_prefilled: int = 0
+    tokens_generated: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
+
+
+class Scheduler:
+    """Owns one model's batch: queues, prefill, decode, outputs, prefix cache."""
+
+    def __init__(self, *, model: Any, tokenizer: Any, model_id: str, model_config: Mapping[str, Any],
+                 vocab_size: int, max_batch_size: int, prefill_step_size: int,
+                 prefix_cache: PrefixCache,
+                 wake: Callable[[], None],
+                 boundary_listener: Callable[[BoundarySnapshot], None] | None = None,
+                 ignore_eos: bool = False) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.model_config = model_config
+        self.vocab_size = vocab_size
+        self.max_batch_size = max_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.prefix_cache = prefix_cache
+        self.layout = CacheLayout(model)
+        self.boundary_listener = boundary_listener
+        self._wake = wake
+        self._gate: ForwardGate | None = None
+        self._limits: LimitSnapshot | None = None
+
+        self._inbox: deque[SequenceState] = deque()
+        self._abort_inbox: deque[str] = deque()
+        self._waiting: deque[SequenceState] = deque()
+        self._prefilling: list[SequenceState] = []
+        self._decoding: dict[int, SequenceState] = {}
+        self._by_id: dict[str, SequenceState] = {}
+        self._stopped = False
+        self._lock = threading.Lock()
+        self.counters = _Counters()
+        # ignore_eos is for benchmarks that need streams of an exact length.
+        self._eos = () if ignore_eos else tuple(sorted(tokenizer.eos_token_ids))
+        self._default_stops = StopSequences([(t,) for t in self._eos])
+        self._generator = self._new_generator()
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(self.model, completion_batch_size=self.max_batch_size,
+                              prefill_batch_size=self.max_batch_size,
+                              prefill_step_size=self.prefill_step_size)
+
+    # -- called from any thread ------------------------------------------------------
+
+    def enqueue(self, sequence: SequenceState) -> None:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"engine for model {self.model_id!r} is shut down; "
+                                   "start it again before submitting requests")
+            self._inbox.append(sequence)
+        self._wake()
+
+    def abort(self, request_id: str) -> None:
+        self._abort_inbox.append(request_id)
+        self._wake()
+
+    def apply_memory_limits(self, snapshot: LimitSnapshot | None) -> None:
+        """Keep the enforcer's latest limit snapshot; the next decision reads it."""
+        self._limits = snapshot
+
+    @property
+    def limits(self) -> LimitSnapshot | None:
+        return self._limits
+
+    def set_forward_gate(self, gate: ForwardGate | None) -> None:
+        """Install (or with ``None`` remove) the gate asked before every prefill step."""
+        self._gate = gate
+
+    @property
+    def forward_gate(self) -> ForwardGate | None:
+        return self._gate
+
+    def queue_depth(self) -> int:
+        return len(self._inbox) + len(self._waiting)
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "queue_depth": self.queue_depth(),
+            "running": len(self._decoding),
+            "prefilling": len(self._prefilling),
+            "max_batch_size": self.max_batch_size,
+            "steps": c.steps,
+            "decode_steps": c.decode_steps,
+            "prefill_chunks": c.prefill_chunks,
+            "prompt_tokens_prefilled": c.prompt_tokens_prefilled,
+            "tokens_generated": c.tokens_generated,
+            "finished": dict(c.finished),
+            "prefix_cache": self.prefix_cache.stats(),
+        }
+
+    # -- the Worker protocol (MLX thread) --------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._abort_inbox or self._prefilling or self._decoding
+                    or (self._waiting and self._free_slots() > 0))
+
+    def step(self) -> None:
+        self.counters.steps += 1
+        self._drain_inbox()
+        self._admit()
+        if self._prefilling:
+            self._prefill_step()
+        if self._decoding:
+            self._decode_step()
+
+    def fail(self, exc: BaseException) -> None:
+        """End every in-flight request with an error and start over with an empty batch."""
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        for sequence in list(self._by_id.values()):
+            if sequence.phase in (PREFILLING, DECODING):
+                self._finish(sequence, "error", error=message, remove=False)
+        self._decoding.clear()
+        self._prefilling.clear()
+        self._generator = self._new_generator()
+        mx.clear_cache()
+
+    def shutdown(self) -> None:
+        """Abort everything (MLX thread); the scheduler takes no requests afterwards."""
+        with self._lock:
+            self._stopped = True
+        self._drain_inbox()
+        for sequence in list(self._by_id.values()):
+            self._abort_sequence(sequence)
+        # Drop every path to the weights so the engine can return them to the system.
+        self._generator = None  # type: ignore[assignment]
+        self.model = self.layout = None  # type: ignore[assignment]
+
+    # -- inbox and admission ---------------------------------------------------------
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            sequence = self._inbox.popleft()
+            if sequence.request_id in self._by_id:
+                self._emit(sequence, GenerationOutput(
+                    sequence.request_id, finish_reason="error",
+                    error=f"request id {sequence.request_id!r} is already running on this engine",
+                    usage=Usage(len(sequence.prompt), 0)))
+                continue
+            self._by_id[sequence.request_id] = sequence
+            self._waiting.append(sequence)
+        while self._abort_inbox:
+            request_id = self._abort_inbox.popleft()
+            sequence = self._by_id.get(request_id)
+            if sequence is not None:
+                self._abort_sequence(sequence)
+
+    def _free_slots(self) -> int:
+        return self.max_batch_size - len(self._prefilling) - len(self._decoding)
+
+    def _admit(self) -> None:
+        while self._waiting and self._free_slots() > 0:
+            sequence = self._waiting.popleft()
+            sequence.phase = PREFILLING
+            sequence.text = TextAssembler(self.tokenizer.detokenizer, sequence.request.sampling.stop)
+            blocks: list[CachedBlock] = []
+            if self.prefix_cache.enabled:
+                sequence.block_hashes = self.prefix_cache.hashes(sequence.prompt[:sequence.prefill_target])
+                blocks = self.prefix_cache.lookup(sequence.block_hashes)
+            sequence.cache = self.layout.restore(blocks)
+            sequence.prefilled = sequence.reused = len(blocks) * self.prefix_cache.block_size
+            sequence.stored_blocks = len(blocks)
+            if sequence.prefilled == sequence.prefill_target:
+                self._start_decoding(sequence)
+            else:
+                self._prefilling.append(sequence)
+
+    # -- prefill ---------------------------------------------------------------------
+
+    def _chunk_end(self, start: int, target: int, budget: int) -> int:
+        end = min(target, start + budget)
+        block = self.prefix_cache.block_size
+        aligned = end - end % block
+        if not self.prefix_cache.enabled or aligned <= start or aligned == end:
+            return end
+        # Budget-limited chunks end on a block boundary; a final chunk is split at its
+        # last boundary only when that boundary needs a state captured there.
+        if end < target or self.layout.needs_boundaries:
+            return aligned
+        return end
+
+    def _plan_prefill(self) -> list[tuple[SequenceState, int, int]]:
+        plan: list[tuple[SequenceState, int, int]] = []
+        budget = self.prefill_step_size
+        for sequence in self._prefilling:
+            position, target = sequence.prefilled, sequence.prefill_target
+            while budget > 0 and position < target:
+                reach = min(target, position + budget)
+                end = self._chunk_end(position, target, budget)
+                plan.append((sequence, position, end))
+                budget -= end - position
+                position = end
+                if end < reach < target:
+                    # Cut back to a block boundary: resume there next step rather than
+                    # spend the sliver of budget left on a tiny unaligned chunk.
+                    break
+            if budget <= 0:
+                break
+        return plan
+
+    def _ask_gate(self, plan: list[tuple[SequenceState, int, int]]) -> dict[str, str]:
+        gate = self._gate
+        if gate is None:
+            return {}
+        step = PrefillStep(
+            model_id=self.model_id,
+            chunks=tuple(PrefillChunk(s.request_id, end - start, start, len(s.prompt), s.reused)
+                         for s, start, end in plan),
+            decoding=len(self._decoding),
+            chunk_size=self.prefill_step_size,
+            limits=self._limits,
+            model_config=self.model_config,
+        )
+        try:
+            refused = gate.check_prefill(step)
+        except Exception as exc:
+            log.exception("forward gate %r failed; refusing this prefill step", gate)
+            reason = f"memory check before prefill failed: {type(exc).__name__}: {exc}"
+            return {s.request_id: reason for s, _, _ in plan}
+        return {str(k): str(v) for k, v in (refused or {}).items()}
+
+    def _prefill_step(self) -> None:
+        plan = self._plan_prefill()
+        refused = self._ask_gate(plan)
+        for request_id, reason in refused.items():
+            sequence = self._by_id.get(request_id)
+            if sequence is not None and sequence.phase == PREFILLING:
+                self._finish(sequence, "error", error=reason)
+        for sequence, start, end in plan:
+            if sequence.phase != PREFILLING:
+                continue
+            try:
+                self._prefill_chunk(sequence, start, end)
+            except Exception as exc:
+                # The chunk's forward touched only this request's own cache.
+                log.exception("prefill of request %s failed", sequence.request_id)
+                self._finish(sequence, "error", error=f"prefill failed: {type(exc).__name__}: {exc}")
+        mx.clear_cache()
+
+    def _prefill_chunk(self, sequence: SequenceState, start: int, end: int) -> None:
+        with mx.stream(generation_stream):
+            self.model(mx.array(sequence.prompt[start:end])[None], cache=sequence.cache)
+            mx.eval([layer.state for layer in sequence.cache])
+        sequence.prefilled = end
+        self.counters.prefill_chunks += 1
+        self.counters.prompt_tokens_prefilled += end - start
+        self._store_prefill_blocks(sequence)
+        if end == sequence.prefill_target:
+            self._prefilling.remove(sequence)
+            self._start_decoding(sequence)
+
+    def _store_prefill_blocks(self, sequence: SequenceState) -> None:
+        """Put the blocks prefill just completed into the prefix cache."""
+        if not self.prefix_cache.enabled:
+            return
+        block_size = self.prefix_cache.block_size
+        complete = sequence.prefilled // block_size
+        at_boundary = sequence.prefilled % block_size == 0
+        blocks = []
+        for index in range(sequence.stored_blocks, complete):
+            block_hash = sequence.block_hashes[index]
+            captures_here = at_boundary and index == complete - 1 and self.layout.needs_boundaries
+            existing = self.prefix_cache.get(block_hash)
+            if existing is not None and (existing.reusable_end or not captures_here):
+                continue
+            boundary = self.layout.capture(sequence.cache) if captures_here else None
+            parent = sequence.block_hashes[index - 1] if index else self.prefix_cache.root
+            kv = self.layout.cut(sequence.cache, index * block_size, (index + 1) * block_size)
+            blocks.append(self.layout.make_block(block_hash, parent, index, block_size, kv, boundary))
+            if boundary is not None and self.boundary_listener is not None:
+                self._announce_boundary(sequence, blocks[-1])
+        self.prefix_cache.insert(blocks, chain=sequence.block_hashes[:complete])
+        sequence.stored_blocks = complete
+
+    def _announce_boundary(self, sequence: SequenceState, block: CachedBlock) -> None:
+        from omlx_core.memory.types import BoundarySnapshot
+
+        snapshot = BoundarySnapshot(sequence.request_id, block.index, block.end_token,
+                                    block.block_hash, block.boundary or (), self.model_id)
+        try:
+            self.boundary_listener(snapshot)  # type: ignore[misc]
+        except Exception:
+            log.exception("on_boundary_snapshot listener failed; the snapshot is dropped")
+
+    def _store_finished_blocks(self, sequence: SequenceState, cache: list[Any], tokens: list[int]) -> None:
+        """Cache the full blocks a finished request's prompt and completion filled.
+
+        Only for models whose every layer can be cut: a boundary state at a block end
+        inside the completion was never captured.
+        """
+        if not self.prefix_cache.enabled or self.layout.needs_boundaries or not cache:
+            return
+        block_size = self.prefix_cache.block_size
+        hashes = self.prefix_cache.extend_hashes(sequence.block_hashes[:sequence.stored_blocks], tokens)
+        blocks = []
+        for index in range(sequence.stored_blocks, len(hashes)):
+            if self.prefix_cache.get(hashes[index]) is not None:
+                continue
+            parent = hashes[index - 1] if index else self.prefix_cache.root
+            kv = self.layout.cut(cache, index * block_size, (index + 1) * block_size)
+            blocks.append(self.layout.make_block(hashes[index], parent, index, block_size, kv, None))
+        self.prefix_cache.insert(blocks, chain=hashes)
+
+    # -- decode ----------------------------------------------------------------------
+
+    def _start_decoding(self, sequence: SequenceState) -> None:
+        sampling = sequence.request.sampling
+        stops = self._default_stops
+        if sampling.stop_token_ids:
+            extra = sorted(set(self._eos) | {int(t) for t in sampling.stop_token_ids})
+            stops = StopSequences([(t,) for t in extra])
+        sequence.uid = self._generator.insert(
+            [[sequence.prompt[-1]]],
+            max_tokens=[sequence.max_tokens],
+            caches=[sequence.cache],
+            all_tokens=[sequence.prompt[:sequence.prefill_target]],
+            samplers=[make_sampler(sampling, sequence.seed, self.vocab_size)],
+            logits_processors=[make_logits_processors(sampling, len(sequence.prompt))],
+            stop_sequences=[stops],
+        )[0]
+        sequence.cache = None
+        sequence.phase = DECODING
+        self._decoding[sequence.uid] = sequence
+
+    def _decode_step(self) -> None:
+        _, responses = self._generator.next()
+        self.counters.decode_steps += 1
+        for response in responses:
+            sequence = self._decoding.get(response.uid)
+            if sequence is None:
+                continue
+            try:
+                self._on_token(sequence, response)
+            except Exception as exc:
+                log.exception("request %s failed while handling its token", sequence.request_id)
+                self._finish(sequence, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _on_token(self, sequence: SequenceState, response: Any) -> None:
+        sequence.completion_tokens += 1
+        self.counters.tokens_generated += 1
+        token = int(response.token)
+        assert sequence.text is not None
+        if response.finish_reason == "stop":
+            # An end-of-sequence or stop token: it ends the text and is not part of it.
+            del self._decoding[sequence.uid]
+            text, _ = sequence.text.finish()
+            self._store_finished_blocks(sequence, response.prompt_cache, response.all_tokens)
+            self._finish(sequence, "stop", text=text, remove=False)
+            return
+        text, stopped = sequence.text.add(token)
+        logprobs = None
+        top = sequence.request.sampling.logprobs
+        if top is not None:
+            logprobs = (token_logprob(response.logprobs, token, top),)
+        if stopped:
+            self._finish(sequence, "stop", text=text, token_ids=(token,), logprobs=logprobs,
+                         store=True)
+        elif response.finish_reason == "length":
+            del self._decoding[sequence.uid]
+            tail, stopped_in_tail = sequence.text.finish()
+            self._store_finished_blocks(sequence, response.prompt_cache, response.all_tokens)
+            self._finish(sequence, "stop" if stopped_in_tail else "length", text=text + tail,
+                         token_ids=(token,), logprobs=logprobs, remove=False)
+        else:
+            self._emit(sequence, GenerationOutput(sequence.request_id, text, (token,), logprobs))
+
+    # -- endings ---------------------------------------------------------------------
+
+    def _abort_sequence(self, sequence: SequenceState) -> None:
+        if sequence.phase == WAITING:
+            try:
+                self._waiting.remove(sequence)
+            except ValueError:
+                pass
+        self._finish(sequence, "abort")
+
+    def _finish(self, sequence: SequenceState, reason: str, *, text: str = "",
+                token_ids: tuple[int, ...] = (), logprobs: tuple[TokenLogprob, ...] | None = None,
+                error: str | None = None, remove: bool = True, store: bool = False) -> None:
+        """Emit the final output and release everything the request holds."""
+        if sequence.phase == DONE:
+            return
+        if sequence.phase == PREFILLING:
+            if sequence in self._prefilling:
+                self._prefilling.remove(sequence)
+            sequence.cache = None
+        elif sequence.phase == DECODING and sequence.uid is not None:
+            if remove and self._decoding.pop(sequence.uid, None) is not None:
+                extracted = self._generator.remove([sequence.uid], return_prompt_caches=store)
+                if store and sequence.uid in extracted:
+                    cache, tokens = extracted[sequence.uid]
+                    self._store_finished_blocks(sequence, cache, tokens)
+            self._decoding.pop(sequence.uid, None)
+        sequence.phase = DONE
+        self._by_id.pop(sequence.request_id, None)
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        usage = Usage(len(sequence.prompt), sequence.completion_tokens, sequence.reused)
+        self._emit(sequence, GenerationOutput(sequence.request_id, text, token_ids, logprobs,
+                                              finish_reason=reason, error=error, usage=usage))
+
+    @staticmethod
+    def _emit(sequence: SequenceState, output: GenerationOutput) -> None:
+        sequence.outputs.put(output)
+
+
+def new_sequence(request: GenerationRequest, max_tokens: int) -> SequenceState:
+    """The scheduler state of a validated request."""
+    seed = request.sampling.seed
+    if seed is None:
+        seed = secrets.randbits(63)
+    return SequenceState(request=request, outputs=queue.SimpleQueue(),
+                     prompt=[int(t) for t in request.prompt_tokens], max_tokens=max_tokens,
+                     seed=int(seed))
+
+
+__all__ = ["Scheduler", "SequenceState", "new_sequence", "DECODING", "DONE", "PREFILLING", "WAITING"]

@@ -1,0 +1,72 @@
+"""From generated token ids to the text a client may see: incremental and stop-aware.
+
+mlx-lm's streaming detokenizers hold back the bytes of a character split across
+tokens, so no replacement character is emitted for it. On top of that, text that
+could be the beginning of a stop string is held back until it either completes the
+stop string (it and everything after it are dropped) or can no longer become one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text without ever releasing part of one."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = tuple(s for s in dict.fromkeys(stop) if s)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """``(text safe to emit, whether a stop string matched)``; after a match the
+        stop string and whatever followed it are dropped."""
+        if not self.stop:
+            return text, False
+        pending = self._held + text
+        found = [i for i in (pending.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self._held = ""
+            return pending[: min(found)], True
+        keep = self._longest_stop_prefix_suffix(pending)
+        self._held = pending[len(pending) - keep:] if keep else ""
+        return pending[: len(pending) - keep], False
+
+    def flush(self) -> str:
+        """The held text, released because no more text will come."""
+        held, self._held = self._held, ""
+        return held
+
+    def _longest_stop_prefix_suffix(self, text: str) -> int:
+        longest = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+
+class TextAssembler:
+    """One request's completion text: tokens in, emit-ready text out."""
+
+    def __init__(self, detokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self._detokenizer = detokenizer
+        self._stops = StopMatcher(stop)
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """Add a generated token; ``(new text to emit, whether a stop string matched)``."""
+        self._detokenizer.add_token(token)
+        return self._stops.feed(self._detokenizer.last_segment)
+
+    def finish(self) -> tuple[str, bool]:
+        """Flush the detokenizer and the held text at the end of generation.
+
+        The tail can still complete a stop string (the detokenizer holds back a final
+        space or split character), so the same ``(text, matched)`` pair is returned.
+        """
+        self._detokenizer.finalize()
+        text, matched = self._stops.feed(self._detokenizer.last_segment)
+        if matched:
+            return text, True
+        return text + self._stops.flush(), False

@@ -1,0 +1,85 @@
+"""The batched plugin through the public hooks only, as the server and other plugins see it."""
+
+from __future__ import annotations
+
+from omlx_core.config import load_config
+from omlx_core.engine import GenerationRequest, SamplingParams
+from omlx_core.hookspecs import hookimpl
+from omlx_core.models.registry import spec_for_path
+from omlx_core.pluginmanager import build_plugin_manager
+from omlx_core.plugins.batched import BatchedEngine, PrefixCache, Scheduler
+from omlx_core.server_context import ServerContext
+
+
+def config():
+    overrides = {"engine.prefill_step_size": "16", "cache.block_size": "8"}
+    return load_config("base", overrides=[(k, v, "test") for k, v in overrides.items()], env={})
+
+
+class TierAndSnapshotPlugin:
+    """A third-party plugin: a lower cache tier and a boundary-snapshot listener."""
+
+    def __init__(self) -> None:
+        self.snapshots = []
+
+    @hookimpl
+    def register_caches(self, register):
+        register("test-tier", lambda model, config: DictTier({}))
+
+    @hookimpl
+    def on_boundary_snapshot(self, snapshot):
+        self.snapshots.append(snapshot)
+
+
+class DictTier:
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def get(self, block_hash):
+        return self.blocks.get(block_hash)
+
+    def put(self, block):
+        self.blocks[block.block_hash] = block
+
+    def contains(self, block_hash):
+        return block_hash in self.blocks
+
+
+def test_entry_point_registers_the_engine_and_the_memory_cache(tiny_model_path):
+    plugins = build_plugin_manager()
+    assert plugins.infos["batched"].source == "built-in"
+    assert "batched" in plugins.engines()
+    assert "memory" in plugins.caches()
+    engine = plugins.engines()["batched"](spec_for_path(tiny_model_path("llama")), config())
+    assert isinstance(engine, BatchedEngine)
+    cache = plugins.caches()["memory"](engine.model, config())
+    assert isinstance(cache, PrefixCache) and cache.block_size == 8
+
+
+def test_startup_connects_lower_tier_and_boundary_snapshots(tiny_model_path):
+    plugins = build_plugin_manager()
+    extra = TierAndSnapshotPlugin()
+    plugins.register(extra, "tier-and-snapshots")
+    engine = plugins.engines()["batched"](spec_for_path(tiny_model_path("gemma3")), config())
+    engine.start()
+    try:
+        context = ServerContext(config=config(), plugins=plugins, engines={"gemma3": engine})
+        plugins.hook.startup(context=context)
+        scheduler = plugins.hook.resolve_scheduler(engine=engine)
+        assert isinstance(scheduler, Scheduler) and scheduler is engine.scheduler
+        assert engine.prefix_cache.stats()["lower_tier"] == "DictTier"
+
+        prompt = engine.tokenize(" ".join(f"w{i % 17}" for i in range(30)))
+        handle = engine.submit(GenerationRequest("snap-1", prompt, SamplingParams(temperature=0, max_tokens=2)))
+        assert list(handle)[-1].finish_reason == "length"
+    finally:
+        engine.shutdown()
+    # gemma3 has rotating-window layers: prefill captured their state at block ends.
+    assert extra.snapshots
+    assert {s.request_id for s in extra.snapshots} == {"snap-1"}
+    for snapshot in extra.snapshots:
+        assert snapshot.token_count == (snapshot.block_index + 1) * 8
+        assert snapshot.token_count <= len(prompt) - 1
+        assert any(state is not None for state in snapshot.layer_states)
+        assert snapshot.model_id == engine.model.id
+

@@ -1,0 +1,159 @@
+"""The in-memory prefix cache and the cutting and rebuilding of model caches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from omlx_core.plugins.batched.cache_layout import CacheLayout
+from omlx_core.plugins.batched.mlx_thread import mlx_thread
+from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache, chain_hashes, root_hash
+
+BLOCK = 4
+
+
+def blocks_for(cache: PrefixCache, tokens: list[int], nbytes: int = 100,
+               reusable: set[int] | None = None) -> list[CachedBlock]:
+    hashes = cache.hashes(tokens)
+    return [CachedBlock(h, hashes[i - 1] if i else cache.root, i, cache.block_size, (), None,
+                        reusable_end=reusable is None or i in reusable, nbytes=nbytes)
+            for i, h in enumerate(hashes)]
+
+
+class DictStore:
+    """A lower tier kept in a dict: the smallest real BlockStore."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, CachedBlock] = {}
+
+    def get(self, block_hash: bytes) -> CachedBlock | None:
+        return self.blocks.get(block_hash)
+
+    def put(self, block: CachedBlock) -> None:
+        self.blocks[block.block_hash] = block
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self.blocks
+
+
+def test_chain_hashes_name_whole_prefixes():
+    root = root_hash("model")
+    a = chain_hashes(list(range(10)), BLOCK, root)
+    b = chain_hashes(list(range(8)) + [99, 98, 97, 96], BLOCK, root)
+    assert len(a) == 2  # the partial third block is not hashed
+    assert a == b[:2]
+    c = chain_hashes([0, 1, 2, 3, 9, 5, 6, 7], BLOCK, root)
+    assert c[0] == a[0] and c[1] != a[1]
+    # Same tokens after a different first block: a different prefix, a different hash.
+    d = chain_hashes([7, 7, 7, 7, 4, 5, 6, 7], BLOCK, root)
+    assert d[1] != a[1]
+    assert chain_hashes(list(range(8)), BLOCK, root_hash("other")) != a
+
+
+def test_lookup_reuses_longest_cached_prefix_and_counts():
+    cache = PrefixCache(BLOCK, 10_000, "m")
+    turn_one = list(range(12))
+    cache.insert(blocks_for(cache, turn_one))
+    turn_two = turn_one + [50, 51, 52, 53, 54]
+    found = cache.lookup(cache.hashes(turn_two))
+    assert [b.index for b in found] == [0, 1, 2]
+    assert cache.lookup(cache.hashes([9, 9, 9, 9])) == []
+    stats = cache.stats()
+    assert (stats["hits"], stats["misses"], stats["tokens_saved"]) == (1, 1, 12)
+    assert stats["blocks"] == 3 and stats["bytes"] == 300
+
+
+def test_lookup_backs_off_to_last_block_with_a_boundary_state():
+    cache = PrefixCache(BLOCK, 10_000, "m")
+    tokens = list(range(16))
+    cache.insert(blocks_for(cache, tokens, reusable={1}))
+    found = cache.lookup(cache.hashes(tokens))
+    assert [b.index for b in found] == [0, 1]
+    assert cache.peek(cache.hashes(tokens)) == 2
+
+
+def test_a_block_gains_its_boundary_state_later():
+    cache = PrefixCache(BLOCK, 10_000, "m")
+    tokens = list(range(8))
+    cache.insert(blocks_for(cache, tokens, reusable=set()))
+    assert cache.lookup(cache.hashes(tokens)) == []
+    cache.insert(blocks_for(cache, tokens, reusable={1})[1:])
+    assert len(cache.lookup(cache.hashes(tokens))) == 2
+
+
+def test_lru_evicts_leaves_before_their_parents_under_the_byte_budget():
+    cache = PrefixCache(BLOCK, 450, "m")
+    chain_a = list(range(12))  # 3 blocks
+    cache.insert(blocks_for(cache, chain_a))
+    cache.touch(cache.hashes(chain_a))
+    chain_b = [100 + t for t in range(8)]  # 2 blocks: 500 bytes in all, over budget
+    cache.insert(blocks_for(cache, chain_b))
+    cache.touch(cache.hashes(chain_b))
+    assert cache.nbytes <= 450
+    # A's deepest block went first; its first two blocks still form a usable prefix.
+    assert [b.index for b in cache.lookup(cache.hashes(chain_a))] == [0, 1]
+    assert cache.stats()["evictions"] == 1
+
+
+def test_block_larger_than_budget_is_not_stored():
+    cache = PrefixCache(BLOCK, 50, "m")
+    cache.insert(blocks_for(cache, list(range(4)), nbytes=51))
+    assert cache.stats()["blocks"] == 0
+
+
+def test_zero_budget_turns_the_cache_off():
+    cache = PrefixCache(BLOCK, 0, "m")
+    cache.insert(blocks_for(cache, list(range(8))))
+    assert not cache.enabled
+    assert cache.lookup(cache.hashes(list(range(8)))) == []
+    assert cache.stats()["misses"] == 0
+
+
+def test_lower_tier_receives_evictions_and_serves_misses():
+    cache = PrefixCache(BLOCK, 250, "m")
+    store = DictStore()
+    cache.attach_lower(store)
+    tokens = list(range(12))
+    cache.insert(blocks_for(cache, tokens))
+    assert len(store.blocks) == 1  # one block did not fit and went down a tier
+    # Peek counts memory only; lookup promotes the block back from the lower tier.
+    assert cache.peek(cache.hashes(tokens)) == 2
+    assert len(cache.lookup(cache.hashes(tokens))) == 3
+
+
+def _prefill(model, cache, tokens, step):
+    for start in range(0, len(tokens), step):
+        logits = model(mx.array(tokens[start:start + step])[None], cache=cache)
+    return logits[0, -1]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next"])
+def test_restored_cache_continues_exactly_like_the_original(tiny_model_path, family):
+    from omlx_core.models.loader import load_model
+
+    path = tiny_model_path(family)
+    tokens = [(7 * i + 3) % 300 + 10 for i in range(40)]
+
+    def compute():
+        model, _tokenizer = load_model(path)
+        layout = CacheLayout(model)
+        cache = layout.new_cache()
+        _prefill(model, cache, tokens[:32], 16)
+        mx.eval([c.state for c in cache])
+        prefix = PrefixCache(8, 1 << 30, family)
+        hashes = prefix.hashes(tokens[:32])
+        blocks = [layout.make_block(h, hashes[i - 1] if i else prefix.root, i, 8,
+                                    layout.cut(cache, 8 * i, 8 * i + 8),
+                                    layout.capture(cache) if i == 3 else None)
+                  for i, h in enumerate(hashes)]
+        restored = layout.restore(blocks)
+        continued = _prefill(model, cache, tokens[32:], 16)
+        resumed = _prefill(model, restored, tokens[32:], 16)
+        return layout, blocks, np.array(continued), np.array(resumed)
+
+    layout, blocks, continued, resumed = mlx_thread().run(compute)
+    assert layout.needs_boundaries == (family != "llama")
+    assert blocks[-1].reusable_end
+    assert all(b.reusable_end for b in blocks) == (family == "llama")
+    np.testing.assert_allclose(resumed, continued, rtol=1e-5, atol=1e-5)
