@@ -14,7 +14,7 @@ from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.batched import BatchedEngine
-from omlx_core.plugins.batched.mlx_thread import mlx_thread
+from omlx_core.mlx_thread import mlx_thread
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams, Usage
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.batched import BatchedEngine, PrefillStep
-from omlx_core.plugins.batched.mlx_thread import mlx_thread
+from omlx_core.mlx_thread import mlx_thread
 
 PREFILL_STEP = 16
 BLOCK = 8

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from omlx_core.plugins.batched.cache_layout import CacheLayout
-from omlx_core.plugins.batched.mlx_thread import mlx_thread
+from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache, chain_hashes, root_hash
 
 BLOCK = 4

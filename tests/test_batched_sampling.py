@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from omlx_core.engine import SamplingParams
-from omlx_core.plugins.batched.mlx_thread import mlx_thread
+from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched.sampling import (
     SeededSampler,
     check_sampling,

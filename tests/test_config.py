@@ -100,7 +100,7 @@ def test_wrong_type_names_expected_form(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(str(bad), env={})
     assert "server.port" in str(err.value)
-    assert "expected an integer between 1 and 65535" in str(err.value)
+    assert "expected an integer between 0 and 65535" in str(err.value)
 
 
 def test_bad_value_out_of_range_and_bad_choice(tmp_path):

@@ -28,7 +28,7 @@ def _tier_settings(tier: str) -> list[Setting]:
 
 CORE_SETTINGS: list[Setting] = [
     Setting("server.host", "str", "address to bind; 127.0.0.1 unless you mean to expose the server"),
-    Setting("server.port", "int", "TCP port", minimum=1, maximum=65535),
+    Setting("server.port", "int", "TCP port (0 picks a free one)", minimum=0, maximum=65535),
     Setting("server.threads", "int", "waitress worker threads", minimum=1, maximum=1024),
     Setting("server.max_body", "size", "largest accepted request body", minimum=1024),
     Setting("server.api_keys", "list", "accepted API keys; empty means no authentication"),

@@ -12,7 +12,7 @@ group). What it provides through the public hooks:
   prefix cache.
 
 Threads: every mlx operation, model loading included, runs on the process's one MLX
-thread (:mod:`.mlx_thread`). ``submit`` only validates and enqueues; outputs come back
+thread (:mod:`omlx_core.mlx_thread`). ``submit`` only validates and enqueues; outputs come back
 through a queue per request that the :class:`~.engine.BatchedRequestHandle` iterates;
 closing the handle aborts the request within one scheduler step.
 

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     from omlx_core.models.loader import load_model
     from omlx_core.models.registry import spec_for_path
     from omlx_core.plugins.batched.engine import BatchedEngine
-    from omlx_core.plugins.batched.mlx_thread import mlx_thread
+    from omlx_core.mlx_thread import mlx_thread
 
     if args.model is None:
         from omlx_core.models.default import ensure_default_model

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from omlx_core.engine import Engine, GenerationOutput, GenerationRequest, RequestHandle
-from omlx_core.plugins.batched.mlx_thread import MLXThread, mlx_thread
+from omlx_core.mlx_thread import MLXThread, mlx_thread
 from omlx_core.plugins.batched.prefix_cache import PrefixCache
 from omlx_core.plugins.batched.sampling import check_sampling
 from omlx_core.plugins.batched.scheduler import Scheduler, new_sequence

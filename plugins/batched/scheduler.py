@@ -1,6 +1,6 @@
 """The batched engine's scheduler: continuous batching with chunked, gated prefill.
 
-It is a :class:`~omlx_core.plugins.batched.mlx_thread.Worker`: every call below except
+It is a :class:`~omlx_core.mlx_thread.Worker`: every call below except
 :meth:`Scheduler.enqueue`, :meth:`Scheduler.abort`, :meth:`Scheduler.apply_memory_limits`,
 :meth:`Scheduler.set_forward_gate` and the read-only counters runs on the MLX thread.
 

@@ -1,25 +1,23 @@
 """An omlx-core engine plugin that serves one request at a time.
 
 Everything a plugin needs: a ``@hookimpl`` that registers an engine factory, and an
-:class:`~omlx_core.engine.Engine` subclass. All mlx work runs on the engine's own thread.
-It honours temperature, top_p, top_k, min_p and max_tokens; stop strings, penalties and
-batching are what the built-in ``batched`` engine is for.
+:class:`~omlx_core.engine.Engine` subclass. Its mlx work runs on the process's one MLX
+thread (:mod:`omlx_core.mlx_thread`) as a worker stepped one token at a time, so it
+shares the machine fairly with other engines. It honours temperature, top_p, top_k,
+min_p and max_tokens; stop strings, penalties and batching are what the built-in
+``batched`` engine is for.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from typing import Any, Iterator, Mapping, Sequence
 
-from omlx_core.engine import (
-    Engine,
-    GenerationOutput,
-    GenerationRequest,
-    RequestHandle,
-    Usage,
-)
+from omlx_core.engine import Engine, GenerationOutput, GenerationRequest, RequestHandle, Usage
 from omlx_core.hookspecs import hookimpl
+from omlx_core.mlx_thread import mlx_thread
 
 _DONE = object()
 
@@ -30,8 +28,9 @@ def register_engines(register):
 
 
 class _Handle(RequestHandle):
-    def __init__(self, engine: "SequentialEngine", request_id: str):
-        self.request_id = request_id
+    def __init__(self, engine: "SequentialEngine", request: GenerationRequest):
+        self.request_id = request.request_id
+        self.request = request
         self._engine = engine
         self.outputs: "queue.Queue[Any]" = queue.Queue()
 
@@ -43,27 +42,41 @@ class _Handle(RequestHandle):
         self._engine.abort(self.request_id)
 
 
+class _Current:
+    """The request being generated and its token stream."""
+
+    def __init__(self, handle: _Handle, tokens: Iterator[Any]):
+        self.handle = handle
+        self.tokens = tokens
+        self.completion = 0
+
+
 class SequentialEngine(Engine):
-    """Runs requests in arrival order, each to completion, on one worker thread."""
+    """Runs requests in arrival order, each to completion."""
 
     def __init__(self, model, config):
         self.model = model
-        self.default_max_tokens = config["engine.max_tokens"]
-        self._requests: "queue.Queue[Any]" = queue.Queue()
+        self._waiting: "collections.deque[_Handle]" = collections.deque()
         self._aborted: set[str] = set()
-        self._ready = threading.Event()
-        self._worker = threading.Thread(target=self._run, name="sequential-mlx", daemon=True)
-        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._current: _Current | None = None
+        self._thread = mlx_thread()
+
+    # -- the Engine contract, called from any thread -----------------------------------
 
     def start(self) -> None:
-        self._worker.start()
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
+        from omlx_core.models.loader import load_model
+
+        self._model, self._tokenizer = self._thread.run(load_model, self.model.path)
+        self._thread.attach(self)
 
     def shutdown(self) -> None:
-        self._requests.put(_DONE)
-        self._worker.join(timeout=30)
+        self._thread.detach(self)
+        with self._lock:
+            pending = list(self._waiting)
+            self._waiting.clear()
+        for handle in pending:
+            self._finish(handle, "abort", 0)
 
     def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
         return list(self._tokenizer.apply_chat_template(
@@ -73,51 +86,67 @@ class SequentialEngine(Engine):
         return list(self._tokenizer.encode(text))
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        handle = _Handle(self, request.request_id)
-        self._requests.put((request, handle))
+        handle = _Handle(self, request)
+        with self._lock:
+            self._waiting.append(handle)
+        self._thread.wake()
         return handle
 
     def abort(self, request_id: str) -> None:
-        self._aborted.add(request_id)
+        with self._lock:
+            self._aborted.add(request_id)
+        self._thread.wake()
 
-    def _run(self) -> None:
+    # -- the Worker contract, called on the MLX thread -----------------------------------
+
+    def has_work(self) -> bool:
+        return self._current is not None or bool(self._waiting)
+
+    def step(self) -> None:
+        if self._current is None:
+            with self._lock:
+                handle = self._waiting.popleft()
+            self._current = _Current(handle, self._generate(handle.request))
+        current = self._current
+        request_id = current.handle.request_id
+        with self._lock:
+            aborted = request_id in self._aborted
+            self._aborted.discard(request_id)
+        if aborted:
+            return self._end("abort")
+        response = next(current.tokens, None)
+        if response is None:
+            return self._end("length")
+        current.completion = response.generation_tokens
+        current.handle.outputs.put(GenerationOutput(request_id, response.text, (response.token,)))
+        if response.finish_reason:
+            self._end(response.finish_reason)
+
+    def fail(self, exc: BaseException) -> None:
+        if self._current is not None:
+            handle = self._current.handle
+            self._current = None
+            handle.outputs.put(GenerationOutput(handle.request_id, finish_reason="error",
+                                                error=str(exc)))
+            handle.outputs.put(_DONE)
+
+    def _generate(self, request: GenerationRequest) -> Iterator[Any]:
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
-        from omlx_core.models.loader import load_model
+        sampling = request.sampling
+        sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p,
+                               top_k=sampling.top_k, min_p=sampling.min_p)
+        return stream_generate(self._model, self._tokenizer, list(request.prompt_tokens),
+                               max_tokens=sampling.max_tokens, sampler=sampler)
 
-        try:
-            self._model, self._tokenizer = load_model(self.model.path)
-        except BaseException as exc:
-            self._error = exc
-            return
-        finally:
-            self._ready.set()
-        while (item := self._requests.get()) is not _DONE:
-            request, handle = item
-            sampling = request.sampling
-            sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p,
-                                   top_k=sampling.top_k, min_p=sampling.min_p)
-            completion, reason = 0, "length"
-            try:
-                for response in stream_generate(
-                        self._model, self._tokenizer, list(request.prompt_tokens),
-                        max_tokens=sampling.max_tokens, sampler=sampler):
-                    if request.request_id in self._aborted:
-                        reason = "abort"
-                        break
-                    completion = response.generation_tokens
-                    handle.outputs.put(GenerationOutput(
-                        request.request_id, response.text, (response.token,)))
-                    if response.finish_reason:
-                        reason = response.finish_reason
-            except Exception as exc:  # report in-band; the next request still runs
-                handle.outputs.put(GenerationOutput(request.request_id, finish_reason="error",
-                                                    error=str(exc)))
-                handle.outputs.put(_DONE)
-                continue
-            self._aborted.discard(request.request_id)
-            handle.outputs.put(GenerationOutput(
-                request.request_id, finish_reason=reason,
-                usage=Usage(len(request.prompt_tokens), completion)))
-            handle.outputs.put(_DONE)
+    def _end(self, reason: str) -> None:
+        current, self._current = self._current, None
+        self._finish(current.handle, reason, current.completion)
+
+    @staticmethod
+    def _finish(handle: _Handle, reason: str, completion: int) -> None:
+        handle.outputs.put(GenerationOutput(
+            handle.request_id, finish_reason=reason,
+            usage=Usage(len(handle.request.prompt_tokens), completion)))
+        handle.outputs.put(_DONE)

@@ -5,6 +5,11 @@ stream are per thread, and model weights loaded on one thread and used on anothe
 invite races. So a process has exactly one MLX thread: model loads run on it as
 tasks (:meth:`MLXThread.run`), and each engine's scheduler is a :class:`Worker` the
 thread steps round-robin while it has work. Other threads only enqueue and wake it.
+
+Every engine plugin, built-in or third-party, should do its mlx work here. A thread that
+used mlx streams must also outlive the process: mlx keeps a per-thread stream worker, and
+a thread that exits early aborts the process at exit ("terminate called without an
+active exception"). This one never exits.
 """
 
 from __future__ import annotations
