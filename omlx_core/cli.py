@@ -1,4 +1,4 @@
-"""The ``omlx-core`` command: serve, plugins, config, models, doctor."""
+"""The ``omlx-core`` command: serve, plugins, config, models, doctor, bench."""
 
 from __future__ import annotations
 
@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = commands.add_parser("doctor", help="check backend, BLAS, memory and the default model")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+
+    from omlx_core.bench.serving import add_arguments as add_bench_arguments
+
+    bench = commands.add_parser("bench", help="benchmark omlx-core serve against mlx_lm.server")
+    add_bench_arguments(bench)
     return parser
 
 
@@ -106,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensure_optimized_blas()
     handler = {
         "serve": cmd_serve, "plugins": cmd_plugins, "config": cmd_config,
-        "models": cmd_models, "doctor": cmd_doctor,
+        "models": cmd_models, "doctor": cmd_doctor, "bench": cmd_bench,
     }[args.command]
     try:
         return handler(args)
@@ -272,6 +277,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print(format_report(report))
     return report.exit_code
+
+
+# -- bench ------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from omlx_core.bench.serving import run
+
+    return run(args)
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -15,8 +15,6 @@ tokens are banned through ``logit_bias`` so every stream generates exactly
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import statistics
 import sys
 import threading
@@ -25,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from omlx_core.bench.client import (BANNED_BIAS, chat_body, run_concurrently,
+                                    special_token_ids, stream_chat)
 from omlx_core.engine import Engine, GenerationRequest, SamplingParams
 
 TARGET_COST = 0.05
@@ -74,11 +74,6 @@ def _messages(round_index: int, stream: int) -> list[dict[str, str]]:
                                         f"about {topic}."}]
 
 
-def _special_token_ids(model_dir: Path) -> list[int]:
-    spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    return sorted(int(t["id"]) for t in spec.get("added_tokens", []) if t.get("special"))
-
-
 def _run_concurrently(streams: int, work: Callable[[int], tuple[int, float]]
                       ) -> tuple[int, float, float, dict[str, float]]:
     """Start ``work(i)`` on ``streams`` threads at once.
@@ -86,35 +81,21 @@ def _run_concurrently(streams: int, work: Callable[[int], tuple[int, float]]
     :returns: tokens, wall seconds, mean TTFT, and CPU seconds (``process``, ``server``,
         ``client``) spent meanwhile.
     """
-    results: list[tuple[int, float] | BaseException | None] = [None] * streams
     client_cpu = [0.0] * streams
-    barrier = threading.Barrier(streams + 1)
 
-    def run(index: int) -> None:
-        barrier.wait()
+    def timed(index: int) -> tuple[int, float]:
         started = time.thread_time()
         try:
-            results[index] = work(index)
-        except BaseException as exc:  # reported below, with the stream it came from
-            results[index] = exc
-        client_cpu[index] = time.thread_time() - started
+            return work(index)
+        finally:
+            client_cpu[index] = time.thread_time() - started
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
-    for thread in threads:
-        thread.start()
     cpu_before, server_before = time.process_time(), _server_threads_cpu()
-    barrier.wait()
-    started = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - started
+    results, elapsed = run_concurrently(streams, timed)
     cpu = {"process": time.process_time() - cpu_before,
            "server": _server_threads_cpu() - server_before, "client": sum(client_cpu)}
-    for index, result in enumerate(results):
-        if isinstance(result, BaseException) or result is None:
-            raise RuntimeError(f"stream {index} failed: {result!r}")
-    tokens = sum(r[0] for r in results)  # type: ignore[index]
-    ttft = statistics.mean(r[1] for r in results)  # type: ignore[index]
+    tokens = sum(r[0] for r in results)
+    ttft = statistics.mean(r[1] for r in results)
     return tokens, elapsed, ttft, cpu
 
 
@@ -145,33 +126,12 @@ def engine_round(engine: Engine, round_index: int, streams: int, sampling: Sampl
 def http_round(host: str, port: int, model_id: str, round_index: int, streams: int,
                sampling: SamplingParams) -> Round:
     def work(index: int) -> tuple[int, float]:
-        body = json.dumps({
-            "model": model_id, "messages": _messages(round_index, index), "stream": True,
-            "stream_options": {"include_usage": True}, "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "logit_bias": {str(k): v for k, v in sampling.logit_bias.items()}})
-        started = time.perf_counter()
-        connection = http.client.HTTPConnection(host, port, timeout=600)
-        try:
-            connection.request("POST", "/v1/chat/completions", body=body,
-                               headers={"Content-Type": "application/json"})
-            response = connection.getresponse()
-            if response.status != 200:
-                raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
-            first: float | None = None
-            last_event = b""
-            for line in response:
-                if not line.startswith(b"data: "):
-                    continue
-                if first is None:
-                    first = time.perf_counter() - started
-                if line.startswith(b"data: [DONE]"):
-                    break
-                last_event = line
-            usage = json.loads(last_event[len(b"data: "):])["usage"]
-            return int(usage["completion_tokens"]), first or 0.0
-        finally:
-            connection.close()
+        body = chat_body(model_id, _messages(round_index, index), sampling.max_tokens,
+                         temperature=sampling.temperature)
+        body["logit_bias"] = {str(k): v for k, v in sampling.logit_bias.items()}
+        record = stream_chat(host, port, body, timeout=600)
+        # A warm-up stream may end on end-of-sequence before any text.
+        return record.completion_tokens, record.ttft if record.chunk_times else 0.0
 
     tokens, seconds, ttft, cpu = _run_concurrently(streams, work)
     return Round(HTTP_PATH, round_index // 2, streams, tokens, seconds, ttft, cpu["process"],
@@ -252,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     context = start_engines(setup, model_ids, progress=True)
     try:
         model_id, engine = next(iter(context.engines.items()))
-        banned = {token: -100.0 for token in _special_token_ids(Path(engine.model.path))}
+        banned = {token: BANNED_BIAS for token in special_token_ids(Path(engine.model.path))}
         sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logit_bias=banned)
         rounds: list[Round] = []
         with HTTPServer(context, host="127.0.0.1", port=0,

@@ -1,0 +1,173 @@
+"""The servers a benchmark compares, each run as its own subprocess on a loopback port.
+
+Both get the same optimized BLAS preloaded (the ``mlx-cpu`` wheel's reference BLAS would
+make either one ~80x slower) and the same batch and prefill-chunk settings where the
+server has them; :func:`blas_of` reads a running server's memory map to prove which
+BLAS it really uses.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+OMLX = "omlx"
+MLX_LM = "mlx_lm"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The knobs both servers are given alike."""
+
+    tier: str
+    max_batch_size: int
+    prefill_step_size: int
+    http_threads: int
+    #: extra ``--set KEY=VALUE`` overrides for omlx-core
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to start one server and which model id its requests name."""
+
+    name: str
+    label: str
+    argv: list[str]
+    model_id: str
+    #: settings this server has no equivalent for, said in the report
+    lacks: tuple[str, ...] = ()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def omlx_spec(model_dir: Path, port: int, settings: ServerSettings) -> ServerSpec:
+    argv = [sys.executable, "-m", "omlx_core", "--log-level", "WARNING", "serve",
+            "--tier", settings.tier, "--model", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--threads", str(settings.http_threads),
+            "--set", f"engine.max_batch_size={settings.max_batch_size}",
+            "--set", f"engine.prefill_step_size={settings.prefill_step_size}"]
+    for override in settings.overrides:
+        argv += ["--set", override]
+    return ServerSpec(OMLX, f"omlx-core serve (tier {settings.tier})", argv,
+                      model_id=Path(model_dir).resolve().name)
+
+
+def mlx_lm_spec(model_dir: Path, port: int, settings: ServerSettings) -> ServerSpec:
+    argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
+            "--decode-concurrency", str(settings.max_batch_size),
+            "--prompt-concurrency", str(settings.max_batch_size),
+            "--prefill-step-size", str(settings.prefill_step_size)]
+    lacks = (
+        "a memory ceiling, admission control and 413 refusals (it runs whatever arrives)",
+        "a per-step prefill token budget: --prefill-step-size caps each sequence's chunk, "
+        "so a step can prefill up to prompt-concurrency x step tokens",
+        "a bounded HTTP worker pool (ThreadingHTTPServer, one thread per connection)",
+    )
+    return ServerSpec(MLX_LM, "mlx_lm.server", argv, model_id="default_model", lacks=lacks)
+
+
+def blas_of(pid: int) -> str:
+    """The BLAS kind mapped into a running process (``openblas``, ``reference``, ...)."""
+    from omlx_core.platform.blas import blas_library_in_use
+
+    mapped = blas_library_in_use(Path(f"/proc/{pid}/maps"))
+    return mapped.kind if mapped else "unknown"
+
+
+def preload_env() -> dict[str, str]:
+    """This environment with the optimized BLAS preloaded, when one is installed."""
+    from omlx_core.platform.blas import (find_optimized_blas, preload_environment,
+                                         preloaded_optimized_blas)
+
+    if preloaded_optimized_blas(os.environ):
+        return dict(os.environ)
+    library = find_optimized_blas()
+    if library is None:
+        return dict(os.environ)
+    return preload_environment(os.environ, library)
+
+
+class ServerProcess:
+    """A server subprocess: started, waited on until it answers, stopped; output in a log."""
+
+    def __init__(self, spec: ServerSpec, port: int, *, ready_timeout: float = 300.0):
+        self.spec = spec
+        self.host = "127.0.0.1"
+        self.port = port
+        self.ready_timeout = ready_timeout
+        self._log = tempfile.NamedTemporaryFile(prefix=f"omlx-bench-{spec.name}-", suffix=".log",
+                                                delete=False)
+        self.log_path = Path(self._log.name)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        self.process = subprocess.Popen(self.spec.argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=preload_env())
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _wait_ready(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.spec.label} exited with status {self.process.returncode} "
+                                   f"before answering; its log ({self.log_path}) ends:\n"
+                                   f"{self.log_tail()}")
+            try:
+                connection = http.client.HTTPConnection(self.host, self.port, timeout=5)
+                connection.request("GET", "/v1/models")
+                status = connection.getresponse().status
+                connection.close()
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.spec.label} did not answer GET /v1/models on port {self.port} "
+                           f"within {self.ready_timeout:.0f} s; its log ({self.log_path}) ends:\n"
+                           f"{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def stop(self, timeout: float = 30.0) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            self._log.close()
+            return
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+        self._log.close()

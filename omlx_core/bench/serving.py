@@ -1,0 +1,476 @@
+"""Serving benchmark: ``omlx-core serve`` against ``mlx_lm.server``, same model, same requests.
+
+    omlx-core bench [--model DIR] [--quick] [--only omlx|mlx_lm] [--out FILE]
+
+Each server runs as a subprocess on a loopback port, one after the other (never both at
+once), is warmed up, then receives the same request mix: OpenAI streaming chat
+completions, greedy, with the special tokens banned through ``logit_bias`` so every
+stream runs to its ``max_tokens``. Measured per server:
+
+- aggregate tokens/s at 1, 8 and 16 concurrent streams (all completion tokens over the
+  wall time from the first request to the last token);
+- time to first token (TTFT), p50 and p95, for single requests and at 8 streams;
+  inter-token latency (ITL, the gap between text chunks) p95 at 8 streams;
+- a ~2.3k-token system prompt: cold TTFT, TTFT of a second request sharing it (a
+  prefix-cache hit), and of a multi-turn follow-up that re-sends the whole history;
+- the running streams' ITL (max and p95 gap) while a 4k-token prompt is admitted.
+
+The table gives both servers' figures and ours/theirs, with the better direction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import threading
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from omlx_core.bench.client import (StreamRecord, chat_body, run_concurrently, special_token_ids,
+                                    stream_chat)
+from omlx_core.bench.prompts import text_of_tokens
+from omlx_core.bench.servers import (MLX_LM, OMLX, ServerProcess, ServerSettings, ServerSpec,
+                                     blas_of, free_port, mlx_lm_spec, omlx_spec)
+
+DEFAULT_TIER = "cpu-small"
+DEFAULT_OUT = Path("docs/bench-serving.md")
+THREADS_ABOVE_STREAMS = 4
+TOPICS = ("a lighthouse keeper", "a clockmaker", "a river", "a mountain village", "a robot",
+          "a library at night", "a desert caravan", "an old ship", "a winter garden", "a city",
+          "a beekeeper", "a glass blower", "a night train", "a chess club", "a volcano",
+          "a fishing boat")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much of each phase to run."""
+
+    max_tokens: int
+    single_requests: int
+    rounds: int
+    prefix_tokens: int
+    answer_tokens: int
+    admission_prompt_tokens: int
+    running_streams: int
+    running_max_tokens: int
+    #: a warm-up prompt over a few prefill chunks compiles the prefill kernels
+    warmup_prompt_tokens: int
+    concurrency: tuple[int, ...] = (8, 16)
+
+    @property
+    def requests(self) -> int:
+        """Requests one server receives (for the progress bar)."""
+        warmup = 3
+        return (warmup + self.single_requests + self.rounds * sum(self.concurrency) + 3
+                + self.running_streams + 1)
+
+
+FULL = Plan(max_tokens=128, single_requests=5, rounds=2, prefix_tokens=2300, answer_tokens=32,
+            admission_prompt_tokens=4096, running_streams=8, running_max_tokens=1024,
+            warmup_prompt_tokens=600)
+QUICK = Plan(max_tokens=16, single_requests=2, rounds=1, prefix_tokens=300, answer_tokens=8,
+             admission_prompt_tokens=600, running_streams=4, running_max_tokens=1024,
+             warmup_prompt_tokens=200)
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    label: str
+    higher_is_better: bool
+    #: ours/theirs must be >= this (higher is better) or <= this (lower is better)
+    target: float | None = None
+    digits: int = 2
+
+
+METRICS = (
+    Metric("tps_1", "aggregate tokens/s, 1 stream", True, digits=1),
+    Metric("tps_8", "aggregate tokens/s, 8 streams", True, digits=1),
+    Metric("tps_16", "aggregate tokens/s, 16 streams", True, target=1.3, digits=1),
+    Metric("ttft_1_p50", "TTFT p50, single request (s)", False, digits=3),
+    Metric("ttft_1_p95", "TTFT p95, single request (s)", False, digits=3),
+    Metric("ttft_8_p50", "TTFT p50, 8 streams (s)", False, digits=3),
+    Metric("ttft_8_p95", "TTFT p95, 8 streams (s)", False, target=0.5, digits=3),
+    Metric("itl_8_p50", "ITL p50, 8 streams (s)", False, digits=3),
+    Metric("itl_8_p95", "ITL p95, 8 streams (s)", False, digits=3),
+    Metric("prefix_cold", "shared system prompt: cold TTFT (s)", False),
+    Metric("prefix_hit", "shared system prompt: prefix-hit TTFT (s)", False, target=0.5,
+           digits=3),
+    Metric("prefix_followup", "multi-turn follow-up (whole history) TTFT (s)", False, digits=3),
+    Metric("admission_ttft", "long prompt admitted beside running streams: its TTFT (s)", False),
+    Metric("admission_itl_p95", "running streams' ITL p95 during the admission (s)", False,
+           digits=3),
+    Metric("admission_itl_max", "running streams' ITL max during the admission (s)", False,
+           digits=3),
+    Metric("admission_tps", "running streams' tokens/s during the admission", True, digits=1),
+    Metric("admission_itl_before", "running streams' ITL p50 before the admission (s)", False,
+           digits=3),
+)
+
+
+@dataclass
+class ServerResult:
+    spec: ServerSpec
+    figures: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), interpolated between the closest ranks."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f}, {five:.2f}, {fifteen:.2f} (1, 5, 15 min; {os.cpu_count()} CPUs)"
+
+
+class Bench:
+    """The request mix, run against one started server."""
+
+    def __init__(self, server: ServerProcess, model_dir: Path, plan: Plan,
+                 banned_token_ids: Sequence[int], progress: Any):
+        self.server = server
+        self.model_dir = model_dir
+        self.plan = plan
+        self.banned = list(banned_token_ids)
+        self.progress = progress
+        self.retries = 0
+
+    def _phase(self, name: str) -> None:
+        self.progress.set_description(f"{self.server.spec.name}: {name}")
+
+    def request(self, messages: Sequence[dict[str, str]], max_tokens: int, *,
+                stop: threading.Event | None = None,
+                on_text: Callable[[float], None] | None = None) -> StreamRecord:
+        body = chat_body(self.server.spec.model_id, messages, max_tokens, self.banned)
+        record = stream_chat(self.server.host, self.server.port, body, stop=stop, on_text=on_text)
+        self.retries += record.retries
+        self.progress.update(1)
+        if not record.chunk_times:
+            raise RuntimeError(f"{self.server.spec.label} streamed no text for a request of "
+                               f"max_tokens={max_tokens}; its log: {self.server.log_path}")
+        return record
+
+    def concurrent(self, messages: Sequence[Sequence[dict[str, str]]], max_tokens: int
+                   ) -> tuple[list[StreamRecord], float]:
+        return run_concurrently(len(messages), lambda i: self.request(messages[i], max_tokens))
+
+    @staticmethod
+    def story(tag: str, index: int) -> list[dict[str, str]]:
+        topic = TOPICS[index % len(TOPICS)]
+        return [{"role": "user", "content": f"Story {tag}.{index}: write a long, detailed "
+                                            f"story about {topic}."}]
+
+    def warm_up(self) -> None:
+        """Compile the decode and prefill kernels and fault the weights in."""
+        self._phase("warm-up")
+        prefill = text_of_tokens(self.model_dir, self.plan.warmup_prompt_tokens, seed=99,
+                                 heading="Background notes for the warm-up.")
+        self.concurrent([self.story("warm", 0), self.story("warm", 1)], 8)
+        self.request([{"role": "user", "content": prefill + "\nSummarise."}], 4)
+
+    def throughput(self, figures: dict[str, float], notes: list[str]) -> None:
+        plan = self.plan
+        self._phase("1 stream")
+        singles = [self.request(self.story("single", i), plan.max_tokens)
+                   for i in range(plan.single_requests)]
+        figures["tps_1"] = statistics.median(r.completion_tokens / (r.finished - r.started)
+                                             for r in singles)
+        figures["ttft_1_p50"] = percentile([r.ttft for r in singles], 50)
+        figures["ttft_1_p95"] = percentile([r.ttft for r in singles], 95)
+        for streams in plan.concurrency:
+            self._phase(f"{streams} streams")
+            rates, records = [], []
+            for round_index in range(plan.rounds):
+                batch, seconds = self.concurrent(
+                    [self.story(f"{streams}x{round_index}", i) for i in range(streams)],
+                    plan.max_tokens)
+                rates.append(sum(r.completion_tokens for r in batch) / seconds)
+                records += batch
+            figures[f"tps_{streams}"] = statistics.median(rates)
+            tokens = sum(r.completion_tokens for r in records)
+            chunks = sum(len(r.chunk_times) for r in records)
+            short = sum(r.completion_tokens < plan.max_tokens for r in records)
+            notes.append(f"{streams} streams: {plan.rounds} round(s), {tokens} tokens in {chunks} "
+                         f"text chunks ({tokens / chunks:.2f} tokens per chunk)"
+                         + (f", {short} stream(s) shorter than max_tokens" if short else ""))
+            if streams == 8:
+                ttfts = [r.ttft for r in records]
+                gaps = [g for r in records for g in r.gaps]
+                figures["ttft_8_p50"] = percentile(ttfts, 50)
+                figures["ttft_8_p95"] = percentile(ttfts, 95)
+                figures["itl_8_p50"] = percentile(gaps, 50)
+                figures["itl_8_p95"] = percentile(gaps, 95)
+
+    def shared_prefix(self, figures: dict[str, float], notes: list[str]) -> None:
+        self._phase("shared prefix")
+        plan = self.plan
+        system = {"role": "system", "content": text_of_tokens(
+            self.model_dir, plan.prefix_tokens, seed=7,
+            heading="You are the operations assistant of a small harbour town. "
+                    "Apply these rules when you answer:")}
+        first_turn = {"role": "user", "content": "Which rules mention the ferry crew?"}
+        cold = self.request([system, first_turn], plan.answer_tokens)
+        hit = self.request([system, {"role": "user",
+                                     "content": "What must happen before the first bell?"}],
+                           plan.answer_tokens)
+        followup = self.request([system, first_turn, {"role": "assistant", "content": cold.text},
+                                 {"role": "user", "content": "And during the spring fair?"}],
+                                plan.answer_tokens)
+        figures["prefix_cold"] = cold.ttft
+        figures["prefix_hit"] = hit.ttft
+        figures["prefix_followup"] = followup.ttft
+        described = ", ".join(
+            f"{name} {r.prompt_tokens} prompt tokens ({r.cached_tokens} cached)"
+            if r.cached_tokens is not None else f"{name} {r.prompt_tokens} prompt tokens"
+            for name, r in (("cold", cold), ("hit", hit), ("follow-up", followup)))
+        notes.append(f"shared prefix: {described}")
+
+    def admission(self, figures: dict[str, float], notes: list[str]) -> None:
+        """Running streams' gaps while a long prompt is prefilled beside them."""
+        self._phase("long-prompt admission")
+        plan = self.plan
+        stop = threading.Event()
+        counts = [0] * plan.running_streams
+        decoding = threading.Condition()
+
+        def counter(index: int) -> Callable[[float], None]:
+            def seen(_: float) -> None:
+                with decoding:
+                    counts[index] += 1
+                    decoding.notify_all()
+            return seen
+
+        records: list[StreamRecord | BaseException | None] = [None] * plan.running_streams
+
+        def run(index: int) -> None:
+            try:
+                records[index] = self.request(self.story("running", index),
+                                              plan.running_max_tokens, stop=stop,
+                                              on_text=counter(index))
+            except BaseException as exc:  # reported below, with the stream it came from
+                records[index] = exc
+                with decoding:
+                    decoding.notify_all()
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True)
+                   for i in range(plan.running_streams)]
+        for thread in threads:
+            thread.start()
+        # Admit the long prompt only once every running stream is past its prefill.
+        with decoding:
+            decoding.wait_for(lambda: all(c >= 3 for c in counts)
+                              or any(isinstance(r, BaseException) for r in records))
+        long_prompt = text_of_tokens(self.model_dir, plan.admission_prompt_tokens, seed=11,
+                                     heading="Here is the maintenance log of the harbour:")
+        try:
+            admitted = self.request([{"role": "user",
+                                      "content": long_prompt + "\nWhat went wrong most often?"}],
+                                    4)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        for index, record in enumerate(records):
+            if not isinstance(record, StreamRecord):
+                raise RuntimeError(f"running stream {index} failed: {record!r}")
+        window_start, window_end = admitted.started, admitted.chunk_times[0]
+        running = [r for r in records if isinstance(r, StreamRecord)]
+        during = [b - a for r in running for a, b in zip(r.chunk_times, r.chunk_times[1:])
+                  if b > window_start and a < window_end]
+        before = [b - a for r in running for a, b in zip(r.chunk_times, r.chunk_times[1:])
+                  if b <= window_start]
+        inside = sum(window_start < t <= window_end for r in running for t in r.chunk_times)
+        ended = sum(r.complete for r in running)
+        figures["admission_ttft"] = admitted.ttft
+        figures["admission_itl_p95"] = percentile(during, 95)
+        figures["admission_itl_max"] = max(during, default=math.nan)
+        figures["admission_tps"] = inside / (window_end - window_start)
+        figures["admission_itl_before"] = percentile(before, 50)
+        notes.append(f"admission: {admitted.prompt_tokens}-token prompt beside "
+                     f"{plan.running_streams} running streams, {len(during)} gaps in the window"
+                     + (f"; {ended} running stream(s) ended before the window closed" if ended
+                        else ""))
+
+
+def measure(spec: ServerSpec, port: int, model_dir: Path, plan: Plan,
+            banned: Sequence[int]) -> ServerResult:
+    """Start one server, warm it up, run every phase, stop it."""
+    from tqdm import tqdm
+
+    result = ServerResult(spec)
+    result.notes.append(f"load average before start: {_load_average()}")
+    with ServerProcess(spec, port) as server, tqdm(total=plan.requests, unit="req",
+                                                   desc=spec.name, file=sys.stderr) as progress:
+        result.notes.append(f"BLAS mapped in the server process: {blas_of(server.pid)}")
+        bench = Bench(server, model_dir, plan, banned, progress)
+        bench.warm_up()
+        # A failed phase leaves its figures out and the report says why; the others run.
+        for phase in (bench.throughput, bench.shared_prefix, bench.admission):
+            try:
+                phase(result.figures, result.notes)
+            except Exception as exc:
+                result.notes.append(f"FAILED {phase.__name__}: {exc!r} (server log: "
+                                    f"{server.log_path})")
+                progress.write(f"{spec.label}: {phase.__name__} failed: {exc!r}; its log "
+                               f"({server.log_path}) ends:\n{server.log_tail()}")
+        if bench.retries:
+            result.notes.append(f"{bench.retries} request(s) sent again after the server dropped "
+                                "the connection before answering")
+    return result
+
+
+def _format(value: float | None, digits: int) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def render(results: Sequence[ServerResult], header: Sequence[str]) -> str:
+    """The markdown report: header lines, the comparison table, per-server notes."""
+    ours = next((r for r in results if r.spec.name == OMLX), None)
+    theirs = next((r for r in results if r.spec.name == MLX_LM), None)
+    lines = ["## Serving benchmark: omlx-core vs mlx_lm.server", "", *header, ""]
+    lines += ["| metric | better | omlx-core | mlx_lm.server | ours / theirs | target |",
+              "|---|---|---:|---:|---:|---|"]
+    for metric in METRICS:
+        mine = ours.figures.get(metric.key) if ours else None
+        other = theirs.figures.get(metric.key) if theirs else None
+        ratio = mine / other if mine is not None and other else None
+        target = ""
+        if metric.target is not None:
+            sign = ">=" if metric.higher_is_better else "<="
+            target = f"{sign} {metric.target:g}x"
+            if ratio is not None and not math.isnan(ratio):
+                met = ratio >= metric.target if metric.higher_is_better else ratio <= metric.target
+                target += " met" if met else " MISSED"
+        lines.append(f"| {metric.label} | {'higher' if metric.higher_is_better else 'lower'} | "
+                     f"{_format(mine, metric.digits)} | {_format(other, metric.digits)} | "
+                     f"{_format(ratio, 2)} | {target} |")
+    for result in results:
+        lines += ["", f"**{result.spec.label}** (`{' '.join(_short_argv(result.spec.argv))}`)", ""]
+        lines += [f"- {note}" for note in result.notes]
+        lines += [f"- lacks {item}" for item in result.spec.lacks]
+    return "\n".join(lines) + "\n"
+
+
+def _short_argv(argv: Sequence[str]) -> list[str]:
+    return ["python" if arg == sys.executable else arg for arg in argv]
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path,
+                        help="an mlx-lm model directory (default: the default model, "
+                             "SmolLM2-135M-Instruct float32)")
+    parser.add_argument("--tier", default=DEFAULT_TIER,
+                        help=f"omlx-core tier; its batch and prefill settings go to both servers "
+                             f"(default {DEFAULT_TIER})")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an omlx-core setting override (engine.max_batch_size and "
+                             "engine.prefill_step_size also go to mlx_lm.server)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test: few tokens, short prompts, one round")
+    parser.add_argument("--only", choices=(OMLX, MLX_LM), help="measure one server only")
+    parser.add_argument("--out", type=Path,
+                        help=f"write the markdown table here (default {DEFAULT_OUT}; "
+                             "with --quick, nothing is written unless --out is given)")
+
+
+def settings_for(tier: str, overrides: Sequence[str], plan: Plan) -> ServerSettings:
+    from omlx_core.config import load_config, parse_set_flag
+
+    config = load_config(tier, overrides=[(*parse_set_flag(o), f"bench --set {o}")
+                                          for o in overrides], env={})
+    max_batch = int(config["engine.max_batch_size"])
+    if max_batch < max(plan.concurrency):
+        raise SystemExit(f"engine.max_batch_size is {max_batch} in tier {tier}, below the "
+                         f"{max(plan.concurrency)} concurrent streams measured; raise it with "
+                         f"--set engine.max_batch_size={max(plan.concurrency)}")
+    # A waitress thread serves one stream for its whole life: fewer threads than
+    # streams would queue streams in waitress, not in the scheduler.
+    threads = max(int(config["server.threads"]), max(plan.concurrency) + THREADS_ABOVE_STREAMS)
+    return ServerSettings(tier=config.tier, max_batch_size=max_batch,
+                          prefill_step_size=int(config["engine.prefill_step_size"]),
+                          http_threads=threads, overrides=tuple(overrides))
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = QUICK if args.quick else FULL
+    model_dir = args.model
+    if model_dir is None:
+        from omlx_core.models.default import ensure_default_model
+
+        model_dir = ensure_default_model()
+    model_dir = Path(model_dir).expanduser().resolve()
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(f"{model_dir} is not an mlx-lm model directory (no config.json)")
+    settings = settings_for(args.tier, args.set, plan)
+    banned = special_token_ids(model_dir)
+    specs = []
+    if args.only in (None, OMLX):
+        specs.append(lambda port: omlx_spec(model_dir, port, settings))
+    if args.only in (None, MLX_LM):
+        specs.append(lambda port: mlx_lm_spec(model_dir, port, settings))
+    header = [
+        f"- {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {'--quick' if args.quick else 'full run'}",
+        f"- load average before the run (`uptime`): {_load_average()}",
+        f"- model `{model_dir.name}`; mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}, "
+        f"omlx-core {_version('omlx-core')}",
+        f"- both servers: max batch {settings.max_batch_size}, prefill step "
+        f"{settings.prefill_step_size} (omlx-core tier `{settings.tier}`, "
+        f"{settings.http_threads} HTTP threads)",
+        f"- requests: streaming chat completions, greedy, special tokens banned by logit_bias "
+        f"so each stream runs to max_tokens; {plan.max_tokens} tokens per stream, "
+        f"{plan.single_requests} single requests, {plan.rounds} round(s) at each of "
+        f"{', '.join(map(str, plan.concurrency))} streams; ~{plan.prefix_tokens}-token shared "
+        f"system prompt ({plan.answer_tokens}-token answers); "
+        f"{plan.admission_prompt_tokens}-token prompt admitted beside "
+        f"{plan.running_streams} running streams",
+        "- TTFT: request sent to first text chunk; ITL: gap between text chunks; tokens/s: "
+        "completion tokens (server's usage) over wall time, first request to last token",
+    ]
+    results = []
+    for make_spec in specs:
+        port = free_port()
+        results.append(measure(make_spec(port), port, model_dir, plan, banned))
+    report = render(results, header)
+    print("\n" + report)
+    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report, encoding="utf-8")
+        print(f"written to {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.serving",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""`omlx-core bench --quick` against our own server on a tiny model: keeps the serving
+benchmark's request mix, timing and report from rotting (mlx_lm.server is left out)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from omlx_core.bench.client import StreamRecord
+from omlx_core.bench.serving import METRICS, main, percentile
+from omlx_core.testing import cached_model
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
+    assert math.isnan(percentile([], 95))
+
+
+def test_stream_record_gaps_and_ttft():
+    record = StreamRecord(started=10.0, chunk_times=[10.5, 10.75, 11.5])
+    assert record.ttft == 0.5
+    assert record.gaps == [0.25, 0.75]
+    with pytest.raises(RuntimeError, match="no text"):
+        StreamRecord(started=1.0).ttft
+
+
+def test_quick_bench_against_our_server_writes_every_figure(tmp_path, capsys):
+    out = tmp_path / "bench.md"
+    model_dir = cached_model("llama")
+
+    assert main(["--quick", "--only", "omlx", "--model", str(model_dir), "--out", str(out)]) == 0
+
+    report = out.read_text()
+    assert report in capsys.readouterr().out
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
+            for line in report.splitlines() if line.startswith("| ") and " | " in line}
+    for metric in METRICS:
+        ours, theirs = rows[metric.label][2], rows[metric.label][3]
+        assert ours != "-" and float(ours) > 0, f"{metric.label}: {ours}\n{report}"
+        assert theirs == "-"
+    assert "BLAS mapped in the server process" in report
+    # The prefix phase really reused the shared system prompt.
+    assert "(0 cached)" in report and "hit " in report
+    hit_note = next(line for line in report.splitlines() if line.startswith("- shared prefix"))
+    cached = int(hit_note.split("hit ")[1].split("(")[1].split(" cached")[0])
+    assert cached > 0
