@@ -17,6 +17,12 @@ if TYPE_CHECKING:
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
+#: What kind of failure a ``finish_reason="error"`` output reports (``error_type``):
+#: ``"memory"``: the request fit at admission but memory ran short while it ran (a
+#: memory guard stopped it; retrying later can succeed); ``"invalid"``: the request
+#: cannot be served as sent; ``"internal"``: an engine bug. ``None`` reads as internal.
+ERROR_TYPES = ("memory", "invalid", "internal")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -75,6 +81,8 @@ class GenerationOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    #: with ``finish_reason="error"``: one of :data:`ERROR_TYPES` (``None``: internal)
+    error_type: str | None = None
     usage: Usage | None = None
 
     @property

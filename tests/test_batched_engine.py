@@ -42,6 +42,7 @@ class Completion:
     finish_reason: str
     usage: Usage
     error: str | None
+    error_type: str | None
     chunks: list[str]
     logprobs: list
 
@@ -53,7 +54,8 @@ def collect(handle) -> Completion:
         tokens += output.token_ids
         logprobs += output.logprobs or []
         last = output
-    return Completion("".join(chunks), tokens, last.finish_reason, last.usage, last.error, chunks, logprobs)
+    return Completion("".join(chunks), tokens, last.finish_reason, last.usage, last.error,
+                      last.error_type, chunks, logprobs)
 
 
 def submit(engine, prompt, sampling=GREEDY, request_id=None):
@@ -237,6 +239,7 @@ def test_gate_refusal_fails_only_that_request(llama):
         llama.scheduler.set_forward_gate(None)
     assert victim_done.finish_reason == "error"
     assert victim_done.error == "would exceed the memory ceiling"
+    assert victim_done.error_type == "memory"
     assert victim_done.usage.completion_tokens == 0
     assert survivor_done.finish_reason == "length"
     assert survivor_done.token_ids == run(llama, survivor_prompt).token_ids
@@ -255,6 +258,7 @@ def test_gate_that_raises_refuses_the_step(llama):
     finally:
         llama.scheduler.set_forward_gate(None)
     assert done.finish_reason == "error" and "probe failed" in done.error
+    assert done.error_type == "internal"  # a broken guard is a bug, not a memory shortage
 
 
 def test_memory_limits_reach_the_gate_and_resolve_scheduler_finds_them(llama):
@@ -274,6 +278,65 @@ def test_memory_limits_reach_the_gate_and_resolve_scheduler_finds_them(llama):
         scheduler.apply_memory_limits(None)
     assert gate.steps and all(step.limits is snapshot for step, _ in gate.steps)
     assert gate.steps[0][0].model_id == llama.model.id
+
+
+def test_preflight_estimate_leaves_out_prefill_logits(llama):
+    """The engine never evaluates prompt logits: the guard's estimate must not count them."""
+    from omlx_core.memory.bench_estimate import activation_dtype_bytes
+    from omlx_core.memory.estimate import ModelDims, estimate_prefill_peak
+    from omlx_core.memory.guard import DefaultMemoryGuard
+    from omlx_core.pluginmanager import build_plugin_manager
+
+    assert llama.prefill_full_logits is False
+    assert llama.activation_dtype_bytes == activation_dtype_bytes(llama._lm)
+    guard = DefaultMemoryGuard(build_plugin_manager(), llama.config)
+    prompt = prompt_of(llama, 60, 3)
+    query = guard.peak_query(llama, prompt)
+    assert query.full_logits is False and query.dtype_bytes == llama.activation_dtype_bytes
+    breakdown = estimate_prefill_peak(
+        ModelDims.from_config(query.model_config), query.new_tokens, query.cached_tokens,
+        query.chunk_size, dtype_bytes=query.dtype_bytes, full_logits=False,
+        cached_kv_resident=query.cached_kv_resident, backend=query.backend)
+    assert guard.estimate(query) == breakdown.total
+    # In one prompt-wide chunk, counting every position's logits would overcount.
+    whole = replace(query, chunk_size=len(prompt))
+    assert guard.estimate(whole) < guard.estimate(replace(whole, full_logits=True))
+
+
+def test_restored_prefix_is_resident_before_the_first_gated_chunk(llama):
+    """The restored prefix copy is evaluated at admission, so the gate's reading of current
+    use already holds it rather than the first chunk's forward materializing it."""
+    llama.prefix_cache.clear()
+    prompt = prompt_of(llama, 40, 13)
+    run(llama, prompt)
+    wait_idle(llama)
+    follow_up = prompt + prompt_of(llama, 12, 17)
+    restored_tokens = llama.cached_tokens(follow_up)
+    assert restored_tokens >= 2 * BLOCK, "the test needs a restore that concatenates blocks"
+    config = llama.model.config
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    restored_bytes = (restored_tokens * config["num_hidden_layers"] * 2
+                      * config.get("num_key_value_heads", heads) * head_dim
+                      * llama.activation_dtype_bytes)
+
+    class ActiveMemoryGate:
+        def __init__(self):
+            self.readings: list[int] = []
+
+        def check_prefill(self, step):
+            self.readings.append(mx.get_active_memory())
+            return {}
+
+    gate = ActiveMemoryGate()
+    idle = mlx_thread().run(mx.get_active_memory)
+    llama.scheduler.set_forward_gate(gate)
+    try:
+        done = run(llama, follow_up)
+    finally:
+        llama.scheduler.set_forward_gate(None)
+    assert done.usage.cached_tokens == restored_tokens
+    assert gate.readings[0] - idle >= restored_bytes, (gate.readings[0] - idle, restored_bytes)
 
 
 # -- stops, sampling, logprobs --------------------------------------------------------

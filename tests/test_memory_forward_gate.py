@@ -193,3 +193,58 @@ def test_batched_engine_ends_only_the_request_whose_chunk_would_overshoot(served
 def test_batched_resolve_scheduler_and_the_generic_walk_agree(served):
     engine, _guard = served
     assert batched_resolve_scheduler(engine) is memory_guard_plugin.resolve_scheduler(engine)
+
+
+# -- the post-forward backstop -------------------------------------------------------------------
+
+
+def test_backstop_stops_the_request_when_use_after_the_forward_is_over_the_limit():
+    level = {"bytes": RESIDENT}
+    usage = MemoryUsage(window_s=0.0, read_active=lambda: level["bytes"], read_footprint=lambda: 0)
+    gate = PrefillForwardGate(per_token, usage, MARGIN)
+    assert gate.check_after_prefill(step(chunk("a", 10), hard=170 * MIB)) is None
+    level["bytes"] = 171 * MIB  # a fake high reading right after the forward
+    reason = gate.check_after_prefill(step(chunk("a", 10, cached=20), hard=170 * MIB))["a"]
+    assert "tokens 20-30 of 31" in reason and "171.00 MiB was in use" in reason
+    assert "170.00 MiB limit" in reason and "its cache freed" in reason
+    assert gate.refused_total == 1
+    assert gate.check_after_prefill(step(chunk("a", 10), hard=None)) is None
+
+
+def test_batched_engine_backstop_ends_only_the_request_whose_forward_overshot(served):
+    engine, guard = served
+    gate = guard.forward_gate_for(engine)
+    level = {"bytes": RESIDENT}
+    gate._usage = MemoryUsage(window_s=0.0, read_active=lambda: level["bytes"],
+                              read_footprint=lambda: 0)
+    runner = engine.submit(GenerationRequest("runner", [7, 8, 9, 10], SamplingParams(
+        temperature=0.0, max_tokens=300)))
+    runner_outputs = iter(runner)
+    first = next(runner_outputs)
+    assert first.finish_reason is None
+    original = gate.check_after_prefill
+    decoding_at_spike = []
+
+    def spike_after_victim(step):
+        if step.chunks[0].request_id == "victim":
+            decoding_at_spike.append(step.decoding)
+            level["bytes"] = 200 * MIB  # a fake high reading after the victim's forward
+        try:
+            return original(step)
+        finally:
+            level["bytes"] = RESIDENT
+
+    gate.check_after_prefill = spike_after_victim
+    before = engine.scheduler.stats()["prompt_tokens_prefilled"]
+    victim_outputs = list(run(engine, "victim", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]))
+    runner_rest = list(runner_outputs)
+    last = victim_outputs[-1]
+    assert last.finish_reason == "error" and last.error_type == "memory"
+    assert "was in use after the forward" in (last.error or "")
+    assert not any(o.token_ids for o in victim_outputs)
+    # Its forward ran (the backstop comes after it) and its cache is gone.
+    assert engine.scheduler.stats()["prompt_tokens_prefilled"] - before == 9
+    assert decoding_at_spike == [1], "the runner was decoding when the victim was stopped"
+    assert runner_rest[-1].finish_reason in ("stop", "length") and runner_rest[-1].error is None
+    stats = engine.scheduler.stats()
+    assert (stats["prefilling"], stats["running"], stats["queue_depth"]) == (0, 0, 0)

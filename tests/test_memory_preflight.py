@@ -244,7 +244,9 @@ def test_the_builtin_estimate_refuses_what_cannot_fit_and_passes_what_can(real_g
     with pytest.raises(PrefillMemoryExceededError) as info:
         guard.preflight(engine, "too-long", tokens(6000))
     rejection = info.value.rejection
-    expected = estimate_for_config(dict(engine.model.config), 6000, 0, 64, full_logits=True).total
+    # The batched engine declares it never evaluates prompt logits, and its dtype.
+    expected = estimate_for_config(dict(engine.model.config), 6000, 0, 64, full_logits=False,
+                                   dtype_bytes=engine.activation_dtype_bytes).total
     assert rejection.estimated_bytes == expected
     assert rejection.base_bytes + rejection.estimated_bytes > rejection.limit_bytes == 110 * MIB
     assert info.value.advice

@@ -8,7 +8,7 @@ import falcon
 
 from omlx_core.engine import SamplingParams
 from omlx_core.http.body import read_request
-from omlx_core.http.errors import APIError, anthropic_error_body
+from omlx_core.http.errors import anthropic_error_body
 from omlx_core.http.generation import Generation, Generations, Job
 from omlx_core.http.schemas import MESSAGES_REQUEST
 from omlx_core.http.sse import SSE_HEADERS, StreamBody, frame
@@ -85,7 +85,7 @@ class Messages:
     def collect(self, generation: Generation) -> dict[str, Any]:
         text = "".join(delta.text for delta in generation.deltas())
         if generation.finish_reason not in ("stop", "length"):
-            raise APIError(500, generation.error or "generation failed", code="engine_error")
+            raise self.generations.generation_error(generation)
         return self._message(generation, [{"type": "text", "text": text}], _stop_reason(generation),
                              generation.stop_sequence, _usage(generation))
 

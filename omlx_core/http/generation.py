@@ -4,7 +4,9 @@ Everything that can refuse a request runs in :meth:`Generations.start`, inside t
 falcon responder and so before the status line is committed: model lookup, the
 tokenization the engine will use, context checks, the memory guard's preflight (413)
 and admission (503), submission, and the first output (an engine failure before the
-first token is still an HTTP error). Only a started :class:`Generation` is streamed.
+first token is still an HTTP error: 503 with ``Retry-After`` when the engine reports a
+memory shortage, ``error_type="memory"``, and 500 for anything else). Only a started
+:class:`Generation` is streamed; an error after its first byte goes in-band.
 """
 
 from __future__ import annotations
@@ -71,6 +73,20 @@ def memory_rejection_error(error: PrefillMemoryExceededError) -> APIError:
     })
 
 
+def memory_shortage_error(reason: str, retry_after_s: float) -> APIError:
+    """503 for a request a memory guard stopped while it ran: it fit at preflight and
+    admission, but memory is short right now, so the same request can succeed later."""
+    retry_after = max(1, int(round(retry_after_s)))
+    return APIError(
+        503, f"memory is short right now, so the request was stopped before its first token: "
+             f"{reason}", code="memory_pressure", headers={"Retry-After": str(retry_after)},
+        extra={"reason": reason, "stage": "forward", "retry_after_s": retry_after,
+               "advice": [
+                   "the request fit the memory limit when it was admitted; memory in use grew "
+                   "since (other requests, other processes)",
+                   f"retry after {retry_after} s, or send fewer concurrent or shorter requests"]})
+
+
 def queue_full_error(error: AdmissionQueueFullError) -> APIError:
     retry_after = max(1, int(round(error.retry_after_s)))
     return APIError(503, str(error), code="admission_queue_full",
@@ -126,6 +142,8 @@ class Generation:
         self.sampling = sampling
         self.finish_reason: str | None = None
         self.error: str | None = None
+        #: the engine's ``error_type`` when it ended the request with an error
+        self.error_type: str | None = None
         self.stop_sequence: str | None = None
         self._handle = handle
         self._first: GenerationOutput | None = first
@@ -185,6 +203,7 @@ class Generation:
         if reason == "error":
             self.finish_reason = "error"
             self.error = output.error or "the engine reported an error"
+            self.error_type = output.error_type
         elif reason == "abort":
             self.finish_reason, self.error = "error", ABORTED
         else:
@@ -213,6 +232,15 @@ class Generations:
             on_disconnect=self._count_disconnect)
         self.default_max_tokens = int(context.config.get("engine.max_tokens", 512) or 512)
         self.max_context = int(context.config.get("engine.max_context", 0) or 0)
+        # The guard's high-water window (two polls): a shortage read now has aged out by then.
+        self.memory_retry_after_s = 2 * float(context.config.get("memory.poll_interval_s", 1.0) or 1.0)
+
+    def generation_error(self, generation: Generation) -> APIError:
+        """The HTTP error for a generation that ended with an error before any byte was sent."""
+        if generation.error_type == "memory":
+            return memory_shortage_error(generation.error or "memory ran short",
+                                         self.memory_retry_after_s)
+        return APIError(500, generation.error or "generation failed", code="engine_error")
 
     def _count_disconnect(self, request_id: str) -> None:
         if self.metrics is not None:
@@ -279,6 +307,9 @@ class Generations:
                                 "disconnected or the server is shutting down)", code="aborted")
         if first.finish_reason == "error":
             self._abandon(request_id, handle, release)
+            if first.error_type == "memory":
+                raise memory_shortage_error(first.error or "memory ran short",
+                                            self.memory_retry_after_s)
             raise APIError(500, "the engine failed before the first token: "
                                 f"{first.error or 'finished with an error'}", code="engine_error")
         if self.metrics is not None:

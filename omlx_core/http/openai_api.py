@@ -9,7 +9,7 @@ import falcon
 
 from omlx_core.engine import SamplingParams, TokenLogprob
 from omlx_core.http.body import read_request
-from omlx_core.http.errors import APIError, bad_request, openai_error_body
+from omlx_core.http.errors import bad_request, openai_error_body
 from omlx_core.http.generation import Generation, Generations, Job
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST
 from omlx_core.http.sse import SSE_HEADERS, StreamBody, frame
@@ -193,7 +193,7 @@ class _Completions:
         return generation.finish_reason not in FINISH_REASONS
 
     def _raise_generation_error(self, generation: Generation) -> None:
-        raise APIError(500, generation.error or "generation failed", code="engine_error")
+        raise self.generations.generation_error(generation)
 
 
 class ChatCompletions(_Completions):

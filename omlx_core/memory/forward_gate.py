@@ -11,6 +11,10 @@ and a chunk whose projection passes the hard limit is refused: its request ends 
 ``finish_reason="error"`` and its memory is freed, while every other request goes on.
 Admission keeps running requests inside the budget; the gate catches what drifted past
 it (estimates that undercounted, decode growth, memory taken by other processes).
+
+:meth:`PrefillForwardGate.check_after_prefill` is the backstop after a chunk's forward
+has run: if the high-water use then passes the hard limit, the request whose chunk just
+ran is stopped (its cache freed) before it grows any further.
 """
 
 from __future__ import annotations
@@ -82,6 +86,39 @@ class PrefillForwardGate:
         if refused:
             self.refused_total += len(refused)
         return refused
+
+    def check_after_prefill(self, step: Any) -> Mapping[str, str] | None:
+        """Stop the request of ``step``'s chunk (its forward has just run) if high-water
+        use is now over the hard limit."""
+        limits: LimitSnapshot | None = step.limits
+        if limits is None or limits.hard_bytes is None:
+            return None
+        hard = limits.hard_bytes
+        current = self._usage.high_water(record=True)
+        if current <= hard:
+            return None
+        refused: dict[str, str] = {}
+        for chunk in step.chunks:
+            refused[chunk.request_id] = self._after_reason(step, chunk, current, limits)
+        self.refused_total += len(refused)
+        return refused
+
+    def _after_reason(self, step: Any, chunk: Any, current: int, limits: LimitSnapshot) -> str:
+        rejection = Rejection(
+            estimated_bytes=0, limit_bytes=limits.hard_bytes, breakdown=limits.breakdown,
+            request_id=chunk.request_id, model_id=step.model_id,
+            prompt_tokens=chunk.prompt_tokens, stage="forward", base_bytes=current)
+        log.warning("memory in use (%s) passed the %s limit after a prefill chunk of request "
+                    "%s (model %r); stopping it", format_size(current),
+                    format_size(limits.hard_bytes), chunk.request_id, step.model_id)
+        text = (f"memory ran short during prefill (tokens {chunk.cached_tokens}-"
+                f"{chunk.cached_tokens + chunk.new_tokens} of {chunk.prompt_tokens}): "
+                f"{format_size(current)} was in use after the forward, over the "
+                f"{format_size(limits.hard_bytes)} limit"
+                + (f" ({rejection.binding} ceiling binds)" if rejection.binding else "")
+                + "; the request was stopped and its cache freed")
+        advice = self._advise(rejection) if self._advise else []
+        return text + (". " + " ".join(advice) if advice else "")
 
     def _chunk_estimate(self, step: Any, chunk: Any, chunk_size: int) -> int | None:
         # The chunk extends the request's own cache, whose KV is already in current use;

@@ -124,12 +124,21 @@ def _merge(outputs: list[GenerationOutput]) -> GenerationOutput:
         logprobs=tuple(logprobs) if any(o.logprobs is not None for o in outputs) else None,
         finish_reason=last.finish_reason,
         error=last.error,
+        error_type=last.error_type,
         usage=last.usage,
     )
 
 
 class BatchedEngine(Engine):
-    """Serves one mlx-lm model with continuous batching, chunked prefill and a prefix cache."""
+    """Serves one mlx-lm model with continuous batching, chunked prefill and a prefix cache.
+
+    Memory-guard hints (read by :class:`~omlx_core.memory.guard.DefaultMemoryGuard`):
+    ``prefill_full_logits`` and ``activation_dtype_bytes``.
+    """
+
+    #: prefill forwards evaluate only the cache; the last prompt token's logits come
+    #: from the decode batch, one position wide
+    prefill_full_logits = False
 
     def __init__(self, model: ModelSpec, config: Any, *, thread: MLXThread | None = None,
                  ignore_eos: bool = False) -> None:
@@ -142,6 +151,8 @@ class BatchedEngine(Engine):
         self.vocab_size = 0
         self.max_context: int | None = None
         self._lm: Any = None
+        #: bytes per activation element of the loaded model (None until started)
+        self.activation_dtype_bytes: int | None = None
         self._thread = thread or mlx_thread()
         self._tokenizer_lock = threading.Lock()
         self._start_lock = threading.Lock()
@@ -158,10 +169,12 @@ class BatchedEngine(Engine):
             self._thread.attach(self.scheduler)
 
     def _load(self) -> Scheduler:
+        from omlx_core.memory.bench_estimate import activation_dtype_bytes
         from omlx_core.models.loader import load_model
 
         lm, tokenizer = load_model(self.model.path)
         self._lm, self.tokenizer = lm, tokenizer
+        self.activation_dtype_bytes = activation_dtype_bytes(lm)
         args = getattr(lm, "args", None)
         self.vocab_size = int(getattr(args, "vocab_size", 0) or self.model.config.get("vocab_size")
                               or len(tokenizer))

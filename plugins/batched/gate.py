@@ -22,6 +22,16 @@ What the gate can rely on:
 
 An exception raised by the gate refuses every chunk of the step (the requests end with
 an error naming the exception): a guard that cannot decide must not let a forward run.
+
+**Post-forward backstop (optional).** A gate that also has ``check_after_prefill(step)``
+is called after each chunk's forward is evaluated (and mlx's buffer cache emptied), with
+a :class:`PrefillStep` holding just that chunk. The ids it returns end at once with
+``finish_reason="error"``, ``error_type="memory"`` and the given reason, and their cache
+is freed; the other requests go on. It catches what the estimate before the forward
+missed. An exception raised there is logged and lets the request go on (the forward
+has already run; the next check before a forward still guards it).
+
+Refusals from either check reach the client as ``error_type="memory"``.
 """
 
 from __future__ import annotations
@@ -68,3 +78,12 @@ class ForwardGate(Protocol):
     def check_prefill(self, step: PrefillStep) -> Mapping[str, str] | None:
         """Request ids to refuse, each with the reason shown to the client; ``None`` or
         an empty mapping lets every chunk run."""
+
+
+class PostForwardCheck(Protocol):
+    """The optional backstop a :class:`ForwardGate` may also implement (the scheduler
+    looks it up with ``getattr``)."""
+
+    def check_after_prefill(self, step: PrefillStep) -> Mapping[str, str] | None:
+        """Request ids to stop now that ``step``'s one chunk has run, each with the reason
+        shown to the client; ``None`` or an empty mapping lets them go on."""

@@ -28,8 +28,11 @@ A request moves through four phases:
 handed to the installed :class:`~omlx_core.plugins.batched.gate.ForwardGate`
 (``set_forward_gate``) as one :class:`~omlx_core.plugins.batched.gate.PrefillStep`:
 request ids, chunk token counts, cached-token counts, the decode batch size and the
-latest limit snapshot. A request the gate refuses ends with ``finish_reason="error"``
-and the gate's reason, its cache is dropped, and the other chunks and streams go on.
+latest limit snapshot. A request the gate refuses ends with ``finish_reason="error"``,
+``error_type="memory"`` and the gate's reason, its cache is dropped, and the other
+chunks and streams go on. A gate with the optional ``check_after_prefill`` is also
+asked after each chunk's forward (the post-forward backstop). A restored prefix is
+evaluated at admission, so the gate's current-use reading already holds it.
 See :mod:`omlx_core.plugins.batched.gate` for the full contract.
 
 **Memory limits.** :meth:`Scheduler.apply_memory_limits` stores the enforcer's latest
@@ -215,7 +218,7 @@ class Scheduler:
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         for sequence in list(self._by_id.values()):
             if sequence.phase in (PREFILLING, DECODING):
-                self._finish(sequence, "error", error=message, remove=False)
+                self._finish(sequence, "error", error=message, error_type="internal", remove=False)
         self._decoding.clear()
         self._prefilling.clear()
         self._generator = self._new_generator()
@@ -241,6 +244,7 @@ class Scheduler:
                 self._emit(sequence, GenerationOutput(
                     sequence.request_id, finish_reason="error",
                     error=f"request id {sequence.request_id!r} is already running on this engine",
+                    error_type="invalid",
                     usage=Usage(len(sequence.prompt), 0)))
                 continue
             self._by_id[sequence.request_id] = sequence
@@ -264,6 +268,11 @@ class Scheduler:
                 sequence.block_hashes = self.prefix_cache.hashes(sequence.prompt[:sequence.prefill_target])
                 blocks = self.prefix_cache.lookup(sequence.block_hashes)
             sequence.cache = self.layout.restore(blocks)
+            if blocks:
+                # Restoring concatenates blocks lazily: without this the first chunk's
+                # forward would also materialize the whole copy, a transient no estimate
+                # counts. Evaluated here it is resident, in the gate's current-use reading.
+                mx.eval([layer.state for layer in sequence.cache])
             sequence.prefilled = sequence.reused = len(blocks) * self.prefix_cache.block_size
             sequence.stored_blocks = len(blocks)
             if sequence.prefilled == sequence.prefill_target:
@@ -304,11 +313,8 @@ class Scheduler:
                 break
         return plan
 
-    def _ask_gate(self, plan: list[tuple[SequenceState, int, int]]) -> dict[str, str]:
-        gate = self._gate
-        if gate is None:
-            return {}
-        step = PrefillStep(
+    def _prefill_step_of(self, plan: list[tuple[SequenceState, int, int]]) -> PrefillStep:
+        return PrefillStep(
             model_id=self.model_id,
             chunks=tuple(PrefillChunk(s.request_id, end - start, start, len(s.prompt), s.reused)
                          for s, start, end in plan),
@@ -317,21 +323,46 @@ class Scheduler:
             limits=self._limits,
             model_config=self.model_config,
         )
+
+    def _ask_gate(self, plan: list[tuple[SequenceState, int, int]]
+                  ) -> tuple[dict[str, str], str]:
+        """The gate's refusals and the ``error_type`` they are reported as."""
+        gate = self._gate
+        if gate is None:
+            return {}, "memory"
         try:
-            refused = gate.check_prefill(step)
+            refused = gate.check_prefill(self._prefill_step_of(plan))
         except Exception as exc:
             log.exception("forward gate %r failed; refusing this prefill step", gate)
+            # A broken guard is a bug, not a memory shortage the client could wait out.
             reason = f"memory check before prefill failed: {type(exc).__name__}: {exc}"
-            return {s.request_id: reason for s, _, _ in plan}
-        return {str(k): str(v) for k, v in (refused or {}).items()}
+            return {s.request_id: reason for s, _, _ in plan}, "internal"
+        return {str(k): str(v) for k, v in (refused or {}).items()}, "memory"
+
+    def _check_after_forward(self, sequence: SequenceState, start: int, end: int) -> str | None:
+        """The post-forward backstop's reason to stop ``sequence`` now, if it gives one."""
+        check = getattr(self._gate, "check_after_prefill", None)
+        if check is None:
+            return None
+        # The forward's transient sits in mlx's buffer cache until emptied; a reading
+        # that included it would count memory already free.
+        mx.clear_cache()
+        try:
+            refused = check(self._prefill_step_of([(sequence, start, end)]))
+        except Exception:
+            log.exception("post-forward memory check %r failed; request %s goes on",
+                          self._gate, sequence.request_id)
+            return None
+        reason = (refused or {}).get(sequence.request_id)
+        return None if reason is None else str(reason)
 
     def _prefill_step(self) -> None:
         plan = self._plan_prefill()
-        refused = self._ask_gate(plan)
+        refused, error_type = self._ask_gate(plan)
         for request_id, reason in refused.items():
             sequence = self._by_id.get(request_id)
             if sequence is not None and sequence.phase == PREFILLING:
-                self._finish(sequence, "error", error=reason)
+                self._finish(sequence, "error", error=reason, error_type=error_type)
         for sequence, start, end in plan:
             if sequence.phase != PREFILLING:
                 continue
@@ -340,7 +371,8 @@ class Scheduler:
             except Exception as exc:
                 # The chunk's forward touched only this request's own cache.
                 log.exception("prefill of request %s failed", sequence.request_id)
-                self._finish(sequence, "error", error=f"prefill failed: {type(exc).__name__}: {exc}")
+                self._finish(sequence, "error", error=f"prefill failed: {type(exc).__name__}: {exc}",
+                             error_type="internal")
         mx.clear_cache()
 
     def _prefill_chunk(self, sequence: SequenceState, start: int, end: int) -> None:
@@ -350,6 +382,10 @@ class Scheduler:
         sequence.prefilled = end
         self.counters.prefill_chunks += 1
         self.counters.prompt_tokens_prefilled += end - start
+        reason = self._check_after_forward(sequence, start, end)
+        if reason is not None:
+            self._finish(sequence, "error", error=reason, error_type="memory")
+            return
         self._store_prefill_blocks(sequence)
         if end == sequence.prefill_target:
             self._prefilling.remove(sequence)
@@ -439,7 +475,8 @@ class Scheduler:
                 self._on_token(sequence, response)
             except Exception as exc:
                 log.exception("request %s failed while handling its token", sequence.request_id)
-                self._finish(sequence, "error", error=f"{type(exc).__name__}: {exc}")
+                self._finish(sequence, "error", error=f"{type(exc).__name__}: {exc}",
+                             error_type="internal")
 
     def _on_token(self, sequence: SequenceState, response: Any) -> None:
         sequence.completion_tokens += 1
@@ -482,7 +519,8 @@ class Scheduler:
 
     def _finish(self, sequence: SequenceState, reason: str, *, text: str = "",
                 token_ids: tuple[int, ...] = (), logprobs: tuple[TokenLogprob, ...] | None = None,
-                error: str | None = None, remove: bool = True, store: bool = False) -> None:
+                error: str | None = None, error_type: str | None = None, remove: bool = True,
+                store: bool = False) -> None:
         """Emit the final output and release everything the request holds."""
         if sequence.phase == DONE:
             return
@@ -502,7 +540,8 @@ class Scheduler:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         usage = Usage(len(sequence.prompt), sequence.completion_tokens, sequence.reused)
         self._emit(sequence, GenerationOutput(sequence.request_id, text, token_ids, logprobs,
-                                              finish_reason=reason, error=error, usage=usage))
+                                              finish_reason=reason, error=error,
+                                              error_type=error_type, usage=usage))
 
     @staticmethod
     def _emit(sequence: SequenceState, output: GenerationOutput) -> None:
