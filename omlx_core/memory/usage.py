@@ -28,7 +28,11 @@ log = logging.getLogger(__name__)
 
 # glibc's mallopt parameter and the size above which allocations get their own mapping.
 _M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 128 * 1024
+# Large enough that a forward's many per-layer activation buffers stay on the heap (at
+# 128 KiB every one of them was a fresh mapping: prefill 25-140% slower, decode 15-75%
+# slower, measured on SmolLM2), small enough that the big transients (score matrices,
+# logits) still go back to the OS the moment they are freed.
+MMAP_THRESHOLD_BYTES = 8 * 1024 * 1024
 
 
 def return_freed_buffers_to_the_os() -> bool:
@@ -62,7 +66,27 @@ def mlx_peak_bytes() -> int:
     return int(mx.get_peak_memory())
 
 
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    if platform.system() != "Linux":
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
+
+
 def footprint_bytes() -> int:
+    """Resident bytes of this process, after handing freed heap pages back to the OS.
+
+    Buffers under the mmap threshold come from the heap, which keeps freed pages
+    resident; without the trim a transient already gone would still be counted as in
+    use (a few milliseconds, once per gate decision or poll).
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
     footprint = probes.probe_process_footprint()
     return footprint.rss_bytes if footprint else 0
 
