@@ -245,6 +245,9 @@ def _default_model_path() -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from omlx_core.platform.blas import ensure_optimized_blas
+
+    ensure_optimized_blas()  # the 8k prefills take minutes on the reference BLAS
     parser = argparse.ArgumentParser(prog="python -m omlx_core.memory.bench_estimate",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (a minute or two)")

@@ -85,6 +85,10 @@ def _engine_run(engine: Any, prompts: list[list[int]], tokens: int) -> tuple[flo
 
 
 def main(argv: list[str] | None = None) -> None:
+    from omlx_core.platform.blas import ensure_optimized_blas
+
+    # Without OpenBLAS both sides run on mlx-cpu's reference BLAS and the figures mean little.
+    ensure_optimized_blas()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="mlx-lm model directory (default: the default model)")
     parser.add_argument("--tokens", type=int, default=128)
