@@ -63,25 +63,23 @@ def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
     config, plugins = setup.config, setup.plugins
     model_ids = list(model_ids or config["server.models"])
     entries = [config.models[m] for m in model_ids]
-    factories = plugins.engines()
+    registered = plugins.registered_engines()
     required = set(config["plugins.required"])
     for entry in entries:
-        if entry.engine not in factories:
-            owner = [info for info in plugins.list() if info.error]
-            hint = "; ".join(f"{i.name}: {i.error}" for i in owner)
+        if entry.engine not in registered:
+            broken = [info for info in plugins.list() if info.error]
+            hint = "; ".join(f"{i.name}: {i.error}" for i in broken)
             raise PluginError(
                 f"model {entry.id!r} needs engine {entry.engine!r}, which no loaded plugin "
-                f"registers (engines available: {', '.join(sorted(factories)) or 'none'})"
+                f"registers (engines available: {', '.join(sorted(registered)) or 'none'})"
                 + (f". Broken plugins: {hint}" if hint else ""))
-        owner_name = plugins.owner_of_engine(entry.engine)
-        if owner_name:
-            required.add(owner_name)
+        required.add(registered[entry.engine][1])
     plugins.require(sorted(required))
 
     context = ServerContext(config=config, plugins=plugins)
     for entry in entries:
         spec = resolve_model(entry, progress=progress)
-        engine = factories[entry.engine](spec, config)
+        engine = registered[entry.engine][0](spec, config)
         log.info("starting engine %r for model %r (%s)", entry.engine, spec.id, spec.path)
         engine.start()
         context.engines[spec.id] = engine

@@ -176,12 +176,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     setup = load_setup(args.tier, args.config, _overrides(args))
     infos = setup.plugins.list()
-    engines = setup.plugins.engines()
+    engine_owners = {name: owner for name, (_factory, owner)
+                     in setup.plugins.registered_engines().items()}
     if args.json:
         print(json.dumps([{
             "name": i.name, "version": i.version, "source": i.source, "status": i.status,
             "module": i.module, "hooks": i.hooks, "error": i.error,
-            "engines": sorted(n for n in engines if setup.plugins.owner_of_engine(n) == i.name),
+            "engines": sorted(n for n, owner in engine_owners.items() if owner == i.name),
         } for i in infos], indent=2))
         return 0
     rows = [(i.name, i.version or "-", i.source, i.status, ", ".join(i.hooks) or "-") for i in infos]

@@ -164,13 +164,18 @@ class PluginManager:
 
     def engines(self) -> dict[str, Callable[..., Any]]:
         """Engine factories by name, from every plugin's ``register_engines``."""
+        return {name: factory for name, (factory, _owner) in self.registered_engines().items()}
+
+    def registered_engines(self) -> dict[str, tuple[Callable[..., Any], str]]:
+        """``name -> (factory, name of the plugin that registered it)``."""
         return self._collect(self.hook.register_engines, "engine")
 
     def caches(self) -> dict[str, Callable[..., Any]]:
         """Cache factories by name, from every plugin's ``register_caches``."""
-        return self._collect(self.hook.register_caches, "cache")
+        return {name: factory for name, (factory, _owner)
+                in self._collect(self.hook.register_caches, "cache").items()}
 
-    def _collect(self, hook: Any, what: str) -> dict[str, Callable[..., Any]]:
+    def _collect(self, hook: Any, what: str) -> dict[str, tuple[Callable[..., Any], str]]:
         found: dict[str, tuple[Callable[..., Any], str]] = {}
 
         for impl in reversed(hook.get_hookimpls()):
@@ -184,15 +189,7 @@ class PluginManager:
                 found[name] = (factory, _owner)
 
             impl.function(register=register)
-        return {name: factory for name, (factory, _owner) in found.items()}
-
-    def owner_of_engine(self, engine_name: str) -> str | None:
-        for impl in self.hook.register_engines.get_hookimpls():
-            names: list[str] = []
-            impl.function(register=lambda name, factory: names.append(name))
-            if engine_name in names:
-                return self.hook_manager.get_name(impl.plugin)
-        return None
+        return found
 
     def list(self) -> list[PluginInfo]:
         return sorted(self.infos.values(), key=lambda i: (i.source != "built-in", i.name))
