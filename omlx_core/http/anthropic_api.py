@@ -11,7 +11,7 @@ from omlx_core.http.body import read_request
 from omlx_core.http.errors import anthropic_error_body
 from omlx_core.http.generation import Generation, Generations, Job
 from omlx_core.http.schemas import MESSAGES_REQUEST
-from omlx_core.http.sse import SSE_HEADERS, StreamBody, frame
+from omlx_core.http.sse import frame, respond
 
 
 def _text(content: Any) -> str:
@@ -65,16 +65,9 @@ class Messages:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_request(req, self.max_body, MESSAGES_REQUEST)
         generation = self.generations.start(messages_job(body), req.env)
-        if not body.get("stream"):
-            try:
-                resp.media = self.collect(generation)
-            finally:
-                generation.close()
-            return
-        resp.content_type = "text/event-stream"
-        resp.set_headers(SSE_HEADERS)
-        resp.stream = StreamBody(self.events(generation), generation, _error_frames,
-                                 self.generations.early_close)
+        respond(resp, self.generations, generation, stream=bool(body.get("stream")),
+                collect=self.collect, frames=lambda: self.events(generation),
+                error_frames=_error_frames)
 
     def _message(self, generation: Generation, content: list, stop_reason: str | None,
                  stop_sequence: str | None, usage: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from omlx_core.http.body import read_request
 from omlx_core.http.errors import bad_request, openai_error_body
 from omlx_core.http.generation import Generation, Generations, Job
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST
-from omlx_core.http.sse import SSE_HEADERS, StreamBody, frame
+from omlx_core.http.sse import frame, respond
 from omlx_core.http.tokens import token_texts
 
 DONE = b"data: [DONE]\n\n"
@@ -168,16 +168,9 @@ class _Completions:
         job = self.job(body)
         stream, include_usage = _stream_flags(body)
         generation = self.generations.start(job, req.env)
-        if not stream:
-            try:
-                resp.media = self.collect(generation)
-            finally:
-                generation.close()
-            return
-        resp.content_type = "text/event-stream"
-        resp.set_headers(SSE_HEADERS)
-        resp.stream = StreamBody(self.frames(generation, include_usage), generation, _error_frames,
-                                 self.generations.early_close)
+        respond(resp, self.generations, generation, stream=stream, collect=self.collect,
+                frames=lambda: self.frames(generation, include_usage),
+                error_frames=_error_frames)
 
     def collect(self, generation: Generation) -> dict[str, Any]:
         raise NotImplementedError

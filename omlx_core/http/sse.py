@@ -13,7 +13,7 @@ import json
 import logging
 from typing import Any, Callable, Iterator
 
-from omlx_core.http.generation import Generation
+from omlx_core.http.generation import Generation, Generations
 
 log = logging.getLogger(__name__)
 
@@ -80,3 +80,19 @@ class StreamBody:
             if not self._done and self._on_early_close is not None:
                 self._on_early_close(self._generation)
             self._generation.close()
+
+
+def respond(resp: Any, generations: Generations, generation: Generation, *, stream: bool,
+            collect: Callable[[Generation], Any], frames: Callable[[], Iterator[bytes]],
+            error_frames: Callable[[str], list[bytes]]) -> None:
+    """Answer with ``collect(generation)`` as one JSON document or, when ``stream``, with an
+    SSE body of ``frames()`` that aborts the generation if the client leaves early."""
+    if not stream:
+        try:
+            resp.media = collect(generation)
+        finally:
+            generation.close()
+        return
+    resp.content_type = "text/event-stream"
+    resp.set_headers(SSE_HEADERS)
+    resp.stream = StreamBody(frames(), generation, error_frames, generations.early_close)
