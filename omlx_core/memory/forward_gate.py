@@ -111,14 +111,10 @@ class PrefillForwardGate:
         log.warning("memory in use (%s) passed the %s limit after a prefill chunk of request "
                     "%s (model %r); stopping it", format_size(current),
                     format_size(limits.hard_bytes), chunk.request_id, step.model_id)
-        text = (f"memory ran short during prefill (tokens {chunk.cached_tokens}-"
-                f"{chunk.cached_tokens + chunk.new_tokens} of {chunk.prompt_tokens}): "
-                f"{format_size(current)} was in use after the forward, over the "
-                f"{format_size(limits.hard_bytes)} limit"
-                + (f" ({rejection.binding} ceiling binds)" if rejection.binding else "")
-                + "; the request was stopped and its cache freed")
-        advice = self._advise(rejection) if self._advise else []
-        return text + (". " + " ".join(advice) if advice else "")
+        return self._explain(chunk, rejection,
+                             f"{format_size(current)} was in use after the forward, over the "
+                             f"{format_size(limits.hard_bytes)} limit",
+                             "the request was stopped and its cache freed")
 
     def _chunk_estimate(self, step: Any, chunk: Any, chunk_size: int) -> int | None:
         # The chunk extends the request's own cache, whose KV is already in current use;
@@ -139,12 +135,18 @@ class PrefillForwardGate:
                     "%s in use + %s estimated + %s margin > %s limit", chunk.new_tokens,
                     chunk.request_id, step.model_id, format_size(base), format_size(peak),
                     format_size(self.transient_margin), format_size(limits.hard_bytes))
+        return self._explain(chunk, rejection,
+                             f"the next chunk needs an estimated {format_size(peak)} "
+                             f"(+{format_size(self.transient_margin)} margin) on top of "
+                             f"{format_size(base)} in use, over the "
+                             f"{format_size(limits.hard_bytes)} limit",
+                             "the request was stopped before the forward ran")
+
+    def _explain(self, chunk: Any, rejection: Rejection, what: str, outcome: str) -> str:
+        """The finish reason a refused request carries: where, why, outcome, advice."""
         text = (f"memory ran short during prefill (tokens {chunk.cached_tokens}-"
-                f"{chunk.cached_tokens + chunk.new_tokens} of {chunk.prompt_tokens}): the next "
-                f"chunk needs an estimated {format_size(peak)} (+{format_size(self.transient_margin)} "
-                f"margin) on top of {format_size(base)} in use, over the "
-                f"{format_size(limits.hard_bytes)} limit"
+                f"{chunk.cached_tokens + chunk.new_tokens} of {chunk.prompt_tokens}): {what}"
                 + (f" ({rejection.binding} ceiling binds)" if rejection.binding else "")
-                + "; the request was stopped before the forward ran")
+                + f"; {outcome}")
         advice = self._advise(rejection) if self._advise else []
         return text + (". " + " ".join(advice) if advice else "")
