@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import site
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from omlx_core.testing import cached_model
+from omlx_core.testing.waiting import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "sequential-engine"
@@ -76,15 +76,9 @@ def test_example_is_not_visible_without_the_install():
     assert "sequential" not in {p["name"] for p in json.loads(result.stdout)}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_example_engine_serves_a_model(fresh_venv, tmp_path):
     model_dir = cached_model("llama")
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "tiny.toml"
     config.write_text(f"""
 [server]

@@ -24,6 +24,7 @@ from omlx_core.http import HTTPServer, build_frontend, serve_forever
 from omlx_core.memory.usage import MemoryUsage, footprint_bytes
 from omlx_core.server_context import ServerContext
 from omlx_core.testing import cached_model
+from omlx_core.testing.waiting import wait_for
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Say something."}]
@@ -105,15 +106,6 @@ def sse_events(data: bytes) -> list[tuple[str | None, str]]:
 def engine_idle(context: ServerContext) -> bool:
     stats = context.engines[MODEL].stats()
     return stats["running"] == 0 and stats["prefilling"] == 0 and stats["queue_depth"] == 0
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 # -- OpenAI chat and text completions ------------------------------------------------------

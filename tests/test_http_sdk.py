@@ -11,13 +11,14 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
 from omlx_core.bootstrap import load_setup, start_engines, stop_engines
 from omlx_core.http import HTTPServer, build_frontend
 from omlx_core.server_context import ServerContext
+from omlx_core.testing.waiting import wait_for
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -32,15 +33,6 @@ def start_default(**settings: str) -> ServerContext:
     overrides = [(key.replace("__", "."), value, "test") for key, value in settings.items()]
     setup = load_setup("cpu-small", [], overrides)
     return start_engines(setup, progress=False)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 @pytest.fixture(scope="module")

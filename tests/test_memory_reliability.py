@@ -19,7 +19,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ import pytest
 
 from omlx_core.memory.estimate import estimate_for_config
 from omlx_core.testing.models import build_model
+from omlx_core.testing.waiting import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -57,12 +57,6 @@ MODEL = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
 
 
 # -- the server process ----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def proc_status(pid: int) -> dict[str, int]:
