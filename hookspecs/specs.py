@@ -155,3 +155,18 @@ def on_boundary_snapshot(snapshot: BoundarySnapshot) -> None:
     :returns: nothing; results are ignored. Implementations must not block the MLX
         thread: copy or enqueue, then return.
     """
+
+
+@hookspec
+def on_request_finished(model_id: str, request_id: str, finish_reason: str) -> None:
+    """Learn that an engine has finished a request and released what it held.
+
+    Pairs with :func:`on_boundary_snapshot`: a plugin that keeps state per request id
+    (staged snapshots, traces) drops it here.
+
+    :param model_id: the model whose engine ran the request.
+    :param request_id: the request's id, as in its snapshots and outputs.
+    :param finish_reason: ``"stop"`` or ``"length"`` for a completed request,
+        ``"abort"`` when the client went away, ``"error"`` when it failed.
+    :returns: nothing; results are ignored. Runs on the MLX thread: do not block.
+    """

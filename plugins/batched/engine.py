@@ -157,6 +157,7 @@ class BatchedEngine(Engine):
         self._tokenizer_lock = threading.Lock()
         self._start_lock = threading.Lock()
         self._boundary_listener: Callable[..., None] | None = None
+        self._finish_listener: Callable[..., None] | None = None
         self._ignore_eos = ignore_eos
 
     # -- lifecycle -------------------------------------------------------------------
@@ -183,7 +184,8 @@ class BatchedEngine(Engine):
             model=lm, tokenizer=tokenizer, model_id=self.model.id, model_config=self.model.config,
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
             prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,
-            wake=self._thread.wake, boundary_listener=self._on_boundary, ignore_eos=self._ignore_eos,
+            wake=self._thread.wake, boundary_listener=self._on_boundary,
+            finish_listener=self._on_finished, ignore_eos=self._ignore_eos,
         )
 
     def shutdown(self) -> None:
@@ -210,10 +212,17 @@ class BatchedEngine(Engine):
         _trim_malloc_heap()
 
     def bind_plugins(self, plugins: PluginManager) -> None:
-        """Route boundary snapshots to ``on_boundary_snapshot`` and put the first lower
-        cache tier other plugins registered (``register_caches``) behind the prefix cache."""
+        """Route boundary snapshots to ``on_boundary_snapshot`` and request ends to
+        ``on_request_finished``, and put the first lower cache tier other plugins
+        registered (``register_caches``) behind the prefix cache."""
         hook = plugins.hook.on_boundary_snapshot
         self._boundary_listener = (lambda snapshot: hook(snapshot=snapshot)) if hook.get_hookimpls() else None
+        finished = plugins.hook.on_request_finished
+        model_id = self.model.id
+        self._finish_listener = (
+            (lambda request_id, reason: finished(model_id=model_id, request_id=request_id,
+                                                 finish_reason=reason))
+            if finished.get_hookimpls() else None)
         tiers = []
         for name, factory in plugins.caches().items():
             if name == MEMORY_CACHE_NAME:
@@ -231,6 +240,11 @@ class BatchedEngine(Engine):
         listener = self._boundary_listener
         if listener is not None:
             listener(snapshot)
+
+    def _on_finished(self, request_id: str, reason: str) -> None:
+        listener = self._finish_listener
+        if listener is not None:
+            listener(request_id, reason)
 
     # -- tokenization ----------------------------------------------------------------
 

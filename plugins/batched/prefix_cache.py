@@ -16,8 +16,11 @@ module only stores, finds and evicts them.
 
 Tiers: a slower store (the paged SSD cache of the ``ssd_cache`` plugin) can sit
 behind this one through :meth:`PrefixCache.attach_lower`. It implements
-:class:`BlockStore`: a lookup that misses here asks it (a block found there is
-promoted back), and a block evicted here is offered to it.
+:class:`BlockStore`. Writes go through: every block stored here is offered to it at
+once (so a restart finds it), and again when evicted here (the store keeps the better
+copy, e.g. one that gained a boundary state). A lookup that misses here asks it, and a
+block found there is promoted back. Calls to the store are made outside this cache's
+lock: a disk read or a full write queue never stalls a concurrent :meth:`peek`.
 
 Eviction is LRU by bytes. Each lookup and store refreshes a chain from its deepest
 block up to its root, so a parent is always more recent than its children and the
@@ -83,7 +86,7 @@ class BlockStore(Protocol):
         """The block with this hash, or ``None``."""
 
     def put(self, block: CachedBlock) -> None:
-        """Keep ``block`` (it is being evicted from memory); may decline silently."""
+        """Keep ``block`` (stored or evicted here); may decline or drop it silently."""
 
     def contains(self, block_hash: bytes) -> bool:
         """Whether :meth:`get` would find the block; must be cheap."""
@@ -132,19 +135,26 @@ class PrefixCache:
         """The longest reusable cached prefix of the chain ``hashes``; counts a hit or miss."""
         if not self.enabled:
             return []
+        found: list[CachedBlock] = []
         with self._lock:
-            found: list[CachedBlock] = []
+            lower = self._lower
             for block_hash in hashes:
                 block = self._blocks.get(block_hash)
-                if block is None and self._lower is not None:
-                    block = self._lower.get(block_hash)
-                    if block is not None:
-                        self._add_locked(block)
                 if block is None:
                     break
                 found.append(block)
+        if lower is not None:
+            for block_hash in hashes[len(found):]:
+                block = self.get(block_hash) or lower.get(block_hash)
+                if block is None:
+                    break
+                found.append(block)
+        with self._lock:
+            for block in found:
+                if self._blocks.get(block.block_hash) is not block:
+                    self._add_locked(block)
             self._touch_locked([b.block_hash for b in found])
-            self._evict_locked()
+            evicted = self._evict_locked()
             while found and not found[-1].reusable_end:
                 found.pop()
             if found:
@@ -152,7 +162,8 @@ class PrefixCache:
                 self.tokens_saved += len(found) * self.block_size
             else:
                 self.misses += 1
-            return found
+        self._offer(lower, evicted)
+        return found
 
     def peek(self, hashes: Sequence[bytes]) -> int:
         """How many blocks :meth:`lookup` would reuse now from memory; changes nothing."""
@@ -184,39 +195,51 @@ class PrefixCache:
         if not self.enabled:
             return
         with self._lock:
-            for block in blocks:
-                self._add_locked(block)
+            added = [block for block in blocks if self._add_locked(block)]
             self._touch_locked(chain if chain is not None else [b.block_hash for b in blocks])
-            self._evict_locked()
+            evicted = self._evict_locked()
+            lower = self._lower
+        self._offer(lower, added + evicted)
+
+    @staticmethod
+    def _offer(lower: BlockStore | None, blocks: Sequence[CachedBlock]) -> None:
+        if lower is None:
+            return
+        for block in blocks:
+            lower.put(block)
 
     def touch(self, hashes: Sequence[bytes]) -> None:
         """Mark a chain as just used (deepest block first, root last)."""
         with self._lock:
             self._touch_locked(hashes)
 
-    def _add_locked(self, block: CachedBlock) -> None:
+    def _add_locked(self, block: CachedBlock) -> bool:
+        """Keep ``block``; ``False`` if it is too big or adds nothing to the copy held."""
         if block.nbytes > self.budget_bytes:
-            return
+            return False
         existing = self._blocks.get(block.block_hash)
         if existing is not None:
             if existing.reusable_end or not block.reusable_end:
-                return
+                return False
             self.nbytes -= existing.nbytes
         self._blocks[block.block_hash] = block
         self.nbytes += block.nbytes
+        return True
 
     def _touch_locked(self, hashes: Sequence[bytes]) -> None:
         for block_hash in reversed(hashes):
             if block_hash in self._blocks:
                 self._blocks.move_to_end(block_hash)
 
-    def _evict_locked(self) -> None:
+    def _evict_locked(self) -> list[CachedBlock]:
+        """Drop least-recently-used blocks down to the budget; returns them."""
+        evicted = []
         while self.nbytes > self.budget_bytes and self._blocks:
-            block_hash, block = self._blocks.popitem(last=False)
+            _, block = self._blocks.popitem(last=False)
             self.nbytes -= block.nbytes
             self.evictions += 1
-            if self._lower is not None:
-                self._lower.put(block)
+            evicted.append(block)
+        return evicted
 
     def clear(self) -> None:
         with self._lock:
@@ -225,7 +248,7 @@ class PrefixCache:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {
+            stats = {
                 "enabled": self.enabled,
                 "hits": self.hits,
                 "misses": self.misses,
@@ -237,3 +260,10 @@ class PrefixCache:
                 "evictions": self.evictions,
                 "lower_tier": type(self._lower).__name__ if self._lower is not None else None,
             }
+            lower_stats = getattr(self._lower, "stats", None)
+        if callable(lower_stats):
+            try:
+                stats["lower"] = dict(lower_stats())
+            except Exception:  # a failing tier must not break the engine's stats
+                pass
+        return stats

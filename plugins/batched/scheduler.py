@@ -115,6 +115,7 @@ class Scheduler:
                  prefix_cache: PrefixCache,
                  wake: Callable[[], None],
                  boundary_listener: Callable[[BoundarySnapshot], None] | None = None,
+                 finish_listener: Callable[[str, str], None] | None = None,
                  ignore_eos: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -126,6 +127,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.layout = CacheLayout(model)
         self.boundary_listener = boundary_listener
+        #: called with (request id, finish reason) once a request has released everything
+        self.finish_listener = finish_listener
         self._wake = wake
         self._gate: ForwardGate | None = None
         self._limits: LimitSnapshot | None = None
@@ -542,6 +545,12 @@ class Scheduler:
         self._emit(sequence, GenerationOutput(sequence.request_id, text, token_ids, logprobs,
                                               finish_reason=reason, error=error,
                                               error_type=error_type, usage=usage))
+        if self.finish_listener is not None:
+            try:
+                self.finish_listener(sequence.request_id, reason)
+            except Exception:
+                log.exception("on_request_finished listener failed for request %s",
+                              sequence.request_id)
 
     @staticmethod
     def _emit(sequence: SequenceState, output: GenerationOutput) -> None:

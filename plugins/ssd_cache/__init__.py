@@ -1,0 +1,157 @@
+"""The built-in ``ssd_cache`` plugin: a paged SSD tier behind the in-memory prefix cache.
+
+Turned on by ``cache.ssd_dir`` (empty = off) with ``cache.ssd_budget`` bytes at most
+(``"auto"``: ``plugin.ssd_cache.auto_share`` of the free disk). Through the public hooks:
+
+- ``register_caches``: ``"ssd"`` -> a :class:`~.store.PagedSSDStore` per model, which the
+  batched engine puts behind its prefix cache: every block the prefix cache stores is
+  written to disk, a lookup that misses in memory reads blocks back, and a restarted
+  server serves the blocks the previous process wrote;
+- ``on_boundary_snapshot``: stages non-cuttable layer states per request id as prefill
+  crosses block boundaries (hybrid models resume from them after a restart);
+- ``on_request_finished``: drops a request's staged snapshots (queued behind its writes
+  when it completed, at once when it was aborted or failed);
+- ``register_settings``: the ``[plugin.ssd_cache]`` table;
+- ``shutdown``: staged snapshots removed, queued block writes flushed, writer stopped.
+
+Counters (``saves`` passed the quota gate, ``saves_persisted`` renamed into place, loads,
+hits, misses, evictions, drops, declined, errors) appear in ``/metrics`` as
+``omlx_engine_prefix_cache_lower_<counter>``. Benchmark:
+``python -m omlx_core.plugins.ssd_cache.benchmark``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from omlx_core.hookspecs import hookimpl
+from omlx_core.plugins.ssd_cache.store import PagedSSDStore
+from omlx_core.settings import Setting
+
+log = logging.getLogger(__name__)
+
+CACHE_NAME = "ssd"
+PLUGIN = "ssd_cache"
+
+_lock = threading.Lock()
+#: open stores, by directory (one writer per directory) and by model id (hook routing)
+_by_directory: dict[Path, PagedSSDStore] = {}
+_by_model: dict[str, PagedSSDStore] = {}
+
+
+def model_identity(path: Path) -> str:
+    """A digest of a model directory's config and weight files (names, sizes, mtimes):
+    blocks computed with other weights are never served, even at the same path."""
+    digest = hashlib.blake2b(digest_size=16)
+    config = path / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for weights in sorted(path.glob("*.safetensors")):
+        stat = weights.stat()
+        digest.update(f"\0{weights.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def _plugin_settings(config: Any) -> dict[str, Any]:
+    defaults = {s.key: s.default for s in SETTINGS}
+    try:
+        return defaults | dict(config.plugin(PLUGIN))
+    except (AttributeError, KeyError):  # a configuration built without this plugin loaded
+        return defaults
+
+
+SETTINGS = (
+    Setting("auto_share", "float", 'share of the free disk an "auto" cache.ssd_budget may use',
+            minimum=0.01, maximum=0.95, default=0.5),
+    Setting("queue_size", "int", "block writes the writer thread may have queued",
+            minimum=1, maximum=65536, default=64),
+    Setting("save_timeout_s", "float", "how long a save waits for room in a full write queue "
+            "before the block is dropped", minimum=0.0, maximum=10.0, default=0.25),
+    Setting("eviction_burst", "int", "files one save may unlink to make room; the rest are "
+            "evicted by later saves", minimum=1, maximum=4096, default=32),
+)
+
+
+@hookimpl
+def register_settings(register: Callable[[Setting], None]) -> None:
+    for setting in SETTINGS:
+        register(setting)
+
+
+def create_store(model: Any, config: Any) -> PagedSSDStore | None:
+    """The ``register_caches`` factory: the model's store, or ``None`` when ``cache.ssd_dir`` is empty."""
+    directory = str(config["cache.ssd_dir"] or "").strip()
+    if not directory:
+        return None
+    identity = model_identity(Path(model.path))
+    safe_id = re.sub(r"[^A-Za-z0-9._-]", "_", model.id)
+    root = (Path(directory).expanduser() / f"{safe_id}-{identity[:16]}").resolve()
+    budget = config["cache.ssd_budget"]
+    settings = _plugin_settings(config)
+    with _lock:
+        store = _by_directory.get(root)
+        if store is None or store.closed:
+            try:
+                store = PagedSSDStore(root, identity=identity,
+                                      budget=None if budget == "auto" else int(budget),
+                                      auto_share=float(settings["auto_share"]),
+                                      queue_size=int(settings["queue_size"]),
+                                      save_timeout_s=float(settings["save_timeout_s"]),
+                                      eviction_burst=int(settings["eviction_burst"]))
+            except OSError as exc:
+                raise RuntimeError(f"cache.ssd_dir {directory!r}: cannot use {root} for model "
+                                   f"{model.id!r}: {exc}; set cache.ssd_dir to a writable "
+                                   "directory, or to \"\" to turn the SSD cache off") from None
+            _by_directory[root] = store
+        _by_model[model.id] = store
+    log.info("model %r: SSD cache in %s, limit %d bytes now", model.id, root, store.limit_bytes())
+    return store
+
+
+@hookimpl
+def register_caches(register: Callable[..., None]) -> None:
+    register(CACHE_NAME, create_store)
+
+
+def store_for(model_id: str) -> PagedSSDStore | None:
+    with _lock:
+        store = _by_model.get(model_id)
+    return None if store is None or store.closed else store
+
+
+@hookimpl
+def on_boundary_snapshot(snapshot: Any) -> None:
+    store = store_for(snapshot.model_id)
+    if store is not None:
+        store.save_snapshot(snapshot.request_id, snapshot.block_index, snapshot.block_hash,
+                            snapshot.token_count, snapshot.layer_states)
+
+
+@hookimpl
+def on_request_finished(model_id: str, request_id: str, finish_reason: str) -> None:
+    store = store_for(model_id)
+    if store is None:
+        return
+    if finish_reason in ("stop", "length"):
+        store.finish_request(request_id)
+    else:
+        store.cleanup_request(request_id)
+
+
+@hookimpl
+def shutdown(context: Any) -> None:
+    with _lock:
+        stores = {id(s): s for m, s in _by_model.items() if m in context.engines}
+        for model_id in [m for m in _by_model if m in context.engines]:
+            del _by_model[model_id]
+        for directory in [d for d, s in _by_directory.items() if id(s) in stores]:
+            del _by_directory[directory]
+    for store in stores.values():
+        store.close(cleanup=True)
+
+
+__all__ = ["CACHE_NAME", "PagedSSDStore", "create_store", "model_identity", "store_for"]

@@ -1,0 +1,264 @@
+"""The paged SSD cache's files: one safetensors file per block, one per boundary state.
+
+A **block file** ``<hash>.safetensors`` holds the keys and values of one block's tokens
+for every layer that can be cut at any token (tensors ``kv.<layer>.k`` / ``kv.<layer>.v``).
+A **boundary file** holds the whole state of every layer that cannot be cut (recurrent
+``ArraysCache`` state, rotating windows) at the block's end: tensors ``s.<n>`` plus a JSON
+description of each layer's cache class and state structure, rebuilt with mlx-lm's
+``from_state``. Both carry metadata: format version, kind, block hash, index, token
+count, layer count, model identity, cache type per layer, and a CRC-32 per tensor so a
+flipped or truncated byte is detected on load.
+
+Split of work by thread: :func:`payload_of_kv` / :func:`payload_of_states` copy arrays to
+host memory (numpy) on the MLX thread; :func:`write_payload` runs on the writer thread and
+touches no mlx; :func:`read_block_arrays` (the MLX thread again) builds mlx arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+from safetensors import SafetensorError, TensorSpec, deserialize, safe_open, serialize_file
+
+FORMAT_VERSION = "1"
+BLOCK_KIND = "omlx-kv-block"
+BOUNDARY_KIND = "omlx-kv-boundary"
+BLOCK_SUFFIX = ".safetensors"
+BOUNDARY_SUFFIX = ".boundary.safetensors"
+TMP_SUFFIX = ".tmp"
+#: per-tensor header bytes and JSON envelope margin on top of the metadata's own length
+_HEADER_BYTES_PER_TENSOR = 128
+_HEADER_ENVELOPE = 256
+
+# mlx dtype name -> (safetensors dtype, numpy dtype holding the raw bytes)
+_DTYPES: dict[str, tuple[str, Any]] = {
+    "float32": ("F32", np.float32), "float16": ("F16", np.float16),
+    "bfloat16": ("BF16", np.uint16), "float64": ("F64", np.float64),
+    "int8": ("I8", np.int8), "int16": ("I16", np.int16), "int32": ("I32", np.int32),
+    "int64": ("I64", np.int64), "uint8": ("U8", np.uint8), "uint16": ("U16", np.uint16),
+    "uint32": ("U32", np.uint32), "uint64": ("U64", np.uint64), "bool": ("BOOL", np.bool_),
+}
+_MLX_OF_SAFETENSORS = {st: name for name, (st, _) in _DTYPES.items()}
+
+
+class BlockFileError(Exception):
+    """A cache file that cannot be used: truncated, corrupt, foreign or of another format."""
+
+
+@dataclass
+class Payload:
+    """Host copies of a file's tensors and its metadata, ready for the writer thread."""
+
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    #: tensor name -> mlx dtype name (bfloat16 travels as uint16 bytes)
+    dtypes: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def add(self, name: str, array: mx.array) -> None:
+        dtype = str(array.dtype).removeprefix("mlx.core.")
+        if dtype not in _DTYPES:
+            raise BlockFileError(f"tensor {name}: dtype {dtype} cannot be stored in the SSD cache")
+        raw = array.view(mx.uint16) if dtype == "bfloat16" else array
+        self.tensors[name] = np.array(raw, copy=True)
+        self.dtypes[name] = dtype
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(a.nbytes for a in self.tensors.values())
+
+    def estimated_file_size(self) -> int:
+        """Bytes the file will take: tensors, the real metadata JSON, header overhead."""
+        crc_text = len(self.tensors) * 24  # '"name": 4294967295, ' per tensor, roughly
+        meta = len(json.dumps(self.metadata)) + crc_text
+        return (self.tensor_bytes + meta + _HEADER_ENVELOPE
+                + _HEADER_BYTES_PER_TENSOR * len(self.tensors))
+
+
+def _base_metadata(kind: str, block_hash: bytes, index: int, token_count: int, identity: str,
+                   layer_types: Sequence[str]) -> dict[str, str]:
+    return {
+        "format": kind,
+        "version": FORMAT_VERSION,
+        "block_hash": block_hash.hex(),
+        "index": str(index),
+        "token_count": str(token_count),
+        "layers": str(len(layer_types)),
+        "model": identity,
+        "layer_types": json.dumps(list(layer_types)),
+    }
+
+
+def payload_of_kv(kv: Sequence[Any], *, block_hash: bytes, parent_hash: bytes, index: int,
+                  block_size: int, identity: str, layer_types: Sequence[str]) -> Payload:
+    """A block file's payload: ``kv`` is per layer ``(keys, values)`` or ``None``."""
+    payload = Payload(metadata=_base_metadata(BLOCK_KIND, block_hash, index, block_size * (index + 1),
+                                              identity, layer_types))
+    payload.metadata["parent_hash"] = parent_hash.hex()
+    payload.metadata["block_size"] = str(block_size)
+    for layer, pair in enumerate(kv):
+        if pair is not None:
+            payload.add(f"kv.{layer}.k", pair[0])
+            payload.add(f"kv.{layer}.v", pair[1])
+    return payload
+
+
+def _encode_tree(value: Any, payload: Payload) -> Any:
+    if isinstance(value, mx.array):
+        name = f"s.{len(payload.tensors)}"
+        payload.add(name, value)
+        return {"t": name}
+    if isinstance(value, list):
+        return [_encode_tree(v, payload) for v in value]
+    if isinstance(value, tuple):
+        return {"tuple": [_encode_tree(v, payload) for v in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise BlockFileError(f"cannot store a cache state holding {type(value).__name__}")
+
+
+def payload_of_states(states: Sequence[Any], *, block_hash: bytes, index: int, token_count: int,
+                      identity: str, layer_types: Sequence[str], request_id: str = "") -> Payload:
+    """A boundary file's payload: ``states`` is per layer an mlx-lm cache object or ``None``."""
+    payload = Payload(metadata=_base_metadata(BOUNDARY_KIND, block_hash, index, token_count,
+                                              identity, layer_types))
+    layers = []
+    for layer in states:
+        if layer is None:
+            layers.append(None)
+        else:
+            layers.append({"class": type(layer).__name__, "state": _encode_tree(layer.state, payload)})
+    payload.metadata["states"] = json.dumps(layers)
+    if request_id:
+        payload.metadata["request_id"] = request_id
+    return payload
+
+
+def write_payload(payload: Payload, path: Path) -> int:
+    """Write ``payload`` to ``path`` (not atomically: callers write a temp file and rename).
+
+    Returns the file's size. Touches no mlx, so it may run on any thread.
+    """
+    metadata = dict(payload.metadata)
+    metadata["crc32"] = json.dumps({name: zlib.crc32(array) for name, array in payload.tensors.items()})
+    specs = {}
+    for name, array in payload.tensors.items():
+        array = np.ascontiguousarray(array)
+        specs[name] = TensorSpec(dtype=payload.dtypes[name], shape=array.shape,
+                                 data_ptr=array.ctypes.data, data_len=array.nbytes)
+    serialize_file(specs, str(path), metadata=metadata)
+    return os.stat(path).st_size
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The metadata of a cache file, checking only its header (a truncated file fails here)."""
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            metadata = handle.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise BlockFileError(f"{path.name}: unreadable header: {exc}") from None
+    if metadata.get("version") != FORMAT_VERSION or metadata.get("format") not in (BLOCK_KIND,
+                                                                                    BOUNDARY_KIND):
+        raise BlockFileError(f"{path.name}: not an omlx-core cache file of format version "
+                             f"{FORMAT_VERSION} (found {metadata.get('format')!r} "
+                             f"version {metadata.get('version')!r})")
+    return metadata
+
+
+def check_metadata(metadata: dict[str, str], *, kind: str, block_hash: bytes, identity: str,
+                   name: str) -> None:
+    """Raise :class:`BlockFileError` unless the file is the ``kind`` file of this block and model."""
+    if metadata.get("format") != kind:
+        raise BlockFileError(f"{name}: a {metadata.get('format')} file where a {kind} was expected")
+    if metadata.get("model") != identity:
+        raise BlockFileError(f"{name}: written for another model ({metadata.get('model')!r})")
+    if metadata.get("block_hash") != block_hash.hex():
+        raise BlockFileError(f"{name}: holds block {metadata.get('block_hash')}, not {block_hash.hex()}")
+
+
+def read_arrays(path: Path) -> tuple[dict[str, str], dict[str, mx.array]]:
+    """Metadata and tensors of a cache file, every tensor's CRC checked (MLX thread)."""
+    try:
+        data = path.read_bytes()
+        entries = deserialize(data)
+        # deserialize validated the header; its metadata sits under "__metadata__"
+        header_length = int.from_bytes(data[:8], "little")
+        metadata = json.loads(data[8:8 + header_length]).get("__metadata__") or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise BlockFileError(f"{path.name}: unreadable: {exc}") from None
+    try:
+        crcs = json.loads(metadata["crc32"])
+    except (KeyError, json.JSONDecodeError):
+        raise BlockFileError(f"{path.name}: no checksums in its metadata") from None
+    arrays = {}
+    for name, spec in entries:
+        raw = spec["data"]
+        if zlib.crc32(raw) != crcs.get(name):
+            raise BlockFileError(f"{path.name}: tensor {name} fails its CRC check (corrupt file)")
+        dtype = _MLX_OF_SAFETENSORS.get(spec["dtype"])
+        if dtype is None:
+            raise BlockFileError(f"{path.name}: tensor {name} has unsupported dtype {spec['dtype']}")
+        host = np.frombuffer(raw, dtype=_DTYPES[dtype][1]).reshape(spec["shape"])
+        array = mx.array(host)
+        arrays[name] = array.view(mx.bfloat16) if dtype == "bfloat16" else array
+    if set(arrays) != set(crcs):
+        raise BlockFileError(f"{path.name}: tensors {sorted(set(crcs) - set(arrays))} are missing")
+    return metadata, arrays
+
+
+def kv_of(arrays: dict[str, mx.array], layers: int) -> tuple[Any, ...]:
+    """Per layer ``(keys, values)`` or ``None``, from a block file's tensors."""
+    return tuple((arrays[f"kv.{i}.k"], arrays[f"kv.{i}.v"]) if f"kv.{i}.k" in arrays else None
+                 for i in range(layers))
+
+
+def _decode_tree(value: Any, arrays: dict[str, mx.array]) -> Any:
+    if isinstance(value, list):
+        return [_decode_tree(v, arrays) for v in value]
+    if isinstance(value, dict):
+        if "t" in value:
+            return arrays[value["t"]]
+        if "tuple" in value:
+            return tuple(_decode_tree(v, arrays) for v in value["tuple"])
+    return value
+
+
+def states_of(metadata: dict[str, str], arrays: dict[str, mx.array]) -> tuple[Any, ...]:
+    """Per layer an mlx-lm cache object rebuilt with ``from_state``, or ``None``."""
+    from mlx_lm.models import cache as cache_classes
+
+    try:
+        layers = json.loads(metadata["states"])
+        out = []
+        for layer in layers:
+            if layer is None:
+                out.append(None)
+                continue
+            cls = getattr(cache_classes, layer["class"], None)
+            if not isinstance(cls, type):
+                raise BlockFileError(f"unknown cache class {layer['class']!r}")
+            out.append(cls.from_state(_decode_tree(layer["state"], arrays)))
+        return tuple(out)
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+        raise BlockFileError(f"boundary state cannot be rebuilt: {exc}") from None
+
+
+def block_path(directory: Path, block_hash: bytes) -> Path:
+    return directory / f"{block_hash.hex()}{BLOCK_SUFFIX}"
+
+
+def boundary_path(directory: Path, block_hash: bytes) -> Path:
+    return directory / f"{block_hash.hex()}{BOUNDARY_SUFFIX}"
+
+
+__all__ = [
+    "BLOCK_KIND", "BOUNDARY_KIND", "BlockFileError", "FORMAT_VERSION", "Payload", "block_path",
+    "boundary_path", "check_metadata", "kv_of", "payload_of_kv", "payload_of_states",
+    "read_arrays", "read_metadata", "states_of", "write_payload",
+]
