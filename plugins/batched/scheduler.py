@@ -542,15 +542,16 @@ class Scheduler:
         self._by_id.pop(sequence.request_id, None)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         usage = Usage(len(sequence.prompt), sequence.completion_tokens, sequence.reused)
-        self._emit(sequence, GenerationOutput(sequence.request_id, text, token_ids, logprobs,
-                                              finish_reason=reason, error=error,
-                                              error_type=error_type, usage=usage))
         if self.finish_listener is not None:
+            # Before the final output: whoever sees the request end sees its cleanup begun.
             try:
                 self.finish_listener(sequence.request_id, reason)
             except Exception:
                 log.exception("on_request_finished listener failed for request %s",
                               sequence.request_id)
+        self._emit(sequence, GenerationOutput(sequence.request_id, text, token_ids, logprobs,
+                                              finish_reason=reason, error=error,
+                                              error_type=error_type, usage=usage))
 
     @staticmethod
     def _emit(sequence: SequenceState, output: GenerationOutput) -> None:

@@ -66,7 +66,8 @@ class Payload:
         if dtype not in _DTYPES:
             raise BlockFileError(f"tensor {name}: dtype {dtype} cannot be stored in the SSD cache")
         raw = array.view(mx.uint16) if dtype == "bfloat16" else array
-        self.tensors[name] = np.array(raw, copy=True)
+        # A cut block is often a strided view; the file and its CRC need plain C order.
+        self.tensors[name] = np.ascontiguousarray(np.array(raw, copy=True))
         self.dtypes[name] = dtype
 
     @property
@@ -149,7 +150,6 @@ def write_payload(payload: Payload, path: Path) -> int:
     metadata["crc32"] = json.dumps({name: zlib.crc32(array) for name, array in payload.tensors.items()})
     specs = {}
     for name, array in payload.tensors.items():
-        array = np.ascontiguousarray(array)
         specs[name] = TensorSpec(dtype=payload.dtypes[name], shape=array.shape,
                                  data_ptr=array.ctypes.data, data_len=array.nbytes)
     serialize_file(specs, str(path), metadata=metadata)

@@ -1,0 +1,442 @@
+"""The paged SSD cache (built-in plugin ``ssd_cache``): block files, the writer, races, restarts."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
+from omlx_core.plugins.ssd_cache import blockfile
+from omlx_core.plugins.ssd_cache.store import PagedSSDStore
+from omlx_core.testing.waiting import wait_for
+
+IDENTITY = "a" * 32
+BLOCK = 4
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def make_store(directory: Path, **overrides) -> PagedSSDStore:
+    options = {"identity": IDENTITY, "budget": 1 << 30, **overrides}
+    return PagedSSDStore(directory, **options)
+
+
+def hybrid_states(seed: int) -> tuple:
+    """Boundary states of a two-layer model: layer 0 is cuttable, 1 recurrent, 2 a window."""
+    key = mx.random.key(seed)
+    arrays = ArraysCache(2)
+    arrays.cache = [mx.random.normal((1, 3, 8), key=key), mx.random.normal((1, 2, 4, 4), key=key + 1)]
+    window = RotatingKVCache(max_size=8)
+    window.update_and_fetch(mx.random.normal((1, 2, 6, 4), key=key + 2),
+                            mx.random.normal((1, 2, 6, 4), key=key + 3))
+    return (None, arrays, window)
+
+
+def make_block(index: int, *, seed: int = 0, boundary: bool = False, layers: int = 3,
+               dtype=mx.float32, parent: bytes | None = None) -> CachedBlock:
+    key = mx.random.key(1000 * seed + index)
+    cut = 1 if boundary else layers
+    # Keys are a transposed view, as caches taken out of a decode batch can be: strided.
+    kv = tuple((mx.random.normal((1, BLOCK, 2, 4), key=key + i).astype(dtype).transpose(0, 2, 1, 3),
+                mx.random.normal((1, 2, BLOCK, 4), key=key + 50 + i).astype(dtype))
+               if i < cut else None for i in range(layers))
+    states = hybrid_states(1000 * seed + index) if boundary else None
+    nbytes = sum(a.nbytes for pair in kv if pair for a in pair)
+    return CachedBlock(block_hash=bytes([seed % 256, index % 256]) * 8,
+                       parent_hash=parent or b"\0" * 16, index=index, block_size=BLOCK, kv=kv,
+                       boundary=states, reusable_end=states is not None or boundary is False,
+                       nbytes=nbytes)
+
+
+def assert_same_block(got: CachedBlock, want: CachedBlock) -> None:
+    assert (got.block_hash, got.parent_hash, got.index, got.block_size) == \
+        (want.block_hash, want.parent_hash, want.index, want.block_size)
+    for a, b in zip(got.kv, want.kv):
+        assert (a is None) == (b is None)
+        if a is not None:
+            for x, y in zip(a, b):
+                assert x.dtype == y.dtype and np.array_equal(np.array(x.astype(mx.float32)),
+                                                             np.array(y.astype(mx.float32)))
+    if want.boundary is None:
+        return
+    assert got.boundary is not None and got.reusable_end
+    for a, b in zip(got.boundary, want.boundary):
+        assert type(a) is type(b)
+        if a is None:
+            continue
+        for x, y in zip(_flat(a.state), _flat(b.state)):
+            if isinstance(y, mx.array):
+                assert np.array_equal(np.array(x), np.array(y))
+            else:
+                assert x == y
+
+
+def _flat(value):
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flat(v)]
+    return [value]
+
+
+class PinnedWriter:
+    """Holds the writer thread inside its next file write until released."""
+
+    def __init__(self, store: PagedSSDStore) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self._real = store._write_payload
+        store._write_payload = self._write
+
+    def _write(self, payload, path):
+        self.entered.set()
+        assert self.release.wait(30), "test never released the writer"
+        return self._real(payload, path)
+
+
+def snapshot_files(store: PagedSSDStore) -> list[Path]:
+    return sorted(p for p in store.snapshots_dir.rglob("*") if p.is_file())
+
+
+def stage(store: PagedSSDStore, request_id: str, index: int, seed: int = 0) -> None:
+    block = make_block(index, seed=seed, boundary=True)
+    store.save_snapshot(request_id, index, block.block_hash, block.end_token, block.boundary)
+
+
+# -- block files ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_block_round_trips_through_disk_with_its_boundary_state(tmp_path, dtype):
+    store = make_store(tmp_path)
+    plain, hybrid = make_block(0, dtype=dtype), make_block(1, seed=1, boundary=True, dtype=dtype)
+    store.put(plain)
+    store.put(hybrid)
+    assert store.flush(10)
+    assert_same_block(store.get(plain.block_hash), plain)
+    assert_same_block(store.get(hybrid.block_hash), hybrid)
+    metadata = blockfile.read_metadata(blockfile.block_path(store.blocks_dir, hybrid.block_hash))
+    assert metadata["version"] == blockfile.FORMAT_VERSION
+    assert metadata["block_hash"] == hybrid.block_hash.hex()
+    assert metadata["model"] == IDENTITY
+    assert (metadata["token_count"], metadata["layers"]) == (str(2 * BLOCK), "3")
+    assert json.loads(metadata["layer_types"]) == ["KVCache", "ArraysCache", "RotatingKVCache"]
+    stats = store.stats()
+    assert (stats["saves"], stats["saves_persisted"], stats["loads"], stats["hits"]) == (2, 2, 2, 2)
+    assert store.get(b"\x09" * 16) is None and store.stats()["misses"] == 1
+    store.close()
+
+
+def test_size_estimate_covers_the_real_file_including_metadata(tmp_path):
+    block = make_block(0, layers=40)
+    payload = blockfile.payload_of_kv(block.kv, block_hash=block.block_hash, parent_hash=block.parent_hash,
+                                      index=0, block_size=BLOCK, identity=IDENTITY,
+                                      layer_types=["KVCache" * 20] * 40)
+    size = blockfile.write_payload(payload, tmp_path / "x.safetensors")
+    estimate = payload.estimated_file_size()
+    # The metadata here is several KiB: a fixed 1 KiB allowance would undercount.
+    assert len(json.dumps(payload.metadata)) > 4096
+    assert size <= estimate <= size + 128 * len(payload.tensors) + 1024
+
+
+def test_restarted_store_rebuilds_its_index_and_serves_old_blocks(tmp_path):
+    store = make_store(tmp_path)
+    blocks = [make_block(i, seed=2, boundary=(i == 2)) for i in range(3)]
+    for block in blocks:
+        store.put(block)
+    store.close()
+    (store.blocks_dir / ".deadbeef.tmp").write_bytes(b"half a write")
+    again = make_store(tmp_path)
+    assert again.stats()["blocks"] == 3
+    assert not (again.blocks_dir / ".deadbeef.tmp").exists()
+    for block in blocks:
+        assert again.contains(block.block_hash)
+        assert_same_block(again.get(block.block_hash), block)
+    again.close()
+
+
+def test_blocks_of_another_model_are_never_served(tmp_path):
+    store = make_store(tmp_path)
+    block = make_block(0, seed=3)
+    store.put(block)
+    store.close()
+    other = make_store(tmp_path, identity="b" * 32)
+    assert not other.contains(block.block_hash)
+    assert other.get(block.block_hash) is None
+    assert not blockfile.block_path(other.blocks_dir, block.block_hash).exists()
+    other.close()
+
+
+def test_corrupt_and_truncated_files_are_detected_skipped_and_removed(tmp_path):
+    store = make_store(tmp_path)
+    flipped, cut, good = (make_block(i, seed=4) for i in range(3))
+    for block in (flipped, cut, good):
+        store.put(block)
+    assert store.flush(10)
+    path = blockfile.block_path(store.blocks_dir, flipped.block_hash)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # one flipped byte inside the last tensor
+    path.write_bytes(bytes(data))
+    assert store.get(flipped.block_hash) is None
+    assert not path.exists() and not store.contains(flipped.block_hash)
+    assert store.stats()["errors"] == 1
+    store.close()
+
+    truncated = blockfile.block_path(store.blocks_dir, cut.block_hash)
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    again = make_store(tmp_path)
+    assert not truncated.exists() and not again.contains(cut.block_hash)
+    assert_same_block(again.get(good.block_hash), good)
+    again.close()
+
+
+# -- writer queue, eviction, space ----------------------------------------------------------------
+
+
+def test_saves_count_at_the_gate_and_saves_persisted_after_the_rename(tmp_path):
+    store = make_store(tmp_path)
+    pin = PinnedWriter(store)
+    block = make_block(0, seed=5)
+    store.put(block)
+    assert pin.entered.wait(10)
+    stats = store.stats()
+    assert (stats["saves"], stats["saves_persisted"]) == (1, 0)
+    assert not blockfile.block_path(store.blocks_dir, block.block_hash).exists()
+    assert store.get(block.block_hash) is None  # not served before it is complete
+    pin.release.set()
+    assert store.flush(10)
+    assert store.stats()["saves_persisted"] == 1
+    assert blockfile.block_path(store.blocks_dir, block.block_hash).exists()
+    store.close()
+
+
+def test_a_brief_backlog_is_ridden_over_and_sustained_saturation_drops(tmp_path):
+    store = make_store(tmp_path, queue_size=1, save_timeout_s=2.0)
+    pin = PinnedWriter(store)
+    store.put(make_block(0, seed=6))  # held by the writer
+    assert pin.entered.wait(10)
+    store.put(make_block(1, seed=6))  # fills the queue
+    threading.Timer(0.2, pin.release.set).start()
+    store.put(make_block(2, seed=6))  # waits for room, then gets in
+    assert store.flush(10)
+    assert store.stats()["drops"] == 0 and store.stats()["saves_persisted"] == 3
+
+    pin2 = PinnedWriter(store)
+    store.save_timeout_s = 0.05
+    store.put(make_block(3, seed=6))
+    assert pin2.entered.wait(10)
+    store.put(make_block(4, seed=6))
+    dropped = make_block(5, seed=6)
+    store.put(dropped)
+    stats = store.stats()
+    assert stats["drops"] == 1 and stats["saves"] == 5
+    assert not store.contains(dropped.block_hash)  # its space was given back
+    pin2.release.set()
+    store.close()
+
+
+def test_eviction_unlinks_inline_capped_per_save_and_carries_over(tmp_path):
+    store = make_store(tmp_path, eviction_burst=3)
+    blocks = [make_block(i, seed=7) for i in range(12)]
+    for block in blocks:
+        store.put(block)
+    assert store.flush(10)
+    per_block = store.stats()["bytes"] // 12
+    store.budget = per_block * 2 + per_block // 2  # room for two blocks now
+    pin = PinnedWriter(store)
+    store.put(make_block(20, seed=7))
+    # No unlink goes through the write queue: the files are gone before the writer runs.
+    stats = store.stats()
+    assert stats["evictions"] == 3 and stats["queue_depth"] == 0
+    assert stats["declined"] == 1  # still over: this save waits for later ones
+    assert sum(not blockfile.block_path(store.blocks_dir, b.block_hash).exists() for b in blocks) == 3
+    for i in range(21, 25):
+        store.put(make_block(i, seed=7))
+    # At most 3 unlinks per save: the old blocks go over four saves, each of which is
+    # declined until the cache is back under its limit.
+    stats = store.stats()
+    assert stats["evictions"] == 12 and stats["declined"] >= 3
+    assert 1 <= stats["blocks"] <= 2 and stats["bytes"] <= store.limit_bytes()
+    assert not any(store.contains(b.block_hash) for b in blocks)
+    pin.release.set()
+    assert store.flush(10)
+    store.close()
+
+
+def test_disk_full_invalidates_the_disk_reading_and_logs_an_error(tmp_path, caplog):
+    store = make_store(tmp_path, budget=None)
+    assert store.limit_bytes() > 0 and store._disk_reading is not None
+
+    def no_space(payload, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store._write_payload = no_space
+    block = make_block(0, seed=8)
+    with caplog.at_level(logging.ERROR, logger="omlx_core.plugins.ssd_cache.store"):
+        store.put(block)
+        assert store.flush(10)
+    assert store._disk_reading is None
+    assert any(r.levelno == logging.ERROR and "disk full" in r.getMessage() for r in caplog.records)
+    stats = store.stats()
+    assert stats["errors"] == 1 and stats["saves_persisted"] == 0
+    assert not store.contains(block.block_hash) and stats["bytes"] == 0
+    store.close()
+
+
+# -- boundary snapshots per request and their cleanup ---------------------------------------------
+
+
+def test_persisted_block_adopts_its_requests_staged_snapshot(tmp_path):
+    store = make_store(tmp_path)
+    block = make_block(2, seed=9, boundary=True)
+    store.save_snapshot("req-a", 2, block.block_hash, block.end_token, block.boundary)
+    assert store.flush(10)
+    assert [p.name for p in snapshot_files(store)] == ["2.safetensors"]
+    assert snapshot_files(store)[0].parent.name == "req-a"
+    store.put(block)
+    assert store.flush(10)
+    assert snapshot_files(store) == []  # moved, not copied
+    assert blockfile.boundary_path(store.blocks_dir, block.block_hash).exists()
+    assert_same_block(store.get(block.block_hash), block)
+    store.finish_request("req-a")
+    assert store.flush(10)
+    assert not store.request_dir("req-a").exists()
+    store.close()
+
+
+def test_cleanup_all_waits_for_the_item_the_writer_holds(tmp_path):
+    store = make_store(tmp_path)
+    pin = PinnedWriter(store)
+    stage(store, "req-1", 0)
+    assert pin.entered.wait(10)
+    stage(store, "req-2", 1)
+    stage(store, "req-3", 2)
+    done = threading.Event()
+    threading.Thread(target=lambda: (store.cleanup_all(), done.set()), daemon=True).start()
+    assert not done.wait(0.3)  # blocked on the writer's item
+    assert store.stats()["queue_depth"] == 0  # the queued ones were withdrawn
+    pin.release.set()
+    assert done.wait(10)
+    assert store.flush(10)
+    assert snapshot_files(store) == []
+    store.close()
+
+
+def test_cleanup_request_waits_for_the_pinned_item_and_no_file_reappears(tmp_path):
+    store = make_store(tmp_path)
+    pin = PinnedWriter(store)
+    stage(store, "req-x", 0)
+    assert pin.entered.wait(10)
+    stage(store, "req-x", 1)
+    stage(store, "req-y", 2)
+    done = threading.Event()
+    threading.Thread(target=lambda: (store.cleanup_request("req-x"), done.set()), daemon=True).start()
+    assert not done.wait(0.3)
+    pin.release.set()
+    assert done.wait(10)
+    assert store.flush(10)
+    assert not store.request_dir("req-x").exists()
+    assert [p.parent.name for p in snapshot_files(store)] == ["req-y"]
+    assert store.pending_cancellations() == {}
+    store.close()
+
+
+def test_timed_out_cleanup_keeps_the_counter_so_the_late_write_is_discarded(tmp_path):
+    store = make_store(tmp_path)
+    pin = PinnedWriter(store)
+    stage(store, "req-late", 0)
+    assert pin.entered.wait(10)
+    assert store.cleanup_request("req-late", timeout=0.1) is False
+    assert store.pending_cancellations() == {"req-late": 1}
+    # A repeated cleanup adds to the count only for items not already counted.
+    assert store.cleanup_request("req-late", timeout=0.1) is False
+    assert store.pending_cancellations() == {"req-late": 1}
+    pin.release.set()
+    assert store.flush(10)
+    assert not store.request_dir("req-late").exists()
+    assert store.pending_cancellations() == {}
+    # The counter is gone, so a new save under the same id is written, not discarded.
+    stage(store, "req-late", 1)
+    assert store.flush(10)
+    assert [p.parent.name for p in snapshot_files(store)] == ["req-late"]
+    store.close()
+
+
+def test_cleanup_of_a_request_with_nothing_pending_creates_no_counter(tmp_path):
+    store = make_store(tmp_path)
+    pin = PinnedWriter(store)
+    stage(store, "req-busy", 0)
+    assert pin.entered.wait(10)
+    store.cleanup_request("never-saved", timeout=0.1)  # times out behind an unrelated item
+    assert "never-saved" not in store.pending_cancellations()
+    pin.release.set()
+    stage(store, "never-saved", 1)
+    assert store.flush(10)
+    assert {p.parent.name for p in snapshot_files(store)} == {"req-busy", "never-saved"}
+    store.close()
+
+
+def test_close_with_cleanup_removes_snapshots_before_stopping_and_flushes_blocks(tmp_path):
+    store = make_store(tmp_path)
+    pin = PinnedWriter(store)
+    block = make_block(0, seed=10)
+    store.put(block)
+    assert pin.entered.wait(10)
+    stage(store, "req-s", 1)
+    threading.Timer(0.2, pin.release.set).start()
+    store.close(cleanup=True)
+    assert snapshot_files(store) == []
+    assert blockfile.block_path(store.blocks_dir, block.block_hash).exists()
+    assert not store._writer.is_alive()
+
+
+def test_request_ids_that_are_not_file_names_get_a_safe_directory(tmp_path):
+    store = make_store(tmp_path)
+    for request_id in ("../../etc", "a/b", ".hidden", "x" * 300):
+        directory = store.request_dir(request_id)
+        assert directory.parent == store.snapshots_dir and directory.name.startswith("h-")
+    assert store.request_dir("chatcmpl-12_ab.c").name == "chatcmpl-12_ab.c"
+    store.close()
+
+
+# -- behind the prefix cache ---------------------------------------------------------------------
+
+
+def test_prefix_cache_writes_through_and_promotes_from_disk(tmp_path):
+    store = make_store(tmp_path)
+    memory = PrefixCache(BLOCK, 1 << 20, "m")
+    memory.attach_lower(store)
+    tokens = list(range(3 * BLOCK))
+    hashes = memory.hashes(tokens)
+    blocks = [CachedBlock(h, hashes[i - 1] if i else memory.root, i, BLOCK, make_block(i).kv, None,
+                          True, make_block(i).nbytes) for i, h in enumerate(hashes)]
+    memory.insert(blocks)
+    assert store.flush(10) and store.stats()["saves_persisted"] == 3
+    fresh = PrefixCache(BLOCK, 1 << 20, "m")
+    fresh.attach_lower(store)
+    found = fresh.lookup(hashes)
+    assert [b.index for b in found] == [0, 1, 2]
+    assert fresh.stats()["lower"]["loads"] == 3
+    assert fresh.peek(hashes) == 3  # promoted into memory
+    store.close()
+
+
+def test_metrics_endpoint_exposes_the_counters(tmp_path):
+    from omlx_core.http.metrics import _flatten
+
+    store = make_store(tmp_path)
+    memory = PrefixCache(BLOCK, 1 << 20, "m")
+    memory.attach_lower(store)
+    flat = _flatten({"prefix_cache": memory.stats()})
+    for counter in ("saves", "saves_persisted", "loads", "hits", "misses", "evictions", "drops",
+                    "errors"):
+        assert f"prefix_cache_lower_{counter}" in flat
+    store.close()
