@@ -110,13 +110,14 @@ def test_zero_budget_turns_the_cache_off():
     assert cache.stats()["misses"] == 0
 
 
-def test_lower_tier_receives_evictions_and_serves_misses():
+def test_lower_tier_receives_every_block_and_serves_misses():
     cache = PrefixCache(BLOCK, 250, "m")
     store = DictStore()
     cache.attach_lower(store)
     tokens = list(range(12))
     cache.insert(blocks_for(cache, tokens))
-    assert len(store.blocks) == 1  # one block did not fit and went down a tier
+    assert len(store.blocks) == 3  # written through, the one that did not fit included
+    assert cache.stats()["evictions"] == 1
     # Peek counts memory only; lookup promotes the block back from the lower tier.
     assert cache.peek(cache.hashes(tokens)) == 2
     assert len(cache.lookup(cache.hashes(tokens))) == 3

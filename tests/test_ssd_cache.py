@@ -440,3 +440,12 @@ def test_metrics_endpoint_exposes_the_counters(tmp_path):
                     "errors"):
         assert f"prefix_cache_lower_{counter}" in flat
     store.close()
+
+
+def test_write_benchmark_accounts_for_every_block(tiny_model_path):
+    from omlx_core.plugins.ssd_cache.benchmark import measure_writes, render
+
+    row = measure_writes(tiny_model_path("llama"), blocks=10, queue_size=2, block_size=8)
+    assert row.offered == 10 and row.saves + row.drops + row.declined == 10
+    assert row.persisted == row.saves and row.megabytes > 0
+    assert "| 2 | 10 |" in render([], [row], [])

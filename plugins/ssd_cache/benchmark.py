@@ -1,0 +1,223 @@
+"""Benchmark of the paged SSD cache: long-prompt TTFT across a restart, and write throughput.
+
+    python -m omlx_core.plugins.ssd_cache.benchmark [--model DIR] [--prompt-tokens 4096]
+        [--quick] [--out docs/ssd-cache-bench.md]
+
+**TTFT.** ``omlx-core serve`` (tier ``cpu-small``, ``cache.ssd_dir`` in a temporary
+directory) answers one streaming chat request with a ``--prompt-tokens`` prompt three
+times: cold, again (an in-memory prefix-cache hit), and once more after the server was
+stopped and started again (its memory is empty: every reused block is read back from
+disk). The peer is ``mlx_lm.server`` on the same model, which keeps its prompt cache in
+memory only: after its restart it pays the cold prefill again.
+
+**Write throughput.** A :class:`~.store.PagedSSDStore` in this process receives a
+sustained burst of blocks shaped like the model's (all layers, ``cache.block_size``
+tokens) as fast as the caller can produce them, with a small and a default write queue:
+blocks saved and persisted per second, MB/s, blocks dropped because the writer could not
+keep up, and the caller's (the MLX thread's) median cost per save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+DEFAULT_OUT = Path("docs/ssd-cache-bench.md")
+
+
+@dataclass
+class TTFTRow:
+    server: str
+    cold: float
+    memory_hit: float
+    restart_hit: float
+    restart_cached: int
+    prompt_tokens: int
+
+
+def _ttft(port: int, model_id: str, text: str) -> tuple[float, int, int]:
+    from omlx_core.bench.client import chat_body, stream_chat
+
+    body = chat_body(model_id, [{"role": "user", "content": text}], max_tokens=2)
+    record = stream_chat("127.0.0.1", port, body)
+    return record.ttft, record.prompt_tokens or 0, record.cached_tokens or 0
+
+
+def measure_ttft(spec_of, name: str, model_id: str, text: str) -> TTFTRow:
+    from omlx_core.bench.servers import ServerProcess, free_port
+
+    port = free_port()
+    with ServerProcess(spec_of(port), port, ready_timeout=600):
+        cold, prompt_tokens, _ = _ttft(port, model_id, text)
+        print(f"  {name}: cold TTFT {cold:.2f} s ({prompt_tokens} prompt tokens)", flush=True)
+        memory_hit, _, _ = _ttft(port, model_id, text)
+        print(f"  {name}: in-memory hit TTFT {memory_hit:.3f} s", flush=True)
+    port = free_port()
+    with ServerProcess(spec_of(port), port, ready_timeout=600):
+        restart_hit, _, cached = _ttft(port, model_id, text)
+        print(f"  {name}: after restart TTFT {restart_hit:.3f} s ({cached} cached tokens)", flush=True)
+    return TTFTRow(name, cold, memory_hit, restart_hit, cached, prompt_tokens)
+
+
+@dataclass
+class WriteRow:
+    queue_size: int
+    offered: int
+    saves: int
+    persisted: int
+    drops: int
+    declined: int
+    seconds: float
+    megabytes: float
+    put_ms_p50: float
+    put_ms_max: float
+
+
+def _weights_dtype(model_dir: Path):
+    """The dtype of the model's weights (its KV cache has the same), from a safetensors header."""
+    import mlx.core as mx
+    from safetensors import safe_open
+
+    with safe_open(str(next(model_dir.glob("*.safetensors"))), framework="numpy") as handle:
+        stored = handle.get_slice(next(iter(handle.keys()))).get_dtype()
+    return {"F16": mx.float16, "BF16": mx.bfloat16}.get(stored, mx.float32)
+
+
+def measure_writes(model_dir: Path, blocks: int, queue_size: int, block_size: int) -> WriteRow:
+    """A sustained save burst of model-shaped blocks into a fresh store."""
+    import mlx.core as mx
+
+    from omlx_core.plugins.batched.prefix_cache import CachedBlock
+    from omlx_core.plugins.ssd_cache.store import PagedSSDStore
+
+    config = json.loads((model_dir / "config.json").read_text())
+    layers = int(config["num_hidden_layers"])
+    kv_heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    dtype = _weights_dtype(model_dir)
+    template = mx.random.normal((1, kv_heads, block_size, head_dim)).astype(dtype)
+    with tempfile.TemporaryDirectory(prefix="omlx-ssd-bench-") as directory:
+        store = PagedSSDStore(Path(directory), identity="bench", budget=None, queue_size=queue_size)
+        put_ms = []
+        started = time.perf_counter()
+        for index in range(blocks):
+            kv = tuple((template + index, template - index) for _ in range(layers))
+            mx.eval([a for pair in kv for a in pair])
+            block = CachedBlock(index.to_bytes(16, "big"), b"\0" * 16, index, block_size, kv, None,
+                                True, sum(a.nbytes for pair in kv for a in pair))
+            t0 = time.perf_counter()
+            store.put(block)
+            put_ms.append((time.perf_counter() - t0) * 1000)
+        store.flush(600)
+        seconds = time.perf_counter() - started
+        stats = store.stats()
+        megabytes = stats["bytes"] / 1e6
+        store.close(cleanup=True)
+    return WriteRow(queue_size, blocks, stats["saves"], stats["saves_persisted"], stats["drops"],
+                    stats["declined"], seconds, megabytes, statistics.median(put_ms), max(put_ms))
+
+
+def render(ttft: list[TTFTRow], writes: list[WriteRow], header: list[str]) -> str:
+    lines = ["# Paged SSD cache benchmark", "", *header, "",
+             "## Long-prompt TTFT: cold, in-memory hit, after a restart", "",
+             "| server | prompt tokens | cold (s) | memory hit (s) | after restart (s) | "
+             "cached after restart | after restart / cold |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in ttft:
+        lines.append(f"| {row.server} | {row.prompt_tokens} | {row.cold:.2f} | {row.memory_hit:.3f} | "
+                     f"{row.restart_hit:.3f} | {row.restart_cached} | "
+                     f"{row.restart_hit / row.cold:.1%} |")
+    if len(ttft) == 2:
+        ours, peer = ttft
+        lines += ["", f"After a restart omlx-core answers in {ours.restart_hit:.2f} s, "
+                      f"{peer.server} in {peer.restart_hit:.2f} s: "
+                      f"**{ours.restart_hit / peer.restart_hit:.3f}×** (target ≤ 5 % of cold: "
+                      f"{ours.restart_hit / ours.cold:.1%})."]
+    lines += ["", "## Write throughput under a sustained save burst", "",
+              "| write queue | blocks offered | saves (passed the gate) | persisted | dropped | "
+              "declined (quota) | seconds | MB persisted | MB/s | put() p50 ms | put() max ms |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in writes:
+        lines.append(f"| {row.queue_size} | {row.offered} | {row.saves} | {row.persisted} | "
+                     f"{row.drops} | {row.declined} | {row.seconds:.2f} | {row.megabytes:.0f} | "
+                     f"{row.megabytes / row.seconds:.0f} | {row.put_ms_p50:.2f} | {row.put_ms_max:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from omlx_core.platform.blas import ensure_optimized_blas
+
+    ensure_optimized_blas()
+    parser = argparse.ArgumentParser(prog="python -m omlx_core.plugins.ssd_cache.benchmark",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="mlx-lm model directory (default: the default model)")
+    parser.add_argument("--prompt-tokens", type=int, default=4096)
+    parser.add_argument("--blocks", type=int, default=400, help="blocks in the write burst")
+    parser.add_argument("--quick", action="store_true",
+                        help="1k-token prompt, omlx-core only, 60-block burst (a smoke run)")
+    parser.add_argument("--out", type=Path, help=f"write the markdown table here (default {DEFAULT_OUT}; "
+                                                 "none with --quick)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompt_tokens, args.blocks = 1024, 60
+
+    from omlx_core.bench.prompts import text_of_tokens
+    from omlx_core.bench.servers import ServerSpec, mlx_lm_spec, ServerSettings
+
+    model_dir = args.model
+    if model_dir is None:
+        from omlx_core.models.default import ensure_default_model
+
+        model_dir = ensure_default_model()
+    model_dir = Path(model_dir).expanduser().resolve()
+    text = text_of_tokens(model_dir, args.prompt_tokens, seed=7, heading="Read this and answer.")
+    ssd_dir = Path(tempfile.mkdtemp(prefix="omlx-ssd-bench-"))
+    tier = "cpu-small"
+
+    def omlx(port: int) -> ServerSpec:
+        argv = [sys.executable, "-m", "omlx_core", "--log-level", "WARNING", "serve", "--tier", tier,
+                "--model", str(model_dir), "--port", str(port), "--set", f"cache.ssd_dir={ssd_dir}"]
+        return ServerSpec("omlx", "omlx-core serve", argv, model_id=model_dir.name)
+
+    settings = ServerSettings(tier=tier, max_batch_size=8, prefill_step_size=256, http_threads=8)
+    print(f"TTFT of a {args.prompt_tokens}-token prompt, model {model_dir.name}", flush=True)
+    rows = [measure_ttft(omlx, "omlx-core", model_dir.name, text)]
+    if not args.quick:
+        rows.append(measure_ttft(lambda port: mlx_lm_spec(model_dir, port, settings), "mlx_lm.server",
+                                 "default_model", text))
+    block_size = 64
+    print(f"write burst: {args.blocks} blocks of {block_size} tokens", flush=True)
+    writes = [measure_writes(model_dir, args.blocks, queue, block_size) for queue in (4, 64)]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0, 0, 0)
+    header = [f"- {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {platform.machine()}, "
+              f"{os.cpu_count()} CPUs, load average {load[0]:.2f}; model `{model_dir.name}`, "
+              f"tier `{tier}`, SSD cache in `{tempfile.gettempdir()}` "
+              f"({'quick run' if args.quick else 'full run'})",
+              "- TTFT: streaming chat request sent to its first text chunk, max_tokens 2; each "
+              "server is stopped and started again between the second and third request"]
+    report = render(rows, writes, header)
+    print("\n" + report)
+    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report, encoding="utf-8")
+        print(f"written to {out}")
+    import shutil
+
+    shutil.rmtree(ssd_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
