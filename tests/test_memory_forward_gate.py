@@ -4,6 +4,7 @@ request that would overshoot; the others keep going."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,25 @@ def test_kv_left_by_earlier_chunks_of_the_step_counts():
     # Each fits alone (100 + 40 + 16 <= 160); the second sits on the first's 40 MiB of KV.
     refused = gate.check_prefill(step(chunk("first", 40), chunk("second", 40), hard=160 * MIB))
     assert set(refused) == {"second"}
+
+
+def transient_heavy(query: PeakQuery) -> int:
+    """A stand-in estimate: 0.1 MiB of KV per new token plus 1 MiB of transient per
+    token of the forward (``chunk_size``)."""
+    return query.new_tokens * MIB // 10 + query.chunk_size * MIB
+
+
+def test_chunks_sharing_a_forward_are_judged_together():
+    gate = PrefillForwardGate(transient_heavy, fixed_usage(), MARGIN)
+    alone = step(chunk("a", 30), chunk("b", 30), hard=160 * MIB)
+    # One after another: 100 + 33 + 16 fits, then 100 + 3 (a's KV) + 33 + 16 fits.
+    assert gate.check_prefill(alone) == {}
+    # In one forward their transients coexist: 100 + 66 + 16 > 160, so both are refused.
+    shared = step(replace(chunk("a", 30), forward=0), replace(chunk("b", 30), forward=0),
+                  hard=160 * MIB)
+    refused = gate.check_prefill(shared)
+    assert set(refused) == {"a", "b"}
+    assert "66.00 MiB" in refused["a"]
 
 
 def test_a_refused_chunk_leaves_no_kv_for_the_ones_after_it():

@@ -1,14 +1,16 @@
 """The forward gate: refuse a prefill chunk before its forward runs, not after.
 
 Before a scheduler step's prefill forwards, the engine asks :meth:`PrefillForwardGate.
-check_prefill`. For each planned chunk, in the order they will run, the projected peak
+check_prefill`. For each planned forward, in the order they will run, the projected peak
 is
 
-    high-water current use + resident KV of the step's earlier chunks
-    + this chunk's estimated peak + memory.transient_margin
+    high-water current use + resident KV of the step's earlier forwards
+    + the estimated peaks of this forward's chunks + memory.transient_margin
 
-and a chunk whose projection passes the hard limit is refused: its request ends with
-``finish_reason="error"`` and its memory is freed, while every other request goes on.
+(one chunk, or several requests' chunks sharing the forward) and a forward whose
+projection passes the hard limit is refused: its requests end with
+``finish_reason="error"`` and their memory is freed, while every other request goes on.
+(The batched engine then asks again with every chunk alone before refusing anything.)
 Admission keeps running requests inside the budget; the gate catches what drifted past
 it (estimates that undercounted, decode growth, memory taken by other processes).
 
@@ -30,6 +32,18 @@ log = logging.getLogger(__name__)
 
 Estimate = Callable[[PeakQuery], "int | None"]
 Advise = Callable[[Rejection], "list[str]"]
+
+
+def _forwards(chunks: Any) -> list[list[Any]]:
+    """``chunks`` cut into the forwards that run them (a shared ``forward`` number groups)."""
+    forwards: list[list[Any]] = []
+    for chunk in chunks:
+        shared = getattr(chunk, "forward", None)
+        if shared is not None and forwards and getattr(forwards[-1][0], "forward", None) == shared:
+            forwards[-1].append(chunk)
+        else:
+            forwards.append([chunk])
+    return forwards
 
 
 class PrefillForwardGate:
@@ -67,22 +81,26 @@ class PrefillForwardGate:
         current = self._usage.high_water(record=True)
         earlier_kv = 0
         refused: dict[str, str] = {}
-        for chunk in step.chunks:
-            peak = self._chunk_estimate(step, chunk, chunk.new_tokens)
-            if peak is None:
-                refused[chunk.request_id] = (
-                    f"no estimate_peak plugin could estimate a prefill of model "
-                    f"{step.model_id!r}, so the memory guard cannot let it run")
+        for forward in _forwards(step.chunks):
+            peaks = [self._chunk_estimate(step, chunk, chunk.new_tokens) for chunk in forward]
+            if any(peak is None for peak in peaks):
+                for chunk in forward:
+                    refused[chunk.request_id] = (
+                        f"no estimate_peak plugin could estimate a prefill of model "
+                        f"{step.model_id!r}, so the memory guard cannot let it run")
                 continue
-            projected = current + earlier_kv + peak + self.transient_margin
+            projected = current + earlier_kv + sum(peaks) + self.transient_margin
             if projected > hard:
-                refused[chunk.request_id] = self._reason(step, chunk, peak, current + earlier_kv,
-                                                         limits)
+                for chunk, peak in zip(forward, peaks):
+                    others = sum(peaks) - peak  # the rest of a shared forward
+                    refused[chunk.request_id] = self._reason(step, chunk, peak + others,
+                                                             current + earlier_kv, limits)
                 continue
             # What stays resident after this forward is its KV, not its transient: a
             # one-token chunk's estimate is (almost) only that.
-            resident = self._chunk_estimate(step, chunk, 1)
-            earlier_kv += peak if resident is None else min(resident, peak)
+            for chunk, peak in zip(forward, peaks):
+                resident = self._chunk_estimate(step, chunk, 1)
+                earlier_kv += peak if resident is None else min(resident, peak)
         if refused:
             self.refused_total += len(refused)
         return refused

@@ -11,9 +11,14 @@ every other chunk of the step runs as planned and the decode batch keeps going.
 
 What the gate can rely on:
 
-- chunks run one after another in the listed order, each its own forward over one
-  request's cache; only one chunk's transient buffers (attention scores, activations)
-  exist at a time, while each chunk's KV (``new_tokens``) stays resident afterwards;
+- forwards run one after another in the listed order. A chunk whose ``forward`` is
+  ``None`` runs alone over its request's cache; chunks with the same ``forward`` number
+  (several requests' chunks, adjacent in the list) share one forward, so their
+  transient buffers (attention scores, activations) exist together. Only one forward's
+  transients exist at a time, while each chunk's KV (``new_tokens``) stays resident
+  afterwards. When the gate refuses anything in a step with shared forwards, the
+  scheduler asks again with every chunk alone (all ``forward`` ``None``) and acts on
+  that second answer;
 - a forward evaluates the cache state only, never the chunk's logits (a request's
   last prompt token is fed through the decode batch instead, one token of logits);
 - ``limits`` is the latest :class:`~omlx_core.memory.types.LimitSnapshot` given to
@@ -56,6 +61,8 @@ class PrefillChunk:
     prompt_tokens: int
     #: of ``cached_tokens``, how many came from the prefix cache rather than a forward
     reused_tokens: int = 0
+    #: chunks with the same number share one forward; ``None``: this chunk runs alone
+    forward: int | None = None
 
 
 @dataclass(frozen=True)

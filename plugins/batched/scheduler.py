@@ -12,11 +12,14 @@ A request moves through four phases:
     starts the request's own KV cache from the longest reusable cached prefix.
 ``prefilling``
     each :meth:`Scheduler.step` prefills at most ``engine.prefill_step_size`` prompt
-    tokens in all, split into chunks (one forward each, one request's cache each),
-    then runs one decode step: a long prompt never stalls the running streams for
-    more than one chunk budget. Chunk ends fall on ``cache.block_size`` boundaries
-    where they can, so full blocks (and, for models with non-cuttable layers, their
-    boundary states) go into the prefix cache as prefill crosses them.
+    tokens in all, split into chunks, then runs one decode step: a long prompt never
+    stalls the running streams for more than one chunk budget. Chunks of different
+    requests with similar lengths share one forward where the model's caches allow
+    (:mod:`~omlx_core.plugins.batched.batch_prefill`); each request keeps its own
+    cache. Chunk ends fall on ``cache.block_size`` boundaries where they can, so full
+    blocks (and, for models with non-cuttable layers, their boundary states) go into
+    the prefix cache as prefill crosses them. A step whose decode batch holds a request
+    still waiting for its first token skips prefill once, so that token comes first.
 ``decoding``
     all prompt tokens but the last are in the cache; the request joins mlx-lm's
     ``BatchGenerator`` (``insert`` with that cache and its last token) without waiting
@@ -54,6 +57,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
 
 from omlx_core.engine import GenerationOutput, GenerationRequest, TokenLogprob, Usage
+from omlx_core.plugins.batched.batch_prefill import PrefillRow, can_batch, group_spans, prefill_together
 from omlx_core.plugins.batched.cache_layout import CacheLayout
 from omlx_core.plugins.batched.gate import ForwardGate, PrefillChunk, PrefillStep
 from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
@@ -102,6 +106,8 @@ class _Counters:
     steps: int = 0
     decode_steps: int = 0
     prefill_chunks: int = 0
+    #: model forwards that ran prefill chunks (several chunks can share one)
+    prefill_forwards: int = 0
     prompt_tokens_prefilled: int = 0
     tokens_generated: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
@@ -316,25 +322,32 @@ class Scheduler:
                 break
         return plan
 
-    def _prefill_step_of(self, plan: list[tuple[SequenceState, int, int]]) -> PrefillStep:
+    def _prefill_step_of(self, plan: list[tuple[SequenceState, int, int]],
+                         groups: list[list[tuple[SequenceState, int, int]]] | None = None
+                         ) -> PrefillStep:
+        """What the gate is asked: the chunks in the order their forwards run (``groups``,
+        when given), those sharing a forward numbered alike."""
+        groups = groups if groups is not None else [[chunk] for chunk in plan]
         return PrefillStep(
             model_id=self.model_id,
-            chunks=tuple(PrefillChunk(s.request_id, end - start, start, len(s.prompt), s.reused)
-                         for s, start, end in plan),
+            chunks=tuple(PrefillChunk(s.request_id, end - start, start, len(s.prompt), s.reused,
+                                      forward=index if len(group) > 1 else None)
+                         for index, group in enumerate(groups) for s, start, end in group),
             decoding=len(self._decoding),
             chunk_size=self.prefill_step_size,
             limits=self._limits,
             model_config=self.model_config,
         )
 
-    def _ask_gate(self, plan: list[tuple[SequenceState, int, int]]
+    def _ask_gate(self, plan: list[tuple[SequenceState, int, int]],
+                  groups: list[list[tuple[SequenceState, int, int]]] | None = None
                   ) -> tuple[dict[str, str], str]:
         """The gate's refusals and the ``error_type`` they are reported as."""
         gate = self._gate
         if gate is None:
             return {}, "memory"
         try:
-            refused = gate.check_prefill(self._prefill_step_of(plan))
+            refused = gate.check_prefill(self._prefill_step_of(plan, groups))
         except Exception as exc:
             log.exception("forward gate %r failed; refusing this prefill step", gate)
             # A broken guard is a bug, not a memory shortage the client could wait out.
@@ -359,29 +372,117 @@ class Scheduler:
         reason = (refused or {}).get(sequence.request_id)
         return None if reason is None else str(reason)
 
+    #: the step whose prefill :meth:`_defer_prefill` last put off
+    _prefill_deferred_step = -1
+
+    def _defer_prefill(self) -> bool:
+        """Whether this step skips prefill so that requests whose prefill has ended get
+        their first token before more prefill runs.
+
+        mlx-lm's decode batch hands out a joining request's first token at the decode
+        step after the one it joins in; a prefill step in between (a whole chunk budget
+        of forwards) would delay that token by its length. One decode step costs the
+        waiting prompts far less. Never two steps in a row, so prefill always advances.
+        """
+        steps = self.counters.steps
+        if self._prefill_deferred_step == steps - 1:
+            return False
+        if not any(s.completion_tokens == 0 for s in self._decoding.values()):
+            return False
+        self._prefill_deferred_step = steps
+        return True
+
     def _prefill_step(self) -> None:
+        if self._defer_prefill():
+            return
         plan = self._plan_prefill()
-        refused, error_type = self._ask_gate(plan)
+        groups = self._forward_groups(plan)
+        refused, error_type = self._ask_gate(plan, groups)
+        if refused and error_type == "memory" and any(len(group) > 1 for group in groups):
+            # A shared forward holds its chunks' transients at once. When the gate says
+            # that does not fit, ask again for one forward per chunk before refusing.
+            groups = [[chunk] for chunk in plan]
+            refused, error_type = self._ask_gate(plan, groups)
         for request_id, reason in refused.items():
             sequence = self._by_id.get(request_id)
             if sequence is not None and sequence.phase == PREFILLING:
                 self._finish(sequence, "error", error=reason, error_type=error_type)
-        for sequence, start, end in plan:
-            if sequence.phase != PREFILLING:
-                continue
-            try:
-                self._prefill_chunk(sequence, start, end)
-            except Exception as exc:
-                # The chunk's forward touched only this request's own cache.
-                log.exception("prefill of request %s failed", sequence.request_id)
-                self._finish(sequence, "error", error=f"prefill failed: {type(exc).__name__}: {exc}",
-                             error_type="internal")
+        for group in groups:
+            if len(group) == 1:
+                self._prefill_alone(*group[0])
+            else:
+                self._prefill_together(group)
         mx.clear_cache()
+
+    def _forward_groups(self, plan: list[tuple[SequenceState, int, int]]
+                        ) -> list[list[tuple[SequenceState, int, int]]]:
+        """``plan``'s chunks cut into the forwards that run them, in plan order.
+
+        Chunks share a forward only if their requests' caches are all plain KVCache
+        layers and the request has no other chunk in this step (its chunks must run in
+        order); :func:`group_spans` bounds the padding and the cached prefix copied.
+        """
+        chunks_of: dict[int, int] = {}
+        for sequence, _, _ in plan:
+            chunks_of[id(sequence)] = chunks_of.get(id(sequence), 0) + 1
+        batchable = [i for i, (sequence, _, _) in enumerate(plan)
+                     if chunks_of[id(sequence)] == 1 and can_batch(sequence.cache or ())]
+        if len(batchable) < 2:
+            return [[chunk] for chunk in plan]
+        spans = [(plan[i][1], plan[i][2] - plan[i][1]) for i in batchable]
+        groups = [[batchable[j] for j in group]
+                  for group in group_spans(spans, max_start=self.prefill_step_size)]
+        alone = set(range(len(plan))) - set(batchable)
+        groups += [[i] for i in sorted(alone)]
+        return [[plan[i] for i in group] for group in sorted(groups, key=lambda group: group[0])]
+
+    def _prefill_alone(self, sequence: SequenceState, start: int, end: int) -> None:
+        if sequence.phase != PREFILLING:
+            return
+        try:
+            self._prefill_chunk(sequence, start, end)
+        except Exception as exc:
+            # The chunk's forward touched only this request's own cache.
+            self._prefill_failed(sequence, exc)
+
+    def _prefill_together(self, group: list[tuple[SequenceState, int, int]]) -> None:
+        """One forward over several requests' chunks; one by one if it fails."""
+        members = [chunk for chunk in group if chunk[0].phase == PREFILLING]
+        if len(members) > 1:
+            rows = [PrefillRow(s.cache, s.prompt[start:end], start) for s, start, end in members]
+            try:
+                with mx.stream(generation_stream):
+                    prefill_together(self.model, rows)
+            except Exception:
+                # Nothing was written to the requests' caches: each can still run alone.
+                log.exception("batched prefill of requests %s failed; prefilling them one by one",
+                              ", ".join(s.request_id for s, _, _ in members))
+            else:
+                self.counters.prefill_forwards += 1
+                for sequence, start, end in members:
+                    try:
+                        self._chunk_done(sequence, start, end)
+                    except Exception as exc:
+                        self._prefill_failed(sequence, exc)
+                return
+        for chunk in members:
+            self._prefill_alone(*chunk)
+
+    def _prefill_failed(self, sequence: SequenceState, exc: Exception) -> None:
+        log.exception("prefill of request %s failed", sequence.request_id)
+        self._finish(sequence, "error", error=f"prefill failed: {type(exc).__name__}: {exc}",
+                     error_type="internal")
 
     def _prefill_chunk(self, sequence: SequenceState, start: int, end: int) -> None:
         with mx.stream(generation_stream):
             self.model(mx.array(sequence.prompt[start:end])[None], cache=sequence.cache)
             mx.eval([layer.state for layer in sequence.cache])
+        self.counters.prefill_forwards += 1
+        self._chunk_done(sequence, start, end)
+
+    def _chunk_done(self, sequence: SequenceState, start: int, end: int) -> None:
+        """Account for a chunk whose forward has run; store its blocks; start decoding
+        after the last one."""
         sequence.prefilled = end
         self.counters.prefill_chunks += 1
         self.counters.prompt_tokens_prefilled += end - start
@@ -435,6 +536,8 @@ class Scheduler:
         """
         if not self.prefix_cache.enabled or self.layout.needs_boundaries or not cache:
             return
+        # The last generated token was never fed back: the cache ends one short of it.
+        tokens = list(tokens[:cache[0].offset])
         block_size = self.prefix_cache.block_size
         hashes = self.prefix_cache.extend_hashes(sequence.block_hashes[:sequence.stored_blocks], tokens)
         blocks = []
