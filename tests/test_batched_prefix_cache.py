@@ -8,7 +8,8 @@ import pytest
 
 from omlx_core.plugins.batched.cache_layout import CacheLayout
 from omlx_core.mlx_thread import mlx_thread
-from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache, chain_hashes, root_hash
+from omlx_core.plugins.batched.prefix_cache import (TAILS_PER_PREFIX, CachedBlock, CachedTail, PrefixCache,
+                                                     chain_hashes, root_hash)
 
 BLOCK = 4
 
@@ -158,3 +159,69 @@ def test_restored_cache_continues_exactly_like_the_original(tiny_model_path, fam
     assert blocks[-1].reusable_end
     assert all(b.reusable_end for b in blocks) == (family == "llama")
     np.testing.assert_allclose(resumed, continued, rtol=1e-5, atol=1e-5)
+
+
+def _tail(cache: PrefixCache, parent: bytes, tokens: list[int], nbytes: int = 10) -> CachedTail:
+    return CachedTail(parent, tuple(tokens), (), nbytes)
+
+
+def test_tail_lookup_finds_the_longest_shared_run_under_its_prefix():
+    cache = PrefixCache(BLOCK, 10_000, "m")
+    parent = cache.hashes(list(range(8)))[-1]
+    cache.insert_tail(_tail(cache, parent, [1, 2, 3]))
+    cache.insert_tail(_tail(cache, parent, [1, 5]))
+    tail, shared = cache.lookup_tail(parent, [1, 2, 9, 9])
+    assert tail.tokens == (1, 2, 3) and shared == 2
+    assert cache.lookup_tail(parent, [7]) == (None, 0)
+    assert cache.lookup_tail(cache.root, [1, 2]) == (None, 0)  # only under its own prefix
+    stats = cache.stats()
+    assert (stats["tails"], stats["tail_hits"], stats["tokens_saved"]) == (2, 1, 2)
+
+
+def test_a_longer_tail_replaces_the_one_it_extends_and_tails_are_bounded():
+    cache = PrefixCache(BLOCK, 10_000, "m")
+    cache.insert_tail(_tail(cache, cache.root, [1, 2]))
+    cache.insert_tail(_tail(cache, cache.root, [1, 2, 3]))
+    cache.insert_tail(_tail(cache, cache.root, [1]))  # covered by the kept one: ignored
+    assert cache.stats()["tails"] == 1 and cache.stats()["bytes"] == 10
+    for first in range(10, 10 + TAILS_PER_PREFIX):
+        cache.insert_tail(_tail(cache, cache.root, [first]))
+    assert cache.stats()["tails"] == TAILS_PER_PREFIX
+    assert cache.lookup_tail(cache.root, [1, 2, 3])[1] == 0  # the oldest went
+
+
+def test_tails_are_evicted_before_blocks():
+    cache = PrefixCache(BLOCK, 250, "m")
+    tokens = list(range(8))
+    cache.insert(blocks_for(cache, tokens))
+    cache.insert_tail(_tail(cache, cache.hashes(tokens)[-1], [5, 6], nbytes=60))
+    assert cache.stats()["tails"] == 0 and cache.stats()["blocks"] == 2
+
+
+@pytest.mark.parametrize("reuse", [0, 3, 5])
+def test_restore_with_a_tail_continues_exactly(tiny_model_path, reuse):
+    from omlx_core.models.loader import load_model
+
+    path = tiny_model_path("llama")
+    tokens = [(5 * i + 1) % 300 + 10 for i in range(30)]
+
+    def compute():
+        model, _tokenizer = load_model(path)
+        layout = CacheLayout(model)
+        cache = layout.new_cache()
+        _prefill(model, cache, tokens[:21], 8)
+        mx.eval([c.state for c in cache])
+        prefix = PrefixCache(8, 1 << 30, "llama")
+        hashes = prefix.hashes(tokens[:16])
+        blocks = [layout.make_block(h, hashes[i - 1] if i else prefix.root, i, 8,
+                                    layout.cut(cache, 8 * i, 8 * i + 8), None)
+                  for i, h in enumerate(hashes)]
+        tail = layout.make_tail(hashes[-1], tokens[16:21], cache, 16)
+        restored = layout.restore(blocks, tail, reuse)
+        reference = layout.new_cache()
+        _prefill(model, reference, tokens[:16 + reuse], 16 + reuse)
+        return (np.array(_prefill(model, restored, tokens[16 + reuse:], 32)),
+                np.array(_prefill(model, reference, tokens[16 + reuse:], 32)))
+
+    resumed, cold = mlx_thread().run(compute)
+    np.testing.assert_allclose(resumed, cold, rtol=1e-4, atol=1e-4)

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from omlx_core.plugins.batched.prefix_cache import CachedBlock
+from omlx_core.plugins.batched.prefix_cache import CachedBlock, CachedTail
 
 
 def _is_cuttable(layer: Any) -> bool:
@@ -101,23 +101,42 @@ class CacheLayout:
             nbytes=sum(a.nbytes for a in arrays),
         )
 
-    def restore(self, blocks: Sequence[CachedBlock]) -> list[Any]:
-        """A fresh cache holding the prefix ``blocks`` cover; the last must be a reusable end."""
+    def make_tail(self, parent_hash: bytes, tokens: Sequence[int], cache: Sequence[Any],
+                  start: int) -> CachedTail:
+        """The tail ``tokens`` (at cache positions ``start``...) of an all-cuttable model."""
+        kv = self.cut(cache, start, start + len(tokens))
+        arrays = _arrays(kv)
+        mx.eval(arrays)
+        return CachedTail(parent_hash, tuple(int(t) for t in tokens), kv,
+                          sum(a.nbytes for a in arrays))
+
+    def restore(self, blocks: Sequence[CachedBlock], tail: CachedTail | None = None,
+                tail_tokens: int = 0) -> list[Any]:
+        """A fresh cache holding the prefix ``blocks`` cover (the last must be a reusable
+        end), then the first ``tail_tokens`` tokens of ``tail``."""
         cache = self.new_cache()
-        if not blocks:
+        if tail is None or tail_tokens <= 0:
+            tail, tail_tokens = None, 0
+        elif self.needs_boundaries:
+            raise ValueError("tails are only kept for models whose every layer can be cut")
+        if not blocks and tail is None:
             return cache
-        last = blocks[-1]
-        if not last.reusable_end:
+        last = blocks[-1] if blocks else None
+        if last is not None and not last.reusable_end:
             raise ValueError("cannot resume after a block that has no boundary state")
+        end = (last.end_token if last is not None else 0) + tail_tokens
         for layer_index, cuttable in enumerate(self.cuttable):
             if cuttable:
                 layer = cache[layer_index]
                 keys = [b.kv[layer_index][0] for b in blocks]
                 values = [b.kv[layer_index][1] for b in blocks]
+                if tail is not None:
+                    keys.append(tail.kv[layer_index][0][..., :tail_tokens, :])
+                    values.append(tail.kv[layer_index][1][..., :tail_tokens, :])
                 layer.keys = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
                 layer.values = values[0] if len(values) == 1 else mx.concatenate(values, axis=2)
-                layer.offset = last.end_token
-            else:
+                layer.offset = end
+            elif last is not None:
                 # Arrays are immutable values in mlx, so the stored state can be shared;
                 # only the containers the cache mutates in place are copied.
                 cache[layer_index] = _map_arrays(last.boundary[layer_index], lambda a: a)

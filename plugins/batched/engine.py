@@ -300,8 +300,12 @@ class BatchedEngine(Engine):
     def cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         if not self.prefix_cache.enabled or len(prompt_tokens) < 2:
             return 0
-        hashes = self.prefix_cache.hashes(list(prompt_tokens[:-1]))
-        return self.prefix_cache.peek(hashes) * self.prefix_cache.block_size
+        cache = self.prefix_cache
+        prefix = list(prompt_tokens[:-1])
+        hashes = cache.hashes(prefix)
+        blocks = cache.peek(hashes)
+        start = blocks * cache.block_size
+        return start + cache.peek_tail(hashes[blocks - 1] if blocks else cache.root, prefix[start:])
 
     def stats(self) -> dict[str, Any]:
         scheduler = self.scheduler

@@ -22,6 +22,14 @@ copy, e.g. one that gained a boundary state). A lookup that misses here asks it,
 block found there is promoted back. Calls to the store are made outside this cache's
 lock: a disk read or a full write queue never stalls a concurrent :meth:`peek`.
 
+**Tails.** For models whose every layer can be cut, the tokens after a prefix's last
+full block (a finished request's prompt-and-answer tail) are kept too, as a
+:class:`CachedTail` under the hash of that block. A request continuing the same prefix
+reuses the longest common run of a tail's tokens, so a repeated prompt or the next turn
+of a chat recomputes only what is new, not up to a block of it. Tails share the byte
+budget, go first when it is exceeded (they are at most a block of work to redo), stay in
+memory (no lower tier), and at most :data:`TAILS_PER_PREFIX` are kept per prefix.
+
 Eviction is LRU by bytes. Each lookup and store refreshes a chain from its deepest
 block up to its root, so a parent is always more recent than its children and the
 leaves go first: evicting a parent would strand every block below it.
@@ -37,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 HASH_BYTES = 16
+#: tails kept under one prefix (different answers or follow-ups to the same history)
+TAILS_PER_PREFIX = 4
 
 
 def root_hash(namespace: str) -> bytes:
@@ -79,6 +89,27 @@ class CachedBlock:
         return (self.index + 1) * self.block_size
 
 
+@dataclass(frozen=True, eq=False)
+class CachedTail:
+    """Tokens after a prefix's last full block, with their keys and values per layer."""
+
+    #: hash of the full-block prefix this tail continues (the root for a short prompt)
+    parent_hash: bytes
+    tokens: tuple[int, ...]
+    #: per layer ``(keys, values)`` of ``tokens``; every layer of such a model is cuttable
+    kv: tuple[Any, ...]
+    nbytes: int
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class BlockStore(Protocol):
     """A lower cache tier (e.g. a paged SSD store) behind the in-memory prefix cache."""
 
@@ -102,6 +133,8 @@ class PrefixCache:
         self.budget_bytes = budget_bytes
         self.root = root_hash(namespace)
         self._blocks: OrderedDict[bytes, CachedBlock] = OrderedDict()
+        self._tails: OrderedDict[tuple[bytes, tuple[int, ...]], CachedTail] = OrderedDict()
+        self._tails_of: dict[bytes, list[tuple[bytes, tuple[int, ...]]]] = {}
         self._lock = threading.Lock()
         self._lower: BlockStore | None = None
         self.nbytes = 0
@@ -109,6 +142,7 @@ class PrefixCache:
         self.misses = 0
         self.tokens_saved = 0
         self.evictions = 0
+        self.tail_hits = 0
 
     @property
     def enabled(self) -> bool:
@@ -208,6 +242,64 @@ class PrefixCache:
         for block in blocks:
             lower.put(block)
 
+    # -- tails -------------------------------------------------------------------------
+
+    def insert_tail(self, tail: CachedTail) -> None:
+        """Keep ``tail`` unless a tail already kept under its prefix starts with all of it."""
+        if not self.enabled or not tail.tokens or tail.nbytes > self.budget_bytes:
+            return
+        with self._lock:
+            keys = self._tails_of.setdefault(tail.parent_hash, [])
+            for key in list(keys):
+                kept = key[1]
+                if kept[:len(tail.tokens)] == tail.tokens:
+                    self._tails.move_to_end(key)
+                    return
+                if tail.tokens[:len(kept)] == kept:  # the new tail extends this one
+                    self._drop_tail_locked(key)
+            if len(keys) >= TAILS_PER_PREFIX:
+                self._drop_tail_locked(keys[0])
+            key = (tail.parent_hash, tail.tokens)
+            self._tails_of.setdefault(tail.parent_hash, []).append(key)
+            self._tails[key] = tail
+            self.nbytes += tail.nbytes
+            evicted = self._evict_locked()
+            lower = self._lower
+        self._offer(lower, evicted)
+
+    def lookup_tail(self, parent_hash: bytes, tokens: Sequence[int]) -> tuple[CachedTail | None, int]:
+        """The kept tail under ``parent_hash`` sharing the most leading tokens with
+        ``tokens``, and how many it shares (``(None, 0)`` when none does)."""
+        if not self.enabled:
+            return None, 0
+        with self._lock:
+            best, shared = None, 0
+            for key in self._tails_of.get(parent_hash, ()):
+                n = common_prefix_length(key[1], tokens)
+                if n > shared:
+                    best, shared = self._tails[key], n
+            if best is not None:
+                self._tails.move_to_end((best.parent_hash, best.tokens))
+                self.tail_hits += 1
+                self.tokens_saved += shared
+            return best, shared
+
+    def peek_tail(self, parent_hash: bytes, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` :meth:`lookup_tail` would reuse now; changes nothing."""
+        if not self.enabled:
+            return 0
+        with self._lock:
+            return max((common_prefix_length(key[1], tokens)
+                        for key in self._tails_of.get(parent_hash, ())), default=0)
+
+    def _drop_tail_locked(self, key: tuple[bytes, tuple[int, ...]]) -> None:
+        tail = self._tails.pop(key)
+        self.nbytes -= tail.nbytes
+        keys = self._tails_of[key[0]]
+        keys.remove(key)
+        if not keys:
+            del self._tails_of[key[0]]
+
     def touch(self, hashes: Sequence[bytes]) -> None:
         """Mark a chain as just used (deepest block first, root last)."""
         with self._lock:
@@ -234,6 +326,9 @@ class PrefixCache:
     def _evict_locked(self) -> list[CachedBlock]:
         """Drop least-recently-used blocks down to the budget; returns them."""
         evicted = []
+        while self.nbytes > self.budget_bytes and self._tails:
+            self._drop_tail_locked(next(iter(self._tails)))
+            self.evictions += 1
         while self.nbytes > self.budget_bytes and self._blocks:
             _, block = self._blocks.popitem(last=False)
             self.nbytes -= block.nbytes
@@ -244,6 +339,8 @@ class PrefixCache:
     def clear(self) -> None:
         with self._lock:
             self._blocks.clear()
+            self._tails.clear()
+            self._tails_of.clear()
             self.nbytes = 0
 
     def stats(self) -> dict[str, Any]:
@@ -254,6 +351,8 @@ class PrefixCache:
                 "misses": self.misses,
                 "tokens_saved": self.tokens_saved,
                 "blocks": len(self._blocks),
+                "tails": len(self._tails),
+                "tail_hits": self.tail_hits,
                 "bytes": self.nbytes,
                 "budget_bytes": self.budget_bytes,
                 "block_size": self.block_size,

@@ -273,16 +273,22 @@ class Scheduler:
             sequence.phase = PREFILLING
             sequence.text = TextAssembler(self.tokenizer.detokenizer, sequence.request.sampling.stop)
             blocks: list[CachedBlock] = []
+            tail, tail_tokens = None, 0
             if self.prefix_cache.enabled:
                 sequence.block_hashes = self.prefix_cache.hashes(sequence.prompt[:sequence.prefill_target])
                 blocks = self.prefix_cache.lookup(sequence.block_hashes)
-            sequence.cache = self.layout.restore(blocks)
-            if blocks:
+                if not self.layout.needs_boundaries:
+                    start = len(blocks) * self.prefix_cache.block_size
+                    parent = blocks[-1].block_hash if blocks else self.prefix_cache.root
+                    tail, tail_tokens = self.prefix_cache.lookup_tail(
+                        parent, sequence.prompt[start:sequence.prefill_target])
+            sequence.cache = self.layout.restore(blocks, tail, tail_tokens)
+            if blocks or tail_tokens:
                 # Restoring concatenates blocks lazily: without this the first chunk's
                 # forward would also materialize the whole copy, a transient no estimate
                 # counts. Evaluated here it is resident, in the gate's current-use reading.
                 mx.eval([layer.state for layer in sequence.cache])
-            sequence.prefilled = sequence.reused = len(blocks) * self.prefix_cache.block_size
+            sequence.prefilled = sequence.reused = len(blocks) * self.prefix_cache.block_size + tail_tokens
             sequence.stored_blocks = len(blocks)
             if sequence.prefilled == sequence.prefill_target:
                 self._start_decoding(sequence)
@@ -492,6 +498,7 @@ class Scheduler:
             return
         self._store_prefill_blocks(sequence)
         if end == sequence.prefill_target:
+            self._store_tail(sequence, sequence.cache, sequence.prompt[:end])
             self._prefilling.remove(sequence)
             self._start_decoding(sequence)
 
@@ -548,6 +555,23 @@ class Scheduler:
             kv = self.layout.cut(cache, index * block_size, (index + 1) * block_size)
             blocks.append(self.layout.make_block(hashes[index], parent, index, block_size, kv, None))
         self.prefix_cache.insert(blocks, chain=hashes)
+        self._store_tail(sequence, cache, tokens, hashes)
+
+    def _store_tail(self, sequence: SequenceState, cache: list[Any], tokens: list[int],
+                    hashes: list[bytes] | None = None) -> None:
+        """Keep the tokens after the last full block of ``tokens`` (all in ``cache``) as a
+        prefix-cache tail, so the next request continuing them reuses them all."""
+        if not self.prefix_cache.enabled or self.layout.needs_boundaries or not cache:
+            return
+        full = len(tokens) // self.prefix_cache.block_size
+        if full * self.prefix_cache.block_size == len(tokens):
+            return
+        if hashes is None:
+            hashes = self.prefix_cache.extend_hashes(sequence.block_hashes[:sequence.stored_blocks],
+                                                     tokens)
+        parent = hashes[full - 1] if full else self.prefix_cache.root
+        start = full * self.prefix_cache.block_size
+        self.prefix_cache.insert_tail(self.layout.make_tail(parent, tokens[start:], cache, start))
 
     # -- decode ----------------------------------------------------------------------
 
