@@ -374,6 +374,31 @@ def test_stop_token_ids_and_eos(llama):
     assert (done.finish_reason, done.text, done.token_ids, done.usage.completion_tokens) == ("stop", "", [], 1)
 
 
+def test_first_token_is_sampled_at_the_end_of_prefill(llama):
+    """The last prompt token is fed (one forward for every request ready together) and
+    the first token handed out in the prefill step; the decode batch goes on from it."""
+    counters = llama.scheduler.counters
+    prompts = [prompt_of(llama, 6 + i, 30 + i) for i in range(4)]
+    solo = [run(llama, p).token_ids for p in prompts]
+
+    before = (counters.first_token_forwards, counters.decode_steps)
+    one = run(llama, prompts[0], replace(GREEDY, max_tokens=1))
+    assert one.finish_reason == "length" and one.token_ids == solo[0][:1]
+    # Done without a single decode step: it never joined the decode batch.
+    assert (counters.first_token_forwards, counters.decode_steps) == (before[0] + 1, before[1])
+
+    eos = next(iter(llama.tokenizer.eos_token_ids))
+    before = counters.decode_steps
+    done = run(llama, prompts[1], replace(GREEDY, logit_bias={eos: 1e4}))
+    assert (done.finish_reason, done.token_ids) == ("stop", [])
+    assert counters.decode_steps == before
+
+    before = counters.first_token_forwards
+    together = [collect(h) for h in submit_together(llama, [(p, GREEDY) for p in prompts])]
+    assert [c.token_ids for c in together] == solo
+    assert counters.first_token_forwards == before + 1
+
+
 def test_seeded_sampling_is_reproducible_even_when_batched(llama):
     sampled = SamplingParams(temperature=0.9, top_p=0.95, top_k=100, seed=1234, max_tokens=24)
     prompt = prompt_of(llama, 10, 3)

@@ -137,12 +137,15 @@ def _stack_right_aligned(arrays: Sequence[mx.array | None], starts: Sequence[int
     return mx.concatenate(rows, axis=0)
 
 
-def prefill_together(model: Any, rows: Sequence[PrefillRow]) -> None:
+def prefill_together(model: Any, rows: Sequence[PrefillRow], *,
+                     logits: bool = False) -> list[mx.array] | None:
     """Run every row's chunk through one forward of ``model`` and extend each row's own
     cache by exactly its chunk's keys and values (evaluated).
 
-    Evaluates only the caches, never the logits. On an exception no row's cache has
-    changed.
+    Without ``logits`` it evaluates only the caches. With it, it returns each row's
+    ``(1, vocab)`` logits at its last real token: the output layer then runs over every
+    position of the batch, so ask for them only for short chunks (a prompt's last token).
+    On an exception no row's cache has changed.
     """
     starts = [row.start for row in rows]
     lengths = [len(row.tokens) for row in rows]
@@ -154,19 +157,21 @@ def prefill_together(model: Any, rows: Sequence[PrefillRow]) -> None:
     layers = len(rows[0].cache)
     batch = [_RowsCache([row.cache[i] for row in rows], starts) for i in range(layers)]
     tokens = mx.array([list(row.tokens) + [PAD_TOKEN] * (longest - len(row.tokens)) for row in rows])
-    model(tokens, cache=batch)
+    output = model(tokens, cache=batch)
+    last = [output[index:index + 1, length - 1, :] for index, length in enumerate(lengths)] if logits else []
     extracted = []
     for index, (start, length) in enumerate(zip(starts, lengths)):
         begin, end = width - start, width + length
         extracted.append([(mx.contiguous(layer.keys[index:index + 1, :, begin:end, :]),
                            mx.contiguous(layer.values[index:index + 1, :, begin:end, :]))
                           for layer in batch])
-    mx.eval(extracted)
-    del batch
+    mx.eval(extracted, last)
+    del batch, output
     for row, kv, start, length in zip(rows, extracted, starts, lengths):
         for layer, (keys, values) in zip(row.cache, kv):
             layer.keys, layer.values = keys, values
             layer.offset = start + length
+    return last if logits else None
 
 
 __all__ = ["PAD_TOKEN", "PADDING_SLACK", "PrefillRow", "can_batch", "group_spans", "padded_slots",

@@ -20,7 +20,8 @@ What the gate can rely on:
   scheduler asks again with every chunk alone (all ``forward`` ``None``) and acts on
   that second answer;
 - a forward evaluates the cache state only, never the chunk's logits (a request's
-  last prompt token is fed through the decode batch instead, one token of logits);
+  last prompt token is fed after the step's chunks, in a one-token forward whose
+  logits are one row per request, as a decode step's are; that forward is not gated);
 - ``limits`` is the latest :class:`~omlx_core.memory.types.LimitSnapshot` given to
   the scheduler's ``apply_memory_limits``, read once for this step;
 - it is called on the MLX thread: it must be quick and must not wait on that thread.

@@ -18,12 +18,14 @@ A request moves through four phases:
     (:mod:`~omlx_core.plugins.batched.batch_prefill`); each request keeps its own
     cache. Chunk ends fall on ``cache.block_size`` boundaries where they can, so full
     blocks (and, for models with non-cuttable layers, their boundary states) go into
-    the prefix cache as prefill crosses them. A step whose decode batch holds a request
-    still waiting for its first token skips prefill once, so that token comes first.
+    the prefix cache as prefill crosses them. Chunks cover all prompt tokens but the
+    last. At the end of the step every request whose chunks are done has its last
+    prompt token fed (one shared forward where caches allow, one token of logits each)
+    and its first token sampled and handed out at once.
 ``decoding``
-    all prompt tokens but the last are in the cache; the request joins mlx-lm's
-    ``BatchGenerator`` (``insert`` with that cache and its last token) without waiting
-    for the batch to drain, and leaves it (``remove``) the moment it finishes.
+    the whole prompt is in the cache; the request joins mlx-lm's ``BatchGenerator``
+    (``insert`` with that cache, its first token, its sampler and processors) without
+    waiting for the batch to drain, and leaves it (``remove``) the moment it finishes.
 ``done``
     its final output (``finish_reason`` and usage) is in its queue.
 
@@ -55,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
+from mlx_lm.sample_utils import greedy_sampler
 
 from omlx_core.engine import GenerationOutput, GenerationRequest, TokenLogprob, Usage
 from omlx_core.plugins.batched.batch_prefill import PrefillRow, can_batch, group_spans, prefill_together
@@ -90,6 +93,10 @@ class SequenceState:
     uid: int | None = None
     text: TextAssembler | None = None
     completion_tokens: int = 0
+    #: the request's sampler (``None``: greedy) and logits processors, made for its
+    #: first token and handed on to the decode batch
+    sampler: Any = None
+    processors: tuple[Any, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -108,6 +115,8 @@ class _Counters:
     prefill_chunks: int = 0
     #: model forwards that ran prefill chunks (several chunks can share one)
     prefill_forwards: int = 0
+    #: forwards that fed prompts' last tokens and sampled their first tokens
+    first_token_forwards: int = 0
     prompt_tokens_prefilled: int = 0
     tokens_generated: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
@@ -290,10 +299,7 @@ class Scheduler:
                 mx.eval([layer.state for layer in sequence.cache])
             sequence.prefilled = sequence.reused = len(blocks) * self.prefix_cache.block_size + tail_tokens
             sequence.stored_blocks = len(blocks)
-            if sequence.prefilled == sequence.prefill_target:
-                self._start_decoding(sequence)
-            else:
-                self._prefilling.append(sequence)
+            self._prefilling.append(sequence)
 
     # -- prefill ---------------------------------------------------------------------
 
@@ -378,29 +384,7 @@ class Scheduler:
         reason = (refused or {}).get(sequence.request_id)
         return None if reason is None else str(reason)
 
-    #: the step whose prefill :meth:`_defer_prefill` last put off
-    _prefill_deferred_step = -1
-
-    def _defer_prefill(self) -> bool:
-        """Whether this step skips prefill so that requests whose prefill has ended get
-        their first token before more prefill runs.
-
-        mlx-lm's decode batch hands out a joining request's first token at the decode
-        step after the one it joins in; a prefill step in between (a whole chunk budget
-        of forwards) would delay that token by its length. One decode step costs the
-        waiting prompts far less. Never two steps in a row, so prefill always advances.
-        """
-        steps = self.counters.steps
-        if self._prefill_deferred_step == steps - 1:
-            return False
-        if not any(s.completion_tokens == 0 for s in self._decoding.values()):
-            return False
-        self._prefill_deferred_step = steps
-        return True
-
     def _prefill_step(self) -> None:
-        if self._defer_prefill():
-            return
         plan = self._plan_prefill()
         groups = self._forward_groups(plan)
         refused, error_type = self._ask_gate(plan, groups)
@@ -418,6 +402,7 @@ class Scheduler:
                 self._prefill_alone(*group[0])
             else:
                 self._prefill_together(group)
+        self._first_tokens()
         mx.clear_cache()
 
     def _forward_groups(self, plan: list[tuple[SequenceState, int, int]]
@@ -487,8 +472,8 @@ class Scheduler:
         self._chunk_done(sequence, start, end)
 
     def _chunk_done(self, sequence: SequenceState, start: int, end: int) -> None:
-        """Account for a chunk whose forward has run; store its blocks; start decoding
-        after the last one."""
+        """Account for a chunk whose forward has run and store its blocks; after the
+        last one the request waits for :meth:`_first_tokens` at the end of the step."""
         sequence.prefilled = end
         self.counters.prefill_chunks += 1
         self.counters.prompt_tokens_prefilled += end - start
@@ -499,8 +484,6 @@ class Scheduler:
         self._store_prefill_blocks(sequence)
         if end == sequence.prefill_target:
             self._store_tail(sequence, sequence.cache, sequence.prompt[:end])
-            self._prefilling.remove(sequence)
-            self._start_decoding(sequence)
 
     def _store_prefill_blocks(self, sequence: SequenceState) -> None:
         """Put the blocks prefill just completed into the prefix cache."""
@@ -573,21 +556,96 @@ class Scheduler:
         start = full * self.prefix_cache.block_size
         self.prefix_cache.insert_tail(self.layout.make_tail(parent, tokens[start:], cache, start))
 
+    # -- first token -----------------------------------------------------------------
+
+    def _first_tokens(self) -> None:
+        """Feed the last prompt token of every request whose prefill is done, sample its
+        first token and hand it out now, then let the request join the decode batch.
+
+        The decode batch would hand out a joining request's first token only at the
+        decode step after the one it joins in; sampling it here saves the client that
+        step. Requests whose caches allow it share one forward.
+        """
+        ready = [s for s in self._prefilling if s.prefilled == s.prefill_target]
+        if not ready:
+            return
+        logits: dict[int, mx.array] = {}
+        together = [s for s in ready if can_batch(s.cache or ())]
+        if len(together) > 1:
+            rows = [PrefillRow(s.cache, s.prompt[-1:], s.prefill_target) for s in together]
+            try:
+                with mx.stream(generation_stream):
+                    found = prefill_together(self.model, rows, logits=True)
+            except Exception:
+                log.exception("first-token forward of requests %s failed; feeding them one by one",
+                              ", ".join(s.request_id for s in together))
+            else:
+                self.counters.first_token_forwards += 1
+                logits.update((id(s), row) for s, row in zip(together, found))
+        for sequence in ready:
+            if id(sequence) in logits:
+                continue
+            try:
+                with mx.stream(generation_stream):
+                    row = self.model(mx.array(sequence.prompt[-1:])[None], cache=sequence.cache)[:, -1, :]
+                    mx.eval(row, [layer.state for layer in sequence.cache])
+            except Exception as exc:
+                self._prefill_failed(sequence, exc)
+                continue
+            self.counters.first_token_forwards += 1
+            logits[id(sequence)] = row
+        for sequence in ready:
+            if id(sequence) not in logits or sequence.phase != PREFILLING:
+                continue
+            self._prefilling.remove(sequence)
+            try:
+                self._first_token(sequence, logits[id(sequence)])
+            except Exception as exc:
+                log.exception("request %s failed while sampling its first token", sequence.request_id)
+                self._finish(sequence, "error", error=f"{type(exc).__name__}: {exc}",
+                             error_type="internal")
+
+    def _first_token(self, sequence: SequenceState, logits: mx.array) -> None:
+        """Sample from the last prompt token's ``(1, vocab)`` logits, as the decode batch
+        would (same processors, same sampler, which it then goes on with)."""
+        sampling = sequence.request.sampling
+        sequence.sampler = make_sampler(sampling, sequence.seed, self.vocab_size)
+        sequence.processors = make_logits_processors(sampling, len(sequence.prompt))
+        if sequence.processors:
+            context = mx.array(sequence.prompt)
+            for processor in sequence.processors:
+                logits = processor(context, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = int((sequence.sampler or greedy_sampler)(logprobs).item())
+        finish_reason = None
+        if token in self._stop_token_ids(sampling):
+            finish_reason = "stop"
+        elif sequence.max_tokens <= 1:
+            finish_reason = "length"
+        cache = sequence.cache
+        if finish_reason is None:
+            self._start_decoding(sequence, token)
+        self._accept(sequence, token, logprobs[0], finish_reason, cache, sequence.prompt)
+
+    def _stop_token_ids(self, sampling: Any) -> set[int]:
+        return set(self._eos) | {int(t) for t in (sampling.stop_token_ids or ())}
+
     # -- decode ----------------------------------------------------------------------
 
-    def _start_decoding(self, sequence: SequenceState) -> None:
+    def _start_decoding(self, sequence: SequenceState, first_token: int) -> None:
+        """Hand ``sequence`` (its whole prompt in its cache) to the decode batch, which
+        goes on from ``first_token``."""
         sampling = sequence.request.sampling
         stops = self._default_stops
         if sampling.stop_token_ids:
-            extra = sorted(set(self._eos) | {int(t) for t in sampling.stop_token_ids})
-            stops = StopSequences([(t,) for t in extra])
+            stops = StopSequences([(t,) for t in sorted(self._stop_token_ids(sampling))])
         sequence.uid = self._generator.insert(
-            [[sequence.prompt[-1]]],
-            max_tokens=[sequence.max_tokens],
+            [[first_token]],
+            max_tokens=[sequence.max_tokens - 1],
             caches=[sequence.cache],
-            all_tokens=[sequence.prompt[:sequence.prefill_target]],
-            samplers=[make_sampler(sampling, sequence.seed, self.vocab_size)],
-            logits_processors=[make_logits_processors(sampling, len(sequence.prompt))],
+            all_tokens=[list(sequence.prompt)],
+            samplers=[sequence.sampler],
+            logits_processors=[sequence.processors],
             stop_sequences=[stops],
         )[0]
         sequence.cache = None
@@ -609,29 +667,39 @@ class Scheduler:
                              error_type="internal")
 
     def _on_token(self, sequence: SequenceState, response: Any) -> None:
+        self._accept(sequence, int(response.token), response.logprobs, response.finish_reason,
+                     response.prompt_cache, response.all_tokens)
+
+    def _accept(self, sequence: SequenceState, token: int, logprobs_row: mx.array,
+                finish_reason: str | None, cache: list[Any] | None, tokens: list[int] | None) -> None:
+        """Hand out one generated token. ``finish_reason`` (``"stop"``: a stop token,
+        ``"length"``) ends the request; ``cache`` then holds ``tokens``, for the prefix
+        cache. A request still in the decode batch is taken out of it."""
         sequence.completion_tokens += 1
         self.counters.tokens_generated += 1
-        token = int(response.token)
         assert sequence.text is not None
-        if response.finish_reason == "stop":
+        decoding = sequence.phase == DECODING
+        if finish_reason == "stop":
             # An end-of-sequence or stop token: it ends the text and is not part of it.
-            del self._decoding[sequence.uid]
+            if decoding:
+                del self._decoding[sequence.uid]
             text, _ = sequence.text.finish()
-            self._store_finished_blocks(sequence, response.prompt_cache, response.all_tokens)
+            self._store_finished_blocks(sequence, cache or [], tokens or [])
             self._finish(sequence, "stop", text=text, remove=False)
             return
         text, stopped = sequence.text.add(token)
         logprobs = None
         top = sequence.request.sampling.logprobs
         if top is not None:
-            logprobs = (token_logprob(response.logprobs, token, top),)
+            logprobs = (token_logprob(logprobs_row, token, top),)
         if stopped:
             self._finish(sequence, "stop", text=text, token_ids=(token,), logprobs=logprobs,
                          store=True)
-        elif response.finish_reason == "length":
-            del self._decoding[sequence.uid]
+        elif finish_reason == "length":
+            if decoding:
+                del self._decoding[sequence.uid]
             tail, stopped_in_tail = sequence.text.finish()
-            self._store_finished_blocks(sequence, response.prompt_cache, response.all_tokens)
+            self._store_finished_blocks(sequence, cache or [], tokens or [])
             self._finish(sequence, "stop" if stopped_in_tail else "length", text=text + tail,
                          token_ids=(token,), logprobs=logprobs, remove=False)
         else:
