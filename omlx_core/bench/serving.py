@@ -33,6 +33,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from omlx_core.bench import publish_report
 from omlx_core.bench.client import (StreamRecord, chat_body, run_concurrently, special_token_ids,
                                     stream_chat)
 from omlx_core.bench.prompts import text_of_tokens
@@ -455,12 +456,7 @@ def run(args: argparse.Namespace) -> int:
         port = free_port()
         results.append(measure(make_spec(port), port, model_dir, plan, banned))
     report = render(results, header)
-    print("\n" + report)
-    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(report, encoding="utf-8")
-        print(f"written to {out}")
+    publish_report(report, args.out if args.out is not None else (None if args.quick else DEFAULT_OUT))
     return 0
 
 

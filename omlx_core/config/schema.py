@@ -51,6 +51,8 @@ CORE_SETTINGS: list[Setting] = [
     Setting("engine.max_batch_size", "int", "most sequences decoded together", minimum=1, maximum=4096),
     Setting("engine.prefill_step_size", "int", "prefill chunk size in tokens", minimum=16,
             maximum=65536),
+    Setting("engine.batch_window_s", "float", "how long an idle engine waits after a request "
+            "arrives for others to prefill together with it", minimum=0.0, maximum=1.0),
     Setting("engine.max_tokens", "int", "completion tokens when a request sets none", minimum=1),
     Setting("engine.max_context", "int", "longest prompt + completion accepted (0 = model's own)",
             minimum=0),

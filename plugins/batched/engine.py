@@ -36,6 +36,7 @@ class EngineSettings:
     max_context: int = 0
     block_size: int = 64
     cache_budget: int = 1 << 30
+    batch_window_s: float = 0.01
 
     @classmethod
     def from_config(cls, config: Any) -> "EngineSettings":
@@ -45,6 +46,7 @@ class EngineSettings:
             max_context=int(config["engine.max_context"]),
             block_size=int(config["cache.block_size"]),
             cache_budget=int(config["cache.memory_budget"]),
+            batch_window_s=float(config["engine.batch_window_s"]),
         )
 
 
@@ -184,6 +186,7 @@ class BatchedEngine(Engine):
             model=lm, tokenizer=tokenizer, model_id=self.model.id, model_config=self.model.config,
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
             prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,
+            batch_window_s=self.settings.batch_window_s,
             wake=self._thread.wake, boundary_listener=self._on_boundary,
             finish_listener=self._on_finished, ignore_eos=self._ignore_eos,
         )

@@ -51,6 +51,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -93,6 +94,8 @@ class SequenceState:
     uid: int | None = None
     text: TextAssembler | None = None
     completion_tokens: int = 0
+    #: ``time.monotonic()`` when the request reached the scheduler
+    arrived: float = 0.0
     #: the request's sampler (``None``: greedy) and logits processors, made for its
     #: first token and handed on to the decode batch
     sampler: Any = None
@@ -131,6 +134,7 @@ class Scheduler:
                  wake: Callable[[], None],
                  boundary_listener: Callable[[BoundarySnapshot], None] | None = None,
                  finish_listener: Callable[[str, str], None] | None = None,
+                 batch_window_s: float = 0.0,
                  ignore_eos: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -139,6 +143,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
+        self.batch_window_s = batch_window_s
         self.prefix_cache = prefix_cache
         self.layout = CacheLayout(model)
         self.boundary_listener = boundary_listener
@@ -174,6 +179,7 @@ class Scheduler:
             if self._stopped:
                 raise RuntimeError(f"engine for model {self.model_id!r} is shut down; "
                                    "start it again before submitting requests")
+            sequence.arrived = time.monotonic()
             self._inbox.append(sequence)
         self._wake()
 
@@ -224,6 +230,7 @@ class Scheduler:
 
     def step(self) -> None:
         self.counters.steps += 1
+        self._wait_for_burst()
         self._drain_inbox()
         self._admit()
         if self._prefilling:
@@ -254,6 +261,17 @@ class Scheduler:
         self.model = self.layout = None  # type: ignore[assignment]
 
     # -- inbox and admission ---------------------------------------------------------
+
+    def _wait_for_burst(self) -> None:
+        """On an idle engine, let ``batch_window_s`` pass after the first new request
+        arrived: requests sent together reach the server a few milliseconds apart, and
+        those that arrive in the window are prefilled in one forward instead of waiting
+        for the first one's whole step."""
+        if not self._inbox or self._prefilling or self._decoding or self.batch_window_s <= 0:
+            return
+        remaining = self._inbox[0].arrived + self.batch_window_s - time.monotonic()
+        if remaining > 0:
+            time.sleep(remaining)
 
     def _drain_inbox(self) -> None:
         while self._inbox:

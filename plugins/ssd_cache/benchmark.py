@@ -173,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.prompt_tokens, args.blocks = 1024, 60
 
     from omlx_core.bench.prompts import text_of_tokens
-    from omlx_core.bench.servers import ServerSpec, mlx_lm_spec, ServerSettings
+    from omlx_core.bench import publish_report
+    from omlx_core.bench.servers import ServerSettings, ServerSpec, mlx_lm_spec
 
     model_dir = args.model
     if model_dir is None:
@@ -207,12 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "- TTFT: streaming chat request sent to its first text chunk, max_tokens 2; each "
               "server is stopped and started again between the second and third request"]
     report = render(rows, writes, header)
-    print("\n" + report)
-    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(report, encoding="utf-8")
-        print(f"written to {out}")
+    publish_report(report, args.out if args.out is not None else (None if args.quick else DEFAULT_OUT))
     import shutil
 
     shutil.rmtree(ssd_dir, ignore_errors=True)
