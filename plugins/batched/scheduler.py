@@ -216,6 +216,8 @@ class Scheduler:
             "steps": c.steps,
             "decode_steps": c.decode_steps,
             "prefill_chunks": c.prefill_chunks,
+            "prefill_forwards": c.prefill_forwards,
+            "first_token_forwards": c.first_token_forwards,
             "prompt_tokens_prefilled": c.prompt_tokens_prefilled,
             "tokens_generated": c.tokens_generated,
             "finished": dict(c.finished),
