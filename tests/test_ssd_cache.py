@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
 from omlx_core.plugins.ssd_cache import blockfile
 from omlx_core.plugins.ssd_cache.store import PagedSSDStore
-from omlx_core.testing.waiting import wait_for
+from omlx_core.mlx_thread import mlx_thread
 
 IDENTITY = "a" * 32
 BLOCK = 4
@@ -51,6 +49,7 @@ def make_block(index: int, *, seed: int = 0, boundary: bool = False, layers: int
                 mx.random.normal((1, 2, BLOCK, 4), key=key + 50 + i).astype(dtype))
                if i < cut else None for i in range(layers))
     states = hybrid_states(1000 * seed + index) if boundary else None
+    mx.eval([a for pair in kv if pair for a in pair], [s.state for s in states or () if s])
     nbytes = sum(a.nbytes for pair in kv if pair for a in pair)
     return CachedBlock(block_hash=bytes([seed % 256, index % 256]) * 8,
                        parent_hash=parent or b"\0" * 16, index=index, block_size=BLOCK, kv=kv,
@@ -140,8 +139,10 @@ def test_size_estimate_covers_the_real_file_including_metadata(tmp_path):
     payload = blockfile.payload_of_kv(block.kv, block_hash=block.block_hash, parent_hash=block.parent_hash,
                                       index=0, block_size=BLOCK, identity=IDENTITY,
                                       layer_types=["KVCache" * 20] * 40)
-    size = blockfile.write_payload(payload, tmp_path / "x.safetensors")
-    estimate = payload.estimated_file_size()
+    estimate = payload.estimated_file_size()  # before the host copy, as the quota gate sees it
+    with pytest.raises(ValueError, match="to_host"):
+        blockfile.write_payload(payload, tmp_path / "x.safetensors")
+    size = blockfile.write_payload(payload.to_host(), tmp_path / "x.safetensors")
     # The metadata here is several KiB: a fixed 1 KiB allowance would undercount.
     assert len(json.dumps(payload.metadata)) > 4096
     assert size <= estimate <= size + 128 * len(payload.tensors) + 1024
@@ -271,15 +272,16 @@ def test_eviction_unlinks_inline_capped_per_save_and_carries_over(tmp_path):
     store.close()
 
 
+def full_disk_at(path: Path) -> None:
+    """Make the next write to ``path`` hit a real full disk (``/dev/full``: ENOSPC)."""
+    path.symlink_to("/dev/full")
+
+
 def test_disk_full_invalidates_the_disk_reading_and_logs_an_error(tmp_path, caplog):
     store = make_store(tmp_path, budget=None)
     assert store.limit_bytes() > 0 and store._disk_reading is not None
-
-    def no_space(payload, path):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    store._write_payload = no_space
     block = make_block(0, seed=8)
+    full_disk_at(store.blocks_dir / f".{block.block_hash.hex()}.tmp")
     with caplog.at_level(logging.ERROR, logger="omlx_core.plugins.ssd_cache.store"):
         store.put(block)
         assert store.flush(10)
@@ -288,7 +290,87 @@ def test_disk_full_invalidates_the_disk_reading_and_logs_an_error(tmp_path, capl
     stats = store.stats()
     assert stats["errors"] == 1 and stats["saves_persisted"] == 0
     assert not store.contains(block.block_hash) and stats["bytes"] == 0
+    assert list(store.blocks_dir.iterdir()) == []
+    # Nothing pins the block: the next save of it goes through.
+    store.put(block)
+    assert store.flush(10) and store.stats()["saves_persisted"] == 1
     store.close()
+
+
+def test_a_failed_boundary_upgrade_keeps_the_block_it_was_for(tmp_path):
+    store = make_store(tmp_path)
+    hybrid = make_block(3, seed=11, boundary=True)
+    plain = replace_boundary(hybrid, None)
+    store.put(plain)
+    assert store.flush(10)
+    size = store.stats()["bytes"]
+    full_disk_at(store.blocks_dir / f".{hybrid.block_hash.hex()}.boundary.tmp")
+    store.put(hybrid)  # gains its boundary state: a boundary-only write, which fails
+    assert store.flush(10)
+    assert store.stats()["errors"] == 1 and store.stats()["bytes"] == size
+    got = store.get(hybrid.block_hash)
+    assert got is not None and got.boundary is None and not got.reusable_end
+    (store.blocks_dir / f".{hybrid.block_hash.hex()}.boundary.tmp").unlink(missing_ok=True)
+    store.put(hybrid)  # and a later save can still add it
+    assert store.flush(10)
+    assert_same_block(store.get(hybrid.block_hash), hybrid)
+    store.close()
+
+
+def replace_boundary(block: CachedBlock, boundary) -> CachedBlock:
+    from dataclasses import replace
+
+    return replace(block, boundary=boundary, reusable_end=boundary is not None)
+
+
+def test_after_a_drop_saves_do_not_wait_again_until_one_gets_in(tmp_path):
+    store = make_store(tmp_path, queue_size=1, save_timeout_s=0.05)
+    pin = PinnedWriter(store)
+    store.put(make_block(0, seed=12))
+    assert pin.entered.wait(10)
+    store.put(make_block(1, seed=12))  # fills the queue
+    store.put(make_block(2, seed=12))  # waits 50 ms, then is dropped
+    store.save_timeout_s = 60.0
+    block = make_block(3, seed=12)
+    # On the MLX thread, as the engine saves: a plain thread must not run mlx work.
+    late = threading.Thread(target=lambda: mlx_thread().run(store.put, block))
+    late.start()
+    late.join(10)  # would take 60 s if it waited
+    assert not late.is_alive() and store.stats()["drops"] == 2
+    pin.release.set()
+    assert store.flush(10)
+    store.save_timeout_s = 0.05
+    store.put(make_block(4, seed=12))  # room again: saved, and waiting is back on
+    assert store.flush(10) and store.stats()["saves_persisted"] == 3
+    store.close()
+
+
+def test_leaves_are_evicted_before_the_blocks_they_hang_from(tmp_path):
+    store = make_store(tmp_path, eviction_burst=1)
+    chain = [make_block(i, seed=13) for i in range(3)]
+    for block in chain:  # saved root first, as prefill stores them
+        store.put(block)
+    assert store.flush(10)
+    store.touch([b.block_hash for b in chain])
+    store.budget = store.stats()["bytes"]  # full: the next save evicts exactly one
+    store.put(make_block(0, seed=14))
+    assert not store.contains(chain[2].block_hash)
+    assert store.contains(chain[0].block_hash) and store.contains(chain[1].block_hash)
+    store.close()
+    # The order survives a restart (kept in the files' mtimes).
+    again = make_store(tmp_path)
+    assert list(again._index)[:2] == [chain[1].block_hash, chain[0].block_hash]
+    again.close()
+
+
+def test_one_process_per_directory(tmp_path):
+    from omlx_core.plugins.ssd_cache.store import DirectoryInUseError
+
+    store = make_store(tmp_path)
+    with pytest.raises(DirectoryInUseError, match="give each server its own cache.ssd_dir"):
+        make_store(tmp_path)
+    store.close()
+    make_store(tmp_path).close()  # free again once closed
 
 
 # -- boundary snapshots per request and their cleanup ---------------------------------------------
@@ -356,6 +438,7 @@ def test_timed_out_cleanup_keeps_the_counter_so_the_late_write_is_discarded(tmp_
     assert pin.entered.wait(10)
     assert store.cleanup_request("req-late", timeout=0.1) is False
     assert store.pending_cancellations() == {"req-late": 1}
+    assert store.stats()["errors"] == 0
     # A repeated cleanup adds to the count only for items not already counted.
     assert store.cleanup_request("req-late", timeout=0.1) is False
     assert store.pending_cancellations() == {"req-late": 1}
@@ -363,6 +446,7 @@ def test_timed_out_cleanup_keeps_the_counter_so_the_late_write_is_discarded(tmp_
     assert store.flush(10)
     assert not store.request_dir("req-late").exists()
     assert store.pending_cancellations() == {}
+    assert store.stats()["errors"] == 0  # discarded as cancelled, not failed
     # The counter is gone, so a new save under the same id is written, not discarded.
     stage(store, "req-late", 1)
     assert store.flush(10)
@@ -375,12 +459,30 @@ def test_cleanup_of_a_request_with_nothing_pending_creates_no_counter(tmp_path):
     pin = PinnedWriter(store)
     stage(store, "req-busy", 0)
     assert pin.entered.wait(10)
-    store.cleanup_request("never-saved", timeout=0.1)  # times out behind an unrelated item
+    # The writer holds another request's item: nothing to wait for, no counter made.
+    assert store.cleanup_request("never-saved", timeout=30) is True
+    assert not pin.release.is_set() and pin.entered.is_set()
     assert "never-saved" not in store.pending_cancellations()
     pin.release.set()
     stage(store, "never-saved", 1)
     assert store.flush(10)
     assert {p.parent.name for p in snapshot_files(store)} == {"req-busy", "never-saved"}
+    store.close()
+
+
+def test_a_block_keeps_its_boundary_when_its_staged_snapshot_was_cleaned_up(tmp_path):
+    store = make_store(tmp_path)
+    pin = PinnedWriter(store)
+    store.put(make_block(0, seed=15))
+    assert pin.entered.wait(10)
+    hybrid = make_block(1, seed=15, boundary=True)
+    store.save_snapshot("req-gone", 1, hybrid.block_hash, hybrid.end_token, hybrid.boundary)
+    store.put(hybrid)
+    store.cleanup_request("req-gone")  # the aborted request's staged write is withdrawn
+    pin.release.set()
+    assert store.flush(10)
+    assert snapshot_files(store) == []
+    assert_same_block(store.get(hybrid.block_hash), hybrid)
     store.close()
 
 
@@ -396,6 +498,8 @@ def test_close_with_cleanup_removes_snapshots_before_stopping_and_flushes_blocks
     assert snapshot_files(store) == []
     assert blockfile.block_path(store.blocks_dir, block.block_hash).exists()
     assert not store._writer.is_alive()
+    stage(store, "req-after", 2)  # an engine still prefilling after shutdown: ignored
+    assert snapshot_files(store) == []
 
 
 def test_request_ids_that_are_not_file_names_get_a_safe_directory(tmp_path):

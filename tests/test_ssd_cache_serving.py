@@ -212,7 +212,9 @@ def test_server_killed_mid_write_restarts_serving_only_intact_blocks(default_mod
     intact = sorted(blocks_dir.glob("*.safetensors"))
     assert len(intact) == 3
     # And a torn file under its final name (a disk that lost the tail): must be skipped too.
-    last = max(intact, key=lambda p: p.stat().st_mtime_ns)
+    from omlx_core.plugins.ssd_cache.blockfile import read_metadata
+
+    last = max(intact, key=lambda p: int(read_metadata(p)["index"]))  # the deepest block
     last.write_bytes(last.read_bytes()[:-4096])
 
     port = free_port()

@@ -9,15 +9,15 @@ description of each layer's cache class and state structure, rebuilt with mlx-lm
 count, layer count, model identity, cache type per layer, and a CRC-32 per tensor so a
 flipped or truncated byte is detected on load.
 
-Split of work by thread: :func:`payload_of_kv` / :func:`payload_of_states` copy arrays to
-host memory (numpy) on the MLX thread; :func:`write_payload` runs on the writer thread and
-touches no mlx; :func:`read_block_arrays` (the MLX thread again) builds mlx arrays.
+Split of work by thread: :func:`payload_of_kv` / :func:`payload_of_states` describe a file
+and :meth:`Payload.to_host` copies its arrays to host memory (numpy), on the MLX thread;
+:func:`write_payload` runs on the writer thread and touches no mlx; :func:`read_arrays`
+(the MLX thread again) builds mlx arrays.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
-from safetensors import SafetensorError, TensorSpec, deserialize, safe_open, serialize_file
+from safetensors import SafetensorError, TensorSpec, deserialize, safe_open, serialize
 
 FORMAT_VERSION = "1"
 BLOCK_KIND = "omlx-kv-block"
@@ -54,32 +54,45 @@ class BlockFileError(Exception):
 
 @dataclass
 class Payload:
-    """Host copies of a file's tensors and its metadata, ready for the writer thread."""
+    """A file's tensors and metadata. Built on the MLX thread holding mlx arrays, sized
+    (:meth:`estimated_file_size`), then copied to host memory (:meth:`to_host`) before it
+    goes to the writer thread, which never touches mlx."""
 
+    #: tensor name -> host copy (after :meth:`to_host`)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     #: tensor name -> mlx dtype name (bfloat16 travels as uint16 bytes)
     dtypes: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    #: tensor name -> mlx array not yet copied
+    pending: dict[str, mx.array] = field(default_factory=dict)
 
     def add(self, name: str, array: mx.array) -> None:
         dtype = str(array.dtype).removeprefix("mlx.core.")
         if dtype not in _DTYPES:
             raise BlockFileError(f"tensor {name}: dtype {dtype} cannot be stored in the SSD cache")
-        raw = array.view(mx.uint16) if dtype == "bfloat16" else array
-        # A cut block is often a strided view; the file and its CRC need plain C order.
-        self.tensors[name] = np.ascontiguousarray(np.array(raw, copy=True))
+        self.pending[name] = array
         self.dtypes[name] = dtype
+
+    def to_host(self) -> "Payload":
+        """Copy the pending tensors to host memory (MLX thread); returns ``self``."""
+        for name, array in self.pending.items():
+            raw = array.view(mx.uint16) if self.dtypes[name] == "bfloat16" else array
+            # A cut block is often a strided view; the file and its CRC need plain C order.
+            self.tensors[name] = np.ascontiguousarray(np.array(raw, copy=True))
+        self.pending = {}
+        return self
 
     @property
     def tensor_bytes(self) -> int:
-        return sum(a.nbytes for a in self.tensors.values())
+        return (sum(a.nbytes for a in self.tensors.values())
+                + sum(a.nbytes for a in self.pending.values()))
 
     def estimated_file_size(self) -> int:
         """Bytes the file will take: tensors, the real metadata JSON, header overhead."""
-        crc_text = len(self.tensors) * 24  # '"name": 4294967295, ' per tensor, roughly
+        count = len(self.tensors) + len(self.pending)
+        crc_text = count * 24  # '"name": 4294967295, ' per tensor, roughly
         meta = len(json.dumps(self.metadata)) + crc_text
-        return (self.tensor_bytes + meta + _HEADER_ENVELOPE
-                + _HEADER_BYTES_PER_TENSOR * len(self.tensors))
+        return self.tensor_bytes + meta + _HEADER_ENVELOPE + _HEADER_BYTES_PER_TENSOR * count
 
 
 def _base_metadata(kind: str, block_hash: bytes, index: int, token_count: int, identity: str,
@@ -112,7 +125,7 @@ def payload_of_kv(kv: Sequence[Any], *, block_hash: bytes, parent_hash: bytes, i
 
 def _encode_tree(value: Any, payload: Payload) -> Any:
     if isinstance(value, mx.array):
-        name = f"s.{len(payload.tensors)}"
+        name = f"s.{len(payload.dtypes)}"
         payload.add(name, value)
         return {"t": name}
     if isinstance(value, list):
@@ -144,16 +157,22 @@ def payload_of_states(states: Sequence[Any], *, block_hash: bytes, index: int, t
 def write_payload(payload: Payload, path: Path) -> int:
     """Write ``payload`` to ``path`` (not atomically: callers write a temp file and rename).
 
-    Returns the file's size. Touches no mlx, so it may run on any thread.
+    Returns the file's size. The bytes are written here, not by safetensors, so a full
+    disk raises :class:`OSError` with its ``errno``. Touches no mlx, so it may run on any
+    thread.
     """
+    if payload.pending:
+        raise ValueError("payload tensors are still mlx arrays; call to_host() on the MLX thread")
     metadata = dict(payload.metadata)
     metadata["crc32"] = json.dumps({name: zlib.crc32(array) for name, array in payload.tensors.items()})
     specs = {}
     for name, array in payload.tensors.items():
         specs[name] = TensorSpec(dtype=payload.dtypes[name], shape=array.shape,
                                  data_ptr=array.ctypes.data, data_len=array.nbytes)
-    serialize_file(specs, str(path), metadata=metadata)
-    return os.stat(path).st_size
+    data = serialize(specs, metadata=metadata)
+    with open(path, "wb") as handle:
+        handle.write(data)
+    return len(data)
 
 
 def read_metadata(path: Path) -> dict[str, str]:

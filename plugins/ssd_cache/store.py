@@ -6,27 +6,37 @@ Layout of one model's directory (``<cache.ssd_dir>/<model id>-<identity>/``)::
     blocks/<hash>.boundary.safetensors   non-cuttable layers' state at the block's end
     snapshots/<request id>/<index>.safetensors   boundary states staged per request
 
-**Saving** (:meth:`PagedSSDStore.put`, on the MLX thread): copy the block to host memory,
-pass the quota gate (evicting least-recently-used blocks inline, at most
-``eviction_burst`` unlinks per save, the rest carried over to later saves), then hand it
-to the writer thread through a bounded queue with a short timeout: a burst rides over a
-brief backlog, only sustained saturation drops a block (counted in ``drops``). The
-writer writes a temp file and renames it, so a file under its final name is complete.
+One process owns a model directory at a time (an advisory lock on ``.lock``).
+
+**Saving** (:meth:`PagedSSDStore.put`, on the MLX thread): pass the quota gate
+(evicting least-recently-used blocks inline, at most ``eviction_burst`` unlinks per
+save, the rest carried over to later saves), copy the block to host memory, then hand
+it to the writer thread through a bounded queue with a short timeout: a burst rides
+over a brief backlog, only sustained saturation drops a block (counted in ``drops``);
+after a drop, saves do not wait again until one gets in, so a saturated writer costs
+the MLX thread one timeout, not one per block. The writer writes a temp file and
+renames it, so a file under its final name is complete. Recency follows the prefix
+cache's :meth:`touch` (deepest block first), so a chain's leaves are evicted before
+the blocks they hang from.
 
 **Boundary snapshots** arrive keyed by request id while that request prefills
 (:meth:`PagedSSDStore.save_snapshot`) and are staged under ``snapshots/<request id>/``.
 The block they belong to, when the writer persists it, adopts its staged state by
-rename instead of serializing it a second time. A finished request's leftovers are
+rename; if the staged file is gone (its request was cleaned up, or the write was
+dropped) the block's item still holds the same host copy and writes it itself. A
+block first saved without a boundary gains one later through a boundary-only write; a
+failed or dropped upgrade leaves the block as it was. A finished request's staging is
 removed in queue order (:meth:`finish_request`); an aborted one's at once
 (:meth:`cleanup_request`).
 
 **Cleanup without races.** The writer holds ``_writer_busy`` for each item. A cleanup
-withdraws the queued items it covers, marks the item the writer holds as cancelled
-(the writer checks the mark before its rename, so a cancelled write never appears
-under its final name), then waits, bounded, for the writer to finish that item before
-removing directories. ``_cancelled`` counts, per request, marked items the writer has
-not retired yet: created only when there is one, additive over repeated cleanups, and
-kept by a cleanup that timed out.
+withdraws the queued items it covers and marks the item the writer holds, if it covers
+it, as cancelled (the writer checks the mark before its rename, and a cancelled write
+that fails is discarded quietly), then waits, bounded, for the writer to finish that
+item before removing directories; it never waits for an item it does not cover.
+``_cancelled`` counts, per request, marked items the writer has not retired yet:
+created only when there is one, additive over repeated cleanups, and kept by a cleanup
+that timed out.
 
 **Loading** (:meth:`PagedSSDStore.get`): a block file is checked against its header
 (format, model identity, block hash) and every tensor's CRC; a truncated, corrupt or
@@ -37,6 +47,7 @@ rebuilds its index by scanning ``blocks/`` (temp files and invalid files are rem
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -66,6 +77,8 @@ _HEX_NAME = re.compile(r"^[0-9a-f]{32}$")
 _SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
 
 
+
+
 @dataclass
 class _Entry:
     size: int
@@ -77,15 +90,15 @@ class _Entry:
 class _Item:
     """One unit of writer work."""
 
-    kind: str  # "block" | "snapshot" | "finish" | "stop"
+    kind: str  # "block" | "boundary" (upgrade) | "snapshot" | "finish" | "stop"
     request_id: str = ""
     block_hash: bytes = b""
     index: int = 0
     payload: Payload | None = None
-    #: block: a boundary state to write itself, when none was staged for it
+    #: block, boundary: the boundary state to persist (shared with a staged snapshot)
     boundary: Payload | None = None
-    #: block: whether a staged snapshot is expected for it
-    adopt: bool = False
+    #: bytes reserved for this item by the quota gate
+    reserved: int = 0
     cancelled: bool = False
 
 
@@ -104,6 +117,10 @@ def layer_types_of(kv: Sequence[Any], boundary: Sequence[Any] | None) -> list[st
         else:
             types.append("uncut")
     return types
+
+
+class DirectoryInUseError(RuntimeError):
+    """Another process serves from this SSD cache directory."""
 
 
 class PagedSSDStore:
@@ -127,20 +144,24 @@ class PagedSSDStore:
         self.cleanup_request_timeout_s = cleanup_request_timeout_s
         self.flush_timeout_s = flush_timeout_s
 
-        self._lock = threading.Lock()  # index, sizes, counters, disk-usage reading
+        self._lock = threading.Lock()  # index, sizes, counters, disk-usage reading, snapshots
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self._used = 0
         self._disk_reading: tuple[float, int] | None = None  # (monotonic time, room bytes)
         self._counts = dict.fromkeys(COUNTERS, 0)
-        #: block hash -> request id of a snapshot enqueued for it and not yet finished
-        self._snapshot_of: dict[bytes, str] = {}
+        self._saturated = False
+        #: block hash -> (request id, host copy) of a snapshot saved and not yet claimed
+        self._snapshots: dict[bytes, tuple[str, Payload]] = {}
         self._queue: WorkQueue[_Item] = WorkQueue(queue_size)
         self._writer_busy = threading.Lock()
+        #: request id -> cancelled items the writer holds and has not retired (queue lock)
         self._cancelled: dict[str, int] = {}
-        #: writer-owned: block hash -> staged snapshot file
+        #: block hash -> staged snapshot file (queue lock)
         self._staged: dict[bytes, Path] = {}
         self._closed = False
 
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_file = self._take_directory()
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
         self.snapshots_dir.mkdir(parents=True, exist_ok=True)
         # Snapshots staged by a previous process belong to requests that no longer exist.
@@ -149,6 +170,24 @@ class PagedSSDStore:
         self._writer = threading.Thread(target=self._write_loop, name=f"ssd-writer-{self.directory.name}",
                                         daemon=True)
         self._writer.start()
+
+    def _take_directory(self) -> Any:
+        handle = open(self.directory / ".lock", "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            handle.close()
+            raise DirectoryInUseError(
+                f"SSD cache directory {self.directory} is in use by {owner}; give each "
+                "server its own cache.ssd_dir (two processes would evict and clean up each "
+                "other's files)") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()}")
+        handle.flush()
+        return handle
 
     # -- the BlockStore protocol (MLX thread) -----------------------------------------
 
@@ -163,7 +202,6 @@ class PagedSSDStore:
             if entry is None or not entry.persisted or self._closed:
                 self._counts["misses"] += 1
                 return None
-            self._index.move_to_end(block_hash)
             self._counts["hits"] += 1
             has_boundary = entry.has_boundary
         path = block_path(self.blocks_dir, block_hash)
@@ -174,14 +212,10 @@ class PagedSSDStore:
             kv = kv_of(arrays, int(metadata["layers"]))
             index, block_size = int(metadata["index"]), int(metadata["block_size"])
             parent = bytes.fromhex(metadata["parent_hash"])
-        except (BlockFileError, KeyError, ValueError) as exc:
+        except Exception as exc:  # whatever a damaged file raises, it is not served
             self._discard(block_hash, f"block {block_hash.hex()} is unusable and was removed: {exc}")
             return None
         boundary = self._read_boundary(block_hash) if has_boundary else None
-        try:
-            os.utime(path)  # recency survives a restart
-        except OSError:
-            pass
         nbytes = sum(a.nbytes for pair in kv if pair is not None for a in pair)
         if boundary is not None:
             nbytes += sum(a.nbytes for layer in boundary if layer is not None
@@ -200,100 +234,134 @@ class PagedSSDStore:
             check_metadata(metadata, kind=BOUNDARY_KIND, block_hash=block_hash,
                            identity=self.identity, name=path.name)
             return states_of(metadata, arrays)
-        except BlockFileError as exc:
-            log.warning("boundary state of block %s is unusable and was removed: %s",
-                        block_hash.hex(), exc)
+        except Exception as exc:  # whatever a damaged file raises, it is not served
+            log.warning("SSD cache: the boundary state of block %s is unusable and was removed "
+                        "(the block stays, without it): %s", block_hash.hex(), exc)
+            size = _size_of(path)
             _unlink(path)
             with self._lock:
                 self._counts["errors"] += 1
                 entry = self._index.get(block_hash)
-                if entry is not None:
+                if entry is not None and entry.has_boundary:
                     entry.has_boundary = False
+                    entry.size -= size
+                    self._used -= size
             return None
 
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Mark a chain (root first) as just used: its deepest block becomes the least
+        recent of them, so eviction takes leaves before the blocks they hang from. The
+        order is kept in the files' mtimes for the next process."""
+        with self._lock:
+            chain = [h for h in hashes if h in self._index]
+            for block_hash in reversed(chain):
+                self._index.move_to_end(block_hash)
+        now = time.time_ns()
+        for position, block_hash in enumerate(reversed(chain)):
+            try:
+                os.utime(block_path(self.blocks_dir, block_hash), ns=(now + position,) * 2)
+            except OSError:
+                pass  # not written yet, or just evicted
+
     def put(self, block: CachedBlock) -> None:
-        """Save ``block`` unless it is already on disk; may decline (quota) or drop (backlog)."""
+        """Save ``block`` unless it is already on disk as well as it can be; may decline
+        (quota) or drop (writer backlog)."""
+        block_hash = block.block_hash
         with self._lock:
             if self._closed:
                 return
-            existing = self._index.get(block.block_hash)
-            if existing is not None and (existing.has_boundary or block.boundary is None
-                                         or not existing.persisted):
+            existing = self._index.get(block_hash)
+            if existing is not None and (existing.has_boundary or block.boundary is None):
                 return
-            adopt = block.block_hash in self._snapshot_of
+            kind = "block" if existing is None else "boundary"
+            staged = self._snapshots.pop(block_hash, None)
+        # Built and sized before any copy: a declined block costs no host copy.
         layer_types = layer_types_of(block.kv, block.boundary)
-        payload = payload_of_kv(block.kv, block_hash=block.block_hash, parent_hash=block.parent_hash,
-                                index=block.index, block_size=block.block_size,
-                                identity=self.identity, layer_types=layer_types)
-        boundary = None
-        if block.boundary is not None and not adopt:
-            boundary = payload_of_states(block.boundary, block_hash=block.block_hash,
-                                         index=block.index, token_count=block.end_token,
-                                         identity=self.identity, layer_types=layer_types)
-        size = payload.estimated_file_size() + (boundary.estimated_file_size() if boundary else 0)
-        if adopt and block.boundary is not None:
-            size += sum(a.nbytes for layer in block.boundary if layer is not None
-                        for a in _arrays_of(layer.state))
-        item = _Item("block", block_hash=block.block_hash, index=block.index, payload=payload,
-                     boundary=boundary, adopt=adopt)
-        admitted, victims = self._admit(block.block_hash, size)
+        payload = None
+        if kind == "block":
+            payload = payload_of_kv(block.kv, block_hash=block_hash, parent_hash=block.parent_hash,
+                                    index=block.index, block_size=block.block_size,
+                                    identity=self.identity, layer_types=layer_types)
+        boundary = staged[1] if staged is not None else None
+        if boundary is None and block.boundary is not None:
+            boundary = payload_of_states(block.boundary, block_hash=block_hash, index=block.index,
+                                         token_count=block.end_token, identity=self.identity,
+                                         layer_types=layer_types)
+        size = sum(p.estimated_file_size() for p in (payload, boundary) if p is not None)
+        admitted, victims = self._admit(block_hash, size, new_entry=kind == "block")
         _unlink_blocks(self.blocks_dir, victims)
-        if admitted:
-            self._enqueue(item, on_drop=lambda: self._forget_pending(block.block_hash))
+        if not admitted:
+            return
+        for part in (payload, boundary):
+            if part is not None:
+                part.to_host()
+        item = _Item(kind, block_hash=block_hash, index=block.index, payload=payload,
+                     boundary=boundary, reserved=size)
+        self._enqueue(item, on_drop=lambda: self._release(item))
 
-    def _admit(self, block_hash: bytes, size: int) -> tuple[bool, list[bytes]]:
-        """The quota gate: evict (bounded) and index ``block_hash`` as pending if it fits.
+    def _admit(self, block_hash: bytes, size: int, *, new_entry: bool) -> tuple[bool, list[bytes]]:
+        """The quota gate: evict (bounded) and reserve ``size`` bytes for ``block_hash``
+        (a new pending entry, or more bytes of an existing one) if they fit.
 
-        Returns whether it was admitted and the hashes evicted, whose files the caller
+        Returns whether they were reserved and the hashes evicted, whose files the caller
         unlinks (inline on the saving thread, never through the write queue).
         """
         with self._lock:
             limit = self._limit_locked()
             victims: list[bytes] = []
-            previous = self._index.get(block_hash)
-            freed_by_replace = previous.size if previous is not None else 0
-            for victim_hash in list(self._index):
-                if self._used - freed_by_replace + size <= limit or len(victims) >= self.eviction_burst:
-                    break
-                victim = self._index[victim_hash]
-                if not victim.persisted or victim_hash == block_hash:
-                    continue
-                del self._index[victim_hash]
-                self._used -= victim.size
-                victims.append(victim_hash)
-            self._counts["evictions"] += len(victims)
-            if self._used - freed_by_replace + size > limit:
+            excess = self._used + size - limit
+            if excess > 0:
+                freed = 0
+                for victim_hash, victim in self._index.items():  # least recent first
+                    if freed >= excess or len(victims) >= self.eviction_burst:
+                        break
+                    if victim.persisted and victim_hash != block_hash:
+                        victims.append(victim_hash)
+                        freed += victim.size
+                for victim_hash in victims:
+                    self._used -= self._index.pop(victim_hash).size
+                self._counts["evictions"] += len(victims)
+            if self._used + size > limit:
                 # Over budget still: a block larger than the budget, or an eviction burst
                 # that ran out; the next saves carry the eviction on.
                 self._counts["declined"] += 1
                 return False, victims
-            if previous is not None:
-                self._used -= previous.size
-            self._index[block_hash] = _Entry(size, persisted=False)
-            self._index.move_to_end(block_hash)
+            if new_entry:
+                self._index[block_hash] = _Entry(size)
+            else:
+                self._index[block_hash].size += size
             self._used += size
             return True, victims
 
-    def _forget_pending(self, block_hash: bytes) -> None:
+    def _release(self, item: _Item) -> None:
+        """Give back what a dropped or failed item reserved; a new block is forgotten."""
         with self._lock:
-            entry = self._index.get(block_hash)
-            if entry is not None and not entry.persisted:
-                del self._index[block_hash]
+            entry = self._index.get(item.block_hash)
+            if entry is None:
+                return
+            if item.kind == "block" and not entry.persisted:
+                del self._index[item.block_hash]
                 self._used -= entry.size
+            elif item.kind == "boundary":
+                entry.size -= item.reserved
+                self._used -= item.reserved
 
     def _enqueue(self, item: _Item, on_drop: Any = None) -> bool:
+        timeout = 0.0 if self._saturated else self.save_timeout_s
         try:
-            self._queue.put(item, timeout=self.save_timeout_s)
+            self._queue.put(item, timeout=timeout)
         except queue.Full:
+            self._saturated = True
             with self._lock:
                 self._counts["drops"] += 1
             if on_drop is not None:
                 on_drop()
             log.debug("SSD cache writer backlog: dropped a %s write", item.kind)
             return False
-        if item.kind in ("block", "snapshot"):
+        self._saturated = False
+        if item.kind != "finish":
             with self._lock:
-                self._counts["saves" if item.kind == "block" else "snapshots"] += 1
+                self._counts["snapshots" if item.kind == "snapshot" else "saves"] += 1
         return True
 
     # -- boundary snapshots, per request (MLX thread) ----------------------------------
@@ -301,35 +369,36 @@ class PagedSSDStore:
     def save_snapshot(self, request_id: str, index: int, block_hash: bytes, token_count: int,
                       states: Sequence[Any]) -> None:
         """Stage the non-cuttable layers' state at a block boundary of a prefilling request."""
-        if self._closed or not any(s is not None for s in states):
+        if self._closed or not request_id or not any(s is not None for s in states):
             return
         with self._lock:
             entry = self._index.get(block_hash)
-            if entry is not None and entry.has_boundary:
+            if (entry is not None and entry.has_boundary) or block_hash in self._snapshots:
                 return
         layer_types = ["KVCache" if s is None else type(s).__name__ for s in states]
         payload = payload_of_states(states, block_hash=block_hash, index=index,
                                     token_count=token_count, identity=self.identity,
-                                    layer_types=layer_types, request_id=request_id)
-        item = _Item("snapshot", request_id=request_id, block_hash=block_hash, index=index,
-                     payload=payload)
-        if self._enqueue(item):
-            with self._lock:
-                self._snapshot_of[block_hash] = request_id
+                                    layer_types=layer_types, request_id=request_id).to_host()
+        with self._lock:
+            # Claimed by the block's save even when the staged write itself is dropped.
+            self._snapshots[block_hash] = (request_id, payload)
+        self._enqueue(_Item("snapshot", request_id=request_id, block_hash=block_hash, index=index,
+                            payload=payload))
 
     def finish_request(self, request_id: str) -> None:
         """A request completed: remove its staged snapshots once the writer reaches this point."""
         self._forget_snapshots_of(request_id)
-        if self._closed:
+        if self._closed or not request_id:
             return
         if self.request_dir(request_id).exists() or self._queue.any(
                 lambda item: item.request_id == request_id):
-            self._enqueue(_Item("finish", request_id=request_id))
+            # A small marker that must not be lost, or the directory stays until restart.
+            self._queue.put_unbounded(_Item("finish", request_id=request_id))
 
     def _forget_snapshots_of(self, request_id: str) -> None:
         with self._lock:
-            for block_hash in [h for h, rid in self._snapshot_of.items() if rid == request_id]:
-                del self._snapshot_of[block_hash]
+            for block_hash in [h for h, (rid, _) in self._snapshots.items() if rid == request_id]:
+                del self._snapshots[block_hash]
 
     def request_dir(self, request_id: str) -> Path:
         name = request_id if _SAFE_REQUEST_ID.match(request_id) else \
@@ -340,47 +409,46 @@ class PagedSSDStore:
         """Forget a request's snapshots now: withdraw its queued writes, wait (bounded) for
         the one the writer may hold, remove its directory. ``False`` if the wait timed out
         (the held write is still marked cancelled, so it never appears)."""
+        if not request_id:
+            return True
         self._forget_snapshots_of(request_id)
-        return self._cleanup(lambda item: item.request_id == request_id,
-                             [self.request_dir(request_id)],
+        directory = self.request_dir(request_id)
+        return self._cleanup(lambda item: item.request_id == request_id, directory,
                              self.cleanup_request_timeout_s if timeout is None else timeout,
-                             lambda path: path.parent == self.request_dir(request_id))
+                             lambda path: path.parent == directory)
 
     def cleanup_all(self, timeout: float | None = None) -> bool:
         """Forget every staged snapshot (start-up, reset, shutdown); block files stay."""
         with self._lock:
-            self._snapshot_of.clear()
-        if self._closed and not self._writer_alive():
-            log.warning("SSD cache cleanup_all() after shutdown: only the staged files are removed")
-        return self._cleanup(lambda item: item.kind in ("snapshot", "finish"),
-                             [self.snapshots_dir],
+            self._snapshots.clear()
+        return self._cleanup(lambda item: item.kind in ("snapshot", "finish"), self.snapshots_dir,
                              self.cleanup_all_timeout_s if timeout is None else timeout,
                              lambda path: True, recreate=True)
 
-    def _cleanup(self, covers: Any, directories: list[Path], timeout: float,
-                 staged_covers: Any, recreate: bool = False) -> bool:
+    def _cleanup(self, covers: Any, directory: Path, timeout: float, staged_covers: Any,
+                 recreate: bool = False) -> bool:
         self._queue.withdraw(lambda item: item.kind != "stop" and covers(item))
         with self._queue.lock:
             held = self._queue.held
-            if held is not None and covers(held) and not held.cancelled:
+            ours = held is not None and held.kind in ("snapshot", "finish") and covers(held)
+            if ours and not held.cancelled:
                 held.cancelled = True
                 self._cancelled[held.request_id] = self._cancelled.get(held.request_id, 0) + 1
-        acquired = self._writer_busy.acquire(timeout=timeout)
+            for block_hash in [h for h, path in self._staged.items() if staged_covers(path)]:
+                del self._staged[block_hash]
+        # Only an item of ours can write under ``directory``: wait for nothing else.
+        acquired = self._writer_busy.acquire(timeout=timeout) if ours else False
         try:
-            if acquired:
-                for block_hash in [h for h, p in self._staged.items() if staged_covers(p)]:
-                    del self._staged[block_hash]
-            else:
-                log.warning("SSD cache cleanup waited %.1f s for the writer and goes on; the "
-                            "write it holds is cancelled and will be discarded", timeout)
-            for directory in directories:
-                shutil.rmtree(directory, ignore_errors=True)
-                if recreate:
-                    directory.mkdir(parents=True, exist_ok=True)
+            if ours and not acquired:
+                log.warning("SSD cache: cleanup waited %.1f s for the writer; the write it holds "
+                            "is cancelled and will be discarded when it ends", timeout)
+            shutil.rmtree(directory, ignore_errors=True)
+            if recreate:
+                directory.mkdir(parents=True, exist_ok=True)
         finally:
             if acquired:
                 self._writer_busy.release()
-        return acquired
+        return acquired or not ours
 
     def pending_cancellations(self) -> dict[str, int]:
         with self._queue.lock:
@@ -397,10 +465,11 @@ class PagedSSDStore:
             with self._writer_busy:
                 try:
                     self._process(item)
-                except Exception:
+                except Exception as exc:
                     log.exception("SSD cache writer failed on a %s item", item.kind)
-                    with self._lock:
-                        self._counts["errors"] += 1
+                    if item.kind in ("block", "boundary"):
+                        self._release(item)
+                    self._write_failed(exc, f"a {item.kind} item")
                 finally:
                     self._retire(item)
             self._queue.release()
@@ -421,92 +490,120 @@ class PagedSSDStore:
             self._write_snapshot(item)
         elif item.kind == "block":
             self._write_block(item)
+        elif item.kind == "boundary":
+            self._write_upgrade(item)
         elif item.kind == "finish":
             directory = self.request_dir(item.request_id)
-            for block_hash in [h for h, p in self._staged.items() if p.parent == directory]:
-                del self._staged[block_hash]
+            with self._queue.lock:
+                for block_hash in [h for h, p in self._staged.items() if p.parent == directory]:
+                    del self._staged[block_hash]
             shutil.rmtree(directory, ignore_errors=True)
 
     def _write_snapshot(self, item: _Item) -> None:
         directory = self.request_dir(item.request_id)
-        directory.mkdir(parents=True, exist_ok=True)
         final = directory / f"{item.index}{BLOCK_SUFFIX}"
         temp = directory / f".{item.index}{TMP_SUFFIX}"
         try:
+            directory.mkdir(parents=True, exist_ok=True)
             self._write_payload(item.payload, temp)
-        except OSError as exc:
-            _unlink(temp)
-            self._write_failed(exc, f"snapshot {item.index} of request {item.request_id}")
-            return
-        if item.cancelled:  # a cleanup ran while we wrote: the file must not appear
+            if item.cancelled:  # a cleanup ran while we wrote: the file must not appear
+                raise _Cancelled
+            os.replace(temp, final)
+        except (_Cancelled, OSError) as exc:
             _unlink(temp)
             _rmdir_if_empty(directory)
+            if not item.cancelled:  # a cancelled write that fails is just discarded
+                self._write_failed(exc, f"snapshot {item.index} of request {item.request_id}")
             return
-        os.replace(temp, final)
-        self._staged[item.block_hash] = final
+        with self._queue.lock:
+            self._staged[item.block_hash] = final
         with self._lock:
             self._counts["snapshots_persisted"] += 1
 
     def _write_block(self, item: _Item) -> None:
         block_hash = item.block_hash
-        final = block_path(self.blocks_dir, block_hash)
         temp = self.blocks_dir / f".{block_hash.hex()}{TMP_SUFFIX}"
         try:
             size = self._write_payload(item.payload, temp)
-            os.replace(temp, final)
+            os.replace(temp, block_path(self.blocks_dir, block_hash))
         except OSError as exc:
             _unlink(temp)
-            self._forget_pending(block_hash)
+            self._release(item)
             self._write_failed(exc, f"block {block_hash.hex()}")
             return
-        has_boundary = False
-        staged = self._staged.pop(block_hash, None)
-        target = boundary_path(self.blocks_dir, block_hash)
-        if item.adopt and staged is not None:
-            try:
-                size += staged.stat().st_size
-                os.replace(staged, target)
-                has_boundary = True
-            except OSError:
-                pass  # the staged file went with a cleanup: the block is kept without it
-        elif item.boundary is not None:
-            temp = self.blocks_dir / f".{block_hash.hex()}.boundary{TMP_SUFFIX}"
-            try:
-                size += self._write_payload(item.boundary, temp)
-                os.replace(temp, target)
-                has_boundary = True
-            except OSError as exc:
-                _unlink(temp)
-                self._write_failed(exc, f"boundary of block {block_hash.hex()}")
+        boundary_size = self._write_boundary(item)
         with self._lock:
             entry = self._index.get(block_hash)
-            if entry is None:  # forgotten while being written (cleared): take it back
-                orphan = True
-            else:
-                orphan = False
-                self._used += size - entry.size
-                entry.size, entry.persisted, entry.has_boundary = size, True, has_boundary
+            if entry is not None:
+                total = size + (boundary_size or 0)
+                self._used += total - entry.size
+                entry.size, entry.persisted = total, True
+                entry.has_boundary = boundary_size is not None
                 self._counts["saves_persisted"] += 1
-        if orphan:
+        if entry is None:  # forgotten while being written (cleared): take it back
             _unlink_blocks(self.blocks_dir, [block_hash])
+
+    def _write_upgrade(self, item: _Item) -> None:
+        """A boundary for a block saved without one; the block file is left as it is."""
+        boundary_size = self._write_boundary(item)
+        with self._lock:
+            entry = self._index.get(item.block_hash)
+            if entry is not None:
+                self._used += (boundary_size or 0) - item.reserved
+                entry.size += (boundary_size or 0) - item.reserved
+                entry.has_boundary = entry.has_boundary or boundary_size is not None
+                if boundary_size is not None:
+                    self._counts["saves_persisted"] += 1
+        if entry is None and boundary_size is not None:
+            _unlink(boundary_path(self.blocks_dir, item.block_hash))
+
+    def _write_boundary(self, item: _Item) -> int | None:
+        """Persist ``item``'s boundary state next to its block: adopt the staged snapshot
+        by rename, else write the host copy. Its size, or ``None`` when there is none."""
+        if item.boundary is None:
+            return None
+        target = boundary_path(self.blocks_dir, item.block_hash)
+        with self._queue.lock:
+            staged = self._staged.pop(item.block_hash, None)
+        if staged is not None:
+            try:
+                size = staged.stat().st_size
+                os.replace(staged, target)
+                return size
+            except OSError:
+                pass  # cleaned up meanwhile: write the copy we hold
+        temp = self.blocks_dir / f".{item.block_hash.hex()}.boundary{TMP_SUFFIX}"
+        try:
+            size = self._write_payload(item.boundary, temp)
+            os.replace(temp, target)
+            return size
+        except OSError as exc:
+            _unlink(temp)
+            self._write_failed(exc, f"the boundary state of block {item.block_hash.hex()}")
+            return None
 
     def _write_payload(self, payload: Payload | None, path: Path) -> int:
         assert payload is not None
         return write_payload(payload, path)
 
-    def _write_failed(self, exc: OSError, what: str) -> None:
+    def _write_failed(self, exc: BaseException, what: str, count: bool = True) -> None:
+        full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
         with self._lock:
-            self._counts["errors"] += 1
-            if exc.errno == errno.ENOSPC:
+            if count:
+                self._counts["errors"] += 1
+            if full:
                 # The next save must see the true free space, not a reading up to
                 # disk_usage_ttl_s old. Writes already queued may still fail.
                 self._disk_reading = None
-        if exc.errno == errno.ENOSPC:
-            log.error("SSD cache: disk full while writing %s in %s; the block is lost and the "
-                      "cache shrinks to the free space on the next save (writes already queued "
-                      "may fail too). Free disk space or lower cache.ssd_budget.", what, self.directory)
+        if full:
+            log.error("SSD cache: disk full while writing %s in %s; it is not cached, and the "
+                      "cache shrinks to the free space from the next save on (writes already "
+                      "queued may fail too). Free disk space or lower cache.ssd_budget.",
+                      what, self.directory)
         else:
-            log.error("SSD cache: writing %s failed: %s", what, exc)
+            log.error("SSD cache: writing %s in %s failed: %s; check that the directory is "
+                      "writable and on a working disk, or change cache.ssd_dir",
+                      what, self.directory, exc)
 
     # -- budget ------------------------------------------------------------------------
 
@@ -517,7 +614,9 @@ class PagedSSDStore:
         if self._disk_reading is None or now - self._disk_reading[0] > self.disk_usage_ttl_s:
             try:
                 free = shutil.disk_usage(self.blocks_dir).free
-            except OSError:
+            except OSError as exc:
+                log.warning("SSD cache: cannot read the free space of %s (%s); saving nothing "
+                            "until it can", self.blocks_dir, exc)
                 free = 0
             self._disk_reading = (now, free + self._used)
         room = self._disk_reading[1]
@@ -532,15 +631,15 @@ class PagedSSDStore:
     # -- start-up, shutdown, stats -------------------------------------------------------
 
     def _rebuild_index(self) -> None:
-        """Index the blocks a previous process left, oldest first; remove what is unusable."""
+        """Index the blocks a previous process left, least recent first; remove what is
+        unusable."""
         names = sorted(os.listdir(self.blocks_dir))
         name_set = set(names)
-        show = len(names) > PROGRESS_FROM_FILES
-        found: list[tuple[float, bytes, _Entry]] = []
+        found: list[tuple[int, int, bytes, _Entry]] = []
         removed = 0
         boundaries = {n[:-len(BOUNDARY_SUFFIX)] for n in names if n.endswith(BOUNDARY_SUFFIX)}
         progress = None
-        if show:
+        if len(names) > PROGRESS_FROM_FILES:
             from tqdm import tqdm
 
             progress = tqdm(total=len(names), desc=f"indexing SSD cache {self.directory.name}",
@@ -559,7 +658,8 @@ class PagedSSDStore:
                 continue
             block_hash = bytes.fromhex(stem)
             try:
-                check_metadata(read_metadata(path), kind=BLOCK_KIND, block_hash=block_hash,
+                metadata = read_metadata(path)
+                check_metadata(metadata, kind=BLOCK_KIND, block_hash=block_hash,
                                identity=self.identity, name=name)
                 stat = path.stat()
                 size = stat.st_size
@@ -574,15 +674,17 @@ class PagedSSDStore:
                     except (BlockFileError, OSError) as exc:
                         log.warning("SSD cache: removing %s: %s", side.name, exc)
                         removed += _unlink(side)
-            except (BlockFileError, OSError) as exc:
+                depth = int(metadata.get("index", 0))
+            except (BlockFileError, OSError, ValueError) as exc:
                 log.warning("SSD cache: removing %s: %s", name, exc)
                 removed += _unlink(path)
                 _unlink(boundary_path(self.blocks_dir, block_hash))
                 continue
-            found.append((stat.st_mtime, block_hash, _Entry(size, True, has_boundary)))
+            found.append((stat.st_mtime_ns, -depth, block_hash, _Entry(size, True, has_boundary)))
         if progress is not None:
             progress.close()
-        for _, block_hash, entry in sorted(found, key=lambda f: f[0]):
+        # Oldest first; among equally old blocks, the deeper ones (leaves) first.
+        for _, _, block_hash, entry in sorted(found, key=lambda f: (f[0], f[1])):
             self._index[block_hash] = entry
             self._used += entry.size
         if found or removed:
@@ -593,28 +695,28 @@ class PagedSSDStore:
     def closed(self) -> bool:
         return self._closed
 
-    def _writer_alive(self) -> bool:
-        writer = getattr(self, "_writer", None)
-        return writer is not None and writer.is_alive()
-
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is on disk; ``False`` on timeout."""
         return self._queue.wait_idle(self.flush_timeout_s if timeout is None else timeout)
 
     def close(self, cleanup: bool = True) -> None:
-        """Stop the writer: staged snapshots removed first (``cleanup``), queued block
-        writes flushed within ``flush_timeout_s``."""
+        """Stop taking saves, flush queued writes within ``flush_timeout_s``, remove
+        staged snapshots (``cleanup``), then stop the writer and release the directory."""
         if self._closed:
             return
-        if cleanup:
-            self.cleanup_all()
         self._closed = True
         if not self.flush():
             log.warning("SSD cache %s: %d writes still queued at shutdown are dropped",
                         self.directory, len(self._queue))
             self._queue.withdraw(lambda item: True)
+        if cleanup:
+            self.cleanup_all()
         self._queue.put_unbounded(STOP)
         self._writer.join(timeout=self.flush_timeout_s)
+        try:
+            fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_UN)
+        finally:
+            self._lock_file.close()
 
     def _discard(self, block_hash: bytes, message: str) -> None:
         log.warning("SSD cache: %s", message)
@@ -632,6 +734,17 @@ class PagedSSDStore:
         stats["queue_depth"] = len(self._queue)
         stats["pending_cancellations"] = sum(self.pending_cancellations().values())
         return stats
+
+
+class _Cancelled(Exception):
+    """A snapshot write whose request was cleaned up while it ran."""
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _arrays_of(value: Any) -> list[Any]:
@@ -668,4 +781,4 @@ def _rmdir_if_empty(directory: Path) -> None:
         pass
 
 
-__all__ = ["COUNTERS", "PagedSSDStore", "layer_types_of"]
+__all__ = ["COUNTERS", "DirectoryInUseError", "PagedSSDStore", "layer_types_of"]
