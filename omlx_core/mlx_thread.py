@@ -5,6 +5,8 @@ stream are per thread, and model weights loaded on one thread and used on anothe
 invite races. So a process has exactly one MLX thread: model loads run on it as
 tasks (:meth:`MLXThread.run`), and each engine's scheduler is a :class:`Worker` the
 thread steps round-robin while it has work. Other threads only enqueue and wake it.
+Nothing on this thread may sleep or wait for time to pass: a worker that wants to act
+later says so with the optional ``wake_at`` (see :class:`Worker`).
 
 Every engine plugin, built-in or third-party, should do its mlx work here. A thread that
 used mlx streams must also outlive the process: mlx keeps a per-thread stream worker, and
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol, TypeVar
@@ -25,7 +28,13 @@ T = TypeVar("T")
 
 
 class Worker(Protocol):
-    """A scheduler the MLX thread steps."""
+    """A scheduler the MLX thread steps.
+
+    A worker may also define ``wake_at() -> float | None`` (optional, looked up with
+    ``getattr``): a ``time.monotonic()`` time at which :meth:`has_work` will turn true
+    without any :meth:`MLXThread.wake` (e.g. when a batching window closes), or ``None``.
+    The idle thread waits no longer than the earliest such time; it must be cheap too.
+    """
 
     def has_work(self) -> bool:
         """Whether :meth:`step` would do anything now; called often, must be cheap."""
@@ -91,7 +100,7 @@ class MLXThread:
             # has_work() is read under the lock that wake() takes, so a request
             # enqueued before its wake() can never be missed here.
             while not self._tasks and not any(w.has_work() for w in self._workers):
-                self._cond.wait()
+                self._cond.wait(self._idle_timeout())
             tasks = list(self._tasks)
             self._tasks.clear()
             workers = list(self._workers)
@@ -112,6 +121,17 @@ class MLXThread:
                     worker.fail(exc)
                 except Exception:
                     log.exception("recovering from a failed step failed too")
+
+    def _idle_timeout(self) -> float | None:
+        """Seconds until the earliest worker's ``wake_at``; ``None``: wait for a wake."""
+        times = []
+        for worker in self._workers:
+            wake_at = getattr(worker, "wake_at", None)
+            when = wake_at() if wake_at is not None else None
+            if when is not None:
+                times.append(when)
+        return max(0.0, min(times) - time.monotonic()) if times else None
+
 
 _instance: MLXThread | None = None
 _instance_lock = threading.Lock()

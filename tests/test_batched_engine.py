@@ -375,10 +375,12 @@ def test_stop_token_ids_and_eos(llama):
 
 
 def test_first_token_is_sampled_at_the_end_of_prefill(llama):
-    """The last prompt token is fed (one forward for every request ready together) and
-    the first token handed out in the prefill step; the decode batch goes on from it."""
+    """The last prompt token is fed (one forward for requests ready together over short
+    cached prefixes) and the first token handed out in the prefill step; the decode batch
+    goes on from it."""
     counters = llama.scheduler.counters
-    prompts = [prompt_of(llama, 6 + i, 30 + i) for i in range(4)]
+    prompts = [prompt_of(llama, 2 + i % 2, 30 + i) for i in range(4)]
+    assert all(len(p) - 1 <= PREFILL_STEP for p in prompts)
     solo = [run(llama, p).token_ids for p in prompts]
 
     before = (counters.first_token_forwards, counters.decode_steps)
@@ -441,6 +443,45 @@ def test_logprobs_match_a_direct_forward(llama, tiny_model_path):
     assert first.logprob == pytest.approx(float(expected[first.token_id]), abs=1e-4)
     assert [t for t, _ in first.top] == list(np.argsort(-expected)[:4])
     assert [lp for _, lp in first.top] == sorted((lp for _, lp in first.top), reverse=True)
+
+
+def test_first_token_processors_see_the_prompt_as_context(llama, tiny_model_path):
+    """The first token, sampled after the one-token forward, is penalized for every prompt
+    token, as a direct forward plus the same processors over the prompt would be."""
+    from omlx_core.models.loader import load_model
+    from omlx_core.plugins.batched.sampling import make_logits_processors
+
+    penalized = replace(GREEDY, max_tokens=1, repetition_penalty=20.0)
+
+    def pick():
+        model, _ = load_model(tiny_model_path("llama"))
+        for salt in range(20):
+            # The tiny model repeats itself: its greedy continuation is in its own prompt.
+            prompt = prompt_of(llama, 4, salt)
+            prompt += reference_greedy(tiny_model_path("llama"), prompt, 12)
+            logits = model(mx.array(prompt)[None])[:, -1, :]
+            plain = int(mx.argmax(logits, axis=-1).item())
+            for processor in make_logits_processors(penalized, len(prompt)):
+                logits = processor(mx.array(prompt), logits)
+            expected = int(mx.argmax(logits, axis=-1).item())
+            if expected != plain:
+                return prompt, expected
+        raise AssertionError("no prompt whose first token the penalty changes")
+
+    prompt, expected = mlx_thread().run(pick)
+    assert run(llama, prompt, penalized).token_ids == [expected]
+
+
+def test_a_failed_first_token_forward_says_so(llama, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no forward today")
+
+    # A one-token prompt has nothing to prefill: its only forward is the first-token one.
+    monkeypatch.setattr(llama.scheduler, "model", broken)
+    done = run(llama, prompt_of(llama, 3)[:1])
+    assert (done.finish_reason, done.error_type) == ("error", "internal")
+    assert done.error.startswith("first-token forward failed: RuntimeError: no forward today")
+    assert done.token_ids == []
 
 
 # -- cancellation ---------------------------------------------------------------------

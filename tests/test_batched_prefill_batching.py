@@ -4,12 +4,16 @@ greedy output each request gets alone."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+import threading
+import time
 
 import pytest
 
 from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams
+from omlx_core.memory.forward_gate import PrefillForwardGate
+from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot
+from omlx_core.memory.usage import MemoryUsage
 from omlx_core.models.registry import spec_for_path
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched import BatchedEngine
@@ -251,8 +255,8 @@ def test_post_forward_backstop_stops_one_request_of_a_batched_forward(llama):
             return {}
 
         def check_after_prefill(self, step):
-            self.after += [c.request_id for c in step.chunks]
-            return {"big": "over the limit"} if step.chunks[0].request_id == "big" else {}
+            self.after.append(sorted(c.request_id for c in step.chunks))
+            return {"big": "over the limit"}
 
     prompts = [prompt_of(llama, 6, salt + 10) for salt in range(3)]
     solo = run_alone(llama, prompts)
@@ -263,9 +267,40 @@ def test_post_forward_backstop_stops_one_request_of_a_batched_forward(llama):
     finally:
         llama.scheduler.set_forward_gate(None)
     assert forwards == 1
-    assert len(gate.after) == 3 and "big" in gate.after  # once per chunk of the shared forward
+    assert len(gate.after) == 1 and len(gate.after[0]) == 3  # once for the shared forward
     assert results[1][1].finish_reason == "error" and results[1][1].error_type == "memory"
     assert [results[0][0], results[2][0]] == [solo[0], solo[2]]
+
+
+def test_real_gate_backstop_stops_only_the_largest_request_of_a_shared_forward(llama):
+    """Use read over the limit after a shared forward stops one request, the one holding
+    the most KV, not every request of the forward; the others finish as they would alone."""
+    gate = PrefillForwardGate(lambda query: query.new_tokens * 1024, MemoryUsage(
+        window_s=0.0, read_active=lambda: level["bytes"], read_footprint=lambda: 0), 0)
+    level = {"bytes": 100 << 20}
+    original = gate.check_after_prefill
+
+    def spike(step):
+        level["bytes"] = 2 << 30  # a reading over the limit right after the forward
+        return original(step)
+
+    gate.check_after_prefill = spike
+    prompts = [prompt_of(llama, words, salt + 30) for salt, words in enumerate((7, 9, 6))]
+    solo = run_alone(llama, prompts)
+    llama.scheduler.set_forward_gate(gate)
+    llama.scheduler.apply_memory_limits(LimitSnapshot(
+        hard_bytes=1 << 30, breakdown=CeilingBreakdown(custom=1 << 30, tier="custom")))
+    try:
+        results, forwards, _ = run_together(llama, prompts, [None, "big", None])
+    finally:
+        llama.scheduler.set_forward_gate(None)
+        llama.scheduler.apply_memory_limits(None)
+    assert forwards == 1
+    big = results[1][1]
+    assert big.finish_reason == "error" and big.error_type == "memory"
+    assert "was in use after the forward" in big.error
+    assert [results[0][0], results[2][0]] == [solo[0], solo[2]]
+    assert gate.refused_total == 1
 
 
 def test_a_failing_batched_forward_falls_back_to_one_forward_each(llama, monkeypatch):
@@ -316,6 +351,73 @@ def test_restored_prefixes_batch_and_match_an_uncached_engine(tiny_model_path, l
                    for p, (_, last) in zip(prompts, again))
     finally:
         cached.shutdown()
+
+
+# -- first-token forwards ---------------------------------------------------------------
+
+
+def test_a_long_cached_prompt_gets_its_first_token_alone(tiny_model_path, monkeypatch):
+    """Rows of a shared first-token forward are right-aligned to the longest cached prefix:
+    a fully cached long prompt ready with short ones runs alone, not copied once per row."""
+    from omlx_core.plugins.batched.batch_prefill import prefill_together
+
+    engine = start_engine(tiny_model_path("llama"), **{"engine.prefill_step_size": 16,
+                                                       "cache.memory_budget": 1 << 26})
+    try:
+        prompts = [prompt_of(engine, 20, 1)] + [prompt_of(engine, 2, salt)[:12] for salt in range(3)]
+        assert len(prompts[0]) > 3 * 16
+        solo = run_alone(engine, prompts)  # now every prompt is cached to its last token
+        starts = []
+
+        def recording(model, rows, **kwargs):
+            starts.append([row.start for row in rows])
+            return prefill_together(model, rows, **kwargs)
+
+        monkeypatch.setattr("omlx_core.plugins.batched.scheduler.prefill_together", recording)
+        before = engine.scheduler.counters.first_token_forwards
+        results, forwards, _ = run_together(engine, prompts)
+        assert forwards == 0 and all(last.usage.cached_tokens == len(p) - 1
+                                     for p, (_, last) in zip(prompts, results))
+        assert [tokens for tokens, _ in results] == solo
+        assert engine.scheduler.counters.first_token_forwards - before == 2
+        assert [len(rows) for rows in starts] == [3] and max(starts[0]) <= 16
+    finally:
+        engine.shutdown()
+
+
+# -- the batch window ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def windowed(tiny_model_path):
+    engine = start_engine(tiny_model_path("llama"), **{"engine.batch_window_s": 1.0})
+    yield engine
+    engine.shutdown()
+
+
+def test_an_open_batch_window_leaves_the_mlx_thread_free(windowed):
+    handle = submit(windowed, prompt_of(windowed, 5, 1))
+    time.sleep(0.2)  # the window is open now
+    begun = time.monotonic()
+    ran = mlx_thread().run(time.monotonic)
+    assert ran - begun < 0.5, "a task waited for another engine's batch window"
+    tokens, last = collect(handle)
+    assert last.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
+
+
+def test_requests_sent_within_the_window_share_one_forward(windowed):
+    prompts = [prompt_of(windowed, 5 + salt % 2, salt) for salt in range(3)]
+    solo = run_alone(windowed, prompts)
+    before = counters(windowed)
+    handles = []
+    senders = [threading.Thread(target=lambda p=p: handles.append(submit(windowed, p))) for p in prompts]
+    for sender in senders:  # from ordinary threads, not the MLX thread
+        sender.start()
+        sender.join()
+    results = [collect(h) for h in handles]
+    after = counters(windowed)
+    assert [tokens for tokens, _ in results] == solo
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 3)
 
 
 # -- the real default model -----------------------------------------------------------

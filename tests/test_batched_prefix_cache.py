@@ -190,12 +190,63 @@ def test_a_longer_tail_replaces_the_one_it_extends_and_tails_are_bounded():
     assert cache.lookup_tail(cache.root, [1, 2, 3])[1] == 0  # the oldest went
 
 
-def test_tails_are_evicted_before_blocks():
+def test_a_tail_goes_before_the_blocks_it_continues():
     cache = PrefixCache(BLOCK, 250, "m")
     tokens = list(range(8))
     cache.insert(blocks_for(cache, tokens))
     cache.insert_tail(_tail(cache, cache.hashes(tokens)[-1], [5, 6], nbytes=60))
     assert cache.stats()["tails"] == 0 and cache.stats()["blocks"] == 2
+
+
+def test_blocks_and_tails_share_one_lru_order():
+    cache = PrefixCache(BLOCK, 300, "m")
+    old, new = list(range(8)), [100 + t for t in range(4)]
+    cache.insert(blocks_for(cache, old))
+    cache.insert(blocks_for(cache, new))
+    parent = cache.hashes(new)[-1]
+    # A full budget makes room for a new tail by evicting the least recently used entry,
+    # the old chain's leaf, rather than dropping the tail at once.
+    cache.insert_tail(_tail(cache, parent, [5, 6], nbytes=60))
+    assert cache.lookup_tail(parent, [5, 6, 7])[1] == 2
+    assert [b.index for b in cache.lookup(cache.hashes(old))] == [0]
+    # Using a tail refreshes the chain above it too: its prefix outlives other blocks.
+    cache.lookup_tail(parent, [5])
+    cache.insert(blocks_for(cache, [200 + t for t in range(4)]))
+    assert cache.lookup(cache.hashes(old)) == [] and cache.lookup_tail(parent, [5])[1] == 1
+    assert cache.nbytes <= 300
+
+
+def test_the_least_recently_used_tail_of_a_prefix_goes_first():
+    cache = PrefixCache(BLOCK, 10_000, "m")
+    for first in range(TAILS_PER_PREFIX):
+        cache.insert_tail(_tail(cache, cache.root, [first]))
+    assert cache.lookup_tail(cache.root, [0])[1] == 1  # the oldest tail, just used
+    cache.insert_tail(_tail(cache, cache.root, [99]))
+    assert cache.stats()["tails"] == TAILS_PER_PREFIX
+    assert cache.peek_tail(cache.root, [0]) == 1 and cache.peek_tail(cache.root, [1]) == 0
+
+
+def test_the_lower_tier_is_told_of_every_chain_stored_or_found():
+    class TouchedStore(DictStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.touched: list[list[bytes]] = []
+
+        def touch(self, hashes) -> None:
+            self.touched.append(list(hashes))
+
+    cache = PrefixCache(BLOCK, 10_000, "m")
+    store = TouchedStore()
+    cache.attach_lower(store)
+    tokens = list(range(12))
+    hashes = cache.hashes(tokens)
+    cache.insert(blocks_for(cache, tokens)[2:], chain=hashes)
+    assert store.touched == [hashes]  # the whole chain, root to leaf
+    cache.insert(blocks_for(cache, tokens)[:2], chain=hashes[:2])
+    assert cache.lookup(cache.hashes(tokens + [1, 2, 3, 4])) and store.touched[-1] == hashes
+    touched = len(store.touched)
+    assert cache.lookup(cache.hashes([9, 9, 9, 9])) == []
+    assert len(store.touched) == touched  # nothing found, nothing to tell
 
 
 @pytest.mark.parametrize("reuse", [0, 3, 5])

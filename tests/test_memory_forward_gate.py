@@ -91,12 +91,45 @@ def test_chunks_sharing_a_forward_are_judged_together():
     alone = step(chunk("a", 30), chunk("b", 30), hard=160 * MIB)
     # One after another: 100 + 33 + 16 fits, then 100 + 3 (a's KV) + 33 + 16 fits.
     assert gate.check_prefill(alone) == {}
-    # In one forward their transients coexist: 100 + 66 + 16 > 160, so both are refused.
+    # In one forward their transients coexist, and each row is copied into the batch
+    # buffer and back (2 x 2 rows x 30 tokens x 0.1 MiB): 100 + 66 + 12 + 16 > 160.
     shared = step(replace(chunk("a", 30), forward=0), replace(chunk("b", 30), forward=0),
                   hard=160 * MIB)
     refused = gate.check_prefill(shared)
     assert set(refused) == {"a", "b"}
-    assert "66.00 MiB" in refused["a"]
+    assert "78.00 MiB" in refused["a"]
+
+
+def test_a_shared_forward_counts_the_copy_of_its_rows_cached_prefixes():
+    gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
+    rows = (replace(chunk("long", 10, cached=40), forward=0), replace(chunk("short", 10), forward=0))
+    # Alone each fits: 100 + 10 (+ 10 of the first's KV) + 16 <= 200.
+    assert gate.check_prefill(step(*(replace(c, forward=None) for c in rows), hard=200 * MIB)) == {}
+    # Together the 20 MiB of chunks fit too, but each row of the batch buffer is as wide
+    # as the longest prefix plus the longest chunk, copied in and back out:
+    # 2 x 2 rows x (40 + 10) tokens x 1 MiB = 200 MiB more.
+    refused = gate.check_prefill(step(*rows, hard=200 * MIB))
+    assert set(refused) == {"long", "short"}
+    assert "220.00 MiB" in refused["short"]
+    assert gate.check_prefill(step(*rows, hard=400 * MIB)) == {}
+
+
+def test_refusals_of_a_shared_forward_are_provisional(caplog):
+    """The engine asks again with one chunk per forward: only that answer counts."""
+    gate = PrefillForwardGate(transient_heavy, fixed_usage(), MARGIN)
+    shared = step(replace(chunk("a", 30), forward=0), replace(chunk("b", 30), forward=0),
+                  hard=160 * MIB)
+    with caplog.at_level(logging.DEBUG, logger="omlx_core.memory.forward_gate"):
+        assert set(gate.check_prefill(shared)) == {"a", "b"}
+    refusals = [r for r in caplog.records if "forward gate refuses" in r.getMessage()]
+    assert refusals and all(r.levelno == logging.DEBUG for r in refusals)
+    assert gate.refused_total == 0
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="omlx_core.memory.forward_gate"):
+        assert set(gate.check_prefill(step(chunk("a", 60), hard=160 * MIB))) == {"a"}
+    assert [r.levelno for r in caplog.records if "forward gate refuses" in r.getMessage()] == [
+        logging.WARNING]
+    assert gate.refused_total == 1
 
 
 def test_a_refused_chunk_leaves_no_kv_for_the_ones_after_it():
@@ -229,6 +262,16 @@ def test_backstop_stops_the_request_when_use_after_the_forward_is_over_the_limit
     assert "170.00 MiB limit" in reason and "its cache freed" in reason
     assert gate.refused_total == 1
     assert gate.check_after_prefill(step(chunk("a", 10), hard=None)) is None
+
+
+def test_backstop_after_a_shared_forward_stops_only_the_request_holding_the_most_kv():
+    usage = MemoryUsage(window_s=0.0, read_active=lambda: 171 * MIB, read_footprint=lambda: 0)
+    gate = PrefillForwardGate(per_token, usage, MARGIN)
+    refused = gate.check_after_prefill(step(
+        replace(chunk("a", 10, cached=20), forward=0), replace(chunk("b", 20, cached=16), forward=0),
+        replace(chunk("c", 30), forward=0), hard=170 * MIB))
+    assert set(refused) == {"b"}  # 36 tokens of KV, against 30 each
+    assert gate.refused_total == 1
 
 
 def test_batched_engine_backstop_ends_only_the_request_whose_forward_overshot(served):

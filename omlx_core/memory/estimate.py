@@ -21,8 +21,9 @@ The estimate mirrors what mlx-lm and mlx actually allocate, measured with
 - **Run-ahead**: mlx's CPU eval allocates the outputs of up to ~50 queued ops before the
   worker thread computes them, so a chunk's transient is about one whole decoder layer's
   allocations at once, scores and MLP together (:data:`LAYER_MARGIN`).
-- **Decode join**: mlx-lm's ``BatchGenerator`` copies a prefilled cache into a batch cache
-  (exact length, then one more step) when the prompt's last token is fed.
+- **Decode join**: after the prompt's last token is fed in a one-token forward of its
+  own (the batched engine's first-token forward), mlx-lm's ``BatchGenerator`` copies the
+  request's cache into a batch cache (exact length, then one more step).
 
 Everything here is a pure function of numbers. A key a config leaves out is filled from
 the defaults mlx-lm builds that architecture with (its ``ModelArgs``, imported only then)
@@ -560,9 +561,9 @@ def estimate_prefill_peak(dims: ModelDims, new_tokens: int, cached_tokens: int =
     :param kv_bits: quantized KV cache (mlx-lm ``QuantizedKVCache``) bits, or ``None``.
     :param kv_group_size: quantization group size of a quantized KV cache.
     :param full_logits: the engine evaluates every prompt position's logits.
-    :param first_token: the last of ``new_tokens`` may instead be fed by the decode batch
-        (mlx-lm ``BatchGenerator`` join, which copies the cache): the estimate covers
-        both that and prefilling all ``new_tokens``.
+    :param first_token: the last of ``new_tokens`` may instead be fed in a one-token
+        forward, after which the cache joins mlx-lm's ``BatchGenerator`` (which copies
+        it): the estimate covers both that and prefilling all ``new_tokens``.
     :param cached_kv_resident: whether the cached tokens' KV is already in memory inside
         the cache being extended; ``False`` when a reused prefix is copied into a fresh
         cache by the forward (its whole KV then counts as new).
@@ -726,8 +727,8 @@ def _chunk_peak(s: _Settings, before: _CacheState, tokens: int, start: dict[str,
 
 
 def _join_peak(s: _Settings, before: _CacheState, start: dict[str, int]) -> PeakBreakdown:
-    """The prompt's last token through mlx-lm's BatchGenerator: each layer's cache is
-    copied into a batch cache of exactly ``offset`` tokens, which then grows one step
+    """The prompt's last token in a one-token forward, then the join to mlx-lm's
+    BatchGenerator: each layer's cache is copied into a batch cache of exactly ``offset`` tokens, which then grows one step
     (sliding layers: a window, updated in place) while the per-request cache is freed."""
     dims = s.dims
     b = s.dtype_bytes

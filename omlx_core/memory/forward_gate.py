@@ -10,13 +10,19 @@ is
 (one chunk, or several requests' chunks sharing the forward) and a forward whose
 projection passes the hard limit is refused: its requests end with
 ``finish_reason="error"`` and their memory is freed, while every other request goes on.
-(The batched engine then asks again with every chunk alone before refusing anything.)
+A shared forward also copies every member's cached prefix into a batch buffer
+(right-aligned to the longest, the new tokens after it) and each row back out, so its
+projection adds ``2 x rows x (longest cached + longest new) x KV bytes per token``.
+(The batched engine then asks again with every chunk alone before refusing anything,
+so refusals of a shared forward are logged at DEBUG and not counted in
+``refused_total``: only the second answer is final.)
 Admission keeps running requests inside the budget; the gate catches what drifted past
 it (estimates that undercounted, decode growth, memory taken by other processes).
 
 :meth:`PrefillForwardGate.check_after_prefill` is the backstop after a chunk's forward
 has run: if the high-water use then passes the hard limit, the request whose chunk just
-ran is stopped (its cache freed) before it grows any further.
+ran (of a shared forward, the one holding the most KV) is stopped, its cache freed,
+before it grows any further.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping
 
+from omlx_core.memory.estimate import KV_STEP
 from omlx_core.memory.types import LimitSnapshot, PeakQuery, Rejection
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.settings import format_size
@@ -81,33 +88,63 @@ class PrefillForwardGate:
         current = self._usage.high_water(record=True)
         earlier_kv = 0
         refused: dict[str, str] = {}
+        final = 0  # refusals of forwards run alone; a shared one is asked about again
         for forward in _forwards(step.chunks):
+            shared = len(forward) > 1
             peaks = [self._chunk_estimate(step, chunk, chunk.new_tokens) for chunk in forward]
-            if any(peak is None for peak in peaks):
+            copy = self._copy_bytes(step, forward) if shared else 0
+            if any(peak is None for peak in peaks) or copy is None:
                 for chunk in forward:
                     refused[chunk.request_id] = (
                         f"no estimate_peak plugin could estimate a prefill of model "
                         f"{step.model_id!r}, so the memory guard cannot let it run")
+                final += 0 if shared else len(forward)
                 continue
-            projected = current + earlier_kv + sum(peaks) + self.transient_margin
+            total = sum(peaks) + copy  # type: ignore[arg-type]
+            projected = current + earlier_kv + total + self.transient_margin
             if projected > hard:
-                for chunk, peak in zip(forward, peaks):
-                    others = sum(peaks) - peak  # the rest of a shared forward
-                    refused[chunk.request_id] = self._reason(step, chunk, peak + others,
-                                                             current + earlier_kv, limits)
+                for chunk in forward:
+                    refused[chunk.request_id] = self._reason(step, chunk, total, current + earlier_kv,
+                                                             limits, shared=shared)
+                final += 0 if shared else len(forward)
                 continue
             # What stays resident after this forward is its KV, not its transient: a
             # one-token chunk's estimate is (almost) only that.
             for chunk, peak in zip(forward, peaks):
                 resident = self._chunk_estimate(step, chunk, 1)
                 earlier_kv += peak if resident is None else min(resident, peak)
-        if refused:
-            self.refused_total += len(refused)
+        self.refused_total += final
         return refused
+
+    def _copy_bytes(self, step: Any, forward: list[Any]) -> int | None:
+        """What a shared forward copies beyond its chunks' own estimates: every row's
+        cached prefix into the batch buffer (each row as wide as the longest prefix plus
+        the longest chunk) and its tokens back out. ``None`` without an estimate."""
+        per_token = self._kv_bytes_per_token(step)
+        if per_token is None:
+            return None
+        width = max(c.cached_tokens for c in forward) + max(c.new_tokens for c in forward)
+        return 2 * len(forward) * width * per_token
+
+    def _kv_bytes_per_token(self, step: Any) -> int | None:
+        """KV bytes one token adds to a cache, from the estimate: the resident KV of
+        ``2 * KV_STEP`` tokens fed one per forward less that of ``KV_STEP`` tokens (both
+        fill whole cache steps; the one-token forwards' transients cancel out)."""
+        sizes = []
+        for tokens in (2 * KV_STEP, KV_STEP):
+            size = self._estimate(PeakQuery(
+                model_config=step.model_config, new_tokens=tokens, cached_tokens=0, chunk_size=1,
+                dtype_bytes=self.dtype_bytes, full_logits=self.full_logits, model_id=step.model_id,
+                first_token=False, cached_kv_resident=True, backend=self.backend))
+            if size is None:
+                return None
+            sizes.append(size)
+        return max(0, -(-(sizes[0] - sizes[1]) // KV_STEP))
 
     def check_after_prefill(self, step: Any) -> Mapping[str, str] | None:
         """Stop the request of ``step``'s chunk (its forward has just run) if high-water
-        use is now over the hard limit."""
+        use is now over the hard limit; of several chunks that shared the forward, only
+        the one whose request holds the most KV (cached plus new tokens)."""
         limits: LimitSnapshot | None = step.limits
         if limits is None or limits.hard_bytes is None:
             return None
@@ -115,11 +152,11 @@ class PrefillForwardGate:
         current = self._usage.high_water(record=True)
         if current <= hard:
             return None
-        refused: dict[str, str] = {}
-        for chunk in step.chunks:
-            refused[chunk.request_id] = self._after_reason(step, chunk, current, limits)
-        self.refused_total += len(refused)
-        return refused
+        if not step.chunks:
+            return None
+        chunk = max(step.chunks, key=lambda c: c.cached_tokens + c.new_tokens)
+        self.refused_total += 1
+        return {chunk.request_id: self._after_reason(step, chunk, current, limits)}
 
     def _after_reason(self, step: Any, chunk: Any, current: int, limits: LimitSnapshot) -> str:
         rejection = Rejection(
@@ -136,7 +173,8 @@ class PrefillForwardGate:
 
     def _chunk_estimate(self, step: Any, chunk: Any, chunk_size: int) -> int | None:
         # The chunk extends the request's own cache, whose KV is already in current use;
-        # after the prompt's last chunk the request joins the decode batch.
+        # after the prompt's last chunk its last token is fed in a one-token forward and
+        # the cache joins the decode batch (which copies it): ``first_token``.
         last = chunk.cached_tokens + chunk.new_tokens >= chunk.prompt_tokens - 1
         return self._estimate(PeakQuery(
             model_config=step.model_config, new_tokens=chunk.new_tokens,
@@ -144,15 +182,20 @@ class PrefillForwardGate:
             dtype_bytes=self.dtype_bytes, full_logits=self.full_logits, model_id=step.model_id,
             first_token=last, cached_kv_resident=True, backend=self.backend))
 
-    def _reason(self, step: Any, chunk: Any, peak: int, base: int, limits: LimitSnapshot) -> str:
+    def _reason(self, step: Any, chunk: Any, peak: int, base: int, limits: LimitSnapshot, *,
+                shared: bool = False) -> str:
         rejection = Rejection(
             estimated_bytes=peak + self.transient_margin, limit_bytes=limits.hard_bytes,
             breakdown=limits.breakdown, request_id=chunk.request_id, model_id=step.model_id,
             prompt_tokens=chunk.prompt_tokens, stage="forward", base_bytes=base)
-        log.warning("forward gate refuses a %d-token prefill chunk of request %s (model %r): "
-                    "%s in use + %s estimated + %s margin > %s limit", chunk.new_tokens,
-                    chunk.request_id, step.model_id, format_size(base), format_size(peak),
-                    format_size(self.transient_margin), format_size(limits.hard_bytes))
+        # A shared forward's refusal is provisional: the engine asks again with one chunk
+        # per forward, and only that answer is final.
+        log.log(logging.DEBUG if shared else logging.WARNING,
+                "forward gate refuses a %d-token prefill chunk of request %s (model %r)%s: "
+                "%s in use + %s estimated + %s margin > %s limit", chunk.new_tokens,
+                chunk.request_id, step.model_id, " in a shared forward" if shared else "",
+                format_size(base), format_size(peak),
+                format_size(self.transient_margin), format_size(limits.hard_bytes))
         return self._explain(chunk, rejection,
                              f"the next chunk needs an estimated {format_size(peak)} "
                              f"(+{format_size(self.transient_margin)} margin) on top of "

@@ -72,8 +72,8 @@ class PeakQuery:
     model_id: str = ""
     #: group size of a quantized KV cache (``kv_bits``)
     kv_group_size: int = 64
-    #: the last of ``new_tokens`` may be fed by the decode batch (mlx-lm ``BatchGenerator``
-    #: copies the cache when it joins); the estimate then covers that as well
+    #: the last of ``new_tokens`` may be fed in a one-token forward, after which the cache
+    #: joins mlx-lm's ``BatchGenerator`` (which copies it); the estimate covers that too
     first_token: bool = True
     #: the cached tokens' KV is already in memory inside the cache being extended; False
     #: when a reused prefix is copied into a fresh cache by the forward (counted as new)

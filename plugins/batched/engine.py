@@ -238,6 +238,10 @@ class BatchedEngine(Engine):
                 log.warning("model %r: several lower cache tiers (%s); using %r", self.model.id,
                             ", ".join(n for n, _ in tiers), tiers[0][0])
             self.prefix_cache.attach_lower(tiers[0][1])
+            if not self.prefix_cache.enabled:
+                log.warning("model %r: cache.memory_budget is 0, so the prefix cache is off and "
+                            "the %r cache tier behind it is never used; set cache.memory_budget "
+                            "above 0 to use it", self.model.id, tiers[0][0])
 
     def _on_boundary(self, snapshot: Any) -> None:
         listener = self._boundary_listener

@@ -16,12 +16,17 @@ What the gate can rely on:
   (several requests' chunks, adjacent in the list) share one forward, so their
   transient buffers (attention scores, activations) exist together. Only one forward's
   transients exist at a time, while each chunk's KV (``new_tokens``) stays resident
-  afterwards. When the gate refuses anything in a step with shared forwards, the
+  afterwards. A shared forward also copies each member's cached prefix (at most
+  ``chunk_size`` tokens: a chunk over a longer one runs alone) into its batch buffer
+  and back out. When the gate refuses anything in a step with shared forwards, the
   scheduler asks again with every chunk alone (all ``forward`` ``None``) and acts on
-  that second answer;
+  that second answer, so a refusal of a shared forward is provisional: a gate should
+  not count or report it as final;
 - a forward evaluates the cache state only, never the chunk's logits (a request's
   last prompt token is fed after the step's chunks, in a one-token forward whose
-  logits are one row per request, as a decode step's are; that forward is not gated);
+  logits are one row per request, as a decode step's are; requests share such a
+  forward only when their cached prefixes are within ``chunk_size`` tokens and close
+  in length, so its copy is bounded like a chunk forward's; it is not gated);
 - ``limits`` is the latest :class:`~omlx_core.memory.types.LimitSnapshot` given to
   the scheduler's ``apply_memory_limits``, read once for this step;
 - it is called on the MLX thread: it must be quick and must not wait on that thread.
@@ -30,12 +35,15 @@ An exception raised by the gate refuses every chunk of the step (the requests en
 an error naming the exception): a guard that cannot decide must not let a forward run.
 
 **Post-forward backstop (optional).** A gate that also has ``check_after_prefill(step)``
-is called after each chunk's forward is evaluated (and mlx's buffer cache emptied), with
-a :class:`PrefillStep` holding just that chunk. The ids it returns end at once with
-``finish_reason="error"``, ``error_type="memory"`` and the given reason, and their cache
-is freed; the other requests go on. It catches what the estimate before the forward
-missed. An exception raised there is logged and lets the request go on (the forward
-has already run; the next check before a forward still guards it).
+is called once after each forward is evaluated (and mlx's buffer cache emptied), with
+a :class:`PrefillStep` holding that forward's chunks (one, or several sharing a
+``forward`` number). Of the ids it returns, the one whose request holds the most KV
+(cached plus new tokens) ends at once with ``finish_reason="error"``,
+``error_type="memory"`` and the given reason, and its cache is freed; the other
+requests go on (the next check before a forward still guards them). It catches what
+the estimate before the forward missed. An exception raised there is logged and lets
+the requests go on (the forward has already run; the next check before a forward still
+guards them).
 
 Refusals from either check reach the client as ``error_type="memory"``.
 """
@@ -93,5 +101,7 @@ class PostForwardCheck(Protocol):
     looks it up with ``getattr``)."""
 
     def check_after_prefill(self, step: PrefillStep) -> Mapping[str, str] | None:
-        """Request ids to stop now that ``step``'s one chunk has run, each with the reason
-        shown to the client; ``None`` or an empty mapping lets them go on."""
+        """Request ids to stop now that ``step``'s forward (one chunk, or several sharing
+        it) has run, each with the reason shown to the client; ``None`` or an empty
+        mapping lets them go on. Of several, only the request holding the most KV is
+        stopped."""

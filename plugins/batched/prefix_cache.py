@@ -19,20 +19,24 @@ behind this one through :meth:`PrefixCache.attach_lower`. It implements
 :class:`BlockStore`. Writes go through: every block stored here is offered to it at
 once (so a restart finds it), and again when evicted here (the store keeps the better
 copy, e.g. one that gained a boundary state). A lookup that misses here asks it, and a
-block found there is promoted back. Calls to the store are made outside this cache's
-lock: a disk read or a full write queue never stalls a concurrent :meth:`peek`.
+block found there is promoted back. A store with the optional ``touch(hashes)`` is told
+of every chain stored or found here (root to leaf), so its own LRU follows use. Calls to
+the store are made outside this cache's lock: a disk read or a full write queue never
+stalls a concurrent :meth:`peek`.
 
 **Tails.** For models whose every layer can be cut, the tokens after a prefix's last
 full block (a finished request's prompt-and-answer tail) are kept too, as a
 :class:`CachedTail` under the hash of that block. A request continuing the same prefix
 reuses the longest common run of a tail's tokens, so a repeated prompt or the next turn
 of a chat recomputes only what is new, not up to a block of it. Tails share the byte
-budget, go first when it is exceeded (they are at most a block of work to redo), stay in
-memory (no lower tier), and at most :data:`TAILS_PER_PREFIX` are kept per prefix.
+budget and the LRU order with blocks, stay in memory (no lower tier), and at most
+:data:`TAILS_PER_PREFIX` are kept per prefix (the least recently used goes).
 
-Eviction is LRU by bytes. Each lookup and store refreshes a chain from its deepest
-block up to its root, so a parent is always more recent than its children and the
-leaves go first: evicting a parent would strand every block below it.
+Eviction is LRU by bytes, over blocks and tails alike (one use counter orders both).
+Each lookup and store refreshes a chain from its deepest block up to its root, and a
+tail's use refreshes it and then the chain above it, so a parent is always more recent
+than its children and tails, and the leaves go first: evicting a parent would strand
+everything below it. A block evicted all the same takes the tails under it along.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from typing import Any, Protocol, Sequence
 
 HASH_BYTES = 16
 #: tails kept under one prefix (different answers or follow-ups to the same history)
-TAILS_PER_PREFIX = 4
+TAILS_PER_PREFIX = 8
 
 
 def root_hash(namespace: str) -> bytes:
@@ -122,6 +126,8 @@ class BlockStore(Protocol):
     def contains(self, block_hash: bytes) -> bool:
         """Whether :meth:`get` would find the block; must be cheap."""
 
+    # Optional: ``touch(hashes)``, a chain (root to leaf) just stored or found in memory.
+
 
 class PrefixCache:
     """Chain-hashed KV blocks under ``budget_bytes``; ``budget_bytes == 0`` turns it off."""
@@ -135,6 +141,10 @@ class PrefixCache:
         self._blocks: OrderedDict[bytes, CachedBlock] = OrderedDict()
         self._tails: OrderedDict[tuple[bytes, tuple[int, ...]], CachedTail] = OrderedDict()
         self._tails_of: dict[bytes, list[tuple[bytes, tuple[int, ...]]]] = {}
+        #: last use of each block (by hash) and tail (by key), from one counter: both
+        #: dicts above are kept in this order, so each one's oldest comes first
+        self._used: dict[Any, int] = {}
+        self._clock = 0
         self._lock = threading.Lock()
         self._lower: BlockStore | None = None
         self.nbytes = 0
@@ -183,11 +193,12 @@ class PrefixCache:
                 if block is None:
                     break
                 found.append(block)
+        chain = [b.block_hash for b in found]
         with self._lock:
             for block in found:
                 if self._blocks.get(block.block_hash) is not block:
                     self._add_locked(block)
-            self._touch_locked([b.block_hash for b in found])
+            self._touch_locked(chain)
             evicted = self._evict_locked()
             while found and not found[-1].reusable_end:
                 found.pop()
@@ -197,6 +208,7 @@ class PrefixCache:
             else:
                 self.misses += 1
         self._offer(lower, evicted)
+        self._touch_lower(lower, chain)
         return found
 
     def peek(self, hashes: Sequence[bytes]) -> int:
@@ -228,12 +240,14 @@ class PrefixCache:
         is replaced only to gain a boundary state."""
         if not self.enabled:
             return
+        chain = list(chain) if chain is not None else [b.block_hash for b in blocks]
         with self._lock:
             added = [block for block in blocks if self._add_locked(block)]
-            self._touch_locked(chain if chain is not None else [b.block_hash for b in blocks])
+            self._touch_locked(chain)
             evicted = self._evict_locked()
             lower = self._lower
         self._offer(lower, added + evicted)
+        self._touch_lower(lower, chain)
 
     @staticmethod
     def _offer(lower: BlockStore | None, blocks: Sequence[CachedBlock]) -> None:
@@ -242,6 +256,13 @@ class PrefixCache:
         for block in blocks:
             lower.put(block)
 
+    @staticmethod
+    def _touch_lower(lower: BlockStore | None, chain: Sequence[bytes]) -> None:
+        """Tell ``lower`` (if it has the optional ``touch``) that ``chain`` was just used."""
+        touch = getattr(lower, "touch", None)
+        if touch is not None and chain:
+            touch(list(chain))
+
     # -- tails -------------------------------------------------------------------------
 
     def insert_tail(self, tail: CachedTail) -> None:
@@ -249,20 +270,21 @@ class PrefixCache:
         if not self.enabled or not tail.tokens or tail.nbytes > self.budget_bytes:
             return
         with self._lock:
-            keys = self._tails_of.setdefault(tail.parent_hash, [])
-            for key in list(keys):
+            for key in list(self._tails_of.get(tail.parent_hash, ())):
                 kept = key[1]
                 if kept[:len(tail.tokens)] == tail.tokens:
-                    self._tails.move_to_end(key)
+                    self._touch_tail_locked(key)
                     return
                 if tail.tokens[:len(kept)] == kept:  # the new tail extends this one
                     self._drop_tail_locked(key)
+            keys = self._tails_of.get(tail.parent_hash, [])
             if len(keys) >= TAILS_PER_PREFIX:
-                self._drop_tail_locked(keys[0])
+                self._drop_tail_locked(min(keys, key=self._used.__getitem__))
             key = (tail.parent_hash, tail.tokens)
             self._tails_of.setdefault(tail.parent_hash, []).append(key)
             self._tails[key] = tail
             self.nbytes += tail.nbytes
+            self._touch_tail_locked(key)
             evicted = self._evict_locked()
             lower = self._lower
         self._offer(lower, evicted)
@@ -279,7 +301,7 @@ class PrefixCache:
                 if n > shared:
                     best, shared = self._tails[key], n
             if best is not None:
-                self._tails.move_to_end((best.parent_hash, best.tokens))
+                self._touch_tail_locked((best.parent_hash, best.tokens))
                 self.tail_hits += 1
                 self.tokens_saved += shared
             return best, shared
@@ -294,6 +316,7 @@ class PrefixCache:
 
     def _drop_tail_locked(self, key: tuple[bytes, tuple[int, ...]]) -> None:
         tail = self._tails.pop(key)
+        del self._used[key]
         self.nbytes -= tail.nbytes
         keys = self._tails_of[key[0]]
         keys.remove(key)
@@ -316,24 +339,48 @@ class PrefixCache:
             self.nbytes -= existing.nbytes
         self._blocks[block.block_hash] = block
         self.nbytes += block.nbytes
+        self._use_locked(self._blocks, block.block_hash)
         return True
+
+    def _use_locked(self, entries: OrderedDict, key: Any) -> None:
+        """Mark the block or tail under ``key`` in ``entries`` as the most recently used."""
+        self._clock += 1
+        self._used[key] = self._clock
+        entries.move_to_end(key)
 
     def _touch_locked(self, hashes: Sequence[bytes]) -> None:
         for block_hash in reversed(hashes):
             if block_hash in self._blocks:
-                self._blocks.move_to_end(block_hash)
+                self._use_locked(self._blocks, block_hash)
+
+    def _touch_tail_locked(self, key: tuple[bytes, tuple[int, ...]]) -> None:
+        """Refresh a tail, then the in-memory chain above it (deepest first), so the
+        tail stays older than its parent and goes before it."""
+        self._use_locked(self._tails, key)
+        block = self._blocks.get(key[0])
+        while block is not None:
+            self._use_locked(self._blocks, block.block_hash)
+            block = self._blocks.get(block.parent_hash)
 
     def _evict_locked(self) -> list[CachedBlock]:
-        """Drop least-recently-used blocks down to the budget; returns them."""
+        """Drop the least recently used blocks and tails down to the budget; returns the
+        blocks. A block's tails go with it."""
         evicted = []
-        while self.nbytes > self.budget_bytes and self._tails:
-            self._drop_tail_locked(next(iter(self._tails)))
+        while self.nbytes > self.budget_bytes and (self._blocks or self._tails):
+            block_hash = next(iter(self._blocks), None)
+            tail_key = next(iter(self._tails), None)
             self.evictions += 1
-        while self.nbytes > self.budget_bytes and self._blocks:
-            _, block = self._blocks.popitem(last=False)
+            if tail_key is not None and (block_hash is None
+                                         or self._used[tail_key] < self._used[block_hash]):
+                self._drop_tail_locked(tail_key)
+                continue
+            block = self._blocks.pop(block_hash)
+            del self._used[block_hash]
             self.nbytes -= block.nbytes
-            self.evictions += 1
             evicted.append(block)
+            for key in list(self._tails_of.get(block_hash, ())):
+                self._drop_tail_locked(key)
+                self.evictions += 1
         return evicted
 
     def clear(self) -> None:
@@ -341,6 +388,7 @@ class PrefixCache:
             self._blocks.clear()
             self._tails.clear()
             self._tails_of.clear()
+            self._used.clear()
             self.nbytes = 0
 
     def stats(self) -> dict[str, Any]:

@@ -20,8 +20,9 @@ A request moves through four phases:
     blocks (and, for models with non-cuttable layers, their boundary states) go into
     the prefix cache as prefill crosses them. Chunks cover all prompt tokens but the
     last. At the end of the step every request whose chunks are done has its last
-    prompt token fed (one shared forward where caches allow, one token of logits each)
-    and its first token sampled and handed out at once.
+    prompt token fed (shared one-token forwards where caches allow, grouped like chunks
+    so that a long cached prefix is never copied into a batch buffer; one token of
+    logits each) and its first token sampled and handed out at once.
 ``decoding``
     the whole prompt is in the cache; the request joins mlx-lm's ``BatchGenerator``
     (``insert`` with that cache, its first token, its sampler and processors) without
@@ -36,7 +37,8 @@ request ids, chunk token counts, cached-token counts, the decode batch size and 
 latest limit snapshot. A request the gate refuses ends with ``finish_reason="error"``,
 ``error_type="memory"`` and the gate's reason, its cache is dropped, and the other
 chunks and streams go on. A gate with the optional ``check_after_prefill`` is also
-asked after each chunk's forward (the post-forward backstop). A restored prefix is
+asked after each forward (the post-forward backstop): once per shared forward, which
+then loses at most one request, the one holding the most KV. A restored prefix is
 evaluated at admission, so the gate's current-use reading already holds it.
 See :mod:`omlx_core.plugins.batched.gate` for the full contract.
 
@@ -107,7 +109,8 @@ class SequenceState:
 
     @property
     def prefill_target(self) -> int:
-        """Tokens prefilled before decoding: all but the last, which the decode batch feeds."""
+        """Tokens prefilled in chunks: all but the last, which :meth:`Scheduler._first_tokens`
+        feeds in a one-token forward that samples the first token."""
         return len(self.prompt) - 1
 
 
@@ -227,12 +230,19 @@ class Scheduler:
     # -- the Worker protocol (MLX thread) --------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self._abort_inbox or self._prefilling or self._decoding
-                    or (self._waiting and self._free_slots() > 0))
+        """Whether there is work to do now: not while the batch window is open."""
+        if self._abort_inbox or self._prefilling or self._decoding:
+            return True
+        if self._inbox:
+            return self._window_closes() is None
+        return bool(self._waiting and self._free_slots() > 0)
+
+    def wake_at(self) -> float | None:
+        """When the open batch window closes (a ``time.monotonic()`` time), or ``None``."""
+        return self._window_closes()
 
     def step(self) -> None:
         self.counters.steps += 1
-        self._wait_for_burst()
         self._drain_inbox()
         self._admit()
         if self._prefilling:
@@ -264,16 +274,25 @@ class Scheduler:
 
     # -- inbox and admission ---------------------------------------------------------
 
-    def _wait_for_burst(self) -> None:
-        """On an idle engine, let ``batch_window_s`` pass after the first new request
+    def _window_closes(self) -> float | None:
+        """When the open batch window closes, or ``None`` when none is open.
+
+        On an idle engine, new requests wait ``batch_window_s`` after the first of them
         arrived: requests sent together reach the server a few milliseconds apart, and
         those that arrive in the window are prefilled in one forward instead of waiting
-        for the first one's whole step."""
-        if not self._inbox or self._prefilling or self._decoding or self.batch_window_s <= 0:
-            return
-        remaining = self._inbox[0].arrived + self.batch_window_s - time.monotonic()
-        if remaining > 0:
-            time.sleep(remaining)
+        for the first one's whole step. The window closes early once the new requests
+        fill the free slots. Nothing sleeps: :meth:`has_work` says no until then and the
+        MLX thread wakes at :meth:`wake_at`, free for other engines and tasks meanwhile.
+        """
+        inbox = self._inbox
+        if (not inbox or self.batch_window_s <= 0 or self._prefilling or self._decoding
+                or len(inbox) + len(self._waiting) >= self._free_slots()):
+            return None
+        try:
+            closes = inbox[0].arrived + self.batch_window_s
+        except IndexError:  # drained meanwhile
+            return None
+        return closes if time.monotonic() < closes else None
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -387,8 +406,13 @@ class Scheduler:
             return {s.request_id: reason for s, _, _ in plan}, "internal"
         return {str(k): str(v) for k, v in (refused or {}).items()}, "memory"
 
-    def _check_after_forward(self, sequence: SequenceState, start: int, end: int) -> str | None:
-        """The post-forward backstop's reason to stop ``sequence`` now, if it gives one."""
+    def _check_after_forward(self, members: list[tuple[SequenceState, int, int]]
+                             ) -> tuple[SequenceState, str] | None:
+        """The request the post-forward backstop stops after a forward over ``members``'
+        chunks, with its reason, if any. Asked once per forward: of several requests it
+        refuses, only the one holding the most KV is stopped; freeing that is the
+        likeliest to bring use back under the limit, and the next check before a
+        forward still guards the others."""
         check = getattr(self._gate, "check_after_prefill", None)
         if check is None:
             return None
@@ -396,13 +420,17 @@ class Scheduler:
         # that included it would count memory already free.
         mx.clear_cache()
         try:
-            refused = check(self._prefill_step_of([(sequence, start, end)]))
+            refused = check(self._prefill_step_of(members, [members]))
         except Exception:
-            log.exception("post-forward memory check %r failed; request %s goes on",
-                          self._gate, sequence.request_id)
+            log.exception("post-forward memory check %r failed; requests %s go on", self._gate,
+                          ", ".join(s.request_id for s, _, _ in members))
             return None
-        reason = (refused or {}).get(sequence.request_id)
-        return None if reason is None else str(reason)
+        stoppable = [(end, sequence) for sequence, _, end in members
+                     if sequence.request_id in (refused or {})]
+        if not stoppable:
+            return None
+        _, sequence = max(stoppable, key=lambda item: item[0])
+        return sequence, str(refused[sequence.request_id])  # type: ignore[index]
 
     def _prefill_step(self) -> None:
         plan = self._plan_prefill()
@@ -470,18 +498,20 @@ class Scheduler:
                               ", ".join(s.request_id for s, _, _ in members))
             else:
                 self.counters.prefill_forwards += 1
+                del rows  # a request stopped below must not stay referenced here
+                stopped = self._check_after_forward(members)
                 for sequence, start, end in members:
                     try:
-                        self._chunk_done(sequence, start, end)
+                        self._chunk_done(sequence, start, end, stopped)
                     except Exception as exc:
                         self._prefill_failed(sequence, exc)
                 return
         for chunk in members:
             self._prefill_alone(*chunk)
 
-    def _prefill_failed(self, sequence: SequenceState, exc: Exception) -> None:
-        log.exception("prefill of request %s failed", sequence.request_id)
-        self._finish(sequence, "error", error=f"prefill failed: {type(exc).__name__}: {exc}",
+    def _prefill_failed(self, sequence: SequenceState, exc: Exception, what: str = "prefill") -> None:
+        log.exception("%s of request %s failed", what, sequence.request_id)
+        self._finish(sequence, "error", error=f"{what} failed: {type(exc).__name__}: {exc}",
                      error_type="internal")
 
     def _prefill_chunk(self, sequence: SequenceState, start: int, end: int) -> None:
@@ -489,17 +519,19 @@ class Scheduler:
             self.model(mx.array(sequence.prompt[start:end])[None], cache=sequence.cache)
             mx.eval([layer.state for layer in sequence.cache])
         self.counters.prefill_forwards += 1
-        self._chunk_done(sequence, start, end)
+        self._chunk_done(sequence, start, end, self._check_after_forward([(sequence, start, end)]))
 
-    def _chunk_done(self, sequence: SequenceState, start: int, end: int) -> None:
+    def _chunk_done(self, sequence: SequenceState, start: int, end: int,
+                    stopped: tuple[SequenceState, str] | None) -> None:
         """Account for a chunk whose forward has run and store its blocks; after the
-        last one the request waits for :meth:`_first_tokens` at the end of the step."""
+        last one the request waits for :meth:`_first_tokens` at the end of the step.
+        ``stopped``: the request the post-forward backstop stops after this forward,
+        with the reason (:meth:`_check_after_forward`)."""
         sequence.prefilled = end
         self.counters.prefill_chunks += 1
         self.counters.prompt_tokens_prefilled += end - start
-        reason = self._check_after_forward(sequence, start, end)
-        if reason is not None:
-            self._finish(sequence, "error", error=reason, error_type="memory")
+        if stopped is not None and stopped[0] is sequence:
+            self._finish(sequence, "error", error=stopped[1], error_type="memory")
             return
         self._store_prefill_blocks(sequence)
         if end == sequence.prefill_target:
@@ -546,7 +578,8 @@ class Scheduler:
         """
         if not self.prefix_cache.enabled or self.layout.needs_boundaries or not cache:
             return
-        # The last generated token was never fed back: the cache ends one short of it.
+        # The cache holds every token of ``tokens`` (its offset equals their count); the
+        # clamp only guards against a cache shorter than them, whose KV it cannot cover.
         tokens = list(tokens[:cache[0].offset])
         block_size = self.prefix_cache.block_size
         hashes = self.prefix_cache.extend_hashes(sequence.block_hashes[:sequence.stored_blocks], tokens)
@@ -584,24 +617,31 @@ class Scheduler:
 
         The decode batch would hand out a joining request's first token only at the
         decode step after the one it joins in; sampling it here saves the client that
-        step. Requests whose caches allow it share one forward.
+        step. Requests whose caches allow it share forwards, grouped by
+        :func:`group_spans` as chunks are: a row over a cached prefix longer than
+        ``prefill_step_size`` runs alone, since a shared forward copies every row's
+        prefix (right-aligned to the longest) into its batch buffer.
         """
         ready = [s for s in self._prefilling if s.prefilled == s.prefill_target]
         if not ready:
             return
         logits: dict[int, mx.array] = {}
         together = [s for s in ready if can_batch(s.cache or ())]
-        if len(together) > 1:
-            rows = [PrefillRow(s.cache, s.prompt[-1:], s.prefill_target) for s in together]
+        groups = group_spans([(s.prefill_target, 1) for s in together], max_start=self.prefill_step_size)
+        for group in groups:
+            if len(group) < 2:
+                continue
+            members = [together[i] for i in group]
+            rows = [PrefillRow(s.cache, s.prompt[-1:], s.prefill_target) for s in members]
             try:
                 with mx.stream(generation_stream):
                     found = prefill_together(self.model, rows, logits=True)
             except Exception:
                 log.exception("first-token forward of requests %s failed; feeding them one by one",
-                              ", ".join(s.request_id for s in together))
+                              ", ".join(s.request_id for s in members))
             else:
                 self.counters.first_token_forwards += 1
-                logits.update((id(s), row) for s, row in zip(together, found))
+                logits.update((id(s), row) for s, row in zip(members, found))
         for sequence in ready:
             if id(sequence) in logits:
                 continue
@@ -610,7 +650,7 @@ class Scheduler:
                     row = self.model(mx.array(sequence.prompt[-1:])[None], cache=sequence.cache)[:, -1, :]
                     mx.eval(row, [layer.state for layer in sequence.cache])
             except Exception as exc:
-                self._prefill_failed(sequence, exc)
+                self._prefill_failed(sequence, exc, "first-token forward")
                 continue
             self.counters.first_token_forwards += 1
             logits[id(sequence)] = row
