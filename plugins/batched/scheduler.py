@@ -617,17 +617,20 @@ class Scheduler:
 
         The decode batch would hand out a joining request's first token only at the
         decode step after the one it joins in; sampling it here saves the client that
-        step. Requests whose caches allow it share forwards, grouped by
-        :func:`group_spans` as chunks are: a row over a cached prefix longer than
-        ``prefill_step_size`` runs alone, since a shared forward copies every row's
-        prefix (right-aligned to the longest) into its batch buffer.
+        step. Requests whose caches allow it and whose cached prefix is at most
+        ``prefill_step_size`` tokens share one forward; a longer one runs alone, since a
+        shared forward copies every row's prefix (right-aligned to the longest) into its
+        batch buffer. The copy is thus at most ``max_batch_size`` x ``prefill_step_size``
+        tokens of KV, the padding the decode batch these requests join next holds too.
+        (Unlike chunks, one-token rows are not split to bound padding: the padding here is
+        that bounded copy, and another forward costs far more.)
         """
         ready = [s for s in self._prefilling if s.prefilled == s.prefill_target]
         if not ready:
             return
         logits: dict[int, mx.array] = {}
         together = [s for s in ready if can_batch(s.cache or ())]
-        groups = group_spans([(s.prefill_target, 1) for s in together], max_start=self.prefill_step_size)
+        groups = [[i for i, s in enumerate(together) if s.prefill_target <= self.prefill_step_size]]
         for group in groups:
             if len(group) < 2:
                 continue
