@@ -39,3 +39,13 @@ def default_model_dir():
     from omlx_core.models.default import ensure_default_model
 
     return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(context):
+    """A real HTTP server (waitress, loopback, a free port) over the module's ``context``
+    fixture, which each HTTP test module defines."""
+    from omlx_core.http.serve import HTTPServer
+
+    with HTTPServer(context, port=0) as server:
+        yield server

@@ -41,9 +41,6 @@ class DictTier:
     def put(self, block):
         self.blocks[block.block_hash] = block
 
-    def contains(self, block_hash):
-        return block_hash in self.blocks
-
 
 def test_entry_point_registers_the_engine_and_the_memory_cache(tiny_model_path):
     plugins = build_plugin_manager()

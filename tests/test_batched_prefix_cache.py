@@ -34,9 +34,6 @@ class DictStore:
     def put(self, block: CachedBlock) -> None:
         self.blocks[block.block_hash] = block
 
-    def contains(self, block_hash: bytes) -> bool:
-        return block_hash in self.blocks
-
 
 def test_chain_hashes_name_whole_prefixes():
     root = root_hash("model")

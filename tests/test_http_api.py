@@ -55,12 +55,6 @@ def context(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     stop_engines(context)
 
 
-@pytest.fixture(scope="module")
-def server(context: ServerContext) -> Iterator[HTTPServer]:
-    with HTTPServer(context, port=0) as server:
-        yield server
-
-
 def request(server: HTTPServer, method: str, path: str, body: Any = None,
             headers: dict[str, str] | None = None, raw: bytes | None = None
             ) -> tuple[int, dict[str, str], bytes]:

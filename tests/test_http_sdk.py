@@ -42,12 +42,6 @@ def context(default_model_dir) -> Iterator[ServerContext]:
     stop_engines(context)
 
 
-@pytest.fixture(scope="module")
-def server(context: ServerContext) -> Iterator[HTTPServer]:
-    with HTTPServer(context, port=0) as server:
-        yield server
-
-
 @pytest.fixture
 def client(server: HTTPServer):
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:

@@ -307,12 +307,8 @@ class BatchedEngine(Engine):
     def cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         if not self.prefix_cache.enabled or len(prompt_tokens) < 2:
             return 0
-        cache = self.prefix_cache
         prefix = list(prompt_tokens[:-1])
-        hashes = cache.hashes(prefix)
-        blocks = cache.peek(hashes)
-        start = blocks * cache.block_size
-        return start + cache.peek_tail(hashes[blocks - 1] if blocks else cache.root, prefix[start:])
+        return self.prefix_cache.peek_prefix(self.prefix_cache.hashes(prefix), prefix)
 
     def stats(self) -> dict[str, Any]:
         scheduler = self.scheduler

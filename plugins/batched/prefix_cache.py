@@ -123,9 +123,6 @@ class BlockStore(Protocol):
     def put(self, block: CachedBlock) -> None:
         """Keep ``block`` (stored or evicted here); may decline or drop it silently."""
 
-    def contains(self, block_hash: bytes) -> bool:
-        """Whether :meth:`get` would find the block; must be cheap."""
-
     # Optional: ``touch(hashes)``, a chain (root to leaf) just stored or found in memory.
 
 
@@ -305,6 +302,24 @@ class PrefixCache:
                 self.tail_hits += 1
                 self.tokens_saved += shared
             return best, shared
+
+    def lookup_prefix(self, hashes: Sequence[bytes], tokens: Sequence[int]
+                      ) -> tuple[list[CachedBlock], CachedTail | None, int]:
+        """The longest reusable cached prefix of ``tokens`` (``hashes``: the chain of
+        their full blocks): its blocks (:meth:`lookup`), then the tail under the last of
+        them sharing the most of the tokens after them, and how many it shares."""
+        blocks = self.lookup(hashes)
+        start = len(blocks) * self.block_size
+        parent = blocks[-1].block_hash if blocks else self.root
+        tail, shared = self.lookup_tail(parent, tokens[start:])
+        return blocks, tail, shared
+
+    def peek_prefix(self, hashes: Sequence[bytes], tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` :meth:`lookup_prefix` would reuse now from memory;
+        changes nothing."""
+        blocks = self.peek(hashes)
+        start = blocks * self.block_size
+        return start + self.peek_tail(hashes[blocks - 1] if blocks else self.root, tokens[start:])
 
     def peek_tail(self, parent_hash: bytes, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` :meth:`lookup_tail` would reuse now; changes nothing."""

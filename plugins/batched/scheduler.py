@@ -288,10 +288,8 @@ class Scheduler:
         if (not inbox or self.batch_window_s <= 0 or self._prefilling or self._decoding
                 or len(inbox) + len(self._waiting) >= self._free_slots()):
             return None
-        try:
-            closes = inbox[0].arrived + self.batch_window_s
-        except IndexError:  # drained meanwhile
-            return None
+        # Only the MLX thread (which asks this) takes requests out of the inbox.
+        closes = inbox[0].arrived + self.batch_window_s
         return closes if time.monotonic() < closes else None
 
     def _drain_inbox(self) -> None:
@@ -323,13 +321,10 @@ class Scheduler:
             blocks: list[CachedBlock] = []
             tail, tail_tokens = None, 0
             if self.prefix_cache.enabled:
-                sequence.block_hashes = self.prefix_cache.hashes(sequence.prompt[:sequence.prefill_target])
-                blocks = self.prefix_cache.lookup(sequence.block_hashes)
-                if not self.layout.needs_boundaries:
-                    start = len(blocks) * self.prefix_cache.block_size
-                    parent = blocks[-1].block_hash if blocks else self.prefix_cache.root
-                    tail, tail_tokens = self.prefix_cache.lookup_tail(
-                        parent, sequence.prompt[start:sequence.prefill_target])
+                prefix = sequence.prompt[:sequence.prefill_target]
+                sequence.block_hashes = self.prefix_cache.hashes(prefix)
+                # Tails are only ever stored for models whose every layer can be cut.
+                blocks, tail, tail_tokens = self.prefix_cache.lookup_prefix(sequence.block_hashes, prefix)
             sequence.cache = self.layout.restore(blocks, tail, tail_tokens)
             if blocks or tail_tokens:
                 # Restoring concatenates blocks lazily: without this the first chunk's
@@ -535,7 +530,7 @@ class Scheduler:
             return
         self._store_prefill_blocks(sequence)
         if end == sequence.prefill_target:
-            self._store_tail(sequence, sequence.cache, sequence.prompt[:end])
+            self._store_tail(sequence.cache, sequence.prompt[:end], sequence.block_hashes)
 
     def _store_prefill_blocks(self, sequence: SequenceState) -> None:
         """Put the blocks prefill just completed into the prefix cache."""
@@ -591,20 +586,17 @@ class Scheduler:
             kv = self.layout.cut(cache, index * block_size, (index + 1) * block_size)
             blocks.append(self.layout.make_block(hashes[index], parent, index, block_size, kv, None))
         self.prefix_cache.insert(blocks, chain=hashes)
-        self._store_tail(sequence, cache, tokens, hashes)
+        self._store_tail(cache, tokens, hashes)
 
-    def _store_tail(self, sequence: SequenceState, cache: list[Any], tokens: list[int],
-                    hashes: list[bytes] | None = None) -> None:
-        """Keep the tokens after the last full block of ``tokens`` (all in ``cache``) as a
-        prefix-cache tail, so the next request continuing them reuses them all."""
+    def _store_tail(self, cache: list[Any], tokens: list[int], hashes: list[bytes]) -> None:
+        """Keep the tokens after the last full block of ``tokens`` (all in ``cache``;
+        ``hashes``: the chain of their full blocks) as a prefix-cache tail, so the next
+        request continuing them reuses them all."""
         if not self.prefix_cache.enabled or self.layout.needs_boundaries or not cache:
             return
         full = len(tokens) // self.prefix_cache.block_size
         if full * self.prefix_cache.block_size == len(tokens):
             return
-        if hashes is None:
-            hashes = self.prefix_cache.extend_hashes(sequence.block_hashes[:sequence.stored_blocks],
-                                                     tokens)
         parent = hashes[full - 1] if full else self.prefix_cache.root
         start = full * self.prefix_cache.block_size
         self.prefix_cache.insert_tail(self.layout.make_tail(parent, tokens[start:], cache, start))
@@ -629,12 +621,9 @@ class Scheduler:
         if not ready:
             return
         logits: dict[int, mx.array] = {}
-        together = [s for s in ready if can_batch(s.cache or ())]
-        groups = [[i for i, s in enumerate(together) if s.prefill_target <= self.prefill_step_size]]
-        for group in groups:
-            if len(group) < 2:
-                continue
-            members = [together[i] for i in group]
+        members = [s for s in ready
+                   if can_batch(s.cache or ()) and s.prefill_target <= self.prefill_step_size]
+        if len(members) > 1:
             rows = [PrefillRow(s.cache, s.prompt[-1:], s.prefill_target) for s in members]
             try:
                 with mx.stream(generation_stream):

@@ -192,6 +192,7 @@ class PagedSSDStore:
     # -- the BlockStore protocol (MLX thread) -----------------------------------------
 
     def contains(self, block_hash: bytes) -> bool:
+        """Whether the block is indexed: on disk, or queued to be written."""
         with self._lock:
             return block_hash in self._index
 
