@@ -7,13 +7,14 @@ subset; parameter names must match, but a plugin may accept fewer of them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from omlx_core.hookspecs import hookspec
 
 if TYPE_CHECKING:
     from omlx_core.config import Config
     from omlx_core.engine import Engine
+    from omlx_core.memory.gate import MemoryReceiver
     from omlx_core.memory.types import BoundarySnapshot, PeakQuery, PreflightRequest, Rejection
     from omlx_core.server_context import ServerContext
     from omlx_core.settings import Setting
@@ -99,15 +100,17 @@ def estimate_peak(query: PeakQuery) -> int | None:
 
 
 @hookspec(firstresult=True)
-def resolve_scheduler(engine: Engine) -> Any | None:
-    """Find the object that receives memory limits for an engine.
+def resolve_scheduler(engine: Engine) -> MemoryReceiver | None:
+    """Find the object that receives memory limits and the forward gate for an engine.
 
     Engines may wrap other engines (a speculative engine around a batched one); the
-    enforcer asks this hook which object actually schedules prefills. An engine that
-    bypasses the scheduler returns its own guard object.
+    enforcer asks this hook, on every poll, which object schedules prefills right now,
+    so a wrapper that switches paths is followed. An engine whose primary path bypasses
+    a scheduler returns its own guard object. The built-in ``memory_guard`` plugin
+    answers last with the engine itself when it is its own receiver.
 
     :param engine: a loaded engine, possibly a wrapper.
-    :returns: an object with ``apply_memory_limits(snapshot)``, or ``None`` if this
+    :returns: a :class:`~omlx_core.memory.gate.MemoryReceiver`, or ``None`` if this
         plugin does not know the engine. firstresult: the first non-``None`` result is used.
     """
 
@@ -116,14 +119,14 @@ def resolve_scheduler(engine: Engine) -> Any | None:
 def preflight(request: PreflightRequest) -> None:
     """Check, before any response byte is sent, that a request can ever fit.
 
-    Runs in the HTTP responder after tokenization (chat template applied, the same
-    tokens the engine will prefill).
+    Runs in the serving pipeline after tokenization (chat template applied, the same
+    tokens the engine will prefill), before admission and before any response byte.
 
     :param request: a :class:`~omlx_core.memory.types.PreflightRequest`: request id,
         model, prompt and cached token counts, chunk size, the current limit snapshot.
-    :returns: nothing. Raise
-        :class:`~omlx_core.memory.types.PrefillMemoryExceededError` to refuse the
-        request; the front end turns it into HTTP 413. Every implementation runs.
+    :returns: nothing. Raise :class:`~omlx_core.memory.types.RequestRejected` with a
+        ``Rejection`` of stage ``"preflight"`` to refuse the request; the front end
+        answers HTTP 413. Every implementation runs.
     """
 
 

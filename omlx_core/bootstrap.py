@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Iterable
 
 from omlx_core.config import Config, load_config, raw_value, read_layers
-from omlx_core.memory.guard import install_memory_guard
+from omlx_core.engine import Engine, GuardedEngine
+from omlx_core.memory.gate import MemoryReceiver
+from omlx_core.memory.guard import MemoryGuard
+from omlx_core.memory.usage import return_freed_buffers_to_the_os
 from omlx_core.pluginmanager import PluginError, PluginManager, build_plugin_manager
 from omlx_core.server_context import ServerContext
 
@@ -77,23 +80,80 @@ def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
     plugins.require(sorted(required))
 
     context = ServerContext(config=config, plugins=plugins)
-    for entry in entries:
-        spec = resolve_model(entry, progress=progress)
-        engine = registered[entry.engine][0](spec, config)
-        log.info("starting engine %r for model %r (%s)", entry.engine, spec.id, spec.path)
-        engine.start()
-        context.engines[spec.id] = engine
-    install_memory_guard(context)
+    try:
+        for entry in entries:
+            spec = resolve_model(entry, progress=progress)
+            engine = registered[entry.engine][0](spec, config)
+            _check_guarded(entry.engine, engine, config)
+            log.info("starting engine %r for model %r (%s)", entry.engine, spec.id, spec.path)
+            engine.start()
+            context.engines[spec.id] = engine
+        install_memory_guard(context)
+        for model_id, engine in context.engines.items():
+            _check_resolvable(model_id, engine, plugins)
+    except BaseException:
+        # Nothing has seen startup yet: stop only what was started.
+        if context.memory_guard is not None:
+            context.memory_guard.close()
+        for engine in context.engines.values():
+            engine.shutdown()
+        raise
     plugins.hook.startup(context=context)
     return context
+
+
+def _check_guarded(name: str, engine: Engine, config: Config) -> None:
+    """Refuse an engine the memory guard cannot protect, unless the operator opted out."""
+    if isinstance(engine, GuardedEngine):
+        return
+    if name in config["memory.unguarded_engines"]:
+        log.warning("engine %r is not memory-guarded (it gives no memory hints and takes no "
+                    "forward gate); it runs because memory.unguarded_engines lists it: its "
+                    "requests get preflight and admission from assumed hints, no per-chunk "
+                    "check", name)
+        return
+    raise PluginError(
+        f"engine {name!r} ({type(engine).__module__}.{type(engine).__qualname__}) is not "
+        "memory-guarded: it does not implement omlx_core.engine.GuardedEngine, so its prefills "
+        "could run the machine out of memory. Use a guarded engine, or accept the risk with "
+        f"--set memory.unguarded_engines={name} (see CONTRIBUTING.md, 'Write an engine')")
+
+
+def _check_resolvable(model_id: str, engine: Engine, plugins: PluginManager) -> None:
+    """A guarded engine must reach the enforcer: refuse to serve one no plugin resolves."""
+    if not isinstance(engine, GuardedEngine):
+        return
+    receiver = plugins.hook.resolve_scheduler(engine=engine)
+    if not isinstance(receiver, MemoryReceiver):
+        raise PluginError(
+            f"model {model_id!r}: no plugin's resolve_scheduler returns a MemoryReceiver for "
+            f"engine type {type(engine).__qualname__} (got {type(receiver).__name__}), so it "
+            "would get no memory limits and no forward gate; implement resolve_scheduler for it "
+            "or make the engine its own MemoryReceiver")
+
+
+def install_memory_guard(context: ServerContext) -> MemoryGuard:
+    """Create the guard for a started server, start its enforcer over the context's
+    engines and set ``context.memory_guard``."""
+    return_freed_buffers_to_the_os()
+    for hook, consequence in (
+            ("estimate_peak", "no request is checked against memory"),
+            ("preflight", "requests that can never fit are not refused before streaming"),
+            ("resolve_scheduler", "engines without their own resolver get no memory limits")):
+        if not getattr(context.plugins.hook, hook).get_hookimpls():
+            log.warning("no loaded plugin implements %s: %s (enable the built-in "
+                        "'estimator' and 'memory_guard' plugins)", hook, consequence)
+    guard = MemoryGuard(context.plugins, context.config)
+    guard.start(lambda: context.engines.values())
+    context.memory_guard = guard
+    return guard
 
 
 def stop_engines(context: ServerContext) -> None:
     """Stop the memory enforcer, run ``shutdown`` hooks (every plugin gets its turn),
     then stop each engine."""
-    close_guard = getattr(context.memory_guard, "close", None)
-    if callable(close_guard):
-        close_guard()
+    if context.memory_guard is not None:
+        context.memory_guard.close()
     for impl in reversed(context.plugins.hook.shutdown.get_hookimpls()):
         try:
             impl.function(context=context)

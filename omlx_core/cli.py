@@ -176,21 +176,42 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     setup = load_setup(args.tier, args.config, _overrides(args))
     infos = setup.plugins.list()
-    engine_owners = {name: owner for name, (_factory, owner)
-                     in setup.plugins.registered_engines().items()}
+    registered = setup.plugins.registered_engines()
+    engine_owners = {name: owner for name, (_factory, owner) in registered.items()}
+    allowed = set(setup.config["memory.unguarded_engines"])
+    guard = {name: _engine_guard(factory, name in allowed)
+             for name, (factory, _owner) in registered.items()}
     if args.json:
         print(json.dumps([{
             "name": i.name, "version": i.version, "source": i.source, "status": i.status,
             "module": i.module, "hooks": i.hooks, "error": i.error,
-            "engines": sorted(n for n, owner in engine_owners.items() if owner == i.name),
+            "engines": {n: guard[n] for n, owner in sorted(engine_owners.items())
+                        if owner == i.name},
         } for i in infos], indent=2))
         return 0
     rows = [(i.name, i.version or "-", i.source, i.status, ", ".join(i.hooks) or "-") for i in infos]
     print(_table(("NAME", "VERSION", "SOURCE", "STATUS", "HOOKS"), rows))
+    if registered:
+        print()
+        print(_table(("ENGINE", "PLUGIN", "MEMORY GUARD"),
+                     [(name, engine_owners[name], guard[name]) for name in sorted(registered)]))
     for info in infos:
         if info.error:
             print(f"\n{info.name}: {info.error}")
     return 1 if any(i.error for i in infos) else 0
+
+
+def _engine_guard(factory: Any, allowed: bool) -> str:
+    """Whether an engine type is memory-guarded, as ``plugins`` shows it."""
+    from omlx_core.engine import GuardedEngine
+
+    if not isinstance(factory, type):
+        return "unknown until started (registered by a factory function)"
+    if issubclass(factory, GuardedEngine):
+        return "guarded"
+    if allowed:
+        return "UNGUARDED: allowed by memory.unguarded_engines"
+    return "unguarded: refused at start (memory.unguarded_engines opts out)"
 
 
 # -- config -----------------------------------------------------------------------------

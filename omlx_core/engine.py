@@ -1,9 +1,35 @@
-"""What an engine is: the contract between the front end and every engine plugin.
+"""The engine contract: what the serving pipeline may ask of every engine plugin.
 
-An engine owns one loaded model. The HTTP layer tokenizes with the engine's own
-tokenizer, submits a :class:`GenerationRequest`, and reads :class:`GenerationOutput`
-items from the returned :class:`RequestHandle` until one carries a ``finish_reason``.
-Closing the handle (or calling :meth:`Engine.abort`) cancels the request.
+An engine owns one loaded model. The serving pipeline (:mod:`omlx_core.serving`) is
+its only caller in a server: it tokenizes with the engine's own tokenizer, checks the
+request against :meth:`Engine.limits`, runs the memory guard, submits a
+:class:`GenerationRequest` and reads :class:`GenerationOutput` items from the returned
+:class:`RequestHandle` until one carries a ``finish_reason``. Closing the handle (or
+:meth:`Engine.abort`) cancels the request.
+
+**What ``submit`` must honour.** Every engine honours the fields of
+:data:`REQUIRED_SAMPLING` (``max_tokens`` is always set by the pipeline and never
+exceeds the room :meth:`Engine.limits` leaves; ``stop`` strings are never emitted,
+not even in part, and the final output names the one that matched). The optional
+fields an engine honours are listed in its :attr:`Engine.supported_sampling`; the
+pipeline refuses a request that sets any other with HTTP 400, so an engine never
+silently ignores a parameter. ``submit`` raises ``ValueError`` for a request it cannot
+serve as sent (HTTP 400); anything else it raises is an engine failure (HTTP 500).
+
+**Threads.** The pipeline calls an engine from many threads at once (one per HTTP
+request). mlx work belongs on the process's one MLX thread
+(:func:`omlx_core.mlx_thread.mlx_thread`): an engine attaches a
+:class:`~omlx_core.mlx_thread.Worker` to it and ``submit`` only validates and
+enqueues. Nothing on the MLX thread may sleep or block on another thread.
+
+**Memory.** An engine is memory-guarded when it is a :class:`GuardedEngine`: it
+describes how it allocates (:meth:`GuardedEngine.memory_hints`), and the object the
+``resolve_scheduler`` hook finds for it is a
+:class:`~omlx_core.memory.gate.MemoryReceiver` that takes limit snapshots and asks the
+:class:`~omlx_core.memory.gate.ForwardGate` before every prefill forward. The server
+refuses to start an engine that is not, unless the operator lists its name in
+``memory.unguarded_engines``; such an engine still gets preflight and admission, from
+the conservative :func:`assumed_hints`, but no forward gate.
 """
 
 from __future__ import annotations
@@ -13,27 +39,39 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 if TYPE_CHECKING:
+    from omlx_core.memory.types import RequestRejected
     from omlx_core.models.registry import ModelSpec
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
-#: What kind of failure a ``finish_reason="error"`` output reports (``error_type``):
-#: ``"memory"``: the request fit at admission but memory ran short while it ran (a
-#: memory guard stopped it; retrying later can succeed); ``"invalid"``: the request
-#: cannot be served as sent; ``"internal"``: an engine bug. ``None`` reads as internal.
-ERROR_TYPES = ("memory", "invalid", "internal")
+#: What kind of failure a ``finish_reason="error"`` output without a memory rejection
+#: reports (``error_type``): ``"invalid"``: the request cannot be served as sent;
+#: ``"internal"``: an engine bug. ``None`` reads as internal.
+ERROR_TYPES = ("invalid", "internal")
+
+#: Sampling fields every engine honours.
+REQUIRED_SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+                               "stop", "stop_token_ids"})
+#: Sampling fields an engine may honour; it lists the ones it does in ``supported_sampling``.
+OPTIONAL_SAMPLING = frozenset({"repetition_penalty", "presence_penalty", "frequency_penalty",
+                               "logit_bias", "logprobs"})
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` is greedy decoding."""
+    """Per-request sampling. ``temperature == 0`` is greedy decoding.
+
+    ``max_tokens`` is ``None`` only before the serving pipeline has settled it (from the
+    request, else ``engine.max_tokens``, shortened to the context where allowed); an
+    engine always receives a number.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 512
+    max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     repetition_penalty: float = 1.0
@@ -42,6 +80,11 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     # None: no logprobs; 0: the chosen token's; k > 0: also the k most likely.
     logprobs: int | None = None
+
+    def optional_fields_set(self) -> set[str]:
+        """The :data:`OPTIONAL_SAMPLING` fields that differ from their neutral value."""
+        neutral = SamplingParams()
+        return {name for name in OPTIONAL_SAMPLING if getattr(self, name) != getattr(neutral, name)}
 
 
 @dataclass
@@ -81,8 +124,13 @@ class GenerationOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None
     error: str | None = None
-    #: with ``finish_reason="error"``: one of :data:`ERROR_TYPES` (``None``: internal)
+    #: with ``finish_reason="error"`` and no ``rejected``: one of :data:`ERROR_TYPES`
     error_type: str | None = None
+    #: with ``finish_reason="error"``: the memory guard stopped the request (a forward
+    #: gate refusal or the post-forward backstop); retrying later can succeed
+    rejected: RequestRejected | None = None
+    #: with ``finish_reason="stop"``: the stop string that ended the text, if one did
+    stop_sequence: str | None = None
     usage: Usage | None = None
 
     @property
@@ -109,11 +157,47 @@ class RequestHandle(abc.ABC):
         self.close()
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a started engine can take; the pipeline checks requests against it."""
+
+    #: longest prompt + completion in tokens; ``None``: the model sets no limit
+    context_length: int | None
+    #: logits width: every token id (prompt, ``logit_bias``, stop ids) is below it
+    vocab_size: int
+    #: requests it runs at once (a batch); more wait in its queue
+    max_running: int = 1
+
+
+@dataclass(frozen=True)
+class MemoryHints:
+    """How an engine allocates, for the memory estimate (``estimate_peak``).
+
+    The defaults are the conservative reading: an engine that does not know better
+    is costed as evaluating every prompt position's logits and copying a reused prefix.
+    """
+
+    #: most prompt tokens one prefill forward takes
+    prefill_step_size: int
+    #: bytes per activation element of the loaded model (4 for float32)
+    activation_dtype_bytes: int = 4
+    #: whether prefill evaluates the logits of every prompt position (not only the last)
+    prefill_full_logits: bool = True
+    #: whether a reused cached prefix stays where it is (True) or is copied into the
+    #: request's own cache, allocated again (False)
+    cached_kv_resident: bool = False
+    #: whether requests share a padded decode batch (mlx-lm's ``BatchGenerator`` pads
+    #: every sequence's KV to the longest): each then costs as much as the largest
+    decode_batch_padded: bool = True
+
+
 class Engine(abc.ABC):
     """One loaded model, serving many requests."""
 
     #: the model this engine serves
     model: ModelSpec
+    #: the :data:`OPTIONAL_SAMPLING` fields this engine honours
+    supported_sampling: frozenset[str] = frozenset()
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -124,8 +208,16 @@ class Engine(abc.ABC):
         """Abort outstanding requests and stop the worker."""
 
     @abc.abstractmethod
+    def limits(self) -> EngineLimits:
+        """Context length, vocabulary and batch size of the started engine."""
+
+    @abc.abstractmethod
     def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
-        """Token ids of ``messages`` with the model's chat template and a generation prompt."""
+        """Token ids of ``messages`` with the model's chat template and a generation prompt.
+
+        A template that rejects the messages raises ``ValueError`` (or jinja2's
+        ``TemplateError``): the pipeline answers HTTP 400.
+        """
 
     @abc.abstractmethod
     def tokenize(self, text: str) -> list[int]:
@@ -139,10 +231,42 @@ class Engine(abc.ABC):
     def abort(self, request_id: str) -> None:
         """Stop a request within one engine step and free its cache. Unknown ids are ignored."""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes token ``token_id`` stands for (for logprobs)."""
+        from omlx_core.models.tokens import token_texts
+
+        return token_texts(self.model.path).bytes_of(token_id)
+
     def cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """Prompt tokens whose KV is already resident and would not be prefilled again."""
         return 0
 
     def stats(self) -> dict[str, Any]:
-        """Counters for metrics and ``/health`` (queue depth, batch size, cache hits...)."""
+        """Counters for metrics and ``/health``; include ``queue_depth`` (requests
+        waiting in the engine) and ``running``. Nested dicts are flattened."""
         return {}
+
+
+class GuardedEngine(Engine):
+    """An engine the memory guard protects at every stage (see the module docstring)."""
+
+    @abc.abstractmethod
+    def memory_hints(self) -> MemoryHints:
+        """How the started engine allocates (read for every estimate)."""
+
+
+#: the prefill step assumed for an engine that states none: mlx-lm's ``generate_step``
+#: default, which engines built on ``stream_generate`` use
+ASSUMED_PREFILL_STEP = 2048
+
+
+def assumed_hints() -> MemoryHints:
+    """The hints of an engine that gives none (one the operator let run unguarded)."""
+    return MemoryHints(prefill_step_size=ASSUMED_PREFILL_STEP)
+
+
+def memory_hints_of(engine: Engine) -> MemoryHints:
+    """``engine``'s own hints, or :func:`assumed_hints` for an unguarded engine."""
+    if isinstance(engine, GuardedEngine):
+        return engine.memory_hints()
+    return assumed_hints()

@@ -65,7 +65,7 @@ def test_example_is_listed_by_omlx_core_plugins(fresh_venv):
     assert sequential["source"] == "distribution omlx-sequential-engine"
     assert sequential["version"] == "0.1.0"
     assert sequential["hooks"] == ["register_engines"]
-    assert sequential["engines"] == ["sequential"]
+    assert sequential["engines"] == {"sequential": "guarded"}
     assert plugins["batched"]["source"] == "built-in"
 
 

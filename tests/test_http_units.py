@@ -1,15 +1,14 @@
-"""The front end's pure parts: schema checking and its messages, stop strings, token
-bytes for logprobs, and the two error shapes."""
+"""The front end's pure parts: schema checking and its messages, token bytes for
+logprobs, and the two error shapes."""
 
 from __future__ import annotations
 
 import pytest
 
 from omlx_core.http.errors import anthropic_error_body, openai_error_body
-from omlx_core.http.generation import StopMatcher
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST, MESSAGES_REQUEST
-from omlx_core.http.tokens import TokenTexts
 from omlx_core.http.validation import SchemaViolation, validate
+from omlx_core.models.tokens import TokenTexts
 from omlx_core.testing import cached_model
 
 
@@ -65,21 +64,6 @@ def test_non_finite_and_huge_numbers_are_rejected() -> None:
     assert "finite" in violation({"model": "m", "messages": CHAT,
                                   "temperature": float("inf")}).message
     assert violation({"model": "m", "messages": CHAT, "max_tokens": 2**80}).param == "max_tokens"
-
-
-def feed_all(matcher: StopMatcher, pieces: list[str]) -> str:
-    out = "".join(matcher.feed(piece) for piece in pieces)
-    return out if matcher.matched else out + matcher.flush()
-
-
-def test_stop_matcher_across_pieces() -> None:
-    matcher = StopMatcher(["world"])
-    assert matcher.feed("Hello wor") == "Hello "  # "wor" may start the stop string
-    assert matcher.feed("ld and more") == "" and matcher.matched == "world"
-    assert feed_all(StopMatcher(["world"]), ["wo", "x", "yz"]) == "woxyz"
-    assert feed_all(StopMatcher(["b", "abc"]), ["xa", "bc"]) == "x"  # the earliest match wins
-    assert feed_all(StopMatcher([]), ["any", "thing"]) == "anything"
-    assert feed_all(StopMatcher(["\n\n"]), ["line\n", "\nnext"]) == "line"
 
 
 def test_token_bytes_spell_the_text_even_across_character_boundaries(tmp_path) -> None:

@@ -47,6 +47,9 @@ CORE_SETTINGS: list[Setting] = [
             "extra headroom the forward gate adds to each prefill chunk's estimate"),
     Setting("memory.queue_size", "int", "requests that may wait for memory before 503", minimum=0),
     Setting("memory.queue_timeout_s", "float", "longest a request waits for memory", minimum=0),
+    Setting("memory.unguarded_engines", "list",
+            "engine names allowed to run without the memory guard's cooperation (no memory "
+            "hints, no forward gate); empty: such engines are refused at start"),
     *(s for tier in MEMORY_TIERS for s in _tier_settings(tier)),
     Setting("engine.max_batch_size", "int", "most sequences decoded together", minimum=1, maximum=4096),
     Setting("engine.prefill_step_size", "int", "prefill chunk size in tokens", minimum=16,

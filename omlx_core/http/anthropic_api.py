@@ -8,10 +8,10 @@ import falcon
 
 from omlx_core.engine import SamplingParams
 from omlx_core.http.body import read_request
-from omlx_core.http.errors import anthropic_error_body
-from omlx_core.http.generation import Generation, Generations, Job
+from omlx_core.http.errors import anthropic_error_body, api_error
 from omlx_core.http.schemas import MESSAGES_REQUEST
-from omlx_core.http.sse import frame, respond
+from omlx_core.http.sse import Responder, frame
+from omlx_core.serving import Generation, Job
 
 
 def _text(content: Any) -> str:
@@ -35,7 +35,7 @@ def messages_job(body: Mapping[str, Any]) -> Job:
     # Anthropic clients treat max_tokens as a cap and often send more than a small
     # model's context holds; it is shortened to fit rather than refused.
     return Job(body["model"], sampling, messages=messages, prompt_param="messages",
-               max_tokens_param="max_tokens", max_tokens_given=False, id_prefix="msg_")
+               max_tokens_param="max_tokens", max_tokens_is_cap=True, id_prefix="msg_")
 
 
 def _stop_reason(generation: Generation) -> str:
@@ -49,8 +49,11 @@ def _usage(generation: Generation) -> dict[str, Any]:
             "cache_read_input_tokens": generation.cached_tokens, "cache_creation_input_tokens": 0}
 
 
-def _error_frames(message: str) -> list[bytes]:
-    return [frame(anthropic_error_body(500, message, "stream_error"), event="error")]
+def error_frames(error: Exception) -> list[bytes]:
+    """An error after the first byte, in-band: Anthropic's ``error`` event."""
+    rendered = api_error(error)
+    return [frame(anthropic_error_body(rendered.status, rendered.message, rendered.code,
+                                       rendered.extra), event="error")]
 
 
 def _event(kind: str, **fields: Any) -> bytes:
@@ -58,16 +61,16 @@ def _event(kind: str, **fields: Any) -> bytes:
 
 
 class Messages:
-    def __init__(self, generations: Generations, max_body: int):
-        self.generations = generations
+    def __init__(self, responder: Responder, max_body: int):
+        self.responder = responder
         self.max_body = max_body
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_request(req, self.max_body, MESSAGES_REQUEST)
-        generation = self.generations.start(messages_job(body), req.env)
-        respond(resp, self.generations, generation, stream=bool(body.get("stream")),
-                collect=self.collect, frames=lambda: self.events(generation),
-                error_frames=_error_frames)
+        generation = self.responder.start(messages_job(body), req)
+        self.responder.respond(resp, generation, stream=bool(body.get("stream")),
+                               collect=self.collect, frames=lambda: self.events(generation),
+                               error_frames=error_frames)
 
     def _message(self, generation: Generation, content: list, stop_reason: str | None,
                  stop_sequence: str | None, usage: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +81,7 @@ class Messages:
     def collect(self, generation: Generation) -> dict[str, Any]:
         text = "".join(delta.text for delta in generation.deltas())
         if generation.finish_reason not in ("stop", "length"):
-            raise self.generations.generation_error(generation)
+            raise api_error(generation.failure or RuntimeError("generation failed"))
         return self._message(generation, [{"type": "text", "text": text}], _stop_reason(generation),
                              generation.stop_sequence, _usage(generation))
 
@@ -92,8 +95,7 @@ class Messages:
                 yield _event("content_block_delta", index=0,
                              delta={"type": "text_delta", "text": delta.text})
         if generation.finish_reason not in ("stop", "length"):
-            self.generations.stream_error(generation)
-            yield from _error_frames(generation.error or "generation failed")
+            yield from self.responder.stream_error(generation, error_frames)
             return
         yield _event("content_block_stop", index=0)
         yield _event("message_delta",

@@ -12,11 +12,11 @@ import falcon
 from omlx_core.http.anthropic_api import Messages
 from omlx_core.http.auth import APIKeyAuth
 from omlx_core.http.errors import install_error_handlers
-from omlx_core.http.generation import Generations
-from omlx_core.http.inflight import InFlight
 from omlx_core.http.metrics import CONTENT_TYPE, Metrics
 from omlx_core.http.openai_api import ChatCompletions, Models, TextCompletions
 from omlx_core.http.openapi import openapi_document
+from omlx_core.http.sse import Responder
+from omlx_core.serving import ServingPipeline
 from omlx_core.settings import parse_size
 
 if TYPE_CHECKING:
@@ -41,9 +41,9 @@ class RequestCounter:
 
 
 class Health:
-    def __init__(self, context: ServerContext, in_flight: InFlight):
+    def __init__(self, context: ServerContext, pipeline: ServingPipeline):
         self.context = context
-        self.in_flight = in_flight
+        self.in_flight = pipeline.in_flight
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         engines = {}
@@ -83,16 +83,13 @@ class Frontend:
     """The app and the state a server needs to shut it down cleanly."""
 
     app: falcon.App
-    generations: Generations
+    pipeline: ServingPipeline
     metrics: Metrics
-    in_flight: InFlight
     max_body: int
 
     def shutdown(self) -> int:
         """Abort every in-flight request (their streams end with an in-band error)."""
-        aborted = self.in_flight.abort_all()
-        self.in_flight.stop()
-        return aborted
+        return self.pipeline.close()
 
 
 def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = None,
@@ -101,25 +98,25 @@ def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = N
     config = context.config
     keys = list(config.get("server.api_keys", []) or []) if api_keys is None else list(api_keys)
     body_limit = parse_size(config.get("server.max_body", "8MiB")) if max_body is None else max_body
-    holder: dict[str, Metrics] = {}
-    in_flight = InFlight(on_disconnect=lambda _rid: holder["metrics"].client_disconnects.inc())
-    metrics = holder["metrics"] = Metrics(context, lambda: len(in_flight))
-    generations = Generations(context, metrics, in_flight)
+    holder: dict[str, ServingPipeline] = {}
+    metrics = Metrics(context, lambda: len(holder["pipeline"].in_flight))
+    pipeline = holder["pipeline"] = ServingPipeline(context, metrics)
+    responder = Responder(pipeline, metrics)
     auth = APIKeyAuth(keys)
     app = falcon.App(middleware=[RequestCounter(metrics), auth])
     app.req_options.strip_url_path_trailing_slash = True
     install_error_handlers(app)
-    models = Models(generations)
-    app.add_route("/v1/chat/completions", ChatCompletions(generations, body_limit))
-    app.add_route("/v1/completions", TextCompletions(generations, body_limit))
-    app.add_route("/v1/messages", Messages(generations, body_limit))
+    models = Models(responder)
+    app.add_route("/v1/chat/completions", ChatCompletions(responder, body_limit))
+    app.add_route("/v1/completions", TextCompletions(responder, body_limit))
+    app.add_route("/v1/messages", Messages(responder, body_limit))
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="one")
-    app.add_route("/health", Health(context, in_flight))
+    app.add_route("/health", Health(context, pipeline))
     app.add_route("/metrics", MetricsResource(metrics))
     app.add_route("/openapi.json", OpenAPIResource(openapi_document(list(context.engines),
                                                                     auth.enabled)))
-    return Frontend(app, generations, metrics, in_flight, body_limit)
+    return Frontend(app, pipeline, metrics, body_limit)
 
 
 def create_app(context: ServerContext) -> falcon.App:

@@ -1,8 +1,11 @@
 """Errors a client can act on, and how each API spells them.
 
-A responder raises :class:`APIError` (or a falcon ``HTTPError``); the handlers here
-render it as an OpenAI error object, or on ``/v1/messages`` as an Anthropic one. Only
-a genuine bug reaches the catch-all, which logs it and answers a JSON 500.
+A responder raises :class:`APIError` (or a falcon ``HTTPError``), or lets a typed error
+of the serving pipeline through; :func:`api_error` is the one mapping from those to an
+HTTP status, code and fields, used before the first byte (the handlers here) and after
+it (in-band stream errors). The handlers render an OpenAI error object, or on
+``/v1/messages`` an Anthropic one. Only a genuine bug reaches the catch-all, which logs
+it and answers a JSON 500.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import logging
 from typing import Any, Mapping
 
 import falcon
+
+from omlx_core.memory.types import RequestRejected
+from omlx_core.serving import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,43 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def rejection_error(error: RequestRejected) -> APIError:
+    """A memory refusal: 413 when the request can never fit here (preflight), else 503
+    with ``Retry-After`` (memory is short now; the same request can succeed later)."""
+    rejection = error.rejection
+    breakdown = rejection.breakdown
+    extra: dict[str, Any] = {
+        "stage": rejection.stage, "cause": rejection.cause,
+        "estimated_bytes": rejection.estimated_bytes, "limit_bytes": rejection.limit_bytes,
+        "base_bytes": rejection.base_bytes, "binding_ceiling": rejection.binding,
+        "ceilings": breakdown.ceilings() if breakdown is not None else {},
+        "prompt_tokens": rejection.prompt_tokens, "advice": list(error.advice),
+    }
+    if rejection.stage == "preflight":
+        return APIError(413, str(error), code="prefill_memory_exceeded", extra=extra)
+    retry_after = max(1, int(round(error.retry_after_s or 1.0)))
+    code = "admission_queue_full" if rejection.stage == "admission" else "memory_pressure"
+    return APIError(503, str(error), code=code, headers={"Retry-After": str(retry_after)},
+                    extra={**extra, "retry_after_s": retry_after})
+
+
+def api_error(error: Exception) -> APIError:
+    """The HTTP rendering of a serving error (or any other exception: a 500)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, RequestRejected):
+        return rejection_error(error)
+    if isinstance(error, UnknownModel):
+        return APIError(404, error.message, code=error.code, param=error.param)
+    if isinstance(error, InvalidRequest):
+        return APIError(400, error.message, code=error.code, param=error.param)
+    if isinstance(error, RequestAborted):
+        return APIError(503, str(error), code="aborted")
+    if isinstance(error, EngineFailed):
+        return APIError(500, str(error), code="engine_error")
+    return APIError(500, f"internal error ({type(error).__name__}: {error})", code="internal_error")
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -111,7 +154,14 @@ def handle_unexpected_error(req: falcon.Request, resp: falcon.Response, error: E
                                    "has the traceback", code="internal_error"))
 
 
+def handle_serving_error(req: falcon.Request, resp: falcon.Response, error: Exception,
+                         params: dict) -> None:
+    _send(req, resp, api_error(error))
+
+
 def install_error_handlers(app: falcon.App) -> None:
     app.add_error_handler(Exception, handle_unexpected_error)
     app.add_error_handler(falcon.HTTPError, handle_falcon_error)
     app.add_error_handler(APIError, handle_api_error)
+    app.add_error_handler((InvalidRequest, RequestRejected, EngineFailed, RequestAborted),
+                          handle_serving_error)

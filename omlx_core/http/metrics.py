@@ -1,6 +1,7 @@
 """Prometheus metrics of one app, in its own registry (two apps in a process never mix).
 
-Counters and the TTFT histogram are updated as requests run; engine counters, queue
+Counters and the TTFT histogram are updated as requests run (:class:`Metrics` is the
+serving pipeline's :class:`~omlx_core.serving.ServingEvents`); engine counters, queue
 depths and memory readings are read at scrape time from ``engine.stats()`` and from the
 memory guard's latest limit snapshot, and a source that fails is skipped, never fatal.
 """
@@ -17,18 +18,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from omlx_core.serving import ServingEvents
+
 if TYPE_CHECKING:
+    from omlx_core.memory.types import RequestRejected
     from omlx_core.server_context import ServerContext
 
 log = logging.getLogger(__name__)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-QUEUE_DEPTH_KEYS = ("queue_depth", "waiting", "queued")
-CACHE_HIT_KEYS = ("prefix_cache_hits", "cache_hits")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-class Metrics:
+class Metrics(ServingEvents):
     """What the front end counts, plus the collector that reads live values on scrape."""
 
     def __init__(self, context: ServerContext, in_flight: Callable[[], int]):
@@ -47,11 +49,9 @@ class Metrics:
                               "request arrival to first generated output", ["model"],
                               buckets=TTFT_BUCKETS, registry=registry)
         self.rejections = Counter(
-            "omlx_memory_rejections", "requests refused because they can never fit in memory, "
-            "by the ceiling that binds", ["binding", "stage"], registry=registry)
-        self.queue_full = Counter("omlx_admission_queue_full",
-                                  "requests refused with 503 because the admission queue is full",
-                                  registry=registry)
+            "omlx_memory_rejections", "requests a memory guard refused, by stage (preflight: "
+            "can never fit, 413; admission, forward: memory short now, 503 or in-band), cause "
+            "and the ceiling that binds", ["binding", "stage", "cause"], registry=registry)
         self.stream_errors = Counter("omlx_stream_errors",
                                      "errors sent in-band after a stream had started", ["model"],
                                      registry=registry)
@@ -62,6 +62,25 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    # -- ServingEvents ----------------------------------------------------------------------
+
+    def admitted(self, model_id: str, prompt_tokens: int, ttft_s: float) -> None:
+        self.ttft.labels(model_id).observe(ttft_s)
+        self.prompt_tokens.labels(model_id).inc(prompt_tokens)
+
+    def rejected(self, model_id: str, error: RequestRejected) -> None:
+        rejection = error.rejection
+        self.rejections.labels(rejection.binding or "unknown", rejection.stage,
+                               rejection.cause).inc()
+
+    def finished(self, model_id: str, completion_tokens: int, cached_tokens: int) -> None:
+        self.completion_tokens.labels(model_id).inc(completion_tokens)
+        if cached_tokens:
+            self.cached_prompt_tokens.labels(model_id).inc(cached_tokens)
+
+    def disconnected(self, request_id: str) -> None:
+        self.client_disconnects.inc()
 
 
 def _number(value: Any) -> float | None:
@@ -86,20 +105,6 @@ def _flatten(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _metric_name(key: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower() or "value"
-
-
-def guard_snapshot(guard: Any) -> Any | None:
-    """The guard's latest :class:`~omlx_core.memory.types.LimitSnapshot`, if it exposes one."""
-    if guard is None:
-        return None
-    for name in ("snapshot", "limits", "latest_snapshot"):
-        found = getattr(guard, name, None)
-        if found is None:
-            continue
-        value = found() if callable(found) else found
-        if value is not None and hasattr(value, "hard_bytes"):
-            return value
-    return None
 
 
 class _LiveValues(Collector):
@@ -128,14 +133,10 @@ class _LiveValues(Collector):
             except Exception:
                 log.warning("engine.stats() of %s failed", model_id, exc_info=True)
                 continue
-            for key in QUEUE_DEPTH_KEYS:
-                if (value := _number(stats.get(key))) is not None:
-                    queue.add_metric([model_id], value)
-                    break
-            for key in CACHE_HIT_KEYS:
-                if (value := _number(stats.get(key))) is not None:
-                    hits.add_metric([model_id], value)
-                    break
+            if (value := _number(stats.get("queue_depth"))) is not None:
+                queue.add_metric([model_id], value)
+            if (value := _number(stats.get("prefix_cache_hits"))) is not None:
+                hits.add_metric([model_id], value)
             for key, raw in stats.items():
                 value = _number(raw)
                 if value is None:
@@ -152,7 +153,9 @@ class _LiveValues(Collector):
 
     def _memory_values(self) -> Iterator[GaugeMetricFamily]:
         guard = self._context.memory_guard
-        snapshot = guard_snapshot(guard)
+        if guard is None:
+            return
+        snapshot = guard.snapshot
         if snapshot is not None:
             ceilings = GaugeMetricFamily("omlx_memory_ceiling_bytes", "each memory ceiling",
                                          labels=["ceiling"])
@@ -172,10 +175,5 @@ class _LiveValues(Collector):
                                          labels=["ceiling"])
                 flag.add_metric([binding], 1)
                 yield flag
-        for name in ("queue_depth", "waiting"):
-            value = getattr(guard, name, None) if guard is not None else None
-            value = value() if callable(value) else value
-            if (number := _number(value)) is not None:
-                yield GaugeMetricFamily("omlx_admission_queue_depth",
-                                        "requests waiting for memory", value=number)
-                break
+        yield GaugeMetricFamily("omlx_admission_queue_depth", "requests waiting for memory",
+                                value=guard.waiting)

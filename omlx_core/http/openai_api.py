@@ -9,11 +9,10 @@ import falcon
 
 from omlx_core.engine import SamplingParams, TokenLogprob
 from omlx_core.http.body import read_request
-from omlx_core.http.errors import bad_request, openai_error_body
-from omlx_core.http.generation import Generation, Generations, Job
+from omlx_core.http.errors import api_error, bad_request, openai_error_body
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST
-from omlx_core.http.sse import frame, respond
-from omlx_core.http.tokens import token_texts
+from omlx_core.http.sse import Responder, frame
+from omlx_core.serving import Generation, Job
 
 DONE = b"data: [DONE]\n\n"
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -24,7 +23,8 @@ def _get(body: Mapping[str, Any], name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def sampling_from(body: Mapping[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_from(body: Mapping[str, Any], max_tokens: int | None,
+                  logprobs: int | None) -> SamplingParams:
     """Sampling parameters shared by chat and text completions (already schema-checked)."""
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -58,7 +58,7 @@ def _message_text(content: Any) -> str:
     return "".join(part["text"] for part in content)
 
 
-def chat_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
+def chat_job(body: Mapping[str, Any]) -> Job:
     messages = [{"role": "system" if m["role"] == "developer" else m["role"],
                  "content": _message_text(m["content"])} for m in body["messages"]]
     given = body.get("max_completion_tokens")
@@ -70,12 +70,12 @@ def chat_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
         logprobs = int(_get(body, "top_logprobs", 0))
     elif body.get("top_logprobs") is not None:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    sampling = sampling_from(body, int(given) if given is not None else default_max_tokens, logprobs)
-    return Job(body["model"], sampling, messages=messages, max_tokens_given=given is not None,
-               prompt_param="messages", max_tokens_param=param, id_prefix="chatcmpl-")
+    sampling = sampling_from(body, int(given) if given is not None else None, logprobs)
+    return Job(body["model"], sampling, messages=messages, prompt_param="messages",
+               max_tokens_param=param, id_prefix="chatcmpl-")
 
 
-def completion_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
+def completion_job(body: Mapping[str, Any]) -> Job:
     prompt = body["prompt"]
     text, token_ids = None, None
     if isinstance(prompt, str):
@@ -86,10 +86,10 @@ def completion_job(body: Mapping[str, Any], default_max_tokens: int) -> Job:
         token_ids = [int(t) for t in prompt]
     given = body.get("max_tokens")
     logprobs = body.get("logprobs")
-    sampling = sampling_from(body, int(given) if given is not None else default_max_tokens,
+    sampling = sampling_from(body, int(given) if given is not None else None,
                              int(logprobs) if logprobs is not None else None)
-    return Job(body["model"], sampling, text=text, token_ids=token_ids,
-               max_tokens_given=given is not None, prompt_param="prompt", id_prefix="cmpl-")
+    return Job(body["model"], sampling, text=text, token_ids=token_ids, prompt_param="prompt",
+               id_prefix="cmpl-")
 
 
 def usage_of(generation: Generation) -> dict[str, Any]:
@@ -101,15 +101,18 @@ def usage_of(generation: Generation) -> dict[str, Any]:
     }
 
 
-def _error_frames(message: str) -> list[bytes]:
-    return [frame(openai_error_body(500, message, "stream_error")), DONE]
+def error_frames(error: Exception) -> list[bytes]:
+    """An error after the first byte, in-band: the error object as an event, then [DONE]."""
+    rendered = api_error(error)
+    return [frame(openai_error_body(rendered.status, rendered.message, rendered.code,
+                                    rendered.param, rendered.extra)), DONE]
 
 
 class _Logprobs:
     """Turns engine logprobs into the two OpenAI shapes (chat and legacy completions)."""
 
     def __init__(self, generation: Generation):
-        self._texts = token_texts(generation.engine.model.path)
+        self._bytes_of = generation.token_bytes
         self._offset = 0
 
     def chat(self, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
@@ -121,21 +124,24 @@ class _Logprobs:
         return entry
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        raw = self._texts.bytes_of(token_id)
+        raw = self._bytes_of(token_id)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
                 "bytes": list(raw)}
+
+    def _text_of(self, token_id: int) -> str:
+        return self._bytes_of(token_id).decode("utf-8", errors="replace")
 
     def completion(self, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
         tokens, offsets = [], []
         for lp in logprobs:
-            text = self._texts.text_of(lp.token_id)
+            text = self._text_of(lp.token_id)
             tokens.append(text)
             offsets.append(self._offset)
             self._offset += len(text)
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self._texts.text_of(t): v for t, v in lp.top} for lp in logprobs],
+            "top_logprobs": [{self._text_of(t): v for t, v in lp.top} for lp in logprobs],
             "text_offset": offsets,
         }
 
@@ -152,12 +158,10 @@ def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
 class _Completions:
     """What chat completions and text completions share: run, stream or collect."""
 
-    object_name = ""
-    chunk_object_name = ""
     schema: Mapping[str, Any] = {}
 
-    def __init__(self, generations: Generations, max_body: int):
-        self.generations = generations
+    def __init__(self, responder: Responder, max_body: int):
+        self.responder = responder
         self.max_body = max_body
 
     def job(self, body: Mapping[str, Any]) -> Job:
@@ -167,10 +171,10 @@ class _Completions:
         body = read_request(req, self.max_body, self.schema)
         job = self.job(body)
         stream, include_usage = _stream_flags(body)
-        generation = self.generations.start(job, req.env)
-        respond(resp, self.generations, generation, stream=stream, collect=self.collect,
-                frames=lambda: self.frames(generation, include_usage),
-                error_frames=_error_frames)
+        generation = self.responder.start(job, req)
+        self.responder.respond(resp, generation, stream=stream, collect=self.collect,
+                               frames=lambda: self.frames(generation, include_usage),
+                               error_frames=error_frames)
 
     def collect(self, generation: Generation) -> dict[str, Any]:
         raise NotImplementedError
@@ -186,14 +190,14 @@ class _Completions:
         return generation.finish_reason not in FINISH_REASONS
 
     def _raise_generation_error(self, generation: Generation) -> None:
-        raise self.generations.generation_error(generation)
+        raise api_error(generation.failure or RuntimeError("generation failed"))
 
 
 class ChatCompletions(_Completions):
     schema = CHAT_COMPLETION_REQUEST
 
     def job(self, body: Mapping[str, Any]) -> Job:
-        return chat_job(body, self.generations.default_max_tokens)
+        return chat_job(body)
 
     def collect(self, generation: Generation) -> dict[str, Any]:
         wants_logprobs = generation.sampling.logprobs is not None
@@ -228,8 +232,7 @@ class ChatCompletions(_Completions):
             entries = logprobs.chat(delta.logprobs) if logprobs and delta.logprobs else None
             yield chunk({"content": delta.text}, token_logprobs=entries)
         if self._ended_in_error(generation):
-            yield from _error_frames(generation.error or "generation failed")
-            self.generations.stream_error(generation)
+            yield from self.responder.stream_error(generation, error_frames)
             return
         yield chunk({}, FINISH_REASONS[generation.finish_reason])
         if include_usage:
@@ -241,7 +244,7 @@ class TextCompletions(_Completions):
     schema = COMPLETION_REQUEST
 
     def job(self, body: Mapping[str, Any]) -> Job:
-        return completion_job(body, self.generations.default_max_tokens)
+        return completion_job(body)
 
     def collect(self, generation: Generation) -> dict[str, Any]:
         logprobs = _Logprobs(generation) if generation.sampling.logprobs is not None else None
@@ -272,8 +275,7 @@ class TextCompletions(_Completions):
             entries = logprobs.completion(delta.logprobs) if logprobs and delta.logprobs else None
             yield chunk(delta.text, token_logprobs=entries)
         if self._ended_in_error(generation):
-            yield from _error_frames(generation.error or "generation failed")
-            self.generations.stream_error(generation)
+            yield from self.responder.stream_error(generation, error_frames)
             return
         yield chunk("", FINISH_REASONS[generation.finish_reason])
         if include_usage:
@@ -282,8 +284,8 @@ class TextCompletions(_Completions):
 
 
 class Models:
-    def __init__(self, generations: Generations):
-        self.generations = generations
+    def __init__(self, responder: Responder):
+        self.pipeline = responder.pipeline
         self.started = int(time.time())
 
     def _entry(self, model_id: str) -> dict[str, Any]:
@@ -291,8 +293,8 @@ class Models:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.media = {"object": "list",
-                      "data": [self._entry(m) for m in self.generations.context.engines]}
+                      "data": [self._entry(m) for m in self.pipeline.context.engines]}
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
-        self.generations.engine(model_id)
+        self.pipeline.engine(model_id)
         resp.media = self._entry(model_id)

@@ -2,7 +2,7 @@
 
 Waitress runs with ``channel_request_lookahead = 1`` so its event loop keeps reading a
 connection while a request on it is being served; that is how it notices a client
-that hangs up mid-stream (see :mod:`omlx_core.http.inflight`).
+that hangs up mid-stream (see :mod:`omlx_core.serving.inflight`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Server-sent events, and the response body that ends a generation when it is closed.
+"""Server-sent events, the response body that ends a generation when it is closed, and
+the :class:`Responder` through which every generating route uses the serving pipeline.
 
 The status line is on the wire before the first frame, so nothing in here may raise: an
 error after the first byte is sent in-band by the API's formatter, and a bug in a
@@ -11,9 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from omlx_core.http.generation import Generation, Generations
+from omlx_core.serving import Generation, Job, ServingPipeline
+
+if TYPE_CHECKING:
+    import falcon
+
+    from omlx_core.http.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +42,7 @@ class StreamBody:
     """The WSGI response iterable of one streamed generation."""
 
     def __init__(self, frames: Iterator[bytes], generation: Generation,
-                 error_frames: Callable[[str], list[bytes]],
+                 error_frames: Callable[[Exception], list[bytes]],
                  on_early_close: Callable[[Generation], None] | None = None):
         self._frames = frames
         self._generation = generation
@@ -63,7 +69,8 @@ class StreamBody:
             log.exception("formatting the stream of request %s failed",
                           self._generation.request_id)
             self._done = True
-            self._pending = list(self._error_frames(f"internal error while streaming: {exc}"))
+            self._pending = list(self._error_frames(
+                RuntimeError(f"internal error while streaming: {exc}")))
             if not self._pending:
                 raise StopIteration from None
             return self._pending.pop(0)
@@ -82,17 +89,42 @@ class StreamBody:
             self._generation.close()
 
 
-def respond(resp: Any, generations: Generations, generation: Generation, *, stream: bool,
-            collect: Callable[[Generation], Any], frames: Callable[[], Iterator[bytes]],
-            error_frames: Callable[[str], list[bytes]]) -> None:
-    """Answer with ``collect(generation)`` as one JSON document or, when ``stream``, with an
-    SSE body of ``frames()`` that aborts the generation if the client leaves early."""
-    if not stream:
-        try:
-            resp.media = collect(generation)
-        finally:
-            generation.close()
-        return
-    resp.content_type = "text/event-stream"
-    resp.set_headers(SSE_HEADERS)
-    resp.stream = StreamBody(frames(), generation, error_frames, generations.early_close)
+class Responder:
+    """The serving pipeline as the HTTP routes use it: start a job for a falcon request,
+    answer with JSON or SSE, count what only HTTP sees (in-band errors, early closes)."""
+
+    def __init__(self, pipeline: ServingPipeline, metrics: Metrics | None = None):
+        self.pipeline = pipeline
+        self.metrics = metrics
+
+    def start(self, job: Job, req: falcon.Request) -> Generation:
+        """Start ``job``; a typed error propagates to the app's error handlers."""
+        return self.pipeline.start(job, client_gone=req.env.get("waitress.client_disconnected"))
+
+    def respond(self, resp: Any, generation: Generation, *, stream: bool,
+                collect: Callable[[Generation], Any], frames: Callable[[], Iterator[bytes]],
+                error_frames: Callable[[Exception], list[bytes]]) -> None:
+        """Answer with ``collect(generation)`` as one JSON document or, when ``stream``,
+        with an SSE body of ``frames()`` that aborts the generation if the client leaves
+        early."""
+        if not stream:
+            try:
+                resp.media = collect(generation)
+            finally:
+                generation.close()
+            return
+        resp.content_type = "text/event-stream"
+        resp.set_headers(SSE_HEADERS)
+        resp.stream = StreamBody(frames(), generation, error_frames, self._early_close)
+
+    def stream_error(self, generation: Generation,
+                     error_frames: Callable[[Exception], list[bytes]]) -> list[bytes]:
+        """The frames that end a stream whose generation failed after the first byte."""
+        if self.metrics is not None:
+            self.metrics.stream_errors.labels(generation.model_id).inc()
+        return error_frames(generation.failure or RuntimeError("generation failed"))
+
+    def _early_close(self, generation: Generation) -> None:
+        """A stream closed before its end: the client hung up (unless the watcher saw it first)."""
+        if generation.request_id in self.pipeline.in_flight:
+            self.pipeline.events.disconnected(generation.request_id)

@@ -6,9 +6,13 @@ between the two.
 - :mod:`~omlx_core.memory.usage` says how much this process holds now;
 - :mod:`~omlx_core.memory.estimate` says how much a prefill will add;
 - :mod:`~omlx_core.memory.enforcer` publishes a limit snapshot to every engine each poll;
-- :mod:`~omlx_core.memory.guard` refuses what can never fit (preflight, HTTP 413);
+- :mod:`~omlx_core.memory.guard` refuses what can never fit (preflight, HTTP 413) and
+  runs admission; it is what the serving pipeline calls;
 - :mod:`~omlx_core.memory.admission` makes what fits alone wait for room (HTTP 503 when
   the queue is full);
-- :mod:`~omlx_core.memory.forward_gate` refuses a prefill chunk before its forward runs;
-- :mod:`~omlx_core.memory.types` holds the values that cross the memory hooks.
+- :mod:`~omlx_core.memory.gate` is the engine's side: the forward-gate contract and the
+  receiver of limit snapshots; :mod:`~omlx_core.memory.forward_gate` is the guard's
+  gate, which refuses a prefill chunk before its forward runs;
+- :mod:`~omlx_core.memory.types` holds the values that cross the memory hooks, and the
+  one rejection type, ``RequestRejected``.
 """

@@ -15,8 +15,8 @@ otherwise it joins a bounded FIFO queue. Only the head of the queue is ever admi
 so a large request at the head is never overtaken by small ones behind it. A request
 runs alone whenever nothing else is reserved: it passed preflight, so it fits alone,
 and waiting could not make room. A full queue, or a wait longer than the timeout,
-raises :class:`~omlx_core.memory.types.AdmissionQueueFullError` (HTTP 503 with
-``Retry-After``).
+raises :class:`~omlx_core.memory.types.RequestRejected` with stage ``"admission"``
+(HTTP 503 with ``Retry-After``).
 """
 
 from __future__ import annotations
@@ -28,25 +28,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
-from omlx_core.memory.types import AdmissionQueueFullError, LimitSnapshot
+from omlx_core.memory.types import LimitSnapshot, Rejection, RequestRejected
 from omlx_core.settings import format_size
 
 log = logging.getLogger(__name__)
 
 # Retry-After when no request has finished yet to learn typical hold times from.
 DEFAULT_RETRY_AFTER_S = 1.0
-
-
-class AdmissionTimeoutError(AdmissionQueueFullError):
-    """A request waited in the admission queue longer than ``memory.queue_timeout_s``."""
-
-    def __init__(self, request_id: str, waited_s: float, retry_after_s: float):
-        Exception.__init__(self, f"request {request_id} waited {waited_s:.1f} s for memory "
-                                 f"without room freeing up; retry in {retry_after_s:.0f} s or "
-                                 "raise memory.queue_timeout_s")
-        self.queue_size = 0
-        self.retry_after_s = retry_after_s
-        self.waited_s = waited_s
 
 
 @dataclass
@@ -154,14 +142,14 @@ class AdmissionQueue:
             self._snapshot = snapshot
             self._cond.notify_all()
 
-    def admit(self, request_id: str, reserve_bytes: int,
-              batch: Hashable | None = None) -> AdmissionTicket:
+    def admit(self, request_id: str, reserve_bytes: int, batch: Hashable | None = None, *,
+              model_id: str = "", prompt_tokens: int = 0) -> AdmissionTicket:
         """Block until ``reserve_bytes`` fits next to the running requests.
 
         :param batch: requests with the same key share a padded decode batch (one key
             per engine); ``None`` for a request whose memory adds up with the others'.
-        :raises AdmissionQueueFullError: the queue is full, or the wait timed out
-            (:class:`AdmissionTimeoutError`).
+        :raises RequestRejected: stage ``"admission"``: the queue is full (cause
+            ``"queue_full"``) or the wait timed out (``"queue_timeout"``).
         """
         reserve_bytes = max(0, int(reserve_bytes))
         start = self.clock()
@@ -169,7 +157,10 @@ class AdmissionQueue:
             if not self._waiting and self._fits(reserve_bytes, batch):
                 return self._grant(request_id, reserve_bytes, 0.0, batch)
             if len(self._waiting) >= self.queue_size:
-                raise AdmissionQueueFullError(len(self._waiting), self.retry_after_s())
+                raise self._rejected(
+                    request_id, reserve_bytes, model_id, prompt_tokens, "queue_full",
+                    f"{len(self._waiting)} requests are already waiting for memory; retry later "
+                    "or raise memory.queue_size")
             waiter = _Waiter(request_id, reserve_bytes, batch)
             self._waiting.append(waiter)
             log.info("request %s waits for memory (%s; %s held by %d running, budget %s, "
@@ -186,14 +177,26 @@ class AdmissionQueue:
                         return self._grant(request_id, reserve_bytes, self.clock() - start, batch)
                     remaining = deadline - self.clock()
                     if remaining <= 0:
-                        raise AdmissionTimeoutError(request_id, self.clock() - start,
-                                                    self.retry_after_s())
+                        raise self._rejected(
+                            request_id, reserve_bytes, model_id, prompt_tokens, "queue_timeout",
+                            f"request {request_id} waited {self.clock() - start:.1f} s for memory "
+                            "without room freeing up; retry later or raise "
+                            "memory.queue_timeout_s")
                     self._cond.wait(remaining)
             except BaseException:
                 if waiter in self._waiting:
                     self._waiting.remove(waiter)
                     self._cond.notify_all()
                 raise
+
+    def _rejected(self, request_id: str, reserve_bytes: int, model_id: str, prompt_tokens: int,
+                  cause: str, detail: str) -> RequestRejected:
+        snapshot = self._snapshot
+        return RequestRejected(Rejection(
+            estimated_bytes=0, limit_bytes=snapshot.hard_bytes if snapshot else None,
+            breakdown=snapshot.breakdown if snapshot else None, request_id=request_id,
+            model_id=model_id, prompt_tokens=prompt_tokens, stage="admission", cause=cause,
+            detail=detail, base_bytes=self._cost()), retry_after_s=self.retry_after_s())
 
     def _cost(self, extra: tuple[int, Hashable | None] | None = None) -> int:
         held = [(t.reserve_bytes, t.batch) for t in self._running.values()]

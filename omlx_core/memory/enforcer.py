@@ -3,11 +3,11 @@
 
 Each poll builds a :class:`~omlx_core.memory.types.LimitSnapshot` (ceilings, hard
 limit, current use, idle baseline) and hands that same object to the guard and to each
-loaded engine's limit receiver, found through the ``resolve_scheduler`` hook. Engines
-are re-listed on every poll, so an engine loaded after start-up has limits within one
-poll. A receiver that can take a forward gate (``set_forward_gate``) gets the guard's.
-An engine the hook cannot resolve is reported once per engine type, loudly: that is
-how a guard silently goes dead.
+loaded engine's :class:`~omlx_core.memory.gate.MemoryReceiver`, found through the
+``resolve_scheduler`` hook. Engines are re-listed on every poll, so an engine loaded
+after start-up has limits within one poll; a receiver seen for the first time is also
+given its engine's forward gate. An engine the hook cannot resolve is reported once
+per engine type, loudly: that is how a guard silently goes dead.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from omlx_core.memory.ceilings import ProbeReadings, TierPolicy, compute_ceilings, read_probes
+from omlx_core.memory.gate import ForwardGate, MemoryReceiver
 from omlx_core.memory.types import LimitSnapshot
+from omlx_core.memory.usage import MemoryUsage
 from omlx_core.settings import format_size
 
 if TYPE_CHECKING:
-    from omlx_core.memory.guard import DefaultMemoryGuard
+    from omlx_core.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -30,19 +32,29 @@ log = logging.getLogger(__name__)
 class MemoryEnforcer:
     """Polls ceilings and usage; publishes limit snapshots to the guard and the engines.
 
-    :param guard: receives every snapshot first (admission re-checks its waiters) and
-        supplies usage readings, idleness and forward gates.
     :param engines: returns the engines loaded right now (called on every poll).
-    :param resolve: the ``resolve_scheduler`` hook: engine -> limit receiver or None.
+    :param resolve: the ``resolve_scheduler`` hook: engine -> receiver or None.
     :param policy: the active memory tier.
     :param interval_s: seconds between polls.
+    :param usage: where current use is read.
+    :param idle: whether no request runs or waits (the baseline is read then).
+    :param publish: receives every snapshot before the engines do (admission
+        re-checks its waiters).
+    :param gate_for: the forward gate of an engine.
     :param read: returns fresh probe readings (tests pass fixed ones).
     """
 
-    def __init__(self, guard: DefaultMemoryGuard, engines: Callable[[], Iterable[Any]],
-                 resolve: Callable[[Any], Any], policy: TierPolicy, interval_s: float,
+    def __init__(self, engines: Callable[[], Iterable[Engine]],
+                 resolve: Callable[[Engine], Any], policy: TierPolicy, interval_s: float, *,
+                 usage: MemoryUsage, idle: Callable[[], bool],
+                 publish: Callable[[LimitSnapshot], None],
+                 gate_for: Callable[[Engine], ForwardGate],
                  read: Callable[[], ProbeReadings] = read_probes):
-        self.guard = guard
+        self.usage = usage
+        self._idle = idle
+        self._publish_first = publish
+        self._gate_for = gate_for
+        self._gated: dict[int, tuple[MemoryReceiver, ForwardGate]] = {}
         self._engines = engines
         self._resolve = resolve
         self.policy = policy
@@ -96,10 +108,10 @@ class MemoryEnforcer:
             if note not in self._logged_notes:
                 self._logged_notes.add(note)
                 log.warning("memory ceilings: %s", note)
-        usage = self.guard.usage
+        usage = self.usage
         resident = usage.resident()
         usage.observe(resident)
-        if self.guard.idle() or self._baseline is None:
+        if self._idle() or self._baseline is None:
             # What is held with no request running is what every request sits on.
             self._baseline = resident
         self._sequence += 1
@@ -107,7 +119,7 @@ class MemoryEnforcer:
             hard_bytes=breakdown.hard, breakdown=breakdown,
             in_use_bytes=max(resident, usage.recent_peak()), taken_at=time.time(),
             sequence=self._sequence, baseline_bytes=self._baseline)
-        self.guard.update(snapshot)
+        self._publish_first(snapshot)
         self._publish(snapshot)
         self.polls += 1
         if self._sequence == 1:
@@ -125,19 +137,18 @@ class MemoryEnforcer:
                 self._warn_once(kind, "resolve_scheduler raised for engine type %s; it gets no "
                                       "memory limits", exc_info=True)
                 continue
-            if receiver is None:
-                self._warn_once(kind, "no plugin resolves engine type %s to an object with "
-                                      "apply_memory_limits(snapshot): its prefills run without "
-                                      "memory limits (implement resolve_scheduler, or give the "
-                                      "engine or its scheduler apply_memory_limits)")
+            if not isinstance(receiver, MemoryReceiver):
+                self._warn_once(kind, "no plugin resolves engine type %s to a MemoryReceiver "
+                                      "(omlx_core.memory.gate): its prefills run without memory "
+                                      "limits (implement resolve_scheduler for it)")
                 continue
             try:
                 receiver.apply_memory_limits(snapshot)
-                set_gate = getattr(receiver, "set_forward_gate", None)
-                if callable(set_gate):
-                    gate = self.guard.forward_gate_for(engine)
-                    if getattr(receiver, "forward_gate", None) is not gate:
-                        set_gate(gate)
+                gate = self._gate_for(engine)
+                if self._gated.get(id(engine)) != (receiver, gate):
+                    # A fallback path or a restarted scheduler is a new receiver.
+                    receiver.set_forward_gate(gate)
+                    self._gated[id(engine)] = (receiver, gate)
             except Exception:
                 self._warn_once(kind, "publishing memory limits to engine type %s failed",
                                 exc_info=True)

@@ -2,7 +2,7 @@
 already in use (weights and every other request), derived from a model's config alone.
 
 The estimate mirrors what mlx-lm and mlx actually allocate, measured with
-``mx.get_peak_memory()`` on real forwards (``omlx_core.memory.bench_estimate``):
+``mx.get_peak_memory()`` on real forwards (``omlx_core.bench.estimator``):
 
 - **KV caches** grow in steps of :data:`KV_STEP` tokens and are never trimmed; a growth
   concatenates the old buffer with a zero block, so both exist while the new one is

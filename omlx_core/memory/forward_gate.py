@@ -28,10 +28,12 @@ before it grows any further.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from dataclasses import replace
+from typing import Callable
 
 from omlx_core.memory.estimate import KV_STEP
-from omlx_core.memory.types import LimitSnapshot, PeakQuery, Rejection
+from omlx_core.memory.gate import ForwardGate, PrefillChunk, PrefillStep, Refusals
+from omlx_core.memory.types import LimitSnapshot, PeakQuery, Rejection, RequestRejected
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.settings import format_size
 
@@ -41,31 +43,32 @@ Estimate = Callable[[PeakQuery], "int | None"]
 Advise = Callable[[Rejection], "list[str]"]
 
 
-def _forwards(chunks: Any) -> list[list[Any]]:
+def _forwards(chunks: tuple[PrefillChunk, ...]) -> list[list[PrefillChunk]]:
     """``chunks`` cut into the forwards that run them (a shared ``forward`` number groups)."""
-    forwards: list[list[Any]] = []
+    forwards: list[list[PrefillChunk]] = []
     for chunk in chunks:
-        shared = getattr(chunk, "forward", None)
-        if shared is not None and forwards and getattr(forwards[-1][0], "forward", None) == shared:
+        shared = chunk.forward
+        if shared is not None and forwards and forwards[-1][0].forward == shared:
             forwards[-1].append(chunk)
         else:
             forwards.append([chunk])
     return forwards
 
 
-class PrefillForwardGate:
-    """A :class:`~omlx_core.plugins.batched.gate.ForwardGate` for any engine.
+class PrefillForwardGate(ForwardGate):
+    """The memory guard's :class:`~omlx_core.memory.gate.ForwardGate`, for any engine.
 
     :param estimate: peak bytes of a prefill (the ``estimate_peak`` hook).
     :param usage: where current use is read; readings here are taken between forwards,
         so they feed its high-water mark.
     :param transient_margin: bytes added to every chunk's estimate.
     :param advise: turns a refusal into advice text (the ``on_rejection`` hook).
+    :param retry_after_s: when a refused request may be retried.
     """
 
     def __init__(self, estimate: Estimate, usage: MemoryUsage, transient_margin: int,
                  advise: Advise | None = None, *, dtype_bytes: int = 4,
-                 full_logits: bool = False, backend: str = "cpu"):
+                 full_logits: bool = False, backend: str = "cpu", retry_after_s: float = 2.0):
         self._estimate = estimate
         self._usage = usage
         self.transient_margin = transient_margin
@@ -73,21 +76,22 @@ class PrefillForwardGate:
         self.dtype_bytes = dtype_bytes
         self.full_logits = full_logits
         self.backend = backend
+        self.retry_after_s = retry_after_s
         self.refused_total = 0
         self._warned_no_limits: set[str] = set()
 
-    def check_prefill(self, step: Any) -> Mapping[str, str] | None:
+    def check_prefill(self, step: PrefillStep) -> Refusals:
         limits: LimitSnapshot | None = step.limits
         if limits is None or limits.hard_bytes is None:
             if step.model_id not in self._warned_no_limits:
                 self._warned_no_limits.add(step.model_id)
                 log.warning("forward gate for model %r has no memory limit yet; prefill chunks "
                             "run unchecked until the enforcer publishes one", step.model_id)
-            return None
+            return {}
         hard = limits.hard_bytes
         current = self._usage.high_water(record=True)
         earlier_kv = 0
-        refused: dict[str, str] = {}
+        refused: dict[str, RequestRejected] = {}
         final = 0  # refusals of forwards run alone; a shared one is asked about again
         for forward in _forwards(step.chunks):
             shared = len(forward) > 1
@@ -95,9 +99,7 @@ class PrefillForwardGate:
             copy = self._copy_bytes(step, forward) if shared else 0
             if any(peak is None for peak in peaks) or copy is None:
                 for chunk in forward:
-                    refused[chunk.request_id] = (
-                        f"no estimate_peak plugin could estimate a prefill of model "
-                        f"{step.model_id!r}, so the memory guard cannot let it run")
+                    refused[chunk.request_id] = self._unestimable(step, chunk, limits)
                 final += 0 if shared else len(forward)
                 continue
             total = sum(peaks) + copy  # type: ignore[arg-type]
@@ -116,7 +118,16 @@ class PrefillForwardGate:
         self.refused_total += final
         return refused
 
-    def _copy_bytes(self, step: Any, forward: list[Any]) -> int | None:
+    def _unestimable(self, step: PrefillStep, chunk: PrefillChunk,
+                     limits: LimitSnapshot) -> RequestRejected:
+        return RequestRejected(Rejection(
+            estimated_bytes=0, limit_bytes=limits.hard_bytes, breakdown=limits.breakdown,
+            request_id=chunk.request_id, model_id=step.model_id,
+            prompt_tokens=chunk.prompt_tokens, stage="forward", cause="no_estimate",
+            detail=f"no estimate_peak plugin could estimate a prefill of model "
+                   f"{step.model_id!r}, so the memory guard cannot let it run"))
+
+    def _copy_bytes(self, step: PrefillStep, forward: list[PrefillChunk]) -> int | None:
         """What a shared forward copies beyond its chunks' own estimates: every row's
         cached prefix into the batch buffer (each row as wide as the longest prefix plus
         the longest chunk) and its tokens back out. ``None`` without an estimate."""
@@ -126,7 +137,7 @@ class PrefillForwardGate:
         width = max(c.cached_tokens for c in forward) + max(c.new_tokens for c in forward)
         return 2 * len(forward) * width * per_token
 
-    def _kv_bytes_per_token(self, step: Any) -> int | None:
+    def _kv_bytes_per_token(self, step: PrefillStep) -> int | None:
         """KV bytes one token adds to a cache, from the estimate: the resident KV of
         ``2 * KV_STEP`` tokens fed one per forward less that of ``KV_STEP`` tokens (both
         fill whole cache steps; the one-token forwards' transients cancel out)."""
@@ -141,37 +152,34 @@ class PrefillForwardGate:
             sizes.append(size)
         return max(0, -(-(sizes[0] - sizes[1]) // KV_STEP))
 
-    def check_after_prefill(self, step: Any) -> Mapping[str, str] | None:
+    def check_after_prefill(self, step: PrefillStep) -> Refusals:
         """Stop the request of ``step``'s chunk (its forward has just run) if high-water
         use is now over the hard limit; of several chunks that shared the forward, only
         the one whose request holds the most KV (cached plus new tokens)."""
         limits: LimitSnapshot | None = step.limits
-        if limits is None or limits.hard_bytes is None:
-            return None
-        hard = limits.hard_bytes
+        if limits is None or limits.hard_bytes is None or not step.chunks:
+            return {}
         current = self._usage.high_water(record=True)
-        if current <= hard:
-            return None
-        if not step.chunks:
-            return None
+        if current <= limits.hard_bytes:
+            return {}
         chunk = max(step.chunks, key=lambda c: c.cached_tokens + c.new_tokens)
         self.refused_total += 1
         return {chunk.request_id: self._after_reason(step, chunk, current, limits)}
 
-    def _after_reason(self, step: Any, chunk: Any, current: int, limits: LimitSnapshot) -> str:
-        rejection = Rejection(
-            estimated_bytes=0, limit_bytes=limits.hard_bytes, breakdown=limits.breakdown,
-            request_id=chunk.request_id, model_id=step.model_id,
-            prompt_tokens=chunk.prompt_tokens, stage="forward", base_bytes=current)
+    def _after_reason(self, step: PrefillStep, chunk: PrefillChunk, current: int,
+                      limits: LimitSnapshot) -> RequestRejected:
         log.warning("memory in use (%s) passed the %s limit after a prefill chunk of request "
                     "%s (model %r); stopping it", format_size(current),
                     format_size(limits.hard_bytes), chunk.request_id, step.model_id)
-        return self._explain(chunk, rejection,
-                             f"{format_size(current)} was in use after the forward, over the "
-                             f"{format_size(limits.hard_bytes)} limit",
-                             "the request was stopped and its cache freed")
+        return self._rejected(chunk, Rejection(
+            estimated_bytes=0, limit_bytes=limits.hard_bytes, breakdown=limits.breakdown,
+            request_id=chunk.request_id, model_id=step.model_id,
+            prompt_tokens=chunk.prompt_tokens, stage="forward", base_bytes=current,
+            cause="over_limit"),
+            f"{format_size(current)} was in use after the forward, over the "
+            f"{format_size(limits.hard_bytes)} limit; the request was stopped and its cache freed")
 
-    def _chunk_estimate(self, step: Any, chunk: Any, chunk_size: int) -> int | None:
+    def _chunk_estimate(self, step: PrefillStep, chunk: PrefillChunk, chunk_size: int) -> int | None:
         # The chunk extends the request's own cache, whose KV is already in current use;
         # after the prompt's last chunk its last token is fed in a one-token forward and
         # the cache joins the decode batch (which copies it): ``first_token``.
@@ -182,12 +190,8 @@ class PrefillForwardGate:
             dtype_bytes=self.dtype_bytes, full_logits=self.full_logits, model_id=step.model_id,
             first_token=last, cached_kv_resident=True, backend=self.backend))
 
-    def _reason(self, step: Any, chunk: Any, peak: int, base: int, limits: LimitSnapshot, *,
-                shared: bool = False) -> str:
-        rejection = Rejection(
-            estimated_bytes=peak + self.transient_margin, limit_bytes=limits.hard_bytes,
-            breakdown=limits.breakdown, request_id=chunk.request_id, model_id=step.model_id,
-            prompt_tokens=chunk.prompt_tokens, stage="forward", base_bytes=base)
+    def _reason(self, step: PrefillStep, chunk: PrefillChunk, peak: int, base: int,
+                limits: LimitSnapshot, *, shared: bool = False) -> RequestRejected:
         # A shared forward's refusal is provisional: the engine asks again with one chunk
         # per forward, and only that answer is final.
         log.log(logging.DEBUG if shared else logging.WARNING,
@@ -196,18 +200,20 @@ class PrefillForwardGate:
                 chunk.request_id, step.model_id, " in a shared forward" if shared else "",
                 format_size(base), format_size(peak),
                 format_size(self.transient_margin), format_size(limits.hard_bytes))
-        return self._explain(chunk, rejection,
-                             f"the next chunk needs an estimated {format_size(peak)} "
-                             f"(+{format_size(self.transient_margin)} margin) on top of "
-                             f"{format_size(base)} in use, over the "
-                             f"{format_size(limits.hard_bytes)} limit",
-                             "the request was stopped before the forward ran")
+        return self._rejected(chunk, Rejection(
+            estimated_bytes=peak + self.transient_margin, limit_bytes=limits.hard_bytes,
+            breakdown=limits.breakdown, request_id=chunk.request_id, model_id=step.model_id,
+            prompt_tokens=chunk.prompt_tokens, stage="forward", base_bytes=base,
+            cause="memory_short", margin_bytes=self.transient_margin),
+            f"the next chunk needs an estimated {format_size(peak)} "
+            f"(+{format_size(self.transient_margin)} margin) on top of {format_size(base)} in "
+            f"use, over the {format_size(limits.hard_bytes)} limit; the request was stopped "
+            "before the forward ran")
 
-    def _explain(self, chunk: Any, rejection: Rejection, what: str, outcome: str) -> str:
-        """The finish reason a refused request carries: where, why, outcome, advice."""
-        text = (f"memory ran short during prefill (tokens {chunk.cached_tokens}-"
-                f"{chunk.cached_tokens + chunk.new_tokens} of {chunk.prompt_tokens}): {what}"
-                + (f" ({rejection.binding} ceiling binds)" if rejection.binding else "")
-                + f"; {outcome}")
+    def _rejected(self, chunk: PrefillChunk, rejection: Rejection, what: str) -> RequestRejected:
+        """The refusal a stopped request carries: where, why, outcome, advice."""
+        detail = (f"memory ran short during prefill (tokens {chunk.cached_tokens}-"
+                  f"{chunk.cached_tokens + chunk.new_tokens} of {chunk.prompt_tokens}): {what}")
+        rejection = replace(rejection, detail=detail)
         advice = self._advise(rejection) if self._advise else []
-        return text + (". " + " ".join(advice) if advice else "")
+        return RequestRejected(rejection, advice, retry_after_s=self.retry_after_s)

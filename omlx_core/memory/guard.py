@@ -1,21 +1,23 @@
-"""The memory guard as the front end sees it: two calls made in the HTTP responder,
-before any response byte.
+"""The memory guard as the serving pipeline sees it: two calls before any response byte.
 
-``preflight`` refuses a request that can never fit (HTTP 413); ``admit`` waits until a
-request that fits alone also fits next to the running ones, or raises
-:class:`~omlx_core.memory.types.AdmissionQueueFullError` (HTTP 503). The returned
-ticket is released when the request ends.
+:meth:`MemoryGuard.preflight` refuses a request that can never fit
+(:class:`~omlx_core.memory.types.RequestRejected`, stage ``"preflight"``: HTTP 413);
+:meth:`MemoryGuard.admit` waits until a request that fits alone also fits next to the
+running ones, or refuses it (stage ``"admission"``: HTTP 503). The returned ticket is
+released when the request ends. The guard also owns the enforcer thread and hands each
+engine's scheduler one forward gate (stage ``"forward"``).
 
-:class:`DefaultMemoryGuard` is the implementation :func:`install_memory_guard` puts on
-``context.memory_guard`` at start-up; it also owns the enforcer thread and the forward
-gate each engine's scheduler consults before a prefill chunk.
+Engines describe how they allocate through :class:`~omlx_core.engine.MemoryHints`
+(:meth:`~omlx_core.engine.GuardedEngine.memory_hints`); an engine the operator let run
+unguarded is costed with :func:`~omlx_core.engine.assumed_hints`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
+from omlx_core.engine import memory_hints_of
 from omlx_core.memory.admission import AdmissionQueue, AdmissionTicket
 from omlx_core.memory.ceilings import ProbeReadings, TierPolicy
 from omlx_core.memory.enforcer import MemoryEnforcer
@@ -24,37 +26,27 @@ from omlx_core.memory.types import (
     LimitSnapshot,
     PeakQuery,
     PreflightRequest,
-    PrefillMemoryExceededError,
     Rejection,
+    RequestRejected,
 )
-from omlx_core.memory.usage import MemoryUsage, return_freed_buffers_to_the_os
+from omlx_core.memory.usage import MemoryUsage
 
 if TYPE_CHECKING:
     from omlx_core.config import Config
     from omlx_core.engine import Engine
     from omlx_core.pluginmanager import PluginManager
-    from omlx_core.server_context import ServerContext
 
 log = logging.getLogger(__name__)
 
 
-class MemoryGuard(Protocol):
-    def preflight(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int]) -> None:
-        """Raise PrefillMemoryExceededError if the request can never fit."""
-
-    def admit(self, engine: Engine, request_id: str,
-              prompt_tokens: Sequence[int]) -> ContextManager[None]:
-        """Block until admitted; the context manager releases the reservation on exit."""
-
-
-class DefaultMemoryGuard:
-    """The memory guard omlx-core installs: estimate and rejection through the plugin
-    hooks, budget admission (:mod:`.admission`), a forward gate per engine
-    (:mod:`.forward_gate`), limits kept fresh by the :mod:`.enforcer`.
+class MemoryGuard:
+    """Estimate and rejection through the plugin hooks, budget admission
+    (:mod:`.admission`), a forward gate per engine (:mod:`.forward_gate`), limits kept
+    fresh by the :mod:`.enforcer`.
 
     :param plugins: the plugin manager whose ``estimate_peak``, ``preflight``,
         ``on_rejection`` and ``resolve_scheduler`` hooks are called.
-    :param config: the effective configuration (``[memory]``, ``[engine]``).
+    :param config: the effective configuration (``[memory]``).
     :param usage: where current use is read (tests pass fake readers).
     """
 
@@ -66,13 +58,15 @@ class DefaultMemoryGuard:
         poll = float(config["memory.poll_interval_s"])
         self.usage = usage or MemoryUsage(window_s=2 * poll)
         self.transient_margin = int(config["memory.transient_margin"])
+        #: a memory shortage read now has aged out of the high-water window by then
+        self.retry_after_s = 2 * poll
         self.admission = AdmissionQueue(int(config["memory.queue_size"]),
                                         float(config["memory.queue_timeout_s"]),
                                         self.policy.admit_watermark)
         self.backend = mlx_backend()
         self.enforcer: MemoryEnforcer | None = None
         self._snapshot: LimitSnapshot | None = None
-        self._gates: dict[int, tuple[Any, PrefillForwardGate]] = {}
+        self._gates: dict[int, tuple[Engine, PrefillForwardGate]] = {}
         self._warned: set[str] = set()
 
     # -- limits ------------------------------------------------------------------------
@@ -99,8 +93,9 @@ class DefaultMemoryGuard:
         if self.enforcer is None:
             kwargs = {"read": read} if read is not None else {}
             self.enforcer = MemoryEnforcer(
-                self, engines, lambda engine: self.plugins.hook.resolve_scheduler(engine=engine),
-                self.policy, float(self.config["memory.poll_interval_s"]), **kwargs)
+                engines, lambda engine: self.plugins.hook.resolve_scheduler(engine=engine),
+                self.policy, float(self.config["memory.poll_interval_s"]), usage=self.usage,
+                idle=self.idle, publish=self.update, gate_for=self.forward_gate_for, **kwargs)
             self.enforcer.start()
         return self.enforcer
 
@@ -113,27 +108,16 @@ class DefaultMemoryGuard:
 
     def peak_query(self, engine: Engine, prompt_tokens: Sequence[int],
                    extra_tokens: int = 0) -> PeakQuery:
-        """The ``estimate_peak`` question for prefilling ``prompt_tokens`` on ``engine``.
-
-        Engine hints, each optional: ``prefill_step_size`` (else ``engine.prefill_step_size``
-        from the configuration), ``prefill_full_logits`` (default True: an engine that
-        does not say may evaluate every prompt position's logits),
-        ``activation_dtype_bytes`` (default 4) and ``cached_kv_is_resident`` (default
-        False: a reused prefix is copied into the request's own cache, so its KV is
-        allocated again; only the forwards it saves are subtracted).
-        """
+        """The ``estimate_peak`` question for prefilling ``prompt_tokens`` on ``engine``,
+        plus ``extra_tokens`` of KV (the completion) where admission reserves it."""
+        hints = memory_hints_of(engine)
         cached = min(int(engine.cached_tokens(prompt_tokens)), max(0, len(prompt_tokens) - 1))
-        chunk = (getattr(engine, "prefill_step_size", None)
-                 or int(self.config["engine.prefill_step_size"]))
         return PeakQuery(
             model_config=dict(engine.model.config),
             new_tokens=len(prompt_tokens) - cached + extra_tokens, cached_tokens=cached,
-            chunk_size=int(chunk),
-            dtype_bytes=int(getattr(engine, "activation_dtype_bytes", None) or 4),
-            full_logits=bool(getattr(engine, "prefill_full_logits", True)),
-            model_id=engine.model.id,
-            cached_kv_resident=bool(getattr(engine, "cached_kv_is_resident", False)),
-            backend=self.backend)
+            chunk_size=hints.prefill_step_size, dtype_bytes=hints.activation_dtype_bytes,
+            full_logits=hints.prefill_full_logits, model_id=engine.model.id,
+            cached_kv_resident=hints.cached_kv_resident, backend=self.backend)
 
     def estimate(self, query: PeakQuery) -> int | None:
         result = self.plugins.hook.estimate_peak(query=query)
@@ -154,10 +138,14 @@ class DefaultMemoryGuard:
             return []
         return [str(text) for text in (results or []) if text]
 
-    # -- the three stages ----------------------------------------------------------------
+    def advised(self, error: RequestRejected) -> RequestRejected:
+        """``error`` with the ``on_rejection`` advice, unless it already carries some."""
+        return error if error.advice else error.with_advice(self.advice(error.rejection))
+
+    # -- the stages before the first byte -----------------------------------------------
 
     def preflight(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int]) -> None:
-        """Raise :class:`PrefillMemoryExceededError` if the request can never fit."""
+        """Raise :class:`RequestRejected` (stage ``"preflight"``) if the request can never fit."""
         snapshot = self._snapshot
         query = self.peak_query(engine, prompt_tokens)
         estimated = self.estimate(query)
@@ -167,33 +155,42 @@ class DefaultMemoryGuard:
             estimated_bytes=estimated, limits=snapshot, model_config=query.model_config)
         try:
             self.plugins.hook.preflight(request=request)
-        except PrefillMemoryExceededError as exc:
-            if exc.advice:
-                raise
-            raise PrefillMemoryExceededError(exc.rejection, self.advice(exc.rejection)) from None
+        except RequestRejected as error:
+            raise self.advised(error) from None
 
     def admit(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int], *,
-              max_tokens: int = 0) -> AdmissionTicket:
+              max_tokens: int) -> AdmissionTicket:
         """Block until the request fits next to the running ones; see :mod:`.admission`.
 
-        ``max_tokens`` adds the KV its completion will grow to the reservation. Requests
-        of one engine share its padded decode batch unless the engine declares
-        ``decode_batch_padded = False``.
+        The reservation covers the prompt's prefill and the KV its completion grows to
+        (``max_tokens``). Requests of one engine share its padded decode batch when its
+        hints say so. Raises :class:`RequestRejected` (stage ``"admission"``).
         """
+        hints = memory_hints_of(engine)
         estimated = self.estimate(self.peak_query(engine, prompt_tokens, extra_tokens=max_tokens))
-        batch = id(engine) if getattr(engine, "decode_batch_padded", True) else None
-        return self.admission.admit(request_id, estimated or 0, batch)
+        batch = id(engine) if hints.decode_batch_padded else None
+        try:
+            return self.admission.admit(request_id, estimated or 0, batch,
+                                        model_id=engine.model.id, prompt_tokens=len(prompt_tokens))
+        except RequestRejected as error:
+            raise self.advised(error) from None
 
     def forward_gate_for(self, engine: Engine) -> PrefillForwardGate:
         """The forward gate installed in ``engine``'s scheduler (one per engine)."""
         entry = self._gates.get(id(engine))
         if entry is None or entry[0] is not engine:
+            hints = memory_hints_of(engine)
             gate = PrefillForwardGate(
                 self.estimate, self.usage, self.transient_margin, self.advice,
-                dtype_bytes=int(getattr(engine, "activation_dtype_bytes", None) or 4),
-                backend=self.backend)
+                dtype_bytes=hints.activation_dtype_bytes,
+                full_logits=hints.prefill_full_logits, backend=self.backend,
+                retry_after_s=self.retry_after_s)
             entry = self._gates[id(engine)] = (engine, gate)
         return entry[1]
+
+    def refused_total(self) -> int:
+        """Forward-gate refusals (final ones) over every engine."""
+        return sum(gate.refused_total for _engine, gate in self._gates.values())
 
 
 def mlx_backend() -> str:
@@ -207,20 +204,3 @@ def mlx_backend() -> str:
     if hasattr(mx, "metal") and mx.metal.is_available():
         return "metal"
     return "cuda"
-
-
-def install_memory_guard(context: ServerContext) -> DefaultMemoryGuard:
-    """Create the guard for a started server, start its enforcer over the context's
-    engines and set ``context.memory_guard``."""
-    return_freed_buffers_to_the_os()
-    for hook, consequence in (
-            ("estimate_peak", "no request is checked against memory"),
-            ("preflight", "requests that can never fit are not refused before streaming"),
-            ("resolve_scheduler", "engines without their own resolver get no memory limits")):
-        if not getattr(context.plugins.hook, hook).get_hookimpls():
-            log.warning("no loaded plugin implements %s: %s (enable the built-in "
-                        "'estimator' and 'memory_guard' plugins)", hook, consequence)
-    guard = DefaultMemoryGuard(context.plugins, context.config)
-    guard.start(lambda: context.engines.values())
-    context.memory_guard = guard
-    return guard

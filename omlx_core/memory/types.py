@@ -96,6 +96,17 @@ class PreflightRequest:
     model_config: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: where a request was refused: before any work (it can never fit), while waiting for
+#: memory next to the running requests, or at a prefill forward (memory ran short)
+STAGES = ("preflight", "admission", "forward")
+
+#: why: the request cannot fit even alone on an idle server; the admission queue is
+#: full; it waited past ``memory.queue_timeout_s``; memory in use left no room for its
+#: next forward; use was over the limit after a forward; no estimator covers the model
+CAUSES = ("never_fits", "queue_full", "queue_timeout", "memory_short", "over_limit",
+          "no_estimate")
+
+
 @dataclass(frozen=True)
 class Rejection:
     """Why a request cannot run: estimate against limit, and which ceiling binds."""
@@ -106,10 +117,19 @@ class Rejection:
     request_id: str = ""
     model_id: str = ""
     prompt_tokens: int = 0
-    stage: str = "preflight"  # "preflight", "admission" or "forward"
+    stage: str = "preflight"
     #: memory the estimate comes on top of (idle baseline for preflight, current use
     #: for the forward gate); the comparison is ``base_bytes + estimated_bytes > limit``
     base_bytes: int = 0
+    cause: str = "never_fits"
+    #: what happened, in words, when the byte counts alone do not say it (queue full,
+    #: the tokens a refused chunk covered)
+    detail: str = ""
+    #: of ``estimated_bytes``, the KV the completion grows to (``max_tokens``): the part
+    #: a smaller ``max_tokens`` shrinks
+    decode_bytes: int = 0
+    #: the transient margin included in ``estimated_bytes``
+    margin_bytes: int = 0
 
     @property
     def binding(self) -> str | None:
@@ -120,6 +140,8 @@ class Rejection:
         return self.base_bytes + self.estimated_bytes
 
     def summary(self) -> str:
+        if self.detail and self.stage != "preflight":
+            return self.detail + (f" ({self.binding} ceiling binds)" if self.binding else "")
         limit = format_size(self.limit_bytes) if self.limit_bytes is not None else "unknown"
         text = (f"prefill of {self.prompt_tokens} tokens needs an estimated "
                 f"{format_size(self.estimated_bytes)}")
@@ -127,16 +149,40 @@ class Rejection:
             text += (f" on top of {format_size(self.base_bytes)} already in use "
                      f"({format_size(self.needed_bytes)} in all)")
         text += f", over the {limit} memory limit"
-        return text + (f" ({self.binding} ceiling binds)" if self.binding else "")
+        text += f" ({self.binding} ceiling binds)" if self.binding else ""
+        return text + (f"; {self.detail}" if self.detail else "")
 
 
-class PrefillMemoryExceededError(Exception):
-    """A request can never fit in memory; the front end answers HTTP 413 before streaming."""
+class RequestRejected(Exception):
+    """The one way a memory guard refuses a request, at any stage.
 
-    def __init__(self, rejection: Rejection, advice: list[str] | None = None):
+    ``stage`` says where (:data:`STAGES`): ``"preflight"`` means the request can never
+    fit here (the front end answers 413 before any byte); ``"admission"`` and
+    ``"forward"`` mean memory is short right now, so the same request can succeed
+    later (503 with ``Retry-After`` before the first byte, an in-band error after it).
+
+    :param rejection: the structured reason: estimate, limit, ceilings, cause.
+    :param advice: what an operator or client can do, from the ``on_rejection`` hook.
+    :param retry_after_s: when a retry may succeed; ``None`` for a preflight refusal.
+    """
+
+    def __init__(self, rejection: Rejection, advice: list[str] | None = None,
+                 retry_after_s: float | None = None):
         self.rejection = rejection
         self.advice = list(advice or [])
+        self.retry_after_s = retry_after_s
         super().__init__(rejection.summary() + (". " + " ".join(self.advice) if self.advice else ""))
+
+    @property
+    def stage(self) -> str:
+        return self.rejection.stage
+
+    @property
+    def retryable(self) -> bool:
+        return self.rejection.stage != "preflight"
+
+    def with_advice(self, advice: list[str]) -> "RequestRejected":
+        return RequestRejected(self.rejection, advice, self.retry_after_s)
 
 
 @dataclass(frozen=True)
@@ -149,13 +195,3 @@ class BoundarySnapshot:
     block_hash: bytes
     layer_states: tuple[Any, ...]
     model_id: str = ""
-
-
-class AdmissionQueueFullError(Exception):
-    """The admission queue is full; the front end answers 503 with ``Retry-After``."""
-
-    def __init__(self, queue_size: int, retry_after_s: float):
-        self.queue_size = queue_size
-        self.retry_after_s = retry_after_s
-        super().__init__(f"{queue_size} requests are already waiting for memory; retry in "
-                         f"{retry_after_s:.0f} s or raise memory.queue_size")

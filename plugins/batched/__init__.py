@@ -5,8 +5,8 @@ group). What it provides through the public hooks:
 
 - ``register_engines``: ``"batched"`` -> :class:`~.engine.BatchedEngine`;
 - ``register_caches``: ``"memory"`` -> the in-memory :class:`~.prefix_cache.PrefixCache`;
-- ``resolve_scheduler``: a batched engine's :class:`~.scheduler.Scheduler`, the object
-  that takes ``apply_memory_limits(snapshot)`` and ``set_forward_gate(gate)``;
+- ``resolve_scheduler``: a batched engine's :class:`~.scheduler.Scheduler`, its
+  :class:`~omlx_core.memory.gate.MemoryReceiver`;
 - ``startup``: connects each batched engine to ``on_boundary_snapshot`` and puts the
   first lower cache tier another plugin registered (e.g. ``ssd_cache``) behind its
   prefix cache.
@@ -20,7 +20,8 @@ Forward-gate seam (for the memory guard): before each step's prefill forwards, t
 scheduler calls ``gate.check_prefill(PrefillStep)`` with the request ids, chunk token
 counts and cached-token counts about to run; a refused request ends with
 ``finish_reason="error"`` and its cache is freed while the rest of the batch goes on.
-The contract is in :mod:`.gate`; the scheduling around it in :mod:`.scheduler`.
+The contract is in :mod:`omlx_core.memory.gate`; the scheduling around it in
+:mod:`.scheduler`.
 
 Throughput against plain ``mlx_lm.stream_generate``:
 ``python -m omlx_core.plugins.batched.benchmark`` (see :mod:`.benchmark`).
@@ -38,21 +39,16 @@ from omlx_core.plugins.batched.engine import (
     EngineSettings,
     create_prefix_cache,
 )
-from omlx_core.plugins.batched.gate import ForwardGate, PrefillChunk, PrefillStep
 from omlx_core.plugins.batched.prefix_cache import BlockStore, CachedBlock, PrefixCache
 from omlx_core.plugins.batched.scheduler import Scheduler
 
 ENGINE_NAME = "batched"
 
 
-def create_engine(model: Any, config: Any) -> BatchedEngine:
-    """The ``register_engines`` factory: an unstarted engine for ``model``."""
-    return BatchedEngine(model, config)
-
-
 @hookimpl
 def register_engines(register: Callable[..., None]) -> None:
-    register(ENGINE_NAME, create_engine)
+    # The class itself is the factory, so `omlx-core plugins` can tell it is guarded.
+    register(ENGINE_NAME, BatchedEngine)
 
 
 @hookimpl
@@ -62,9 +58,7 @@ def register_caches(register: Callable[..., None]) -> None:
 
 @hookimpl
 def resolve_scheduler(engine: Any) -> Scheduler | None:
-    if isinstance(engine, BatchedEngine):
-        return engine.scheduler
-    return None
+    return engine.scheduler if isinstance(engine, BatchedEngine) else None
 
 
 @hookimpl
@@ -76,6 +70,6 @@ def startup(context: Any) -> None:
 
 __all__ = [
     "ENGINE_NAME", "BatchedEngine", "BatchedRequestHandle", "BlockStore", "CachedBlock",
-    "EngineSettings", "ForwardGate", "PrefillChunk", "PrefillStep", "PrefixCache", "Scheduler",
-    "create_engine", "create_prefix_cache",
+    "EngineSettings", "PrefixCache", "Scheduler",
+    "create_prefix_cache",
 ]

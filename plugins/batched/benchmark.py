@@ -3,8 +3,11 @@
     python -m omlx_core.plugins.batched.benchmark [--model DIR] [--tokens 128]
         [--concurrency 8 16] [--repeats 3]
 
-Without ``--model`` it uses the default model (SmolLM2-135M-Instruct). Every request is
-greedy and ignores end-of-sequence, so each stream produces exactly ``--tokens`` tokens.
+Without ``--model`` it uses the default model (SmolLM2-135M-Instruct). Requests go
+through the serving pipeline, as every caller's do (memory guard included). Every
+request is greedy with the special tokens banned through ``logit_bias`` (so no
+end-of-sequence ends it) and ``mlx_lm.stream_generate`` runs with no end-of-sequence
+token, so each stream produces exactly ``--tokens`` tokens.
 Single-stream runs alternate between the two so that background load hits both alike;
 the median of ``--repeats`` runs is reported. Decode rate is measured from a stream's
 first token to its last; aggregate rate from the first submit to the last token. CPU
@@ -22,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omlx_core.engine import GenerationRequest, SamplingParams
+from omlx_core.engine import SamplingParams
+from omlx_core.serving import Job, ServingPipeline
 
 PROMPT = "Write a long, detailed story about a dragon who learns to bake bread in a small village."
 
@@ -48,27 +52,30 @@ def _reference_run(model: Any, tokenizer: Any, prompt: list[int], tokens: int) -
     return (count - 1) / (last - first), count / (last - started), cpu_ms
 
 
-def _engine_stream(engine: Any, prompt: list[int], tokens: int, times: list[float],
-                   cpu: list[float]) -> int:
-    sampling = SamplingParams(temperature=0.0, max_tokens=tokens)
-    handle = engine.submit(GenerationRequest(f"bench-{time.monotonic_ns()}-{id(times)}", prompt, sampling))
-    count = 0
-    for output in handle:
-        count += len(output.token_ids)
-        times.append(time.perf_counter())
-        cpu.append(_cpu_seconds())
-    return count
+def _engine_stream(pipeline: ServingPipeline, model_id: str, prompt: list[int],
+                   sampling: SamplingParams, times: list[float], cpu: list[float]) -> int:
+    generation = pipeline.start(Job(model_id, sampling, token_ids=prompt, prompt_param="prompt"))
+    times.append(time.perf_counter())
+    cpu.append(_cpu_seconds())
+    try:
+        for _delta in generation.deltas():
+            times.append(time.perf_counter())
+            cpu.append(_cpu_seconds())
+    finally:
+        generation.close()
+    return generation.completion_tokens
 
 
-def _engine_run(engine: Any, prompts: list[list[int]], tokens: int) -> tuple[float, float, float]:
+def _engine_run(pipeline: ServingPipeline, model_id: str, prompts: list[list[int]],
+                sampling: SamplingParams) -> tuple[float, float, float]:
     """``(decode tok/s, end-to-end tok/s, CPU ms per decoded token)`` of concurrent streams."""
-    engine.prefix_cache.clear()
+    pipeline.engine(model_id).prefix_cache.clear()  # type: ignore[attr-defined]
     times: list[list[float]] = [[] for _ in prompts]
     cpu: list[list[float]] = [[] for _ in prompts]
     counts = [0] * len(prompts)
 
     def stream(i: int) -> None:
-        counts[i] = _engine_stream(engine, prompts[i], tokens, times[i], cpu[i])
+        counts[i] = _engine_stream(pipeline, model_id, prompts[i], sampling, times[i], cpu[i])
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
     started = time.perf_counter()
@@ -96,21 +103,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
 
-    from omlx_core.config import load_config
+    from omlx_core.bench.client import BANNED_BIAS, special_token_ids
+    from omlx_core.bootstrap import load_setup, start_engines, stop_engines
+    from omlx_core.cli import _served_models
     from omlx_core.models.loader import load_model
-    from omlx_core.models.registry import spec_for_path
-    from omlx_core.plugins.batched.engine import BatchedEngine
     from omlx_core.mlx_thread import mlx_thread
 
     if args.model is None:
         from omlx_core.models.default import ensure_default_model
 
         args.model = ensure_default_model()
-    config = load_config("base", overrides=[
-        ("engine.max_batch_size", str(max(args.concurrency + [1])), "benchmark")], env={})
+    batch = max(args.concurrency + [1])
+    print(f"override: engine.max_batch_size={batch} (every stream runs at once)")
+    setup = load_setup("base", [], [("engine.max_batch_size", str(batch), "benchmark")])
+    context = start_engines(setup, _served_models(setup, [str(args.model)]), progress=True)
+    pipeline = ServingPipeline(context)
+    model_id, engine = next(iter(context.engines.items()))
     # Exactly --tokens per stream: no end-of-sequence token ends a benchmark stream.
-    engine = BatchedEngine(spec_for_path(args.model), config, ignore_eos=True)
-    engine.start()
+    sampling = SamplingParams(temperature=0.0, max_tokens=args.tokens, logit_bias={
+        token: BANNED_BIAS for token in special_token_ids(args.model)})
     messages = [{"role": "user", "content": PROMPT}]
     prompt = engine.tokenize_chat(messages)
 
@@ -119,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     reference, single = [], []
     for _ in range(args.repeats):
         reference.append(mlx_thread().run(_reference_run, model, tokenizer, prompt, args.tokens))
-        single.append(_engine_run(engine, [prompt], args.tokens))
+        single.append(_engine_run(pipeline, model_id, [prompt], sampling))
     ref_decode = statistics.median(r[0] for r in reference)
     eng_decode = statistics.median(r[0] for r in single)
     print(f"model {args.model.name}, {len(prompt)}-token prompt, {args.tokens} tokens per stream, "
@@ -134,11 +145,12 @@ def main(argv: list[str] | None = None) -> None:
     for concurrency in args.concurrency:
         prompts = [engine.tokenize_chat([{"role": "user", "content": f"Story {i}: {PROMPT}"}])
                    for i in range(concurrency)]
-        runs = [_engine_run(engine, prompts, args.tokens) for _ in range(args.repeats)]
+        runs = [_engine_run(pipeline, model_id, prompts, sampling) for _ in range(args.repeats)]
         print(f"  batched engine, {concurrency:<6d}: {statistics.median(r[0] for r in runs):7.1f} tok/s "
               f"aggregate decode, {statistics.median(r[1] for r in runs):7.1f} tok/s end to end, "
               f"{statistics.median(r[2] for r in runs):6.1f} CPU ms/token")
-    engine.shutdown()
+    pipeline.close()
+    stop_engines(context)
 
 
 if __name__ == "__main__":

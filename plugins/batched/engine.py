@@ -11,7 +11,15 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
-from omlx_core.engine import Engine, GenerationOutput, GenerationRequest, RequestHandle
+from omlx_core.engine import (
+    OPTIONAL_SAMPLING,
+    EngineLimits,
+    GenerationOutput,
+    GenerationRequest,
+    GuardedEngine,
+    MemoryHints,
+    RequestHandle,
+)
 from omlx_core.mlx_thread import MLXThread, mlx_thread
 from omlx_core.plugins.batched.prefix_cache import PrefixCache
 from omlx_core.plugins.batched.sampling import check_sampling
@@ -33,7 +41,6 @@ class EngineSettings:
 
     max_batch_size: int = 16
     prefill_step_size: int = 512
-    max_context: int = 0
     block_size: int = 64
     cache_budget: int = 1 << 30
     batch_window_s: float = 0.01
@@ -43,7 +50,6 @@ class EngineSettings:
         return cls(
             max_batch_size=int(config["engine.max_batch_size"]),
             prefill_step_size=int(config["engine.prefill_step_size"]),
-            max_context=int(config["engine.max_context"]),
             block_size=int(config["cache.block_size"]),
             cache_budget=int(config["cache.memory_budget"]),
             batch_window_s=float(config["engine.batch_window_s"]),
@@ -127,23 +133,21 @@ def _merge(outputs: list[GenerationOutput]) -> GenerationOutput:
         finish_reason=last.finish_reason,
         error=last.error,
         error_type=last.error_type,
+        rejected=last.rejected,
+        stop_sequence=last.stop_sequence,
         usage=last.usage,
     )
 
 
-class BatchedEngine(Engine):
+class BatchedEngine(GuardedEngine):
     """Serves one mlx-lm model with continuous batching, chunked prefill and a prefix cache.
 
-    Memory-guard hints (read by :class:`~omlx_core.memory.guard.DefaultMemoryGuard`):
-    ``prefill_full_logits`` and ``activation_dtype_bytes``.
+    Its memory receiver (``resolve_scheduler``) is its :class:`~.scheduler.Scheduler`.
     """
 
-    #: prefill forwards evaluate only the cache; the last prompt token's logits come
-    #: from the decode batch, one position wide
-    prefill_full_logits = False
+    supported_sampling = OPTIONAL_SAMPLING
 
-    def __init__(self, model: ModelSpec, config: Any, *, thread: MLXThread | None = None,
-                 ignore_eos: bool = False) -> None:
+    def __init__(self, model: ModelSpec, config: Any, *, thread: MLXThread | None = None) -> None:
         self.model = model
         self.config = config
         self.settings = EngineSettings.from_config(config)
@@ -151,7 +155,6 @@ class BatchedEngine(Engine):
         self.scheduler: Scheduler | None = None
         self.tokenizer: Any = None
         self.vocab_size = 0
-        self.max_context: int | None = None
         self._lm: Any = None
         #: bytes per activation element of the loaded model (None until started)
         self.activation_dtype_bytes: int | None = None
@@ -160,7 +163,6 @@ class BatchedEngine(Engine):
         self._start_lock = threading.Lock()
         self._boundary_listener: Callable[..., None] | None = None
         self._finish_listener: Callable[..., None] | None = None
-        self._ignore_eos = ignore_eos
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -172,7 +174,7 @@ class BatchedEngine(Engine):
             self._thread.attach(self.scheduler)
 
     def _load(self) -> Scheduler:
-        from omlx_core.memory.bench_estimate import activation_dtype_bytes
+        from omlx_core.models.loader import activation_dtype_bytes
         from omlx_core.models.loader import load_model
 
         lm, tokenizer = load_model(self.model.path)
@@ -181,14 +183,13 @@ class BatchedEngine(Engine):
         args = getattr(lm, "args", None)
         self.vocab_size = int(getattr(args, "vocab_size", 0) or self.model.config.get("vocab_size")
                               or len(tokenizer))
-        self.max_context = self.settings.max_context or _model_context_length(self.model.config)
         return Scheduler(
             model=lm, tokenizer=tokenizer, model_id=self.model.id, model_config=self.model.config,
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
             prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,
             batch_window_s=self.settings.batch_window_s,
             wake=self._thread.wake, boundary_listener=self._on_boundary,
-            finish_listener=self._on_finished, ignore_eos=self._ignore_eos,
+            finish_listener=self._on_finished,
         )
 
     def shutdown(self) -> None:
@@ -253,6 +254,22 @@ class BatchedEngine(Engine):
         if listener is not None:
             listener(request_id, reason)
 
+    # -- what the pipeline and the memory guard ask -------------------------------------
+
+    def limits(self) -> EngineLimits:
+        self._require_started()
+        return EngineLimits(context_length=_model_context_length(self.model.config),
+                            vocab_size=self.vocab_size, max_running=self.settings.max_batch_size)
+
+    def memory_hints(self) -> MemoryHints:
+        # Prefill forwards evaluate only the cache (the last prompt token's logits come
+        # from a one-position forward); a reused prefix is copied into the request's own
+        # cache; the decode batch is mlx-lm's left-padded BatchGenerator.
+        return MemoryHints(prefill_step_size=self.settings.prefill_step_size,
+                           activation_dtype_bytes=self.activation_dtype_bytes or 4,
+                           prefill_full_logits=False, cached_kv_resident=False,
+                           decode_batch_padded=True)
+
     # -- tokenization ----------------------------------------------------------------
 
     def _require_started(self) -> Scheduler:
@@ -276,25 +293,13 @@ class BatchedEngine(Engine):
     # -- requests --------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> BatchedRequestHandle:
-        """Queue ``request``; raises ``ValueError`` naming what makes it unservable."""
+        """Queue ``request`` (checked against :meth:`limits` by the pipeline); raises
+        ``ValueError`` naming what makes it unservable."""
         scheduler = self._require_started()
-        prompt = request.prompt_tokens
-        if len(prompt) == 0:
+        if len(request.prompt_tokens) == 0:
             raise ValueError("prompt_tokens is empty; a request needs at least one prompt token")
-        bad = next((t for t in prompt if not 0 <= int(t) < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        check_sampling(request.sampling, self.vocab_size)
-        max_tokens = request.sampling.max_tokens
-        if self.max_context is not None:
-            room = self.max_context - len(prompt)
-            if room < 1:
-                raise ValueError(
-                    f"prompt has {len(prompt)} tokens but the context limit of model "
-                    f"{self.model.id!r} is {self.max_context} (engine.max_context, or the "
-                    "model's max_position_embeddings); shorten the prompt")
-            max_tokens = min(max_tokens, room)
-        sequence = new_sequence(request, max_tokens)
+        check_sampling(request.sampling)
+        sequence = new_sequence(request)
         handle = BatchedRequestHandle(request.request_id, sequence.outputs, self.abort)
         scheduler.enqueue(sequence)
         return handle

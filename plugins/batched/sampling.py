@@ -144,14 +144,17 @@ def token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, chosen.item(), tuple(ranked))
 
 
-def check_sampling(params: SamplingParams, vocab_size: int) -> None:
-    """Raise ``ValueError`` naming the first parameter a request cannot be sampled with."""
+def check_sampling(params: SamplingParams) -> None:
+    """Raise ``ValueError`` naming the first parameter a request cannot be sampled with.
+
+    Token ids are the pipeline's to check against the vocabulary (``Engine.limits``)."""
     problems: Sequence[tuple[bool, str]] = (
         (params.temperature < 0, f"temperature must be >= 0, got {params.temperature}"),
         (not 0.0 < params.top_p <= 1.0, f"top_p must be in (0, 1], got {params.top_p}"),
         (params.top_k < 0, f"top_k must be >= 0 (0 = off), got {params.top_k}"),
         (not 0.0 <= params.min_p <= 1.0, f"min_p must be in [0, 1], got {params.min_p}"),
-        (params.max_tokens < 1, f"max_tokens must be >= 1, got {params.max_tokens}"),
+        (params.max_tokens is None or params.max_tokens < 1,
+         f"max_tokens must be >= 1, got {params.max_tokens}"),
         (params.repetition_penalty <= 0,
          f"repetition_penalty must be > 0 (1 = off), got {params.repetition_penalty}"),
         (params.logprobs is not None and params.logprobs < 0,
@@ -160,12 +163,6 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
     for failed, message in problems:
         if failed:
             raise ValueError(message)
-    for token in params.logit_bias:
-        if not 0 <= int(token) < vocab_size:
-            raise ValueError(f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})")
-    for token in params.stop_token_ids:
-        if not 0 <= int(token) < vocab_size:
-            raise ValueError(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab_size})")
 
 
 __all__ = [

@@ -31,20 +31,21 @@ A request moves through four phases:
     its final output (``finish_reason`` and usage) is in its queue.
 
 **Forward gate seam.** Before a step's prefill forwards run, the planned chunks are
-handed to the installed :class:`~omlx_core.plugins.batched.gate.ForwardGate`
-(``set_forward_gate``) as one :class:`~omlx_core.plugins.batched.gate.PrefillStep`:
-request ids, chunk token counts, cached-token counts, the decode batch size and the
-latest limit snapshot. A request the gate refuses ends with ``finish_reason="error"``,
-``error_type="memory"`` and the gate's reason, its cache is dropped, and the other
-chunks and streams go on. A gate with the optional ``check_after_prefill`` is also
-asked after each forward (the post-forward backstop): once per shared forward, which
-then loses at most one request, the one holding the most KV. A restored prefix is
-evaluated at admission, so the gate's current-use reading already holds it.
-See :mod:`omlx_core.plugins.batched.gate` for the full contract.
+handed to the installed :class:`~omlx_core.memory.gate.ForwardGate`
+(``set_forward_gate``) as one :class:`~omlx_core.memory.gate.PrefillStep`: request
+ids, chunk token counts, cached-token counts, the decode batch size and the latest
+limit snapshot. A request the gate refuses ends with ``finish_reason="error"`` and the
+gate's :class:`~omlx_core.memory.types.RequestRejected`, its cache is dropped, and the
+other chunks and streams go on. The gate is also asked after each forward (the
+post-forward backstop): once per shared forward, which then loses at most one request,
+the one holding the most KV. A restored prefix is evaluated at admission, so the gate's
+current-use reading already holds it. See :mod:`omlx_core.memory.gate` for the contract.
 
-**Memory limits.** :meth:`Scheduler.apply_memory_limits` stores the enforcer's latest
-immutable :class:`~omlx_core.memory.types.LimitSnapshot`; each decision reads it once
-(:attr:`Scheduler.limits`). The ``resolve_scheduler`` hook returns this object.
+**Memory limits.** The scheduler is the engine's
+:class:`~omlx_core.memory.gate.MemoryReceiver` (the ``resolve_scheduler`` hook returns
+it): :meth:`Scheduler.apply_memory_limits` stores the enforcer's latest immutable
+:class:`~omlx_core.memory.types.LimitSnapshot`; each decision reads it once
+(:attr:`Scheduler.limits`).
 """
 
 from __future__ import annotations
@@ -63,15 +64,15 @@ from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
 from mlx_lm.sample_utils import greedy_sampler
 
 from omlx_core.engine import GenerationOutput, GenerationRequest, TokenLogprob, Usage
+from omlx_core.memory.gate import ForwardGate, MemoryReceiver, PrefillChunk, PrefillStep
 from omlx_core.plugins.batched.batch_prefill import PrefillRow, can_batch, group_spans, prefill_together
 from omlx_core.plugins.batched.cache_layout import CacheLayout
-from omlx_core.plugins.batched.gate import ForwardGate, PrefillChunk, PrefillStep
 from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
 from omlx_core.plugins.batched.sampling import make_logits_processors, make_sampler, token_logprob
-from omlx_core.plugins.batched.text import TextAssembler
+from omlx_core.text import TextAssembler
 
 if TYPE_CHECKING:
-    from omlx_core.memory.types import BoundarySnapshot, LimitSnapshot
+    from omlx_core.memory.types import BoundarySnapshot, LimitSnapshot, RequestRejected
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,6 @@ class SequenceState:
     request: GenerationRequest
     outputs: queue.SimpleQueue
     prompt: list[int]
-    max_tokens: int
     seed: int
     phase: str = WAITING
     block_hashes: list[bytes] = field(default_factory=list)
@@ -108,6 +108,10 @@ class SequenceState:
         return self.request.request_id
 
     @property
+    def max_tokens(self) -> int:
+        return int(self.request.sampling.max_tokens)  # type: ignore[arg-type]
+
+    @property
     def prefill_target(self) -> int:
         """Tokens prefilled in chunks: all but the last, which :meth:`Scheduler._first_tokens`
         feeds in a one-token forward that samples the first token."""
@@ -128,7 +132,7 @@ class _Counters:
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
 
 
-class Scheduler:
+class Scheduler(MemoryReceiver):
     """Owns one model's batch: queues, prefill, decode, outputs, prefix cache."""
 
     def __init__(self, *, model: Any, tokenizer: Any, model_id: str, model_config: Mapping[str, Any],
@@ -137,8 +141,7 @@ class Scheduler:
                  wake: Callable[[], None],
                  boundary_listener: Callable[[BoundarySnapshot], None] | None = None,
                  finish_listener: Callable[[str, str], None] | None = None,
-                 batch_window_s: float = 0.0,
-                 ignore_eos: bool = False) -> None:
+                 batch_window_s: float = 0.0) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -165,8 +168,7 @@ class Scheduler:
         self._stopped = False
         self._lock = threading.Lock()
         self.counters = _Counters()
-        # ignore_eos is for benchmarks that need streams of an exact length.
-        self._eos = () if ignore_eos else tuple(sorted(tokenizer.eos_token_ids))
+        self._eos = tuple(sorted(tokenizer.eos_token_ids))
         self._default_stops = StopSequences([(t,) for t in self._eos])
         self._generator = self._new_generator()
 
@@ -387,35 +389,35 @@ class Scheduler:
 
     def _ask_gate(self, plan: list[tuple[SequenceState, int, int]],
                   groups: list[list[tuple[SequenceState, int, int]]] | None = None
-                  ) -> tuple[dict[str, str], str]:
-        """The gate's refusals and the ``error_type`` they are reported as."""
+                  ) -> tuple[dict[str, RequestRejected], str | None]:
+        """The gate's refusals, and the error that makes them all internal failures
+        (a gate that raised) or ``None``."""
         gate = self._gate
         if gate is None:
-            return {}, "memory"
+            return {}, None
         try:
             refused = gate.check_prefill(self._prefill_step_of(plan, groups))
         except Exception as exc:
             log.exception("forward gate %r failed; refusing this prefill step", gate)
             # A broken guard is a bug, not a memory shortage the client could wait out.
-            reason = f"memory check before prefill failed: {type(exc).__name__}: {exc}"
-            return {s.request_id: reason for s, _, _ in plan}, "internal"
-        return {str(k): str(v) for k, v in (refused or {}).items()}, "memory"
+            return {}, f"memory check before prefill failed: {type(exc).__name__}: {exc}"
+        return dict(refused), None
 
     def _check_after_forward(self, members: list[tuple[SequenceState, int, int]]
-                             ) -> tuple[SequenceState, str] | None:
+                             ) -> tuple[SequenceState, RequestRejected] | None:
         """The request the post-forward backstop stops after a forward over ``members``'
         chunks, with its reason, if any. Asked once per forward: of several requests it
         refuses, only the one holding the most KV is stopped; freeing that is the
         likeliest to bring use back under the limit, and the next check before a
         forward still guards the others."""
-        check = getattr(self._gate, "check_after_prefill", None)
-        if check is None:
+        gate = self._gate
+        if gate is None:
             return None
         # The forward's transient sits in mlx's buffer cache until emptied; a reading
         # that included it would count memory already free.
         mx.clear_cache()
         try:
-            refused = check(self._prefill_step_of(members, [members]))
+            refused = gate.check_after_prefill(self._prefill_step_of(members, [members]))
         except Exception:
             log.exception("post-forward memory check %r failed; requests %s go on", self._gate,
                           ", ".join(s.request_id for s, _, _ in members))
@@ -425,21 +427,24 @@ class Scheduler:
         if not stoppable:
             return None
         _, sequence = max(stoppable, key=lambda item: item[0])
-        return sequence, str(refused[sequence.request_id])  # type: ignore[index]
+        return sequence, refused[sequence.request_id]
 
     def _prefill_step(self) -> None:
         plan = self._plan_prefill()
         groups = self._forward_groups(plan)
-        refused, error_type = self._ask_gate(plan, groups)
-        if refused and error_type == "memory" and any(len(group) > 1 for group in groups):
+        refused, broken = self._ask_gate(plan, groups)
+        if refused and any(len(group) > 1 for group in groups):
             # A shared forward holds its chunks' transients at once. When the gate says
             # that does not fit, ask again for one forward per chunk before refusing.
             groups = [[chunk] for chunk in plan]
-            refused, error_type = self._ask_gate(plan, groups)
-        for request_id, reason in refused.items():
+            refused, broken = self._ask_gate(plan, groups)
+        if broken is not None:
+            for sequence in {id(s): s for s, _, _ in plan}.values():
+                self._finish(sequence, "error", error=broken, error_type="internal")
+        for request_id, rejected in refused.items():
             sequence = self._by_id.get(request_id)
             if sequence is not None and sequence.phase == PREFILLING:
-                self._finish(sequence, "error", error=reason, error_type=error_type)
+                self._finish(sequence, "error", error=str(rejected), rejected=rejected)
         for group in groups:
             if len(group) == 1:
                 self._prefill_alone(*group[0])
@@ -517,7 +522,7 @@ class Scheduler:
         self._chunk_done(sequence, start, end, self._check_after_forward([(sequence, start, end)]))
 
     def _chunk_done(self, sequence: SequenceState, start: int, end: int,
-                    stopped: tuple[SequenceState, str] | None) -> None:
+                    stopped: tuple[SequenceState, RequestRejected] | None) -> None:
         """Account for a chunk whose forward has run and store its blocks; after the
         last one the request waits for :meth:`_first_tokens` at the end of the step.
         ``stopped``: the request the post-forward backstop stops after this forward,
@@ -526,7 +531,7 @@ class Scheduler:
         self.counters.prefill_chunks += 1
         self.counters.prompt_tokens_prefilled += end - start
         if stopped is not None and stopped[0] is sequence:
-            self._finish(sequence, "error", error=stopped[1], error_type="memory")
+            self._finish(sequence, "error", error=str(stopped[1]), rejected=stopped[1])
             return
         self._store_prefill_blocks(sequence)
         if end == sequence.prefill_target:
@@ -769,7 +774,8 @@ class Scheduler:
 
     def _finish(self, sequence: SequenceState, reason: str, *, text: str = "",
                 token_ids: tuple[int, ...] = (), logprobs: tuple[TokenLogprob, ...] | None = None,
-                error: str | None = None, error_type: str | None = None, remove: bool = True,
+                error: str | None = None, error_type: str | None = None,
+                rejected: RequestRejected | None = None, remove: bool = True,
                 store: bool = False) -> None:
         """Emit the final output and release everything the request holds."""
         if sequence.phase == DONE:
@@ -796,22 +802,24 @@ class Scheduler:
             except Exception:
                 log.exception("on_request_finished listener failed for request %s",
                               sequence.request_id)
+        stop_sequence = sequence.text.stop_sequence if sequence.text is not None else None
         self._emit(sequence, GenerationOutput(sequence.request_id, text, token_ids, logprobs,
                                               finish_reason=reason, error=error,
-                                              error_type=error_type, usage=usage))
+                                              error_type=error_type, rejected=rejected,
+                                              stop_sequence=stop_sequence, usage=usage))
 
     @staticmethod
     def _emit(sequence: SequenceState, output: GenerationOutput) -> None:
         sequence.outputs.put(output)
 
 
-def new_sequence(request: GenerationRequest, max_tokens: int) -> SequenceState:
+def new_sequence(request: GenerationRequest) -> SequenceState:
     """The scheduler state of a validated request."""
     seed = request.sampling.seed
     if seed is None:
         seed = secrets.randbits(63)
     return SequenceState(request=request, outputs=queue.SimpleQueue(),
-                     prompt=[int(t) for t in request.prompt_tokens], max_tokens=max_tokens,
+                     prompt=[int(t) for t in request.prompt_tokens],
                      seed=int(seed))
 
 

@@ -1,8 +1,9 @@
 """What the HTTP layer costs: aggregate decode throughput of N concurrent streams over
-loopback HTTP (SSE through waitress, the full request path) against the same engine
-driven in-process, in one run, same model, same prompts' shape.
+loopback HTTP (SSE through waitress, the full request path) against the same serving
+pipeline driven in-process (what an embedding program gets), in one run, same model,
+same prompts' shape.
 
-    python -m omlx_core.http.bench [--model DIR] [--streams 8] [--max-tokens 128]
+    python -m omlx_core.bench.http_cost [--model DIR] [--streams 8] [--max-tokens 128]
 
 Rounds come in pairs, one of each path back to back, in alternating order (engine
 first, then HTTP first), and the cost is the median of the pairs' ratios: load from
@@ -25,16 +26,17 @@ from typing import Callable, Sequence
 
 from omlx_core.bench.client import (BANNED_BIAS, chat_body, run_concurrently,
                                     special_token_ids, stream_chat)
-from omlx_core.engine import Engine, GenerationRequest, SamplingParams
+from omlx_core.engine import SamplingParams
+from omlx_core.serving import Job, ServingPipeline
 
 TARGET_COST = 0.05
-ENGINE_PATH = "engine-only (in-process)"
+ENGINE_PATH = "serving pipeline (in-process)"
 HTTP_PATH = "HTTP + SSE (loopback)"
 TOPICS = ("a lighthouse keeper", "a clockmaker", "a river", "a mountain village", "a robot",
           "a library at night", "a desert caravan", "an old ship", "a winter garden", "a city")
 
 
-SERVER_THREAD_PREFIXES = ("waitress-", "omlx-http")
+SERVER_THREAD_PREFIXES = ("waitress-", "omlx-http", "omlx-disconnects")
 
 
 @dataclass
@@ -99,24 +101,20 @@ def _run_concurrently(streams: int, work: Callable[[int], tuple[int, float]]
     return tokens, elapsed, ttft, cpu
 
 
-def engine_round(engine: Engine, round_index: int, streams: int, sampling: SamplingParams) -> Round:
-    prompts = [engine.tokenize_chat(_messages(round_index, i)) for i in range(streams)]
-
+def engine_round(pipeline: ServingPipeline, model_id: str, round_index: int, streams: int,
+                 sampling: SamplingParams) -> Round:
     def work(index: int) -> tuple[int, float]:
         started = time.perf_counter()
-        first: float | None = None
-        tokens = 0
-        request = GenerationRequest(f"bench-{round_index}-{index}", prompts[index], sampling)
-        with engine.submit(request) as handle:
-            for output in handle:
-                if first is None:
-                    first = time.perf_counter() - started
-                tokens += len(output.token_ids)
-                if output.finished:
-                    if output.finish_reason not in ("stop", "length"):
-                        raise RuntimeError(f"engine ended with {output.finish_reason}: {output.error}")
-                    break
-        return tokens, first or 0.0
+        generation = pipeline.start(Job(model_id, sampling, messages=_messages(round_index, index)))
+        first = time.perf_counter() - started
+        try:
+            for _delta in generation.deltas():
+                pass
+        finally:
+            generation.close()
+        if generation.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"request ended with {generation.finish_reason}: {generation.error}")
+        return generation.completion_tokens, first
 
     tokens, seconds, ttft, cpu = _run_concurrently(streams, work)
     return Round(ENGINE_PATH, round_index // 2, streams, tokens, seconds, ttft, cpu["process"],
@@ -181,7 +179,7 @@ def summarize(rounds: Sequence[Round]) -> tuple[float, float, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omlx_core.http.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.http_cost", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tier", help="configuration tier (default: the one that fits)")
     parser.add_argument("--model", type=Path,
@@ -203,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     overrides: list[tuple[str, str, str]] = [
         ("engine.max_batch_size", str(max(args.streams, 1)), "bench")]
+    print("override: engine.max_batch_size=%d (both paths run every stream at once)"
+          % max(args.streams, 1))
     setup = load_setup(args.tier, [], overrides)
     model_ids = None
     if args.model is not None:
@@ -215,15 +215,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         banned = {token: BANNED_BIAS for token in special_token_ids(Path(engine.model.path))}
         sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logit_bias=banned)
         rounds: list[Round] = []
+        pipeline = ServingPipeline(context)
         with HTTPServer(context, host="127.0.0.1", port=0,
                         threads=max(args.streams + 2, 4)) as server:
             # Warm-up: first forwards compile kernels and fault weights in.
-            engine_round(engine, -1, 2, SamplingParams(temperature=0.0, max_tokens=8))
+            engine_round(pipeline, model_id, -1, 2, SamplingParams(temperature=0.0, max_tokens=8))
             http_round(server.host, server.port, model_id, -2, 2,
                        SamplingParams(temperature=0.0, max_tokens=8))
             for pair in tqdm(range(args.pairs), desc="bench pairs", unit="pair"):
                 runs = [
-                    lambda i: engine_round(engine, i, args.streams, sampling),
+                    lambda i: engine_round(pipeline, model_id, i, args.streams, sampling),
                     lambda i: http_round(server.host, server.port, model_id, i, args.streams,
                                          sampling),
                 ]

@@ -1,5 +1,9 @@
 """From generated token ids to the text a client may see: incremental and stop-aware.
 
+Part of what an engine owes the pipeline (:mod:`omlx_core.engine`): stop strings are
+never emitted, not even in part. Engines built on an mlx-lm tokenizer use
+:class:`TextAssembler`; others feed their own text through :class:`StopMatcher`.
+
 mlx-lm's streaming detokenizers hold back the bytes of a character split across
 tokens, so no replacement character is emitted for it. On top of that, text that
 could be the beginning of a stop string is held back until it either completes the
@@ -17,6 +21,8 @@ class StopMatcher:
     def __init__(self, stop: Sequence[str]) -> None:
         self.stop = tuple(s for s in dict.fromkeys(stop) if s)
         self._held = ""
+        #: the stop string that matched (the earliest in the text), once one has
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         """``(text safe to emit, whether a stop string matched)``; after a match the
@@ -24,10 +30,11 @@ class StopMatcher:
         if not self.stop:
             return text, False
         pending = self._held + text
-        found = [i for i in (pending.find(s) for s in self.stop) if i >= 0]
+        found = [(i, s) for s in self.stop if (i := pending.find(s)) >= 0]
         if found:
             self._held = ""
-            return pending[: min(found)], True
+            cut, self.matched = min(found, key=lambda item: item[0])
+            return pending[:cut], True
         keep = self._longest_stop_prefix_suffix(pending)
         self._held = pending[len(pending) - keep:] if keep else ""
         return pending[: len(pending) - keep], False
@@ -53,6 +60,11 @@ class TextAssembler:
     def __init__(self, detokenizer: Any, stop: Sequence[str] = ()) -> None:
         self._detokenizer = detokenizer
         self._stops = StopMatcher(stop)
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._stops.matched
 
     def add(self, token: int) -> tuple[str, bool]:
         """Add a generated token; ``(new text to emit, whether a stop string matched)``."""

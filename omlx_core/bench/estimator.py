@@ -9,8 +9,8 @@ chunk, the prompt's last token fed through mlx-lm's ``BatchGenerator`` -- and co
 
 Run it with OpenBLAS preloaded (see the README)::
 
-    python -m omlx_core.memory.bench_estimate --out docs/estimator-accuracy.md
-    python -m omlx_core.memory.bench_estimate --quick
+    python -m omlx_core.bench.estimator --out docs/estimator-accuracy.md
+    python -m omlx_core.bench.estimator --quick
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from omlx_core.memory.estimate import ModelDims, PeakBreakdown, estimate_prefill_peak
+from omlx_core.models.loader import activation_dtype_bytes
 
 #: estimate / measured must stay within these bounds
 TARGET_MIN_RATIO = 1.00
@@ -68,20 +69,6 @@ class BenchRow:
     @property
     def within_target(self) -> bool:
         return TARGET_MIN_RATIO <= self.ratio <= TARGET_MAX_RATIO
-
-
-def activation_dtype_bytes(model: Any) -> int:
-    """Bytes per element of the model's activations: its most common float parameter dtype."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    counts: dict[Any, int] = {}
-    for _, value in tree_flatten(model.parameters()):
-        if mx.issubdtype(value.dtype, mx.floating):
-            counts[value.dtype] = counts.get(value.dtype, 0) + value.size
-    if not counts:
-        raise ValueError("model has no floating-point parameters to take the activation dtype from")
-    return max(counts, key=lambda dtype: counts[dtype]).size
 
 
 def measure_prefill_peak(model: Any, prompt: Sequence[int], chunk_size: int, *,
@@ -248,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omlx_core.platform.blas import ensure_optimized_blas
 
     ensure_optimized_blas()  # the 8k prefills take minutes on the reference BLAS
-    parser = argparse.ArgumentParser(prog="python -m omlx_core.memory.bench_estimate",
+    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.estimator",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (a minute or two)")
     parser.add_argument("--out", type=Path, help="write the results as markdown to this file")
@@ -279,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
 
     print(format_table(rows))
-    command = "python -m omlx_core.memory.bench_estimate" + (" --quick" if args.quick else "")
+    command = "python -m omlx_core.bench.estimator" + (" --quick" if args.quick else "")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(render_markdown(rows, command, elapsed))

@@ -1,7 +1,7 @@
-"""The text and bytes of single tokens, for logprobs.
+"""The text and bytes of single tokens, for logprobs (the default of ``Engine.token_bytes``).
 
-The engine contract turns text into ids, not back; logprobs name each token, so the
-front end reads the model's own ``tokenizer.json``. Byte-level BPE vocabularies (GPT-2,
+Logprobs name each token by its exact bytes; this reads them from a model directory's
+own ``tokenizer.json``. Byte-level BPE vocabularies (GPT-2,
 Llama 3, SmolLM, Qwen) spell bytes as printable characters; mapping them back gives the
 exact bytes of a token even when it is half of a UTF-8 character.
 """

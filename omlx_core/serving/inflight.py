@@ -1,11 +1,11 @@
-"""Requests being generated, and the watcher that aborts those whose client hung up.
+"""Requests being generated, and the watcher that aborts those whose client went away.
 
-Waitress notices a hang-up on its event loop (with ``channel_request_lookahead`` > 0)
-and exposes it as ``environ["waitress.client_disconnected"]``. A write to the dead
-socket would also fail, but only at the next token; a request still in prefill or
-waiting in the engine's queue writes nothing for a long time. One thread polls every
-in-flight request and closes the handle of a request whose client is gone, so the
-engine drops it within one step whatever phase it is in.
+A caller that can tell when its client is gone passes ``client_gone`` with the job
+(the HTTP front end hands over waitress's ``environ["waitress.client_disconnected"]``).
+A write to a dead socket would also fail, but only at the next token; a request still
+in prefill or waiting in the engine's queue writes nothing for a long time. One thread
+polls every in-flight request and closes the handle of a request whose client is gone,
+so the engine drops it within one step whatever phase it is in.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class InFlight:
         with self._lock:
             self._entries[request_id] = _Entry(handle, client_gone)
             if client_gone is not None and self._watcher is None and not self._stopped:
-                self._watcher = threading.Thread(target=self._watch, name="omlx-http-disconnects",
+                self._watcher = threading.Thread(target=self._watch, name="omlx-disconnects",
                                                  daemon=True)
                 self._watcher.start()
         self._wake.set()

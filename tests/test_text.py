@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omlx_core.plugins.batched.text import StopMatcher, TextAssembler
+from omlx_core.text import StopMatcher, TextAssembler
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[list[str], bool]:
@@ -106,3 +106,12 @@ def test_real_streaming_detokenizer_never_splits_a_character(tiny_model_path, te
     assert not stopped
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) + tail == text
+
+
+def test_the_matched_stop_string_is_named() -> None:
+    matcher = StopMatcher(["b", "abc", "world"])
+    assert matcher.feed("xa") == ("x", False)
+    assert matcher.feed("bc") == ("", True) and matcher.matched == "abc"  # earliest start wins
+    later = StopMatcher(["world"])
+    assert later.feed("Hello wor") == ("Hello ", False)
+    assert later.feed("ld and more") == ("", True) and later.matched == "world"

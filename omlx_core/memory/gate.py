@@ -1,0 +1,116 @@
+"""The forward gate: where a memory guard refuses a prefill chunk before its forward runs.
+
+This is the part of the engine contract (:mod:`omlx_core.engine`) that an engine's
+scheduler implements for the memory guard. The guard gives every engine's
+:class:`MemoryReceiver` (found through the ``resolve_scheduler`` hook) the latest
+:class:`~omlx_core.memory.types.LimitSnapshot` on every enforcer poll, and one
+:class:`ForwardGate` to ask before prefill forwards.
+
+Once per scheduler step that has prefill work, the scheduler plans the chunks it is
+about to run, describes them in a :class:`PrefillStep` and calls
+``gate.check_prefill(step)`` *before any of those forwards runs*. The gate answers with
+the request ids it refuses, each with a :class:`~omlx_core.memory.types.RequestRejected`
+(stage ``"forward"``). A refused request ends at once with ``finish_reason="error"``
+and that rejection on its final output (:attr:`~omlx_core.engine.GenerationOutput.rejected`);
+its partial KV cache is dropped; every other chunk of the step runs as planned.
+
+What the gate can rely on:
+
+- forwards run one after another in the listed order. A chunk whose ``forward`` is
+  ``None`` runs alone over its request's cache; chunks with the same ``forward`` number
+  (several requests' chunks, adjacent in the list) share one forward, so their
+  transient buffers exist together. Only one forward's transients exist at a time,
+  while each chunk's KV (``new_tokens``) stays resident afterwards. A shared forward
+  also copies each member's cached prefix into its batch buffer and back out. When the
+  gate refuses anything in a step with shared forwards, a scheduler may ask again with
+  every chunk alone (all ``forward`` ``None``) and act on that second answer, so a
+  refusal of a shared forward is provisional: a gate does not count it as final;
+- ``limits`` is the latest snapshot given to ``apply_memory_limits``, read once;
+- it is called on the MLX thread: it must be quick and must not wait on that thread.
+
+An exception raised by the gate refuses every chunk of the step (the requests end with
+an error naming the exception): a guard that cannot decide must not let a forward run.
+
+**Post-forward backstop.** ``gate.check_after_prefill(step)`` is called once after each
+forward is evaluated (and mlx's buffer cache emptied), with a :class:`PrefillStep`
+holding that forward's chunks. Of the ids it returns, the one whose request holds the
+most KV (cached plus new tokens) ends at once with its rejection, and its cache is
+freed; the others go on (the next check before a forward still guards them). An
+exception raised there is logged and lets the requests go on.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from omlx_core.memory.types import LimitSnapshot, RequestRejected
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One forward the scheduler is about to run: ``new_tokens`` over ``cached_tokens``."""
+
+    request_id: str
+    #: prompt tokens this forward adds to the request's KV cache
+    new_tokens: int
+    #: tokens already in the request's KV cache (reused prefix plus earlier chunks)
+    cached_tokens: int
+    #: the request's whole prompt length
+    prompt_tokens: int
+    #: of ``cached_tokens``, how many came from the prefix cache rather than a forward
+    reused_tokens: int = 0
+    #: chunks with the same number share one forward; ``None``: this chunk runs alone
+    forward: int | None = None
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """Everything a gate is asked to judge in one scheduler step."""
+
+    model_id: str
+    chunks: tuple[PrefillChunk, ...]
+    #: sequences in the decode batch during this step (their KV is already resident)
+    decoding: int
+    #: the engine's prefill step: the most tokens one step prefills in all
+    chunk_size: int
+    limits: LimitSnapshot | None = None
+    model_config: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+
+Refusals = Mapping[str, "RequestRejected"]
+
+
+class ForwardGate(abc.ABC):
+    """What a scheduler asks before (and after) each step's prefill forwards."""
+
+    @abc.abstractmethod
+    def check_prefill(self, step: PrefillStep) -> Refusals:
+        """Request ids to refuse, each with its rejection; empty lets every chunk run."""
+
+    @abc.abstractmethod
+    def check_after_prefill(self, step: PrefillStep) -> Refusals:
+        """Request ids to stop now that ``step``'s forward has run; empty lets them go
+        on. Of several, only the request holding the most KV is stopped."""
+
+
+class MemoryReceiver(abc.ABC):
+    """The object the enforcer publishes limits to: what ``resolve_scheduler`` returns.
+
+    ``apply_memory_limits`` is called from the enforcer's thread on every poll;
+    ``set_forward_gate`` once (and again if the guard is replaced). Both must only
+    store what they are given: the scheduler reads it on its own thread.
+    """
+
+    @abc.abstractmethod
+    def apply_memory_limits(self, snapshot: LimitSnapshot) -> None:
+        """Keep the latest limit snapshot; the next decision reads it."""
+
+    @abc.abstractmethod
+    def set_forward_gate(self, gate: ForwardGate | None) -> None:
+        """Install (or with ``None`` remove) the gate asked before prefill forwards."""
+
+
+__all__ = ["ForwardGate", "MemoryReceiver", "PrefillChunk", "PrefillStep", "Refusals"]

@@ -1,0 +1,438 @@
+"""One request from a job to its last output: the checks, in the order they run.
+
+:meth:`ServingPipeline.start` does everything that can refuse a request before any work
+is done for it or any byte is sent, then submits it and waits for its first output:
+
+1. the model (:class:`UnknownModel`) and the sampling fields its engine honours
+   (:class:`InvalidRequest` naming the parameter);
+2. tokenization with the engine's own tokenizer and chat template;
+3. the engine's :meth:`~omlx_core.engine.Engine.limits`: the context settles
+   ``max_tokens`` (its default, ``engine.max_tokens``, lives here and nowhere else),
+   the vocabulary bounds every token id a request names;
+4. the memory guard: preflight (a request that can never fit) and admission (one that
+   fits alone but not next to the running ones waits): :class:`RequestRejected`;
+5. ``engine.submit`` and the first output: a request the engine stops before its first
+   token (a forward-gate refusal, a failure) is still refused here, with no byte sent.
+
+Only a started :class:`Generation` is streamed. After its first output, a failure ends
+the stream in-band: :attr:`Generation.failure` holds the typed error.
+
+Stop strings are the engine's job (the contract in :mod:`omlx_core.engine`): the
+pipeline passes the outputs on as they are and reads the stop string that matched from
+the final one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from omlx_core.engine import (
+    Engine,
+    EngineLimits,
+    GenerationOutput,
+    GenerationRequest,
+    RequestHandle,
+    SamplingParams,
+    TokenLogprob,
+)
+from omlx_core.memory.types import RequestRejected
+from omlx_core.serving.inflight import InFlight
+
+if TYPE_CHECKING:
+    from omlx_core.memory.admission import AdmissionTicket
+    from omlx_core.server_context import ServerContext
+
+log = logging.getLogger(__name__)
+
+ABORTED = "the request was aborted before it finished (the server is shutting down or the client left)"
+
+
+# -- what goes in -------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """What to generate: exactly one of ``messages``, ``text`` or ``token_ids`` is the prompt.
+
+    ``sampling.max_tokens`` is ``None`` when the client gave none: the pipeline then uses
+    ``engine.max_tokens``, shortened to the context. A given value that does not fit the
+    context is refused, unless ``max_tokens_is_cap`` (clients that send a cap rather
+    than a wish, like Anthropic's): then it is shortened too.
+    """
+
+    model_id: str
+    sampling: SamplingParams
+    messages: list[dict[str, Any]] | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    max_tokens_is_cap: bool = False
+    #: the request parameters that carry the prompt and max_tokens, for error messages
+    prompt_param: str = "messages"
+    max_tokens_param: str = "max_tokens"
+    id_prefix: str = "req-"
+
+
+# -- what can go wrong before the first byte ------------------------------------------------
+
+
+class InvalidRequest(Exception):
+    """The request cannot be served as sent (HTTP 400); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class UnknownModel(InvalidRequest):
+    """No engine serves the requested model (HTTP 404)."""
+
+    def __init__(self, model_id: str, served: list[str]):
+        super().__init__(f"model {model_id!r} is not served here; served models: "
+                         f"{', '.join(sorted(served)) or 'none'} (GET /v1/models lists them)",
+                         "model", "model_not_found")
+
+
+class EngineFailed(Exception):
+    """The engine failed (HTTP 500 before the first byte, an in-band error after it)."""
+
+
+class RequestAborted(Exception):
+    """The request was aborted (client gone, server shutting down) before it finished."""
+
+
+class ServingEvents:
+    """What the pipeline reports as requests run (the HTTP front end counts them in
+    ``/metrics``). Every method is a no-op here; override what you need. Called on the
+    request's thread; must not raise."""
+
+    def admitted(self, model_id: str, prompt_tokens: int, ttft_s: float) -> None:
+        """A request produced its first output ``ttft_s`` after it arrived."""
+
+    def rejected(self, model_id: str, error: RequestRejected) -> None:
+        """A memory guard refused a request, at any stage, before or after its first byte."""
+
+    def finished(self, model_id: str, completion_tokens: int, cached_tokens: int) -> None:
+        """A started request ended (completed, failed or aborted)."""
+
+    def disconnected(self, request_id: str) -> None:
+        """A request's client went away before it finished."""
+
+
+@dataclass
+class Delta:
+    """New text of a request and the logprobs of the tokens that produced it."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+# -- a started request ------------------------------------------------------------------------
+
+
+class Generation:
+    """A submitted request that has produced its first output. Iterate :meth:`deltas`;
+    read the outcome afterwards; :meth:`close` aborts it if it is still running."""
+
+    def __init__(self, *, request_id: str, engine: Engine, model_id: str, prompt_tokens: int,
+                 sampling: SamplingParams, handle: RequestHandle, first: GenerationOutput,
+                 outputs: Iterator[GenerationOutput], release: Callable[[], None],
+                 events: ServingEvents):
+        self.request_id = request_id
+        self.engine = engine
+        self.model_id = model_id
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.sampling = sampling
+        #: ``"stop"`` or ``"length"`` for a completed request, ``"error"`` otherwise
+        self.finish_reason: str | None = None
+        #: why a request ended with ``"error"``: a typed error for the front end to render
+        self.failure: Exception | None = None
+        self.stop_sequence: str | None = None
+        self._handle = handle
+        self._first: GenerationOutput | None = first
+        self._outputs = outputs
+        self._release = release
+        self._events = events
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def error(self) -> str | None:
+        return None if self.failure is None else str(self.failure)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of a token of this request's model (for logprobs)."""
+        return self.engine.token_bytes(token_id)
+
+    def deltas(self) -> Iterator[Delta]:
+        """New text as it arrives; sets ``finish_reason`` (and ``failure``) when it ends."""
+        usage = None
+        try:
+            for output in self._all_outputs():
+                self.completion_tokens += len(output.token_ids)
+                if output.usage is not None:
+                    usage = output.usage
+                if output.text or output.logprobs:
+                    yield Delta(output.text, output.logprobs or ())
+                if output.finished:
+                    self._finish(output)
+                    break
+            else:
+                # A handle closed from outside (shutdown, disconnect watcher) just stops.
+                self.finish_reason, self.failure = "error", RequestAborted(ABORTED)
+        except Exception as exc:
+            log.exception("engine failed while generating request %s", self.request_id)
+            self.finish_reason = "error"
+            self.failure = EngineFailed(f"the engine failed: {type(exc).__name__}: {exc}")
+        finally:  # also when the client hung up and the stream was closed mid-way
+            if usage is not None:
+                self.completion_tokens = usage.completion_tokens
+                self.cached_tokens = usage.cached_tokens
+            self._events.finished(self.model_id, self.completion_tokens, self.cached_tokens)
+
+    def _all_outputs(self) -> Iterator[GenerationOutput]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        yield from self._outputs
+
+    def _finish(self, output: GenerationOutput) -> None:
+        reason = output.finish_reason
+        if reason in ("stop", "length"):
+            self.finish_reason = reason
+            self.stop_sequence = output.stop_sequence
+            return
+        self.finish_reason = "error"
+        self.failure = _failure_of(output)
+        if isinstance(self.failure, RequestRejected):
+            self._events.rejected(self.model_id, self.failure)
+
+    def close(self) -> None:
+        """Abort the request if it is still running and release its memory reservation."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._handle.close()
+        finally:
+            self._release()
+
+
+def _failure_of(output: GenerationOutput) -> Exception:
+    """The typed error of a final output that is not a completion."""
+    if output.finish_reason == "abort":
+        return RequestAborted(ABORTED)
+    if output.rejected is not None:
+        return output.rejected
+    message = output.error or "the engine reported an error"
+    if output.error_type == "invalid":
+        return InvalidRequest(f"the engine cannot serve this request: {message}")
+    return EngineFailed(message)
+
+
+# -- the pipeline ----------------------------------------------------------------------------
+
+
+class ServingPipeline:
+    """Starts requests against the engines of a :class:`ServerContext`.
+
+    :param context: the running server (configuration, engines, memory guard).
+    :param events: told of admissions, rejections, ends and disconnects.
+    """
+
+    def __init__(self, context: ServerContext, events: ServingEvents | None = None):
+        self.context = context
+        self.events = events or ServingEvents()
+        self.in_flight = InFlight(on_disconnect=self.events.disconnected)
+        config = context.config
+        self.default_max_tokens = int(config["engine.max_tokens"])
+        self.max_context = int(config["engine.max_context"])
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def engine(self, model_id: str) -> Engine:
+        engine = self.context.engines.get(model_id)
+        if engine is None:
+            raise UnknownModel(model_id, list(self.context.engines))
+        return engine
+
+    def context_length(self, limits: EngineLimits) -> int | None:
+        """``engine.max_context`` when the operator set it, else the engine's own."""
+        return self.max_context or limits.context_length
+
+    # -- starting a request --------------------------------------------------------------
+
+    def start(self, job: Job, *, client_gone: Callable[[], bool] | None = None) -> Generation:
+        """Run every check, submit, and wait for the first output.
+
+        :raises InvalidRequest: the request cannot be served as sent (its subclass
+            :class:`UnknownModel` for a model not served here).
+        :raises RequestRejected: the memory guard refused it (preflight, admission, or a
+            forward gate before its first token).
+        :raises EngineFailed: the engine failed before the first output.
+        :raises RequestAborted: it was aborted before its first output.
+        """
+        arrived = time.monotonic()
+        engine = self.engine(job.model_id)
+        limits = engine.limits()
+        self._check_supported(engine, job)
+        tokens = self._tokenize(engine, job, limits)
+        sampling = self._settle_max_tokens(job, limits, len(tokens))
+        self._check_token_ids(sampling, limits)
+        request_id = job.id_prefix + uuid.uuid4().hex
+        release = self._reserve(engine, request_id, tokens, sampling.max_tokens)
+        try:
+            handle = engine.submit(GenerationRequest(request_id, tokens, sampling))
+        except ValueError as exc:  # the engine's own check of an unservable request
+            release()
+            raise InvalidRequest(f"the engine cannot serve this request: {exc}") from None
+        except Exception as exc:
+            release()
+            log.error("engine of %s failed to take a request", job.model_id, exc_info=exc)
+            raise EngineFailed(f"the engine failed to take the request: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            release()
+            raise
+        outputs = iter(handle)
+        first = self._first_output(request_id, handle, outputs, client_gone, release, job)
+        self.events.admitted(job.model_id, len(tokens), time.monotonic() - arrived)
+
+        def release_all() -> None:
+            self.in_flight.remove(request_id)
+            release()
+
+        return Generation(request_id=request_id, engine=engine, model_id=job.model_id,
+                          prompt_tokens=len(tokens), sampling=sampling, handle=handle,
+                          first=first, outputs=outputs, release=release_all, events=self.events)
+
+    def _first_output(self, request_id: str, handle: RequestHandle,
+                      outputs: Iterator[GenerationOutput], client_gone: Callable[[], bool] | None,
+                      release: Callable[[], None], job: Job) -> GenerationOutput:
+        try:
+            self.in_flight.add(request_id, handle, client_gone)
+            first = next(outputs, None)
+        except BaseException as exc:
+            self._abandon(request_id, handle, release)
+            if isinstance(exc, Exception):
+                log.error("engine failed before the first output of a request for %s",
+                          job.model_id, exc_info=exc)
+                raise EngineFailed(f"the engine failed before the first token: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            raise
+        if first is None:
+            self._abandon(request_id, handle, release)
+            raise RequestAborted("the request was aborted before its first token (the client "
+                                 "disconnected or the server is shutting down)")
+        if first.finished and first.finish_reason not in ("stop", "length"):
+            self._abandon(request_id, handle, release)
+            failure = _failure_of(first)
+            if isinstance(failure, RequestRejected):
+                self.events.rejected(job.model_id, failure)
+            raise failure
+        return first
+
+    def _abandon(self, request_id: str, handle: RequestHandle, release: Callable[[], None]) -> None:
+        self.in_flight.remove(request_id)
+        try:
+            handle.close()
+        finally:
+            release()
+
+    # -- the checks ------------------------------------------------------------------------
+
+    def _check_supported(self, engine: Engine, job: Job) -> None:
+        unsupported = sorted(job.sampling.optional_fields_set() - set(engine.supported_sampling))
+        if unsupported:
+            raise InvalidRequest(
+                f"the engine serving model {job.model_id!r} does not support "
+                f"{', '.join(unsupported)}; leave {'them' if len(unsupported) > 1 else 'it'} "
+                "unset or serve the model with the 'batched' engine", unsupported[0])
+
+    def _tokenize(self, engine: Engine, job: Job, limits: EngineLimits) -> list[int]:
+        try:
+            if job.messages is not None:
+                tokens = engine.tokenize_chat(job.messages)
+            elif job.text is not None:
+                tokens = engine.tokenize(job.text)
+            else:
+                tokens = list(job.token_ids or [])
+                if any(not 0 <= t < limits.vocab_size for t in tokens):
+                    raise InvalidRequest(f"{job.prompt_param} has token ids outside the "
+                                         f"vocabulary (0..{limits.vocab_size - 1})",
+                                         job.prompt_param)
+        except InvalidRequest:
+            raise
+        except Exception as exc:
+            if not _is_template_error(exc):
+                raise
+            raise InvalidRequest(f"the model's chat template rejected these messages: {exc}",
+                                 job.prompt_param) from None
+        if not tokens:
+            raise InvalidRequest(f"{job.prompt_param} is empty after tokenization; give some "
+                                 "text", job.prompt_param)
+        return list(tokens)
+
+    def _settle_max_tokens(self, job: Job, limits: EngineLimits, prompt_tokens: int) -> SamplingParams:
+        requested = job.sampling.max_tokens
+        max_tokens = self.default_max_tokens if requested is None else requested
+        limit = self.context_length(limits)
+        if limit is not None:
+            if prompt_tokens >= limit:
+                raise InvalidRequest(f"the prompt is {prompt_tokens} tokens, over this model's "
+                                     f"{limit}-token context; shorten it", job.prompt_param,
+                                     "context_length_exceeded")
+            room = limit - prompt_tokens
+            if max_tokens > room:
+                if requested is not None and not job.max_tokens_is_cap:
+                    raise InvalidRequest(
+                        f"{job.max_tokens_param}={max_tokens} does not fit: the prompt is "
+                        f"{prompt_tokens} tokens of a {limit}-token context, so at most "
+                        f"{room} can be generated", job.max_tokens_param, "context_length_exceeded")
+                max_tokens = room
+        return replace(job.sampling, max_tokens=max_tokens)
+
+    def _check_token_ids(self, sampling: SamplingParams, limits: EngineLimits) -> None:
+        vocab = limits.vocab_size
+        for param, ids in (("logit_bias", sampling.logit_bias), ("stop_token_ids", sampling.stop_token_ids)):
+            if any(not 0 <= int(t) < vocab for t in ids):
+                raise InvalidRequest(f"{param} names token ids outside the vocabulary "
+                                     f"(0..{vocab - 1})", param)
+
+    def _reserve(self, engine: Engine, request_id: str, tokens: list[int],
+                 max_tokens: int) -> Callable[[], None]:
+        """Preflight and admission; returns the callable that gives the reservation back."""
+        guard = self.context.memory_guard
+        if guard is None:
+            return lambda: None
+        try:
+            guard.preflight(engine, request_id, tokens)
+            ticket: AdmissionTicket = guard.admit(engine, request_id, tokens, max_tokens=max_tokens)
+        except RequestRejected as error:
+            self.events.rejected(engine.model.id, error)
+            raise
+        return ticket.release
+
+    def close(self) -> int:
+        """Abort every in-flight request (their streams end with an in-band error)."""
+        aborted = self.in_flight.abort_all()
+        self.in_flight.stop()
+        return aborted
+
+
+def _is_template_error(exc: Exception) -> bool:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - transformers needs jinja2
+        TemplateError = ()  # type: ignore[assignment]
+    return isinstance(exc, (TemplateError, ValueError, TypeError, KeyError))
