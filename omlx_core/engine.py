@@ -146,6 +146,41 @@ class RequestHandle(abc.ABC):
     @abc.abstractmethod
     def __iter__(self) -> Iterator[GenerationOutput]: ...
 
+    def next_output(self, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output, waiting at most ``timeout`` seconds (``None``: as long as it
+        takes); ``None`` when none came in time. An iteration that ends without a final
+        output reads as ``finish_reason="abort"``.
+
+        The pipeline waits with a timeout so a stream can be kept alive during a long
+        prefill. This default reads :meth:`__iter__` on a helper thread; a handle backed
+        by a queue overrides it with a timed ``get``.
+        """
+        import queue
+        import threading
+
+        pump = self.__dict__.get("_pumped")
+        if pump is None:
+            pump = self.__dict__["_pumped"] = queue.SimpleQueue()
+
+            def run() -> None:
+                try:
+                    for output in self:
+                        pump.put(output)
+                        if output.finished:
+                            return
+                except Exception as exc:  # handed to the reader as an internal failure
+                    pump.put(GenerationOutput(self.request_id, finish_reason="error",
+                                              error=f"{type(exc).__name__}: {exc}",
+                                              error_type="internal"))
+                    return
+                pump.put(GenerationOutput(self.request_id, finish_reason="abort"))
+
+            threading.Thread(target=run, name=f"omlx-handle-{self.request_id}", daemon=True).start()
+        try:
+            return pump.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Abort the request if it has not finished, and release its resources."""

@@ -31,6 +31,9 @@ CORE_SETTINGS: list[Setting] = [
     Setting("server.port", "int", "TCP port (0 picks a free one)", minimum=0, maximum=65535),
     Setting("server.threads", "int", "waitress worker threads", minimum=1, maximum=1024),
     Setting("server.max_body", "size", "largest accepted request body", minimum=1024),
+    Setting("server.stream_keepalive_s", "float", "a stream whose first token takes longer "
+            "starts anyway and sends a keep-alive comment this often until it comes",
+            minimum=0.05, maximum=300),
     Setting("server.api_keys", "list", "accepted API keys; empty means no authentication"),
     Setting("server.models", "list", "model ids loaded at start; the first is the default"),
     Setting("plugins.enabled", "list",

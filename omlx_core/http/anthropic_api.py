@@ -67,8 +67,9 @@ class Messages:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_request(req, self.max_body, MESSAGES_REQUEST)
-        generation = self.responder.start(messages_job(body), req)
-        self.responder.respond(resp, generation, stream=bool(body.get("stream")),
+        stream = bool(body.get("stream"))
+        generation = self.responder.start(messages_job(body), req, stream=stream)
+        self.responder.respond(resp, generation, stream=stream,
                                collect=self.collect, frames=lambda: self.events(generation),
                                error_frames=error_frames)
 
@@ -91,7 +92,9 @@ class Messages:
         yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
         yield _event("ping")
         for delta in generation.deltas():
-            if delta.text:
+            if delta.keepalive:
+                yield _event("ping")
+            elif delta.text:
                 yield _event("content_block_delta", index=0,
                              delta={"type": "text_delta", "text": delta.text})
         if generation.finish_reason not in ("stop", "length"):

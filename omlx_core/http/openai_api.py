@@ -11,7 +11,7 @@ from omlx_core.engine import SamplingParams, TokenLogprob
 from omlx_core.http.body import read_request
 from omlx_core.http.errors import api_error, bad_request, openai_error_body
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST
-from omlx_core.http.sse import Responder, frame
+from omlx_core.http.sse import KEEPALIVE, Responder, frame
 from omlx_core.serving import Generation, Job
 
 DONE = b"data: [DONE]\n\n"
@@ -171,7 +171,7 @@ class _Completions:
         body = read_request(req, self.max_body, self.schema)
         job = self.job(body)
         stream, include_usage = _stream_flags(body)
-        generation = self.responder.start(job, req)
+        generation = self.responder.start(job, req, stream=stream)
         self.responder.respond(resp, generation, stream=stream, collect=self.collect,
                                frames=lambda: self.frames(generation, include_usage),
                                error_frames=error_frames)
@@ -229,6 +229,9 @@ class ChatCompletions(_Completions):
 
         yield chunk({"role": "assistant", "content": ""})
         for delta in generation.deltas():
+            if delta.keepalive:
+                yield KEEPALIVE
+                continue
             entries = logprobs.chat(delta.logprobs) if logprobs and delta.logprobs else None
             yield chunk({"content": delta.text}, token_logprobs=entries)
         if self._ended_in_error(generation):
@@ -272,6 +275,9 @@ class TextCompletions(_Completions):
                                                "finish_reason": finish}], **usage_field})
 
         for delta in generation.deltas():
+            if delta.keepalive:
+                yield KEEPALIVE
+                continue
             entries = logprobs.completion(delta.logprobs) if logprobs and delta.logprobs else None
             yield chunk(delta.text, token_logprobs=entries)
         if self._ended_in_error(generation):

@@ -30,6 +30,10 @@ SSE_HEADERS = {
 }
 
 
+#: an SSE comment: clients ignore it, proxies and read timeouts see bytes
+KEEPALIVE = b": keepalive\n\n"
+
+
 def frame(data: Any, event: str | None = None) -> bytes:
     """One SSE event: ``data`` is JSON-encoded unless it is already a string."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
@@ -96,10 +100,17 @@ class Responder:
     def __init__(self, pipeline: ServingPipeline, metrics: Metrics | None = None):
         self.pipeline = pipeline
         self.metrics = metrics
+        self.keepalive_s = float(pipeline.context.config["server.stream_keepalive_s"])
 
-    def start(self, job: Job, req: falcon.Request) -> Generation:
-        """Start ``job``; a typed error propagates to the app's error handlers."""
-        return self.pipeline.start(job, client_gone=req.env.get("waitress.client_disconnected"))
+    def start(self, job: Job, req: falcon.Request, *, stream: bool) -> Generation:
+        """Start ``job``; a typed error propagates to the app's error handlers.
+
+        A stream whose first token takes longer than ``server.stream_keepalive_s`` starts
+        anyway and carries a keep-alive that often, so clients with read timeouts do not
+        give up on a long prefill.
+        """
+        return self.pipeline.start(job, client_gone=req.env.get("waitress.client_disconnected"),
+                                   first_output_wait_s=self.keepalive_s if stream else None)
 
     def respond(self, resp: Any, generation: Generation, *, stream: bool,
                 collect: Callable[[Generation], Any], frames: Callable[[], Iterator[bytes]],

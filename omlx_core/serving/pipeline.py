@@ -15,7 +15,11 @@ is done for it or any byte is sent, then submits it and waits for its first outp
    token (a forward-gate refusal, a failure) is still refused here, with no byte sent.
 
 Only a started :class:`Generation` is streamed. After its first output, a failure ends
-the stream in-band: :attr:`Generation.failure` holds the typed error.
+the stream in-band: :attr:`Generation.failure` holds the typed error. A streaming caller
+may bound the wait for the first output (``first_output_wait_s``): a long prefill then
+starts the stream anyway and :meth:`Generation.deltas` yields keep-alive deltas until
+the first token, so no client sits minutes without a byte; a refusal after that point
+ends the stream in-band like any other failure.
 
 Stop strings are the engine's job (the contract in :mod:`omlx_core.engine`): the
 pipeline passes the outputs on as they are and reads the stop string that matched from
@@ -127,10 +131,12 @@ class ServingEvents:
 
 @dataclass
 class Delta:
-    """New text of a request and the logprobs of the tokens that produced it."""
+    """New text of a request and the logprobs of the tokens that produced it; a
+    ``keepalive`` delta carries nothing and says the request is still being prefilled."""
 
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    keepalive: bool = False
 
 
 # -- a started request ------------------------------------------------------------------------
@@ -141,9 +147,9 @@ class Generation:
     read the outcome afterwards; :meth:`close` aborts it if it is still running."""
 
     def __init__(self, *, request_id: str, engine: Engine, model_id: str, prompt_tokens: int,
-                 sampling: SamplingParams, handle: RequestHandle, first: GenerationOutput,
-                 outputs: Iterator[GenerationOutput], release: Callable[[], None],
-                 events: ServingEvents):
+                 sampling: SamplingParams, handle: RequestHandle, first: GenerationOutput | None,
+                 release: Callable[[], None], events: ServingEvents,
+                 arrived: float, keepalive_s: float | None = None):
         self.request_id = request_id
         self.engine = engine
         self.model_id = model_id
@@ -159,7 +165,10 @@ class Generation:
         self.stop_sequence: str | None = None
         self._handle = handle
         self._first: GenerationOutput | None = first
-        self._outputs = outputs
+        #: whether the first output has been seen (``admitted`` is reported then)
+        self._started = first is not None
+        self._arrived = arrived
+        self._keepalive_s = keepalive_s
         self._release = release
         self._events = events
         self._closed = False
@@ -178,6 +187,9 @@ class Generation:
         usage = None
         try:
             for output in self._all_outputs():
+                if output is None:
+                    yield Delta("", keepalive=True)
+                    continue
                 self.completion_tokens += len(output.token_ids)
                 if output.usage is not None:
                     usage = output.usage
@@ -186,9 +198,6 @@ class Generation:
                 if output.finished:
                     self._finish(output)
                     break
-            else:
-                # A handle closed from outside (shutdown, disconnect watcher) just stops.
-                self.finish_reason, self.failure = "error", RequestAborted(ABORTED)
         except Exception as exc:
             log.exception("engine failed while generating request %s", self.request_id)
             self.finish_reason = "error"
@@ -199,11 +208,21 @@ class Generation:
                 self.cached_tokens = usage.cached_tokens
             self._events.finished(self.model_id, self.completion_tokens, self.cached_tokens)
 
-    def _all_outputs(self) -> Iterator[GenerationOutput]:
+    def _all_outputs(self) -> Iterator[GenerationOutput | None]:
+        """The outputs, with ``None`` for every keep-alive interval that passed without
+        the first one."""
         if self._first is not None:
             first, self._first = self._first, None
             yield first
-        yield from self._outputs
+        while True:
+            output = self._handle.next_output(None if self._started else self._keepalive_s)
+            if output is not None and not self._started:
+                self._started = True
+                self._events.admitted(self.model_id, self.prompt_tokens,
+                                      time.monotonic() - self._arrived)
+            yield output
+            if output is not None and output.finished:
+                return
 
     def _finish(self, output: GenerationOutput) -> None:
         reason = output.finish_reason
@@ -272,8 +291,13 @@ class ServingPipeline:
 
     # -- starting a request --------------------------------------------------------------
 
-    def start(self, job: Job, *, client_gone: Callable[[], bool] | None = None) -> Generation:
+    def start(self, job: Job, *, client_gone: Callable[[], bool] | None = None,
+              first_output_wait_s: float | None = None) -> Generation:
         """Run every check, submit, and wait for the first output.
+
+        With ``first_output_wait_s``, wait that long at most: a request still in prefill
+        then starts anyway, and its deltas carry a keep-alive every as many seconds
+        until the first output (and any refusal after that comes in-band).
 
         :raises InvalidRequest: the request cannot be served as sent (its subclass
             :class:`UnknownModel` for a model not served here).
@@ -304,9 +328,10 @@ class ServingPipeline:
         except BaseException:
             release()
             raise
-        outputs = iter(handle)
-        first = self._first_output(request_id, handle, outputs, client_gone, release, job)
-        self.events.admitted(job.model_id, len(tokens), time.monotonic() - arrived)
+        first = self._first_output(request_id, handle, client_gone, release, job,
+                                   first_output_wait_s)
+        if first is not None:
+            self.events.admitted(job.model_id, len(tokens), time.monotonic() - arrived)
 
         def release_all() -> None:
             self.in_flight.remove(request_id)
@@ -314,14 +339,16 @@ class ServingPipeline:
 
         return Generation(request_id=request_id, engine=engine, model_id=job.model_id,
                           prompt_tokens=len(tokens), sampling=sampling, handle=handle,
-                          first=first, outputs=outputs, release=release_all, events=self.events)
+                          first=first, release=release_all, events=self.events,
+                          arrived=arrived, keepalive_s=first_output_wait_s)
 
     def _first_output(self, request_id: str, handle: RequestHandle,
-                      outputs: Iterator[GenerationOutput], client_gone: Callable[[], bool] | None,
-                      release: Callable[[], None], job: Job) -> GenerationOutput:
+                      client_gone: Callable[[], bool] | None, release: Callable[[], None],
+                      job: Job, wait_s: float | None) -> GenerationOutput | None:
+        """The first output; ``None`` when it did not come within ``wait_s``."""
         try:
             self.in_flight.add(request_id, handle, client_gone)
-            first = next(outputs, None)
+            first = handle.next_output(wait_s)
         except BaseException as exc:
             self._abandon(request_id, handle, release)
             if isinstance(exc, Exception):
@@ -331,6 +358,8 @@ class ServingPipeline:
                                    f"{type(exc).__name__}: {exc}") from exc
             raise
         if first is None:
+            return None
+        if first.finish_reason == "abort":
             self._abandon(request_id, handle, release)
             raise RequestAborted("the request was aborted before its first token (the client "
                                  "disconnected or the server is shutting down)")

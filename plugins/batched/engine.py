@@ -100,15 +100,23 @@ class BatchedRequestHandle(RequestHandle):
 
     def __iter__(self) -> Iterator[GenerationOutput]:
         while not self._finished and not self._closed:
-            pending = [self._outputs.get()]
-            while not pending[-1].finished:
-                try:
-                    pending.append(self._outputs.get_nowait())
-                except queue.Empty:
-                    break
-            output = pending[0] if len(pending) == 1 else _merge(pending)
-            self._finished = output.finished
-            yield output
+            output = self.next_output()
+            if output is not None:
+                yield output
+
+    def next_output(self, timeout: float | None = None) -> GenerationOutput | None:
+        try:
+            pending = [self._outputs.get(timeout=timeout)]
+        except queue.Empty:
+            return None
+        while not pending[-1].finished:
+            try:
+                pending.append(self._outputs.get_nowait())
+            except queue.Empty:
+                break
+        output = pending[0] if len(pending) == 1 else _merge(pending)
+        self._finished = output.finished
+        return output
 
     def close(self) -> None:
         if not self._finished and not self._closed:

@@ -1,0 +1,251 @@
+"""The serving pipeline on a scripted engine: the order of the checks, the one place
+max_tokens is settled, typed errors before the first output, keep-alives during a long
+prefill, and what it reports to its events."""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+import threading
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import pytest
+
+from omlx_core.bootstrap import load_setup
+from omlx_core.engine import (
+    EngineLimits,
+    GenerationOutput,
+    GenerationRequest,
+    GuardedEngine,
+    MemoryHints,
+    RequestHandle,
+    SamplingParams,
+    Usage,
+)
+from omlx_core.memory.types import Rejection, RequestRejected
+from omlx_core.models.registry import ModelSpec
+from omlx_core.server_context import ServerContext
+from omlx_core.serving import (
+    EngineFailed,
+    InvalidRequest,
+    Job,
+    ServingEvents,
+    ServingPipeline,
+    UnknownModel,
+)
+
+CONTEXT = 64
+VOCAB = 100
+
+
+class Handle(RequestHandle):
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.outputs: queue.Queue = queue.Queue()
+        self.closed = False
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        while (output := self.next_output()) is not None:
+            yield output
+            if output.finished:
+                return
+
+    def next_output(self, timeout: float | None = None) -> GenerationOutput | None:
+        try:
+            return self.outputs.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ScriptedEngine(GuardedEngine):
+    """Answers each request with ``script(request)``: outputs, each after its delay."""
+
+    supported_sampling = frozenset({"logit_bias"})
+
+    def __init__(self, script):
+        self.model = ModelSpec(id="scripted", path=Path("."), engine="scripted", source="test")
+        self.script = script
+        self.submitted: list[GenerationRequest] = []
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def limits(self) -> EngineLimits:
+        return EngineLimits(context_length=CONTEXT, vocab_size=VOCAB, max_running=4)
+
+    def memory_hints(self) -> MemoryHints:
+        return MemoryHints(prefill_step_size=16)
+
+    def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
+        return [1] * sum(len(m["content"].split()) for m in messages)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [2] * len(text.split())
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        self.submitted.append(request)
+        handle = Handle(request.request_id)
+
+        def play() -> None:
+            for delay, output in self.script(request):
+                time.sleep(delay)
+                handle.outputs.put(output)
+
+        threading.Thread(target=play, daemon=True).start()
+        return handle
+
+    def abort(self, request_id: str) -> None: ...
+
+
+def words(n: int) -> str:
+    return " ".join(["w"] * n)
+
+
+def completes(request: GenerationRequest, delay: float = 0.0):
+    rid = request.request_id
+    return [(delay, GenerationOutput(rid, "a", (5,))),
+            (0.0, GenerationOutput(rid, "b", (6,), finish_reason="length",
+                                   usage=Usage(len(request.prompt_tokens), 2)))]
+
+
+def rejected_in_forward(request_id: str) -> RequestRejected:
+    return RequestRejected(Rejection(estimated_bytes=10, limit_bytes=5, breakdown=None,
+                                     request_id=request_id, stage="forward",
+                                     cause="memory_short", detail="no room"), retry_after_s=2.0)
+
+
+class Recorder(ServingEvents):
+    def __init__(self):
+        self.admitted_: list[int] = []
+        self.rejected_: list[str] = []
+
+    def admitted(self, model_id: str, prompt_tokens: int, ttft_s: float) -> None:
+        self.admitted_.append(prompt_tokens)
+
+    def rejected(self, model_id: str, error: RequestRejected) -> None:
+        self.rejected_.append(error.stage)
+
+
+def pipeline_for(engine: ScriptedEngine, **settings: str) -> tuple[ServingPipeline, Recorder]:
+    setup = load_setup("cpu-small", [], [(k, v, "test") for k, v in settings.items()])
+    context = ServerContext(setup.config, setup.plugins, engines={"scripted": engine})
+    events = Recorder()
+    return ServingPipeline(context, events), events
+
+
+def test_max_tokens_default_lives_in_the_configuration_and_fits_the_context() -> None:
+    engine = ScriptedEngine(completes)
+    pipeline, _ = pipeline_for(engine, **{"engine.max_tokens": "40"})
+    pipeline.start(Job("scripted", SamplingParams(), text=words(10))).close()
+    assert engine.submitted[-1].sampling.max_tokens == 40
+    pipeline.start(Job("scripted", SamplingParams(), text=words(30))).close()
+    assert engine.submitted[-1].sampling.max_tokens == CONTEXT - 30  # shortened, not refused
+    with pytest.raises(InvalidRequest) as refused:
+        pipeline.start(Job("scripted", SamplingParams(max_tokens=50), text=words(30)))
+    assert refused.value.param == "max_tokens" and "at most 34" in refused.value.message
+    pipeline.start(Job("scripted", SamplingParams(max_tokens=50), text=words(30),
+                       max_tokens_is_cap=True)).close()
+    assert engine.submitted[-1].sampling.max_tokens == 34
+    with pytest.raises(InvalidRequest, match="over this model's 64-token context"):
+        pipeline.start(Job("scripted", SamplingParams(), text=words(64)))
+
+
+def test_requests_are_checked_against_what_the_engine_says_it_takes() -> None:
+    engine = ScriptedEngine(completes)
+    pipeline, _ = pipeline_for(engine)
+    with pytest.raises(UnknownModel) as unknown:
+        pipeline.start(Job("other", SamplingParams(), text="x"))
+    assert "scripted" in unknown.value.message
+    with pytest.raises(InvalidRequest) as unsupported:
+        pipeline.start(Job("scripted", SamplingParams(presence_penalty=0.5), text="x"))
+    assert unsupported.value.param == "presence_penalty"
+    for sampling, param in ((SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias"),
+                            (SamplingParams(stop_token_ids=(VOCAB + 3,)), "stop_token_ids")):
+        with pytest.raises(InvalidRequest) as outside:
+            pipeline.start(Job("scripted", sampling, text="x"))
+        assert outside.value.param == param
+    with pytest.raises(InvalidRequest) as ids:
+        pipeline.start(Job("scripted", SamplingParams(), token_ids=[3, VOCAB], prompt_param="prompt"))
+    assert ids.value.param == "prompt"
+    assert engine.submitted == []  # nothing refused here reached the engine
+
+
+def test_a_forward_refusal_before_the_first_output_is_raised_typed_and_counted() -> None:
+    def refuse(request):
+        rejected = rejected_in_forward(request.request_id)
+        return [(0.0, GenerationOutput(request.request_id, finish_reason="error",
+                                       error=str(rejected), rejected=rejected))]
+
+    pipeline, events = pipeline_for(ScriptedEngine(refuse))
+    with pytest.raises(RequestRejected) as refused:
+        pipeline.start(Job("scripted", SamplingParams(), text="x y"))
+    assert refused.value.stage == "forward" and refused.value.retry_after_s == 2.0
+    assert events.rejected_ == ["forward"] and events.admitted_ == []
+    assert len(pipeline.in_flight) == 0
+
+
+def test_an_engine_failure_before_the_first_output_is_engine_failed() -> None:
+    def fail(request):
+        return [(0.0, GenerationOutput(request.request_id, finish_reason="error", error="boom",
+                                       error_type="internal"))]
+
+    pipeline, _ = pipeline_for(ScriptedEngine(fail))
+    with pytest.raises(EngineFailed, match="boom"):
+        pipeline.start(Job("scripted", SamplingParams(), text="x"))
+
+
+def test_a_slow_first_token_starts_the_stream_with_keepalives() -> None:
+    engine = ScriptedEngine(lambda request: completes(request, delay=0.35))
+    pipeline, events = pipeline_for(engine)
+    started = time.monotonic()
+    generation = pipeline.start(Job("scripted", SamplingParams(), text="x"), first_output_wait_s=0.1)
+    assert time.monotonic() - started < 0.3, "start waited for the first token"
+    deltas = list(generation.deltas())
+    keepalives = [d for d in deltas if d.keepalive]
+    assert len(keepalives) >= 2 and not deltas[-1].keepalive
+    assert "".join(d.text for d in deltas) == "ab" and generation.finish_reason == "length"
+    assert events.admitted_ == [1]  # reported once, when the first output came
+    generation.close()
+
+
+def test_a_refusal_after_the_stream_started_is_an_in_band_failure() -> None:
+    def late_refusal(request):
+        rejected = rejected_in_forward(request.request_id)
+        return [(0.3, GenerationOutput(request.request_id, finish_reason="error",
+                                       error=str(rejected), rejected=rejected))]
+
+    pipeline, events = pipeline_for(ScriptedEngine(late_refusal))
+    generation = pipeline.start(Job("scripted", SamplingParams(), text="x"), first_output_wait_s=0.1)
+    assert all(d.keepalive for d in generation.deltas())
+    assert generation.finish_reason == "error"
+    assert isinstance(generation.failure, RequestRejected) and events.rejected_ == ["forward"]
+    generation.close()
+
+
+def test_a_long_prefill_keeps_the_http_stream_alive() -> None:
+    import http.client
+    import json
+
+    from omlx_core.http.serve import HTTPServer
+
+    engine = ScriptedEngine(lambda request: completes(request, delay=0.5))
+    setup = load_setup("cpu-small", [], [("server.stream_keepalive_s", "0.1", "test")])
+    context = ServerContext(setup.config, setup.plugins, engines={"scripted": engine})
+    with HTTPServer(context, host="127.0.0.1", port=0) as server:
+        connection = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        connection.request("POST", "/v1/chat/completions", json.dumps({
+            "model": "scripted", "stream": True,
+            "messages": [{"role": "user", "content": "hello"}]}),
+            {"Content-Type": "application/json"})
+        started = time.monotonic()
+        response = connection.getresponse()
+        assert response.status == 200 and time.monotonic() - started < 0.45
+        body = response.read().decode()
+    first_text = body.index('"content":"a"')
+    assert body.count(": keepalive") >= 2 and body.index(": keepalive") < first_text
+    assert body.rstrip().endswith("data: [DONE]")
