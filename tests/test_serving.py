@@ -249,3 +249,17 @@ def test_a_long_prefill_keeps_the_http_stream_alive() -> None:
     first_text = body.index('"content":"a"')
     assert body.count(": keepalive") >= 2 and body.index(": keepalive") < first_text
     assert body.rstrip().endswith("data: [DONE]")
+
+
+def test_the_http_server_has_a_thread_for_every_request_the_server_can_hold(caplog) -> None:
+    from omlx_core.http.serve import SPARE_THREADS, thread_count
+
+    setup = load_setup("cpu-small", [], [("memory.queue_size", "10", "test")])
+    context = ServerContext(setup.config, setup.plugins,
+                            engines={"a": ScriptedEngine(completes), "b": ScriptedEngine(completes)})
+    assert setup.config["server.threads"] == "auto"
+    needed = 2 * 4 + 10 + SPARE_THREADS  # two engines running 4 each, 10 queue places
+    assert thread_count(context) == needed
+    with caplog.at_level("WARNING"):
+        assert thread_count(context, 8) == 8
+    assert f"at least {needed}" in caplog.text

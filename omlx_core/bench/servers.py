@@ -25,14 +25,17 @@ MLX_LM = "mlx_lm"
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """The knobs both servers are given alike."""
+    """What omlx-core runs with (its effective configuration) and what mlx_lm.server is
+    given alike."""
 
     tier: str
     max_batch_size: int
     prefill_step_size: int
     http_threads: int
-    #: extra ``--set KEY=VALUE`` overrides for omlx-core
+    #: ``--set KEY=VALUE`` overrides given to omlx-core; none for what a user gets
     overrides: tuple[str, ...] = ()
+    #: whether ``--tier`` is passed (otherwise omlx-core picks the tier, as ``serve`` does)
+    tier_given: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,16 +57,20 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def omlx_spec(model_dir: Path, port: int, settings: ServerSettings) -> ServerSpec:
+def omlx_spec(model_dir: Path | None, port: int, settings: ServerSettings,
+              model_id: str | None = None) -> ServerSpec:
+    """``omlx-core serve`` as the README starts it: no flag beyond the address, the
+    model (only when one is named) and the overrides the benchmark was given."""
     argv = [sys.executable, "-m", "omlx_core", "--log-level", "WARNING", "serve",
-            "--tier", settings.tier, "--model", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--threads", str(settings.http_threads),
-            "--set", f"engine.max_batch_size={settings.max_batch_size}",
-            "--set", f"engine.prefill_step_size={settings.prefill_step_size}"]
+            "--host", "127.0.0.1", "--port", str(port)]
+    if settings.tier_given:
+        argv += ["--tier", settings.tier]
+    if model_dir is not None:
+        argv += ["--model", str(model_dir)]
     for override in settings.overrides:
         argv += ["--set", override]
-    return ServerSpec(OMLX, f"omlx-core serve (tier {settings.tier})", argv,
-                      model_id=Path(model_dir).resolve().name)
+    served = model_id or (Path(model_dir).resolve().name if model_dir is not None else "")
+    return ServerSpec(OMLX, f"omlx-core serve (tier {settings.tier})", argv, model_id=served)
 
 
 def mlx_lm_spec(model_dir: Path, port: int, settings: ServerSettings) -> ServerSpec:

@@ -40,9 +40,7 @@ from omlx_core.bench.prompts import text_of_tokens
 from omlx_core.bench.servers import (MLX_LM, OMLX, ServerProcess, ServerSettings, ServerSpec,
                                      blas_of, free_port, mlx_lm_spec, omlx_spec)
 
-DEFAULT_TIER = "cpu-small"
 DEFAULT_OUT = Path("docs/bench-serving.md")
-THREADS_ABOVE_STREAMS = 4
 TOPICS = ("a lighthouse keeper", "a clockmaker", "a river", "a mountain village", "a robot",
           "a library at night", "a desert caravan", "an old ship", "a winter garden", "a city",
           "a beekeeper", "a glass blower", "a night train", "a chess club", "a volcano",
@@ -381,14 +379,14 @@ def _version(package: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path,
-                        help="an mlx-lm model directory (default: the default model, "
-                             "SmolLM2-135M-Instruct float32)")
-    parser.add_argument("--tier", default=DEFAULT_TIER,
-                        help=f"omlx-core tier; its batch and prefill settings go to both servers "
-                             f"(default {DEFAULT_TIER})")
+                        help="an mlx-lm model directory (default: the embedded default model, "
+                             "served exactly as `./setup.sh serve` serves it)")
+    parser.add_argument("--tier",
+                        help="omlx-core tier (default: the one `omlx-core serve` picks for this "
+                             "machine); its batch and prefill settings go to both servers")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="an omlx-core setting override (engine.max_batch_size and "
-                             "engine.prefill_step_size also go to mlx_lm.server)")
+                        help="an omlx-core setting override, printed in the report (the batch "
+                             "and prefill settings also go to mlx_lm.server)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: few tokens, short prompts, one round")
     parser.add_argument("--only", choices=(OMLX, MLX_LM), help="measure one server only")
@@ -397,31 +395,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --quick, nothing is written unless --out is given)")
 
 
-def settings_for(tier: str, overrides: Sequence[str], plan: Plan) -> ServerSettings:
-    from omlx_core.config import load_config, parse_set_flag
+def settings_for(tier: str | None, overrides: Sequence[str], plan: Plan) -> ServerSettings:
+    """omlx-core's effective settings for this run: the tier ``serve`` would pick (or the
+    one given) and the given overrides, nothing else."""
+    from omlx_core.bootstrap import load_setup
+    from omlx_core.config import parse_set_flag
+    from omlx_core.http.serve import SPARE_THREADS
 
-    config = load_config(tier, overrides=[(*parse_set_flag(o), f"bench --set {o}")
-                                          for o in overrides], env={})
+    config = load_setup(tier, [], [(*parse_set_flag(o), f"bench --set {o}")
+                                   for o in overrides]).config
     max_batch = int(config["engine.max_batch_size"])
-    if max_batch < max(plan.concurrency):
-        raise SystemExit(f"engine.max_batch_size is {max_batch} in tier {tier}, below the "
-                         f"{max(plan.concurrency)} concurrent streams measured; raise it with "
-                         f"--set engine.max_batch_size={max(plan.concurrency)}")
-    # A waitress thread serves one stream for its whole life: fewer threads than
-    # streams would queue streams in waitress, not in the scheduler.
-    threads = max(int(config["server.threads"]), max(plan.concurrency) + THREADS_ABOVE_STREAMS)
+    threads = config["server.threads"]
+    if threads == "auto":
+        threads = max_batch + int(config["memory.queue_size"]) + SPARE_THREADS
     return ServerSettings(tier=config.tier, max_batch_size=max_batch,
                           prefill_step_size=int(config["engine.prefill_step_size"]),
-                          http_threads=threads, overrides=tuple(overrides))
+                          http_threads=int(threads), overrides=tuple(overrides),
+                          tier_given=tier is not None)
 
 
 def run(args: argparse.Namespace) -> int:
     plan = QUICK if args.quick else FULL
     model_dir = args.model
+    served_id = None
     if model_dir is None:
+        from omlx_core.config import load_config
         from omlx_core.models.default import ensure_default_model
 
         model_dir = ensure_default_model()
+        served_id = load_config(args.tier)["server.models"][0]
     model_dir = Path(model_dir).expanduser().resolve()
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"{model_dir} is not an mlx-lm model directory (no config.json)")
@@ -429,7 +431,8 @@ def run(args: argparse.Namespace) -> int:
     banned = special_token_ids(model_dir)
     specs = []
     if args.only in (None, OMLX):
-        specs.append(lambda port: omlx_spec(model_dir, port, settings))
+        specs.append(lambda port: omlx_spec(None if served_id else model_dir, port, settings,
+                                            served_id))
     if args.only in (None, MLX_LM):
         specs.append(lambda port: mlx_lm_spec(model_dir, port, settings))
     header = [
@@ -438,9 +441,12 @@ def run(args: argparse.Namespace) -> int:
         f"- load average before the run (`uptime`): {_load_average()}",
         f"- model `{model_dir.name}`; mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}, "
         f"omlx-core {_version('omlx-core')}",
+        f"- omlx-core started as `./setup.sh serve` starts it: tier `{settings.tier}` "
+        f"({'given' if settings.tier_given else 'picked for this machine'}), "
+        f"{settings.http_threads} HTTP threads; overrides: "
+        f"{', '.join(f'`{o}`' for o in settings.overrides) or 'none'}",
         f"- both servers: max batch {settings.max_batch_size}, prefill step "
-        f"{settings.prefill_step_size} (omlx-core tier `{settings.tier}`, "
-        f"{settings.http_threads} HTTP threads)",
+        f"{settings.prefill_step_size} (mlx_lm.server given omlx-core's values)",
         f"- requests: streaming chat completions, greedy, special tokens banned by logit_bias "
         f"so each stream runs to max_tokens; {plan.max_tokens} tokens per stream, "
         f"{plan.single_requests} single requests, {plan.rounds} round(s) at each of "

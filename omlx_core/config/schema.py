@@ -29,7 +29,9 @@ def _tier_settings(tier: str) -> list[Setting]:
 CORE_SETTINGS: list[Setting] = [
     Setting("server.host", "str", "address to bind; 127.0.0.1 unless you mean to expose the server"),
     Setting("server.port", "int", "TCP port (0 picks a free one)", minimum=0, maximum=65535),
-    Setting("server.threads", "int", "waitress worker threads", minimum=1, maximum=1024),
+    Setting("server.threads", "int", "waitress worker threads; \"auto\": enough for every request "
+            "the engines run and the admission queue holds, each stream holding one",
+            minimum=1, maximum=4096, allow=("auto",)),
     Setting("server.max_body", "size", "largest accepted request body", minimum=1024),
     Setting("server.stream_keepalive_s", "float", "a stream whose first token takes longer "
             "starts anyway and sends a keep-alive comment this often until it comes",

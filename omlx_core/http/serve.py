@@ -24,6 +24,38 @@ log = logging.getLogger(__name__)
 # Waitress refuses bodies over its own limit with a plain-text 413 before the app runs;
 # keep it well above server.max_body so the app's JSON 413 is what clients normally see.
 WAITRESS_BODY_LIMIT_FACTOR = 4
+#: threads beyond the generating requests, for /health, /metrics, /v1/models and the like
+SPARE_THREADS = 4
+
+
+def threads_needed(context: ServerContext) -> int:
+    """Waitress threads that let every request the server can hold reach the engines.
+
+    A waitress thread serves one request for its whole life, a stream included, and a
+    request waiting for memory or for a batch slot holds its thread too. So the server
+    needs one per request the engines run at once, plus one per admission-queue place,
+    plus a few for the short routes: fewer, and requests wait in waitress, unseen by the
+    scheduler and the memory guard.
+    """
+    running = sum(engine.limits().max_running for engine in context.engines.values())
+    return running + int(context.config["memory.queue_size"]) + SPARE_THREADS
+
+
+def thread_count(context: ServerContext, requested: int | str | None = None) -> int:
+    """``server.threads`` (or ``requested``), with ``"auto"`` resolved; a number below
+    :func:`threads_needed` is honoured with a warning that names the number needed."""
+    value = requested if requested is not None else context.config["server.threads"]
+    needed = threads_needed(context)
+    if value == "auto":
+        return needed
+    if int(value) < needed:
+        log.warning("server.threads is %d, but the engines run %d requests at once and the "
+                    "admission queue holds %s more: requests beyond %d wait in the HTTP server, "
+                    "where neither the scheduler nor the memory guard sees them. Set "
+                    "server.threads = \"auto\" (or at least %d)", int(value),
+                    needed - SPARE_THREADS - int(context.config["memory.queue_size"]),
+                    context.config["memory.queue_size"], int(value), needed)
+    return int(value)
 
 
 class HTTPServer:
@@ -36,7 +68,8 @@ class HTTPServer:
         self.frontend = frontend or build_frontend(context)
         host = host if host is not None else config.get("server.host", "127.0.0.1")
         port = port if port is not None else int(config.get("server.port", 8000))
-        threads = threads if threads is not None else int(config.get("server.threads", 8))
+        threads = thread_count(context, threads)
+        self.threads = threads
         max_body = self.frontend.max_body
         self._server = waitress.create_server(
             self.frontend.app, host=host, port=port, threads=threads,
