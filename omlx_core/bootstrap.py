@@ -88,9 +88,10 @@ def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
             log.info("starting engine %r for model %r (%s)", entry.engine, spec.id, spec.path)
             engine.start()
             context.engines[spec.id] = engine
-        install_memory_guard(context)
+        guard = install_memory_guard(context)
         for model_id, engine in context.engines.items():
             _check_resolvable(model_id, engine, plugins)
+            _check_estimable(model_id, engine, guard)
     except BaseException:
         # Nothing has seen startup yet: stop only what was started.
         if context.memory_guard is not None:
@@ -130,6 +131,23 @@ def _check_resolvable(model_id: str, engine: Engine, plugins: PluginManager) -> 
             f"engine type {type(engine).__qualname__} (got {type(receiver).__name__}), so it "
             "would get no memory limits and no forward gate; implement resolve_scheduler for it "
             "or make the engine its own MemoryReceiver")
+
+
+def _check_estimable(model_id: str, engine: Engine, guard: MemoryGuard) -> None:
+    """A guarded engine whose model no estimator can cost would be refused chunk after
+    chunk with a retry hint that never helps: say so at load time instead."""
+    if not isinstance(engine, GuardedEngine):
+        return
+    if guard.estimate(guard.peak_query(engine, [0, 0])) is not None:
+        return
+    model_type = engine.model.config.get("model_type")
+    name = engine.model.engine
+    raise PluginError(
+        f"model {model_id!r} (model_type {model_type!r}): no estimate_peak plugin can estimate "
+        "its prefill memory, so the memory guard cannot protect it and would refuse every "
+        "request. Enable the built-in 'estimator' plugin if it is disabled, install an "
+        f"estimator plugin for {model_type!r}, or run it without the guard's protection with "
+        f"--set memory.unguarded_engines={name} (its requests are then not costed)")
 
 
 def install_memory_guard(context: ServerContext) -> MemoryGuard:

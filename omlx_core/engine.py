@@ -289,6 +289,17 @@ class GuardedEngine(Engine):
     def memory_hints(self) -> MemoryHints:
         """How the started engine allocates (read for every estimate)."""
 
+    def reclaimable_bytes(self) -> int:
+        """Memory the engine holds only to go faster and gives back on demand (a prefix
+        cache): the guard counts it as available, never as in use."""
+        return 0
+
+    def reclaim(self, nbytes: int) -> int:
+        """Give back at least ``nbytes`` of :meth:`reclaimable_bytes` if there is that
+        much (least recently used first); returns the bytes freed. Called from any
+        thread, the MLX thread included, when a request needs the room."""
+        return 0
+
 
 #: the prefill step assumed for an engine that states none: mlx-lm's ``generate_step``
 #: default, which engines built on ``stream_generate`` use

@@ -18,7 +18,13 @@ def pytest_configure(config):
     # Re-execute pytest once with OpenBLAS preloaded: the mlx-cpu wheel's reference BLAS
     # makes every forward ~30x slower. Output capture holds fd 1 and 2 by now, so release
     # them first or the re-executed run would write into the capture file.
-    capture = config.pluginmanager.getplugin("capturemanager")
+    # Stopping and restarting the capture in the process that then runs the tests left
+    # pytest's terminal writer on a closed file (a collection error crashed the report),
+    # so only a process that may still re-execute does it.
+    from omlx_core.platform.blas import NO_REEXEC_ENV, REEXEC_MARKER_ENV
+
+    may_reexec = "1" not in (os.environ.get(REEXEC_MARKER_ENV), os.environ.get(NO_REEXEC_ENV))
+    capture = config.pluginmanager.getplugin("capturemanager") if may_reexec else None
     if capture is not None:
         capture.stop_global_capturing()
     ensure_optimized_blas()

@@ -57,7 +57,24 @@ class Health:
         resp.status = 200 if self.context.engines else 503
         resp.media = {"status": "ok" if self.context.engines else "no models loaded",
                       "models": list(self.context.engines), "in_flight": len(self.in_flight),
-                      "engines": engines}
+                      "engines": engines, "memory": self._memory()}
+
+    def _memory(self) -> dict[str, Any] | None:
+        """The guard's latest reading: what is in use, what of it the server would give
+        back on demand, and the room a new request has with every cache emptied."""
+        guard = self.context.memory_guard
+        snapshot = guard.snapshot if guard is not None else None
+        if guard is None or snapshot is None:
+            return None
+        return {"hard_limit_bytes": snapshot.hard_bytes,
+                "binding_ceiling": snapshot.breakdown.binding,
+                "in_use_bytes": snapshot.in_use_bytes,
+                "reclaimable_bytes": snapshot.reclaimable_bytes,
+                "baseline_bytes": snapshot.baseline_bytes,
+                "headroom_bytes": snapshot.headroom_bytes,
+                "admission_waiting": guard.waiting,
+                "admission_reserved_bytes": guard.admission.reserved_bytes,
+                "reclaimed_bytes_total": guard.reclaimed_bytes_total}
 
 
 class MetricsResource:

@@ -75,7 +75,7 @@ def rejection_error(error: RequestRejected) -> APIError:
     retry_after = max(1, int(round(error.retry_after_s or 1.0)))
     code = "admission_queue_full" if rejection.stage == "admission" else "memory_pressure"
     return APIError(503, str(error), code=code, headers={"Retry-After": str(retry_after)},
-                    extra={**extra, "retry_after_s": retry_after})
+                    extra={**extra, "reason": rejection.summary(), "retry_after_s": retry_after})
 
 
 def api_error(error: Exception) -> APIError:

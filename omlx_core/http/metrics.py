@@ -169,6 +169,14 @@ class _LiveValues(Collector):
                                         "the binding (smallest) ceiling", value=snapshot.hard_bytes)
             yield GaugeMetricFamily("omlx_memory_in_use_bytes", "memory in use at the last poll",
                                     value=snapshot.in_use_bytes)
+            yield GaugeMetricFamily("omlx_memory_reclaimable_bytes",
+                                    "of the memory in use, what the server gives back on demand "
+                                    "(prefix caches, mlx's buffer cache)",
+                                    value=snapshot.reclaimable_bytes)
+            if snapshot.headroom_bytes is not None:
+                yield GaugeMetricFamily("omlx_memory_headroom_bytes",
+                                        "room a new request has now with every cache emptied",
+                                        value=snapshot.headroom_bytes)
             if binding is not None:
                 flag = GaugeMetricFamily("omlx_memory_binding_ceiling",
                                          "1 for the ceiling that is the hard limit",

@@ -3,7 +3,7 @@
 Each admitted request holds a reservation (its estimated peak) until its ticket is
 released. A new request runs at once when nobody is waiting and
 
-    baseline + cost(running requests and itself) <= hard × admit_watermark
+    baseline + cost(running requests and itself) + margin <= hard × admit_watermark
 
 where the cost of a set of requests is the sum of their reservations, except that
 requests sharing a padded decode batch (``batch`` key, one per engine) each cost as much
@@ -11,7 +11,9 @@ as the largest of them: mlx-lm's ``BatchGenerator`` left-pads every sequence's K
 to the longest one in the batch, so a short request next to a long one holds as much KV
 as the long one.
 
-otherwise it joins a bounded FIFO queue. Only the head of the queue is ever admitted,
+(the baseline excludes caches the server gives back on demand; the transient margin is
+charged once, since one forward's transient exists at a time), otherwise it joins a
+bounded FIFO queue. Only the head of the queue is ever admitted,
 so a large request at the head is never overtaken by small ones behind it. A request
 runs alone whenever nothing else is reserved: it passed preflight, so it fits alone,
 and waiting could not make room. A full queue, or a wait longer than the timeout,
@@ -91,7 +93,8 @@ class AdmissionQueue:
     """The reservation ledger and the FIFO of requests waiting for room."""
 
     def __init__(self, queue_size: int, timeout_s: float, admit_watermark: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, *, margin_bytes: int = 0):
+        self.margin_bytes = margin_bytes
         self.queue_size = queue_size
         self.timeout_s = timeout_s
         self.admit_watermark = admit_watermark
@@ -127,7 +130,8 @@ class AdmissionQueue:
         """What running requests may reserve in all under ``snapshot``; None: unlimited."""
         if snapshot is None or snapshot.hard_bytes is None:
             return None
-        return int(snapshot.hard_bytes * self.admit_watermark) - snapshot.baseline_bytes
+        return (int(snapshot.hard_bytes * self.admit_watermark) - snapshot.baseline_bytes
+                - self.margin_bytes)
 
     def retry_after_s(self) -> float:
         """A client's best wait before retrying: the typical hold time of a request."""

@@ -41,6 +41,7 @@ class MemoryEnforcer:
     :param publish: receives every snapshot before the engines do (admission
         re-checks its waiters).
     :param gate_for: the forward gate of an engine.
+    :param reclaimable: what the server could give back on demand now (caches).
     :param read: returns fresh probe readings (tests pass fixed ones).
     """
 
@@ -49,8 +50,10 @@ class MemoryEnforcer:
                  usage: MemoryUsage, idle: Callable[[], bool],
                  publish: Callable[[LimitSnapshot], None],
                  gate_for: Callable[[Engine], ForwardGate],
+                 reclaimable: Callable[[], int] = lambda: 0,
                  read: Callable[[], ProbeReadings] = read_probes):
         self.usage = usage
+        self._reclaimable = reclaimable
         self._idle = idle
         self._publish_first = publish
         self._gate_for = gate_for
@@ -111,14 +114,17 @@ class MemoryEnforcer:
         usage = self.usage
         resident = usage.resident()
         usage.observe(resident)
+        reclaimable = min(resident, max(0, int(self._reclaimable())))
         if self._idle() or self._baseline is None:
-            # What is held with no request running is what every request sits on.
-            self._baseline = resident
+            # What is held with no request running, less the caches it would give back
+            # for one, is what every request sits on.
+            self._baseline = resident - reclaimable
         self._sequence += 1
         snapshot = LimitSnapshot(
             hard_bytes=breakdown.hard, breakdown=breakdown,
             in_use_bytes=max(resident, usage.recent_peak()), taken_at=time.time(),
-            sequence=self._sequence, baseline_bytes=self._baseline)
+            sequence=self._sequence, baseline_bytes=self._baseline,
+            reclaimable_bytes=reclaimable)
         self._publish_first(snapshot)
         self._publish(snapshot)
         self.polls += 1

@@ -7,9 +7,11 @@ is
     high-water current use + resident KV of the step's earlier forwards
     + the estimated peaks of this forward's chunks + memory.transient_margin
 
-(one chunk, or several requests' chunks sharing the forward) and a forward whose
-projection passes the hard limit is refused: its requests end with
-``finish_reason="error"`` and their memory is freed, while every other request goes on.
+(one chunk, or several requests' chunks sharing the forward). A forward whose
+projection passes the hard limit first gets the room cached memory can give (prefix
+caches evicted least recently used first, mlx's buffer cache emptied); if it still
+passes, it is refused: its requests end with ``finish_reason="error"`` and their
+memory is freed, while every other request goes on.
 A shared forward also copies every member's cached prefix into a batch buffer
 (right-aligned to the longest, the new tokens after it) and each row back out, so its
 projection adds ``2 x rows x (longest cached + longest new) x KV bytes per token``.
@@ -20,9 +22,9 @@ Admission keeps running requests inside the budget; the gate catches what drifte
 it (estimates that undercounted, decode growth, memory taken by other processes).
 
 :meth:`PrefillForwardGate.check_after_prefill` is the backstop after a chunk's forward
-has run: if the high-water use then passes the hard limit, the request whose chunk just
-ran (of a shared forward, the one holding the most KV) is stopped, its cache freed,
-before it grows any further.
+has run: if the high-water use then passes the hard limit even with the caches
+emptied, the request whose chunk just ran (of a shared forward, the one holding the
+most KV) is stopped, its cache freed, before it grows any further.
 """
 
 from __future__ import annotations
@@ -64,11 +66,15 @@ class PrefillForwardGate(ForwardGate):
     :param transient_margin: bytes added to every chunk's estimate.
     :param advise: turns a refusal into advice text (the ``on_rejection`` hook).
     :param retry_after_s: when a refused request may be retried.
+    :param reclaim: frees at least the given bytes of caches if it can (returns the
+        bytes freed); asked before any refusal, since cached memory is available memory.
     """
 
     def __init__(self, estimate: Estimate, usage: MemoryUsage, transient_margin: int,
                  advise: Advise | None = None, *, dtype_bytes: int = 4,
-                 full_logits: bool = False, backend: str = "cpu", retry_after_s: float = 2.0):
+                 full_logits: bool = False, backend: str = "cpu", retry_after_s: float = 2.0,
+                 reclaim: Callable[[int], int] | None = None):
+        self._reclaim = reclaim
         self._estimate = estimate
         self._usage = usage
         self.transient_margin = transient_margin
@@ -104,6 +110,9 @@ class PrefillForwardGate(ForwardGate):
                 continue
             total = sum(peaks) + copy  # type: ignore[arg-type]
             projected = current + earlier_kv + total + self.transient_margin
+            if projected > hard and self._make_room(projected - hard):
+                current = self._usage.high_water(record=True)
+                projected = current + earlier_kv + total + self.transient_margin
             if projected > hard:
                 for chunk in forward:
                     refused[chunk.request_id] = self._reason(step, chunk, total, current + earlier_kv,
@@ -117,6 +126,16 @@ class PrefillForwardGate(ForwardGate):
                 earlier_kv += peak if resident is None else min(resident, peak)
         self.refused_total += final
         return refused
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Reclaim ``nbytes`` of caches; whether anything was freed."""
+        if self._reclaim is None:
+            return False
+        try:
+            return self._reclaim(nbytes) > 0
+        except Exception:
+            log.exception("reclaiming cached memory failed; judging the chunk without it")
+            return False
 
     def _unestimable(self, step: PrefillStep, chunk: PrefillChunk,
                      limits: LimitSnapshot) -> RequestRejected:
@@ -160,6 +179,8 @@ class PrefillForwardGate(ForwardGate):
         if limits is None or limits.hard_bytes is None or not step.chunks:
             return {}
         current = self._usage.high_water(record=True)
+        if current > limits.hard_bytes and self._make_room(current - limits.hard_bytes):
+            current = self._usage.high_water(record=True)
         if current <= limits.hard_bytes:
             return {}
         chunk = max(step.chunks, key=lambda c: c.cached_tokens + c.new_tokens)

@@ -10,6 +10,17 @@ engine's scheduler one forward gate (stage ``"forward"``).
 Engines describe how they allocate through :class:`~omlx_core.engine.MemoryHints`
 (:meth:`~omlx_core.engine.GuardedEngine.memory_hints`); an engine the operator let run
 unguarded is costed with :func:`~omlx_core.engine.assumed_hints`.
+
+Two rules hold at every stage:
+
+- **memory the server can give back is available memory.** Prefix caches
+  (:meth:`~omlx_core.engine.GuardedEngine.reclaimable_bytes`) and mlx's buffer cache
+  are not counted as in use: the idle baseline preflight and admission sit on excludes
+  them, and the forward gate evicts them (least recently used first) before it refuses
+  a chunk. So a 413 means "cannot fit here even with every cache emptied".
+- **one transient margin** (``memory.transient_margin``) is charged on top of the
+  estimate by preflight, by admission and by the forward gate alike, so a request that
+  passes preflight on an idle server is not refused half-way for want of it.
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
-from omlx_core.engine import memory_hints_of
+from omlx_core.engine import GuardedEngine, memory_hints_of
 from omlx_core.memory.admission import AdmissionQueue, AdmissionTicket
 from omlx_core.memory.ceilings import ProbeReadings, TierPolicy
 from omlx_core.memory.enforcer import MemoryEnforcer
@@ -30,6 +41,7 @@ from omlx_core.memory.types import (
     RequestRejected,
 )
 from omlx_core.memory.usage import MemoryUsage
+from omlx_core.settings import format_size
 
 if TYPE_CHECKING:
     from omlx_core.config import Config
@@ -62,9 +74,12 @@ class MemoryGuard:
         self.retry_after_s = 2 * poll
         self.admission = AdmissionQueue(int(config["memory.queue_size"]),
                                         float(config["memory.queue_timeout_s"]),
-                                        self.policy.admit_watermark)
+                                        self.policy.admit_watermark,
+                                        margin_bytes=self.transient_margin)
         self.backend = mlx_backend()
         self.enforcer: MemoryEnforcer | None = None
+        self._engines: Callable[[], Iterable[Engine]] = tuple
+        self.reclaimed_bytes_total = 0
         self._snapshot: LimitSnapshot | None = None
         self._gates: dict[int, tuple[Engine, PrefillForwardGate]] = {}
         self._warned: set[str] = set()
@@ -90,12 +105,14 @@ class MemoryGuard:
     def start(self, engines: Callable[[], Iterable[Engine]], *,
               read: Callable[[], ProbeReadings] | None = None) -> MemoryEnforcer:
         """Start the enforcer over ``engines`` (re-listed on every poll)."""
+        self._engines = engines
         if self.enforcer is None:
             kwargs = {"read": read} if read is not None else {}
             self.enforcer = MemoryEnforcer(
                 engines, lambda engine: self.plugins.hook.resolve_scheduler(engine=engine),
                 self.policy, float(self.config["memory.poll_interval_s"]), usage=self.usage,
-                idle=self.idle, publish=self.update, gate_for=self.forward_gate_for, **kwargs)
+                idle=self.idle, publish=self.update, gate_for=self.forward_gate_for,
+                reclaimable=self.reclaimable_bytes, **kwargs)
             self.enforcer.start()
         return self.enforcer
 
@@ -103,6 +120,36 @@ class MemoryGuard:
         if self.enforcer is not None:
             self.enforcer.stop()
             self.enforcer = None
+
+    # -- what the server can give back ---------------------------------------------------
+
+    def reclaimable_bytes(self) -> int:
+        """Memory held only to go faster: every guarded engine's caches and mlx's
+        buffer cache (freed buffers kept for reuse)."""
+        total = mlx_cache_bytes()
+        for engine in list(self._engines()):
+            if isinstance(engine, GuardedEngine):
+                total += max(0, int(engine.reclaimable_bytes()))
+        return total
+
+    def reclaim(self, nbytes: int) -> int:
+        """Free at least ``nbytes`` if the caches hold that much: engines' caches first
+        (least recently used blocks), then mlx's buffer cache. Returns the bytes freed;
+        afterwards the usage reading starts afresh (the memory given back is gone, not
+        a moment ago's peak). Runs on the MLX thread (the forward gate calls it)."""
+        freed = 0
+        for engine in list(self._engines()):
+            if freed >= nbytes:
+                break
+            if isinstance(engine, GuardedEngine):
+                freed += max(0, int(engine.reclaim(nbytes - freed)))
+        cached = mlx_cache_bytes()
+        clear_mlx_cache()
+        freed += cached
+        self.usage.forget_recent()
+        self.reclaimed_bytes_total += freed
+        log.info("reclaimed %s of caches for a request that needed the room", format_size(freed))
+        return freed
 
     # -- estimates ---------------------------------------------------------------------
 
@@ -152,7 +199,8 @@ class MemoryGuard:
         request = PreflightRequest(
             request_id=request_id, model_id=engine.model.id, prompt_tokens=len(prompt_tokens),
             cached_tokens=query.cached_tokens, chunk_size=query.chunk_size,
-            estimated_bytes=estimated, limits=snapshot, model_config=query.model_config)
+            estimated_bytes=estimated, limits=snapshot, model_config=query.model_config,
+            margin_bytes=self.transient_margin)
         try:
             self.plugins.hook.preflight(request=request)
         except RequestRejected as error:
@@ -184,13 +232,28 @@ class MemoryGuard:
                 self.estimate, self.usage, self.transient_margin, self.advice,
                 dtype_bytes=hints.activation_dtype_bytes,
                 full_logits=hints.prefill_full_logits, backend=self.backend,
-                retry_after_s=self.retry_after_s)
+                retry_after_s=self.retry_after_s, reclaim=self.reclaim)
             entry = self._gates[id(engine)] = (engine, gate)
         return entry[1]
 
     def refused_total(self) -> int:
         """Forward-gate refusals (final ones) over every engine."""
         return sum(gate.refused_total for _engine, gate in self._gates.values())
+
+
+def mlx_cache_bytes() -> int:
+    """Bytes in mlx's buffer cache (freed buffers it keeps for reuse)."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return 0
+    return int(mx.get_cache_memory())
+
+
+def clear_mlx_cache() -> None:
+    import mlx.core as mx
+
+    mx.clear_cache()
 
 
 def mlx_backend() -> str:

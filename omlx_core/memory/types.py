@@ -53,8 +53,19 @@ class LimitSnapshot:
     in_use_bytes: int = 0
     taken_at: float = 0.0
     sequence: int = 0
-    #: memory held while no request runs (weights, runtime): what every request sits on
+    #: memory held while no request runs (weights, runtime), without what the server
+    #: gives back on demand (prefix caches, mlx's buffer cache): what every request
+    #: sits on when every cache is emptied
     baseline_bytes: int = 0
+    #: of ``in_use_bytes``, what the server can give back on demand right now
+    reclaimable_bytes: int = 0
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        """What a new request could use now with every cache emptied; ``None`` unlimited."""
+        if self.hard_bytes is None:
+            return None
+        return self.hard_bytes - (self.in_use_bytes - self.reclaimable_bytes)
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,10 @@ class PreflightRequest:
     estimated_bytes: int | None
     limits: LimitSnapshot | None
     model_config: Mapping[str, Any] = field(default_factory=dict)
+    #: the transient margin every stage charges on top of the estimate
+    #: (``memory.transient_margin``): a request preflight lets through is never refused
+    #: by the forward gate on an idle server for want of it
+    margin_bytes: int = 0
 
 
 #: where a request was refused: before any work (it can never fit), while waiting for

@@ -134,6 +134,12 @@ class MemoryUsage:
         """The largest reading ever taken (recorded or not)."""
         return self._peak
 
+    def forget_recent(self) -> None:
+        """Drop the recorded readings: memory was just given back on purpose (caches
+        evicted, the heap trimmed), so the next reading alone is the truth."""
+        with self._lock:
+            self._samples.clear()
+
     def observe(self, value: int) -> None:
         """Count a reading made elsewhere toward :attr:`peak_bytes` only."""
         with self._lock:

@@ -278,6 +278,13 @@ class BatchedEngine(GuardedEngine):
                            prefill_full_logits=False, cached_kv_resident=False,
                            decode_batch_padded=True)
 
+    def reclaimable_bytes(self) -> int:
+        return self.prefix_cache.nbytes
+
+    def reclaim(self, nbytes: int) -> int:
+        # Evicted blocks go to a lower tier (a host copy), which is MLX-thread work.
+        return self._thread.run(self.prefix_cache.release, nbytes)
+
     # -- tokenization ----------------------------------------------------------------
 
     def _require_started(self) -> Scheduler:

@@ -377,11 +377,24 @@ class PrefixCache:
             self._use_locked(self._blocks, block.block_hash)
             block = self._blocks.get(block.parent_hash)
 
-    def _evict_locked(self) -> list[CachedBlock]:
-        """Drop the least recently used blocks and tails down to the budget; returns the
-        blocks. A block's tails go with it."""
+    def release(self, nbytes: int) -> int:
+        """Evict the least recently used blocks and tails until ``nbytes`` are freed or
+        nothing is left (the memory guard reclaiming room); returns the bytes freed.
+        Evicted blocks are offered to the lower tier, as on any eviction."""
+        with self._lock:
+            before = self.nbytes
+            evicted = self._evict_locked(limit=max(0, before - max(0, nbytes)))
+            freed = before - self.nbytes
+            lower = self._lower
+        self._offer(lower, evicted)
+        return freed
+
+    def _evict_locked(self, limit: int | None = None) -> list[CachedBlock]:
+        """Drop the least recently used blocks and tails down to ``limit`` bytes (the
+        budget by default); returns the blocks. A block's tails go with it."""
+        limit = self.budget_bytes if limit is None else limit
         evicted = []
-        while self.nbytes > self.budget_bytes and (self._blocks or self._tails):
+        while self.nbytes > limit and (self._blocks or self._tails):
             block_hash = next(iter(self._blocks), None)
             tail_key = next(iter(self._tails), None)
             self.evictions += 1
