@@ -13,12 +13,20 @@ as the long one.
 
 (the baseline excludes caches the server gives back on demand; the transient margin is
 charged once, since one forward's transient exists at a time), otherwise it joins a
-bounded FIFO queue. Only the head of the queue is ever admitted,
-so a large request at the head is never overtaken by small ones behind it. A request
-runs alone whenever nothing else is reserved: it passed preflight, so it fits alone,
-and waiting could not make room. A full queue, or a wait longer than the timeout,
-raises :class:`~omlx_core.memory.types.RequestRejected` with stage ``"admission"``
-(HTTP 503 with ``Retry-After``).
+bounded queue, served in arrival order with one exception, backfill: while the head of
+the queue cannot fit, a request behind it that fits now runs now, so small requests do
+not idle behind a large one the budget cannot take yet. Backfill stops once the head
+has waited :attr:`AdmissionQueue.backfill_s` (twice the typical hold time), so the
+large one is never starved: from then on only it can be admitted, as room frees up. A
+request runs alone whenever nothing else is reserved: it passed preflight, so it fits
+alone, and waiting could not make room.
+
+A full queue raises :class:`~omlx_core.memory.types.RequestRejected` with stage
+``"admission"`` (HTTP 503 with ``Retry-After``), and so does a wait that outlasts
+``memory.queue_timeout_s`` *without progress*: the timeout counts from the later of the
+request's arrival and the last time a running request finished, so a request queued
+behind work that keeps completing is never timed out (that would refuse a request the
+server was about to run).
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ log = logging.getLogger(__name__)
 
 # Retry-After when no request has finished yet to learn typical hold times from.
 DEFAULT_RETRY_AFTER_S = 1.0
+# How long the head of the queue tolerates being overtaken before any request has
+# finished to learn typical hold times from.
+DEFAULT_BACKFILL_S = 10.0
 
 
 @dataclass
@@ -44,6 +55,7 @@ class _Waiter:
     request_id: str
     reserve_bytes: int
     batch: Hashable | None
+    since: float = 0.0
 
 
 def reservation_cost(reservations: Iterable[tuple[int, Hashable | None]]) -> int:
@@ -104,6 +116,9 @@ class AdmissionQueue:
         self._running: dict[int, AdmissionTicket] = {}
         self._snapshot: LimitSnapshot | None = None
         self._mean_hold_s: float | None = None
+        #: when a running request last finished (progress that may make room)
+        self._progress_at = clock()
+        self.backfilled = 0
 
     # -- reading ------------------------------------------------------------------------
 
@@ -133,6 +148,13 @@ class AdmissionQueue:
         return (int(snapshot.hard_bytes * self.admit_watermark) - snapshot.baseline_bytes
                 - self.margin_bytes)
 
+    @property
+    def backfill_s(self) -> float:
+        """How long the head of the queue may be overtaken by smaller requests that fit."""
+        if self._mean_hold_s is None:
+            return DEFAULT_BACKFILL_S
+        return max(1.0, 2 * self._mean_hold_s)
+
     def retry_after_s(self) -> float:
         """A client's best wait before retrying: the typical hold time of a request."""
         hold = self._mean_hold_s if self._mean_hold_s is not None else DEFAULT_RETRY_AFTER_S
@@ -158,34 +180,38 @@ class AdmissionQueue:
         reserve_bytes = max(0, int(reserve_bytes))
         start = self.clock()
         with self._cond:
-            if not self._waiting and self._fits(reserve_bytes, batch):
+            if self._fits(reserve_bytes, batch) and (not self._waiting or self._may_backfill()):
+                if self._waiting:
+                    self.backfilled += 1
                 return self._grant(request_id, reserve_bytes, 0.0, batch)
             if len(self._waiting) >= self.queue_size:
                 raise self._rejected(
                     request_id, reserve_bytes, model_id, prompt_tokens, "queue_full",
                     f"{len(self._waiting)} requests are already waiting for memory; retry later "
                     "or raise memory.queue_size")
-            waiter = _Waiter(request_id, reserve_bytes, batch)
+            waiter = _Waiter(request_id, reserve_bytes, batch, start)
             self._waiting.append(waiter)
             log.info("request %s waits for memory (%s; %s held by %d running, budget %s, "
                      "%d waiting)", request_id, format_size(reserve_bytes),
                      format_size(self._cost()), len(self._running),
                      _size_or_unlimited(self.budget_bytes(self._snapshot)), len(self._waiting))
-            deadline = start + self.timeout_s
             try:
                 while True:
-                    if self._waiting[0] is waiter and self._fits(reserve_bytes, batch):
-                        self._waiting.popleft()
+                    head = self._waiting[0] is waiter
+                    if self._fits(reserve_bytes, batch) and (head or self._may_backfill()):
+                        self._waiting.remove(waiter)
+                        self.backfilled += 0 if head else 1
                         # The next waiter may fit as well.
                         self._cond.notify_all()
                         return self._grant(request_id, reserve_bytes, self.clock() - start, batch)
+                    deadline = max(start, self._progress_at) + self.timeout_s
                     remaining = deadline - self.clock()
                     if remaining <= 0:
                         raise self._rejected(
                             request_id, reserve_bytes, model_id, prompt_tokens, "queue_timeout",
-                            f"request {request_id} waited {self.clock() - start:.1f} s for memory "
-                            "without room freeing up; retry later or raise "
-                            "memory.queue_timeout_s")
+                            f"request {request_id} waited {self.clock() - start:.1f} s for memory, "
+                            f"the last {self.timeout_s:.0f} s without any running request "
+                            "finishing; retry later or raise memory.queue_timeout_s")
                     self._cond.wait(remaining)
             except BaseException:
                 if waiter in self._waiting:
@@ -206,6 +232,14 @@ class AdmissionQueue:
         held = [(t.reserve_bytes, t.batch) for t in self._running.values()]
         return reservation_cost(held + ([extra] if extra is not None else []))
 
+    def _may_backfill(self) -> bool:
+        """Whether a request behind the head may run now: the head cannot fit yet and
+        has not waited long enough to stop being overtaken."""
+        head = self._waiting[0]
+        if self._fits(head.reserve_bytes, head.batch):
+            return False
+        return self.clock() - head.since < self.backfill_s
+
     def _fits(self, reserve_bytes: int, batch: Hashable | None) -> bool:
         if not self._running:
             return True
@@ -224,6 +258,7 @@ class AdmissionQueue:
                 return
             self._mean_hold_s = held_s if self._mean_hold_s is None else (
                 0.8 * self._mean_hold_s + 0.2 * held_s)
+            self._progress_at = self.clock()
             self._cond.notify_all()
 
 
