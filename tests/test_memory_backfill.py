@@ -134,3 +134,17 @@ def test_the_transient_margin_is_charged_once_against_the_budget() -> None:
 def test_a_request_runs_alone_when_nothing_else_is_reserved(reserve: int) -> None:
     queue = make_queue(Clock(), hard=100 * MIB, baseline=90 * MIB)
     queue.admit("alone", reserve + 500 * MIB).release()
+
+
+def test_a_refusal_at_admission_names_the_max_tokens_that_would_have_fitted() -> None:
+    from omlx_core.plugins.advice import on_rejection
+
+    clock = Clock()
+    queue = make_queue(clock, timeout=0.0)
+    queue.admit("running", 500 * MIB)
+    # 300 MiB of room: the prompt's 100 MiB plus 2 MiB per token of its 400-token completion
+    with pytest.raises(RequestRejected) as refused:
+        queue.admit("greedy", 900 * MIB, decode_bytes=800 * MIB, max_tokens=400)
+    rejection = refused.value.rejection
+    assert rejection.fitting_max_tokens == 100
+    assert "max_tokens=100" in on_rejection(rejection)

@@ -169,11 +169,14 @@ class AdmissionQueue:
             self._cond.notify_all()
 
     def admit(self, request_id: str, reserve_bytes: int, batch: Hashable | None = None, *,
-              model_id: str = "", prompt_tokens: int = 0) -> AdmissionTicket:
+              model_id: str = "", prompt_tokens: int = 0, decode_bytes: int = 0,
+              max_tokens: int = 0) -> AdmissionTicket:
         """Block until ``reserve_bytes`` fits next to the running requests.
 
         :param batch: requests with the same key share a padded decode batch (one key
             per engine); ``None`` for a request whose memory adds up with the others'.
+        :param decode_bytes: of ``reserve_bytes``, the KV of ``max_tokens`` completion
+            tokens: a refusal says which smaller ``max_tokens`` would fit now.
         :raises RequestRejected: stage ``"admission"``: the queue is full (cause
             ``"queue_full"``) or the wait timed out (``"queue_timeout"``).
         """
@@ -188,7 +191,7 @@ class AdmissionQueue:
                 raise self._rejected(
                     request_id, reserve_bytes, model_id, prompt_tokens, "queue_full",
                     f"{len(self._waiting)} requests are already waiting for memory; retry later "
-                    "or raise memory.queue_size")
+                    "or raise memory.queue_size", batch, decode_bytes, max_tokens)
             waiter = _Waiter(request_id, reserve_bytes, batch, start)
             self._waiting.append(waiter)
             log.info("request %s waits for memory (%s; %s held by %d running, budget %s, "
@@ -211,7 +214,8 @@ class AdmissionQueue:
                             request_id, reserve_bytes, model_id, prompt_tokens, "queue_timeout",
                             f"request {request_id} waited {self.clock() - start:.1f} s for memory, "
                             f"the last {self.timeout_s:.0f} s without any running request "
-                            "finishing; retry later or raise memory.queue_timeout_s")
+                            "finishing; retry later or raise memory.queue_timeout_s",
+                            batch, decode_bytes, max_tokens)
                     self._cond.wait(remaining)
             except BaseException:
                 if waiter in self._waiting:
@@ -220,13 +224,36 @@ class AdmissionQueue:
                 raise
 
     def _rejected(self, request_id: str, reserve_bytes: int, model_id: str, prompt_tokens: int,
-                  cause: str, detail: str) -> RequestRejected:
+                  cause: str, detail: str, batch: Hashable | None, decode_bytes: int,
+                  max_tokens: int) -> RequestRejected:
         snapshot = self._snapshot
         return RequestRejected(Rejection(
-            estimated_bytes=0, limit_bytes=snapshot.hard_bytes if snapshot else None,
+            estimated_bytes=reserve_bytes, limit_bytes=snapshot.hard_bytes if snapshot else None,
             breakdown=snapshot.breakdown if snapshot else None, request_id=request_id,
             model_id=model_id, prompt_tokens=prompt_tokens, stage="admission", cause=cause,
-            detail=detail, base_bytes=self._cost()), retry_after_s=self.retry_after_s())
+            detail=detail, base_bytes=self._cost(), decode_bytes=decode_bytes,
+            max_tokens=max_tokens,
+            fitting_max_tokens=self._fitting_max_tokens(reserve_bytes, batch, decode_bytes,
+                                                        max_tokens)),
+            retry_after_s=self.retry_after_s())
+
+    def _fitting_max_tokens(self, reserve_bytes: int, batch: Hashable | None,
+                            decode_bytes: int, max_tokens: int) -> int | None:
+        """The largest ``max_tokens`` whose reservation fits next to the running requests
+        now (the completion's KV taken as linear in its length); ``None`` if not even
+        the prompt fits, or the request's own already does."""
+        if max_tokens < 1 or decode_bytes <= 0 or self._fits(reserve_bytes, batch):
+            return None
+        prompt_part = reserve_bytes - decode_bytes
+        per_token = decode_bytes / max_tokens
+        low, high = -1, max_tokens - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._fits(prompt_part + int(per_token * middle), batch):
+                low = middle
+            else:
+                high = middle - 1
+        return low if low >= 1 else None
 
     def _cost(self, extra: tuple[int, Hashable | None] | None = None) -> int:
         held = [(t.reserve_bytes, t.batch) for t in self._running.values()]

@@ -216,10 +216,13 @@ class MemoryGuard:
         """
         hints = memory_hints_of(engine)
         estimated = self.estimate(self.peak_query(engine, prompt_tokens, extra_tokens=max_tokens))
+        prompt_only = self.estimate(self.peak_query(engine, prompt_tokens))
+        decode = max(0, (estimated or 0) - (prompt_only or 0))
         batch = id(engine) if hints.decode_batch_padded else None
         try:
             return self.admission.admit(request_id, estimated or 0, batch,
-                                        model_id=engine.model.id, prompt_tokens=len(prompt_tokens))
+                                        model_id=engine.model.id, prompt_tokens=len(prompt_tokens),
+                                        decode_bytes=decode, max_tokens=max_tokens)
         except RequestRejected as error:
             raise self.advised(error) from None
 

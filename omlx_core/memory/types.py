@@ -143,6 +143,10 @@ class Rejection:
     #: of ``estimated_bytes``, the KV the completion grows to (``max_tokens``): the part
     #: a smaller ``max_tokens`` shrinks
     decode_bytes: int = 0
+    #: the request's ``max_tokens``, and the largest that would have been admitted now
+    #: (``None``: none would, or it was not the completion's KV that did not fit)
+    max_tokens: int = 0
+    fitting_max_tokens: int | None = None
     #: the transient margin included in ``estimated_bytes``
     margin_bytes: int = 0
 

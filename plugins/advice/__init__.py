@@ -12,6 +12,10 @@ ceiling, the figures behind it and the one setting (or command) that moves it:
 - ``static``: shorten the context, or move to a tier with a smaller reserve.
 - no breakdown: a generic message that still names every knob.
 
+A request refused at admission (it waited for room that never came) is also told the
+largest ``max_tokens`` that would have been admitted when the completion's reservation
+is what did not fit.
+
 A third-party plugin adds advice with its own ``on_rejection``, or replaces this
 plugin's with ``@hookimpl(wrapper=True)`` returning its own list.
 """
@@ -45,7 +49,7 @@ def _size_flag(size: int) -> str:
 
 
 def _shorten(rejection: Rejection) -> str:
-    if rejection.stage == "forward":
+    if rejection.stage in ("forward", "admission"):
         return "send a shorter prompt, or retry when fewer requests are running"
     return "shorten the prompt"
 
@@ -125,10 +129,24 @@ def _static(rejection: Rejection, b: CeilingBreakdown) -> str:
     return base + f"; the request needs about {format_size(rejection.needed_bytes)}."
 
 
+def _max_tokens(rejection: Rejection) -> str | None:
+    if rejection.fitting_max_tokens is None:
+        return None
+    return (f"This request reserves {format_size(rejection.decode_bytes)} for the KV of its "
+            f"max_tokens={rejection.max_tokens} completion; with max_tokens="
+            f"{rejection.fitting_max_tokens} (or less) it would have run now.")
+
+
 @hookimpl
 def on_rejection(rejection: Rejection) -> str | None:
     if not isinstance(rejection, Rejection):
         return None
+    ladder = _ladder(rejection)
+    knob = _max_tokens(rejection)
+    return ladder if knob is None else f"{knob} {ladder}"
+
+
+def _ladder(rejection: Rejection) -> str:
     breakdown = rejection.breakdown
     binding = breakdown.binding if breakdown is not None else None
     if breakdown is None or binding is None:
