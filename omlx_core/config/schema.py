@@ -49,7 +49,11 @@ CORE_SETTINGS: list[Setting] = [
     Setting("memory.poll_interval_s", "float", "how often the enforcer re-reads the ceilings",
             minimum=0.05, maximum=60),
     Setting("memory.transient_margin", "size",
-            "extra headroom the forward gate adds to each prefill chunk's estimate"),
+            "headroom charged on top of every estimate (preflight, admission, forward gate): "
+            "at least this much"),
+    Setting("memory.transient_margin_share", "float",
+            "the same headroom as a share of the hard limit; the larger of the two is charged",
+            minimum=0.0, maximum=0.5),
     Setting("memory.queue_size", "int", "requests that may wait for memory before 503", minimum=0),
     Setting("memory.queue_timeout_s", "float", "longest a request waits for memory", minimum=0),
     Setting("memory.unguarded_engines", "list",

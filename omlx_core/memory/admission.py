@@ -105,8 +105,10 @@ class AdmissionQueue:
     """The reservation ledger and the FIFO of requests waiting for room."""
 
     def __init__(self, queue_size: int, timeout_s: float, admit_watermark: float,
-                 clock: Callable[[], float] = time.monotonic, *, margin_bytes: int = 0):
-        self.margin_bytes = margin_bytes
+                 clock: Callable[[], float] = time.monotonic, *,
+                 margin_bytes: int | Callable[[int], int] = 0):
+        #: the transient margin under a hard limit (a number, or a function of the limit)
+        self.margin_bytes = margin_bytes if callable(margin_bytes) else (lambda _hard: margin_bytes)
         self.queue_size = queue_size
         self.timeout_s = timeout_s
         self.admit_watermark = admit_watermark
@@ -146,7 +148,7 @@ class AdmissionQueue:
         if snapshot is None or snapshot.hard_bytes is None:
             return None
         return (int(snapshot.hard_bytes * self.admit_watermark) - snapshot.baseline_bytes
-                - self.margin_bytes)
+                - self.margin_bytes(snapshot.hard_bytes))
 
     @property
     def backfill_s(self) -> float:

@@ -39,6 +39,11 @@ class TierPolicy:
     dynamic_factor: float
     admit_watermark: float
     custom_ceiling: int = 0
+    #: the transient margin: at least ``margin_floor`` bytes, at least ``margin_share``
+    #: of the hard limit (what a forward allocates beyond any estimate grows with the
+    #: model, and so with the machine it was sized for)
+    margin_floor: int = 0
+    margin_share: float = 0.0
 
     @classmethod
     def from_config(cls, config: Config) -> "TierPolicy":
@@ -50,7 +55,14 @@ class TierPolicy:
             dynamic_factor=tier["dynamic_factor"],
             admit_watermark=tier["admit_watermark"],
             custom_ceiling=config["memory.custom_ceiling"],
+            margin_floor=config["memory.transient_margin"],
+            margin_share=config["memory.transient_margin_share"],
         )
+
+    def margin(self, hard_bytes: int | None) -> int:
+        """The transient margin charged on top of every estimate under ``hard_bytes``."""
+        share = int(self.margin_share * hard_bytes) if hard_bytes else 0
+        return max(self.margin_floor, share)
 
     def reserve(self, total_bytes: int) -> int:
         return max(self.reserve_min, int(total_bytes * self.reserve_fraction))

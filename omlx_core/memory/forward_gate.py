@@ -63,21 +63,25 @@ class PrefillForwardGate(ForwardGate):
     :param estimate: peak bytes of a prefill (the ``estimate_peak`` hook).
     :param usage: where current use is read; readings here are taken between forwards,
         so they feed its high-water mark.
-    :param transient_margin: bytes added to every chunk's estimate.
+    :param transient_margin: bytes added to every forward's estimate, or a function of
+        the hard limit giving them (the tier's :meth:`~.ceilings.TierPolicy.margin`).
     :param advise: turns a refusal into advice text (the ``on_rejection`` hook).
     :param retry_after_s: when a refused request may be retried.
     :param reclaim: frees at least the given bytes of caches if it can (returns the
         bytes freed); asked before any refusal, since cached memory is available memory.
     """
 
-    def __init__(self, estimate: Estimate, usage: MemoryUsage, transient_margin: int,
+    def __init__(self, estimate: Estimate, usage: MemoryUsage,
+                 transient_margin: int | Callable[[int], int],
                  advise: Advise | None = None, *, dtype_bytes: int = 4,
                  full_logits: bool = False, backend: str = "cpu", retry_after_s: float = 2.0,
                  reclaim: Callable[[int], int] | None = None):
         self._reclaim = reclaim
         self._estimate = estimate
         self._usage = usage
-        self.transient_margin = transient_margin
+        self._margin = transient_margin if callable(transient_margin) else (
+            lambda _hard: transient_margin)
+        self.transient_margin = self._margin(0)
         self._advise = advise
         self.dtype_bytes = dtype_bytes
         self.full_logits = full_logits
@@ -95,6 +99,7 @@ class PrefillForwardGate(ForwardGate):
                             "run unchecked until the enforcer publishes one", step.model_id)
             return {}
         hard = limits.hard_bytes
+        self.transient_margin = self._margin(hard)
         current = self._usage.high_water(record=True)
         earlier_kv = 0
         refused: dict[str, RequestRejected] = {}

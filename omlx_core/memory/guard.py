@@ -18,14 +18,17 @@ Two rules hold at every stage:
   are not counted as in use: the idle baseline preflight and admission sit on excludes
   them, and the forward gate evicts them (least recently used first) before it refuses
   a chunk. So a 413 means "cannot fit here even with every cache emptied".
-- **one transient margin** (``memory.transient_margin``) is charged on top of the
-  estimate by preflight, by admission and by the forward gate alike, so a request that
-  passes preflight on an idle server is not refused half-way for want of it.
+- **one transient margin** (``memory.transient_margin``, at least
+  ``memory.transient_margin_share`` of the hard limit: :meth:`TierPolicy.margin`) is
+  charged on top of the estimate by preflight, by admission and by the forward gate
+  alike, so a request that passes preflight on an idle server is not refused half-way
+  for want of it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from omlx_core.engine import GuardedEngine, memory_hints_of
@@ -69,13 +72,14 @@ class MemoryGuard:
         self.policy = TierPolicy.from_config(config)
         poll = float(config["memory.poll_interval_s"])
         self.usage = usage or MemoryUsage(window_s=2 * poll)
+        #: the margin's floor; :meth:`margin` is what a decision charges
         self.transient_margin = int(config["memory.transient_margin"])
         #: a memory shortage read now has aged out of the high-water window by then
         self.retry_after_s = 2 * poll
         self.admission = AdmissionQueue(int(config["memory.queue_size"]),
                                         float(config["memory.queue_timeout_s"]),
                                         self.policy.admit_watermark,
-                                        margin_bytes=self.transient_margin)
+                                        margin_bytes=self.policy.margin)
         self.backend = mlx_backend()
         self.enforcer: MemoryEnforcer | None = None
         self._engines: Callable[[], Iterable[Engine]] = tuple
@@ -194,13 +198,19 @@ class MemoryGuard:
     def preflight(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int]) -> None:
         """Raise :class:`RequestRejected` (stage ``"preflight"``) if the request can never fit."""
         snapshot = self._snapshot
+        if snapshot is not None and self.admission.idle():
+            # The enforcer's baseline is at most a poll old; on an idle server the truth
+            # is one reading away, and a stale (lower) one would let through a request the
+            # forward gate, which reads current use, then refuses half-way.
+            snapshot = replace(snapshot, baseline_bytes=max(
+                0, self.usage.resident() - min(self.usage.resident(), self.reclaimable_bytes())))
         query = self.peak_query(engine, prompt_tokens)
         estimated = self.estimate(query)
         request = PreflightRequest(
             request_id=request_id, model_id=engine.model.id, prompt_tokens=len(prompt_tokens),
             cached_tokens=query.cached_tokens, chunk_size=query.chunk_size,
             estimated_bytes=estimated, limits=snapshot, model_config=query.model_config,
-            margin_bytes=self.transient_margin)
+            margin_bytes=self.policy.margin(snapshot.hard_bytes if snapshot else None))
         try:
             self.plugins.hook.preflight(request=request)
         except RequestRejected as error:
@@ -232,7 +242,7 @@ class MemoryGuard:
         if entry is None or entry[0] is not engine:
             hints = memory_hints_of(engine)
             gate = PrefillForwardGate(
-                self.estimate, self.usage, self.transient_margin, self.advice,
+                self.estimate, self.usage, self.policy.margin, self.advice,
                 dtype_bytes=hints.activation_dtype_bytes,
                 full_logits=hints.prefill_full_logits, backend=self.backend,
                 retry_after_s=self.retry_after_s, reclaim=self.reclaim)
