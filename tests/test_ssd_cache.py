@@ -553,3 +553,24 @@ def test_write_benchmark_accounts_for_every_block(tiny_model_path):
     assert row.offered == 10 and row.saves + row.drops + row.declined == 10
     assert row.persisted == row.saves and row.megabytes > 0
     assert "| 2 | 10 |" in render([], [row], [])
+
+
+def test_a_save_the_writer_has_no_room_for_evicts_nothing(tmp_path):
+    store = make_store(tmp_path, queue_size=1, save_timeout_s=0.05)
+    blocks = [make_block(i, seed=21) for i in range(4)]
+    for block in blocks:
+        store.put(block)
+    assert store.flush(10)
+    store.budget = store.stats()["bytes"]  # full: a new block would evict one
+    pin = PinnedWriter(store)
+    store.put(make_block(10, seed=21))  # evicts one, then is held by the writer
+    assert pin.entered.wait(10)
+    store.put(make_block(11, seed=21))  # evicts one, fills the queue
+    before = store.stats()
+    store.put(make_block(12, seed=21))  # no room in the queue: dropped before evicting
+    after = store.stats()
+    assert after["drops"] == before["drops"] + 1
+    assert after["evictions"] == before["evictions"]
+    assert sum(store.contains(b.block_hash) for b in blocks) == 4 - before["evictions"]
+    pin.release.set()
+    store.close()

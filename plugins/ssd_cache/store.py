@@ -275,6 +275,11 @@ class PagedSSDStore:
             if existing is not None and (existing.has_boundary or block.boundary is None):
                 return
             kind = "block" if existing is None else "boundary"
+        # A save the writer has no room for is dropped now, before it evicts persisted
+        # blocks to make room on disk or copies anything to host memory for nothing.
+        if not self._room_in_queue():
+            return
+        with self._lock:
             staged = self._snapshots.pop(block_hash, None)
         # Built and sized before any copy: a declined block costs no host copy.
         layer_types = layer_types_of(block.kv, block.boundary)
@@ -346,6 +351,17 @@ class PagedSSDStore:
             elif item.kind == "boundary":
                 entry.size -= item.reserved
                 self._used -= item.reserved
+
+    def _room_in_queue(self) -> bool:
+        """Whether the writer queue has room for one more save, waiting up to the save
+        timeout for it (not at all within a saturation episode); counts a drop if not."""
+        if self._queue.wait_for_room(0.0 if self._saturated else self.save_timeout_s):
+            return True
+        self._saturated = True
+        with self._lock:
+            self._counts["drops"] += 1
+        log.debug("SSD cache writer backlog: dropped a save before evicting or copying")
+        return False
 
     def _enqueue(self, item: _Item, on_drop: Any = None) -> bool:
         timeout = 0.0 if self._saturated else self.save_timeout_s

@@ -40,6 +40,17 @@ class WorkQueue(Generic[T]):
             self._items.append(item)
             self.lock.notify_all()
 
+    def wait_for_room(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until an item could be put; whether it could."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while len(self._items) >= self.maxsize:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.lock.wait(left)
+            return True
+
     def put_unbounded(self, item: T) -> None:
         """Append ``item`` even when full (the stop sentinel must always get in)."""
         with self.lock:
