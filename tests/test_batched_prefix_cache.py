@@ -273,3 +273,36 @@ def test_restore_with_a_tail_continues_exactly(tiny_model_path, reuse):
 
     resumed, cold = mlx_thread().run(compute)
     np.testing.assert_allclose(resumed, cold, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cached_block_is_reused_up_to_the_first_token_that_differs(tiny_model_path):
+    """Same system prompt, new question: the block holding the end of the shared part
+    is cut to the shared tokens instead of recomputed."""
+    from omlx_core.engine import GenerationRequest, SamplingParams
+    from omlx_core.config import load_config
+    from omlx_core.models.registry import spec_for_path
+    from omlx_core.plugins.batched import BatchedEngine
+
+    config = load_config("base", overrides=[("cache.block_size", "16", "test"),
+                                            ("engine.prefill_step_size", "32", "test")], env={})
+    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
+    engine.start()
+    try:
+        system = [(5 * i) % 150 + 20 for i in range(40)]  # 2 full blocks + 8 tokens
+        first = system + [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+        second = system + [40, 41, 42, 43, 44]
+        greedy = SamplingParams(temperature=0.0, max_tokens=3)
+
+        def run(prompt, rid):
+            outputs = list(engine.submit(GenerationRequest(rid, prompt, greedy)))
+            return [t for o in outputs for t in o.token_ids], outputs[-1].usage
+
+        run(first, "first")
+        assert engine.cached_tokens(second) == len(system)  # 32 from blocks + 8 cut from one
+        tokens, usage = run(second, "second")
+        assert usage.cached_tokens == len(system)
+        engine.prefix_cache.clear()
+        cold, _ = run(second, "cold")
+        assert tokens == cold
+    finally:
+        engine.shutdown()

@@ -87,7 +87,8 @@ class CacheLayout:
                      for layer, cuttable in zip(cache, self.cuttable))
 
     def make_block(self, block_hash: bytes, parent_hash: bytes, index: int, block_size: int,
-                   kv: tuple[Any, ...], boundary: tuple[Any, ...] | None) -> CachedBlock:
+                   kv: tuple[Any, ...], boundary: tuple[Any, ...] | None,
+                   tokens: Sequence[int] = ()) -> CachedBlock:
         arrays = _arrays(kv) + (_arrays(boundary) if boundary is not None else [])
         mx.eval(arrays)
         return CachedBlock(
@@ -99,6 +100,7 @@ class CacheLayout:
             boundary=boundary,
             reusable_end=boundary is not None or not self.needs_boundaries,
             nbytes=sum(a.nbytes for a in arrays),
+            tokens=tuple(int(t) for t in tokens),
         )
 
     def make_tail(self, parent_hash: bytes, tokens: Sequence[int], cache: Sequence[Any],

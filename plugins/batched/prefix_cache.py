@@ -24,11 +24,15 @@ of every chain stored or found here (root to leaf), so its own LRU follows use. 
 the store are made outside this cache's lock: a disk read or a full write queue never
 stalls a concurrent :meth:`peek`.
 
-**Tails.** For models whose every layer can be cut, the tokens after a prefix's last
-full block (a finished request's prompt-and-answer tail) are kept too, as a
-:class:`CachedTail` under the hash of that block. A request continuing the same prefix
-reuses the longest common run of a tail's tokens, so a repeated prompt or the next turn
-of a chat recomputes only what is new, not up to a block of it. Tails share the byte
+**Tails and partial blocks: reuse to the token.** For models whose every layer can be
+cut, the tokens after a prefix's last full block (a finished request's
+prompt-and-answer tail) are kept too, as a :class:`CachedTail` under the hash of that
+block. After its last matching full block, a request reuses the longest common run of
+leading tokens among the tails *and the cached blocks* under that block: a cached block
+whose first k tokens match is cut to those k (its keys and values are sliced at
+restore). So a repeated prompt, the next turn of a chat, the same system prompt with a
+new question, or a prompt edited in the middle recompute only what is new, never up to
+a block of shared tokens. Tails share the byte
 budget and the LRU order with blocks, stay in memory (no lower tier), and at most
 :data:`TAILS_PER_PREFIX` are kept per prefix (the least recently used goes).
 
@@ -87,6 +91,16 @@ class CachedBlock:
     #: whether a request may resume right after this block
     reusable_end: bool
     nbytes: int
+    #: the block's token ids, when known: a prompt that shares only the first k of them
+    #: reuses those k (:meth:`PrefixCache.lookup_tail`); blocks read back from a lower
+    #: tier may not carry them
+    tokens: tuple[int, ...] = ()
+
+    @property
+    def partially_reusable(self) -> bool:
+        """Whether a prefix of this block can be reused (its tokens are known and every
+        layer is cut by token, with no boundary state to resume from)."""
+        return bool(self.tokens) and all(layer is not None for layer in self.kv)
 
     @property
     def end_token(self) -> int:
@@ -138,6 +152,8 @@ class PrefixCache:
         self._blocks: OrderedDict[bytes, CachedBlock] = OrderedDict()
         self._tails: OrderedDict[tuple[bytes, tuple[int, ...]], CachedTail] = OrderedDict()
         self._tails_of: dict[bytes, list[tuple[bytes, tuple[int, ...]]]] = {}
+        #: parent hash -> hashes of its cached child blocks a prefix of which can be reused
+        self._children: dict[bytes, set[bytes]] = {}
         #: last use of each block (by hash) and tail (by key), from one counter: both
         #: dicts above are kept in this order, so each one's oldest comes first
         self._used: dict[Any, int] = {}
@@ -287,21 +303,43 @@ class PrefixCache:
         self._offer(lower, evicted)
 
     def lookup_tail(self, parent_hash: bytes, tokens: Sequence[int]) -> tuple[CachedTail | None, int]:
-        """The kept tail under ``parent_hash`` sharing the most leading tokens with
-        ``tokens``, and how many it shares (``(None, 0)`` when none does)."""
+        """The kept tail or cached block under ``parent_hash`` sharing the most leading
+        tokens with ``tokens``, as a tail, and how many it shares (``(None, 0)`` when
+        none does). A block comes back as a tail over its own keys and values."""
         if not self.enabled:
             return None, 0
         with self._lock:
-            best, shared = None, 0
-            for key in self._tails_of.get(parent_hash, ()):
-                n = common_prefix_length(key[1], tokens)
-                if n > shared:
-                    best, shared = self._tails[key], n
-            if best is not None:
+            best, shared = self._best_continuation_locked(parent_hash, tokens)
+            if best is None:
+                return None, 0
+            if isinstance(best, CachedBlock):
+                # The block, then the chain above it: parents stay more recent.
+                self._use_locked(self._blocks, best.block_hash)
+                self._touch_above_locked(best.parent_hash)
+                tail = CachedTail(best.parent_hash, best.tokens, best.kv, 0)
+            else:
                 self._touch_tail_locked((best.parent_hash, best.tokens))
-                self.tail_hits += 1
-                self.tokens_saved += shared
-            return best, shared
+                tail = best
+            self.tail_hits += 1
+            self.tokens_saved += shared
+            return tail, shared
+
+    def _best_continuation_locked(self, parent_hash: bytes, tokens: Sequence[int]
+                                  ) -> tuple[CachedTail | CachedBlock | None, int]:
+        """Of the tails and partially reusable blocks under ``parent_hash``, the one
+        sharing the most leading tokens with ``tokens`` (a tail on a tie)."""
+        best: CachedTail | CachedBlock | None = None
+        shared = 0
+        for key in self._tails_of.get(parent_hash, ()):
+            n = common_prefix_length(key[1], tokens)
+            if n > shared:
+                best, shared = self._tails[key], n
+        for block_hash in self._children.get(parent_hash, ()):
+            block = self._blocks[block_hash]
+            n = common_prefix_length(block.tokens, tokens)
+            if n > shared:
+                best, shared = block, n
+        return best, shared
 
     def lookup_prefix(self, hashes: Sequence[bytes], tokens: Sequence[int]
                       ) -> tuple[list[CachedBlock], CachedTail | None, int]:
@@ -326,8 +364,7 @@ class PrefixCache:
         if not self.enabled:
             return 0
         with self._lock:
-            return max((common_prefix_length(key[1], tokens)
-                        for key in self._tails_of.get(parent_hash, ())), default=0)
+            return self._best_continuation_locked(parent_hash, tokens)[1]
 
     def _drop_tail_locked(self, key: tuple[bytes, tuple[int, ...]]) -> None:
         tail = self._tails.pop(key)
@@ -354,6 +391,8 @@ class PrefixCache:
             self.nbytes -= existing.nbytes
         self._blocks[block.block_hash] = block
         self.nbytes += block.nbytes
+        if block.partially_reusable:
+            self._children.setdefault(block.parent_hash, set()).add(block.block_hash)
         self._use_locked(self._blocks, block.block_hash)
         return True
 
@@ -372,7 +411,11 @@ class PrefixCache:
         """Refresh a tail, then the in-memory chain above it (deepest first), so the
         tail stays older than its parent and goes before it."""
         self._use_locked(self._tails, key)
-        block = self._blocks.get(key[0])
+        self._touch_above_locked(key[0])
+
+    def _touch_above_locked(self, block_hash: bytes) -> None:
+        """Refresh the in-memory chain ending at ``block_hash``, deepest first."""
+        block = self._blocks.get(block_hash)
         while block is not None:
             self._use_locked(self._blocks, block.block_hash)
             block = self._blocks.get(block.parent_hash)
@@ -405,14 +448,23 @@ class PrefixCache:
             block = self._blocks.pop(block_hash)
             del self._used[block_hash]
             self.nbytes -= block.nbytes
+            self._forget_child_locked(block)
             evicted.append(block)
             for key in list(self._tails_of.get(block_hash, ())):
                 self._drop_tail_locked(key)
                 self.evictions += 1
         return evicted
 
+    def _forget_child_locked(self, block: CachedBlock) -> None:
+        children = self._children.get(block.parent_hash)
+        if children is not None:
+            children.discard(block.block_hash)
+            if not children:
+                del self._children[block.parent_hash]
+
     def clear(self) -> None:
         with self._lock:
+            self._children.clear()
             self._blocks.clear()
             self._tails.clear()
             self._tails_of.clear()

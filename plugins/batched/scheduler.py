@@ -554,7 +554,9 @@ class Scheduler(MemoryReceiver):
             boundary = self.layout.capture(sequence.cache) if captures_here else None
             parent = sequence.block_hashes[index - 1] if index else self.prefix_cache.root
             kv = self.layout.cut(sequence.cache, index * block_size, (index + 1) * block_size)
-            blocks.append(self.layout.make_block(block_hash, parent, index, block_size, kv, boundary))
+            blocks.append(self.layout.make_block(
+                block_hash, parent, index, block_size, kv, boundary,
+                sequence.prompt[index * block_size:(index + 1) * block_size]))
             if boundary is not None and self.boundary_listener is not None:
                 self._announce_boundary(sequence, blocks[-1])
         self.prefix_cache.insert(blocks, chain=sequence.block_hashes[:complete])
@@ -589,7 +591,8 @@ class Scheduler(MemoryReceiver):
                 continue
             parent = hashes[index - 1] if index else self.prefix_cache.root
             kv = self.layout.cut(cache, index * block_size, (index + 1) * block_size)
-            blocks.append(self.layout.make_block(hashes[index], parent, index, block_size, kv, None))
+            blocks.append(self.layout.make_block(hashes[index], parent, index, block_size, kv, None,
+                                                 tokens[index * block_size:(index + 1) * block_size]))
         self.prefix_cache.insert(blocks, chain=hashes)
         self._store_tail(cache, tokens, hashes)
 

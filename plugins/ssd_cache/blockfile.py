@@ -110,12 +110,16 @@ def _base_metadata(kind: str, block_hash: bytes, index: int, token_count: int, i
 
 
 def payload_of_kv(kv: Sequence[Any], *, block_hash: bytes, parent_hash: bytes, index: int,
-                  block_size: int, identity: str, layer_types: Sequence[str]) -> Payload:
-    """A block file's payload: ``kv`` is per layer ``(keys, values)`` or ``None``."""
+                  block_size: int, identity: str, layer_types: Sequence[str],
+                  tokens: Sequence[int] = ()) -> Payload:
+    """A block file's payload: ``kv`` is per layer ``(keys, values)`` or ``None``;
+    ``tokens`` (the block's token ids) let a block read back be reused in part."""
     payload = Payload(metadata=_base_metadata(BLOCK_KIND, block_hash, index, block_size * (index + 1),
                                               identity, layer_types))
     payload.metadata["parent_hash"] = parent_hash.hex()
     payload.metadata["block_size"] = str(block_size)
+    if tokens:
+        payload.metadata["tokens"] = json.dumps([int(t) for t in tokens])
     for layer, pair in enumerate(kv):
         if pair is not None:
             payload.add(f"kv.{layer}.k", pair[0])

@@ -47,6 +47,7 @@ rebuilds its index by scanning ``blocks/`` (temp files and invalid files are rem
 from __future__ import annotations
 
 import errno
+import json
 import fcntl
 import hashlib
 import logging
@@ -213,6 +214,7 @@ class PagedSSDStore:
             kv = kv_of(arrays, int(metadata["layers"]))
             index, block_size = int(metadata["index"]), int(metadata["block_size"])
             parent = bytes.fromhex(metadata["parent_hash"])
+            tokens = tuple(int(t) for t in json.loads(metadata.get("tokens", "[]")))
         except Exception as exc:  # whatever a damaged file raises, it is not served
             self._discard(block_hash, f"block {block_hash.hex()} is unusable and was removed: {exc}")
             return None
@@ -226,7 +228,8 @@ class PagedSSDStore:
             self._counts["loads"] += 1
         return CachedBlock(block_hash=block_hash, parent_hash=parent, index=index,
                            block_size=block_size, kv=kv, boundary=boundary,
-                           reusable_end=boundary is not None or not needs_boundary, nbytes=nbytes)
+                           reusable_end=boundary is not None or not needs_boundary, nbytes=nbytes,
+                           tokens=tokens)
 
     def _read_boundary(self, block_hash: bytes) -> tuple[Any, ...] | None:
         path = boundary_path(self.blocks_dir, block_hash)
@@ -286,6 +289,7 @@ class PagedSSDStore:
         payload = None
         if kind == "block":
             payload = payload_of_kv(block.kv, block_hash=block_hash, parent_hash=block.parent_hash,
+                                    tokens=block.tokens,
                                     index=block.index, block_size=block.block_size,
                                     identity=self.identity, layer_types=layer_types)
         boundary = staged[1] if staged is not None else None
