@@ -11,8 +11,10 @@ stream runs to its ``max_tokens``. Measured per server:
   wall time from the first request to the last token);
 - time to first token (TTFT), p50 and p95, for single requests and at 8 streams;
   inter-token latency (ITL, the gap between text chunks) p95 at 8 streams;
-- a ~2.3k-token system prompt: cold TTFT, TTFT of a second request sharing it (a
-  prefix-cache hit), and of a multi-turn follow-up that re-sends the whole history;
+- a ~2.3k-token system prompt: cold TTFT, then the TTFT of the same request again (a
+  prefix-cache hit), of the same system prompt with a new question, of the system
+  prompt with one word edited in its middle, and of a multi-turn follow-up that
+  re-sends the whole history;
 - the running streams' ITL (max and p95 gap) while a 4k-token prompt is admitted.
 
 The table gives both servers' figures and ours/theirs, with the better direction.
@@ -67,7 +69,7 @@ class Plan:
     def requests(self) -> int:
         """Requests one server receives (for the progress bar)."""
         warmup = 3
-        return (warmup + self.single_requests + self.rounds * sum(self.concurrency) + 3
+        return (warmup + self.single_requests + self.rounds * sum(self.concurrency) + 5
                 + self.running_streams + 1)
 
 
@@ -100,7 +102,11 @@ METRICS = (
     Metric("itl_8_p50", "ITL p50, 8 streams (s)", False, digits=3),
     Metric("itl_8_p95", "ITL p95, 8 streams (s)", False, digits=3),
     Metric("prefix_cold", "shared system prompt: cold TTFT (s)", False),
-    Metric("prefix_hit", "shared system prompt: prefix-hit TTFT (s)", False, target=0.5,
+    Metric("prefix_hit", "shared system prompt: same request again (prefix hit) TTFT (s)", False,
+           target=0.5, digits=3),
+    Metric("prefix_new_question", "shared system prompt, new question TTFT (s)", False,
+           target=0.5, digits=3),
+    Metric("prefix_edit", "system prompt with one word edited mid-way TTFT (s)", False,
            digits=3),
     Metric("prefix_followup", "multi-turn follow-up (whole history) TTFT (s)", False, digits=3),
     Metric("admission_ttft", "long prompt admitted beside running streams: its TTFT (s)", False),
@@ -223,19 +229,27 @@ class Bench:
                     "Apply these rules when you answer:")}
         first_turn = {"role": "user", "content": "Which rules mention the ferry crew?"}
         cold = self.request([system, first_turn], plan.answer_tokens)
-        hit = self.request([system, {"role": "user",
-                                     "content": "What must happen before the first bell?"}],
-                           plan.answer_tokens)
+        hit = self.request([system, first_turn], plan.answer_tokens)
+        question = self.request([system, {"role": "user",
+                                          "content": "What must happen before the first bell?"}],
+                                plan.answer_tokens)
+        words = system["content"].split(" ")
+        words[len(words) // 2] = "lighthouse"
+        edited = self.request([{"role": "system", "content": " ".join(words)}, first_turn],
+                              plan.answer_tokens)
         followup = self.request([system, first_turn, {"role": "assistant", "content": cold.text},
                                  {"role": "user", "content": "And during the spring fair?"}],
                                 plan.answer_tokens)
         figures["prefix_cold"] = cold.ttft
         figures["prefix_hit"] = hit.ttft
+        figures["prefix_new_question"] = question.ttft
+        figures["prefix_edit"] = edited.ttft
         figures["prefix_followup"] = followup.ttft
         described = ", ".join(
             f"{name} {r.prompt_tokens} prompt tokens ({r.cached_tokens} cached)"
             if r.cached_tokens is not None else f"{name} {r.prompt_tokens} prompt tokens"
-            for name, r in (("cold", cold), ("hit", hit), ("follow-up", followup)))
+            for name, r in (("cold", cold), ("hit", hit), ("new question", question),
+                            ("edit", edited), ("follow-up", followup)))
         notes.append(f"shared prefix: {described}")
 
     def admission(self, figures: dict[str, float], notes: list[str]) -> None:
