@@ -20,11 +20,17 @@ def _text(content: Any) -> str:
     return "".join(block["text"] for block in content)
 
 
-def messages_job(body: Mapping[str, Any]) -> Job:
+def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages of a Messages (or count_tokens) request, the system prompt first."""
     messages = []
     if body.get("system") is not None:
         messages.append({"role": "system", "content": _text(body["system"])})
-    messages += [{"role": m["role"], "content": _text(m["content"])} for m in body["messages"]]
+    return messages + [{"role": m["role"], "content": _text(m["content"])}
+                       for m in body["messages"]]
+
+
+def messages_job(body: Mapping[str, Any]) -> Job:
+    messages = messages_of(body)
     sampling = SamplingParams(
         temperature=float(body.get("temperature", 1.0)),
         top_p=float(body.get("top_p", 1.0)),

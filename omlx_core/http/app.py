@@ -15,6 +15,7 @@ from omlx_core.http.errors import install_error_handlers
 from omlx_core.http.metrics import CONTENT_TYPE, Metrics
 from omlx_core.http.openai_api import ChatCompletions, Models, TextCompletions
 from omlx_core.http.openapi import openapi_document
+from omlx_core.http.responses_api import CountTokens, Responses
 from omlx_core.http.sse import Responder
 from omlx_core.serving import ServingPipeline
 from omlx_core.settings import parse_size
@@ -127,6 +128,8 @@ def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = N
     app.add_route("/v1/chat/completions", ChatCompletions(responder, body_limit))
     app.add_route("/v1/completions", TextCompletions(responder, body_limit))
     app.add_route("/v1/messages", Messages(responder, body_limit))
+    app.add_route("/v1/messages/count_tokens", CountTokens(responder, body_limit))
+    app.add_route("/v1/responses", Responses(responder, body_limit))
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="one")
     app.add_route("/health", Health(context, pipeline))

@@ -80,6 +80,14 @@ def openapi_document(model_ids: Sequence[str], api_keys: bool) -> dict[str, Any]
             "/v1/messages": _generation(
                 "Anthropic Messages", "#/components/schemas/MessagesRequest", anthropic_error,
                 "Anthropic message events ending with message_stop (or event: error)", api_keys),
+            "/v1/messages/count_tokens": _generation(
+                "Anthropic token count of a Messages request",
+                "#/components/schemas/CountTokensRequest", anthropic_error,
+                "not streamed", api_keys),
+            "/v1/responses": _generation(
+                "OpenAI Responses (text output; nothing is stored)",
+                "#/components/schemas/ResponsesRequest", error,
+                "server-sent response.* events ending with response.completed", api_keys),
             "/v1/models": _get("served models", _json({"type": "object"}), error, api_keys),
             "/v1/models/{model_id}": _get(
                 "one served model", _json({"type": "object"}), error, api_keys, {
@@ -99,6 +107,10 @@ def openapi_document(model_ids: Sequence[str], api_keys: bool) -> dict[str, Any]
                 **schemas.COMPLETION_REQUEST["properties"], "model": model_schema}},
             "MessagesRequest": {**schemas.MESSAGES_REQUEST, "properties": {
                 **schemas.MESSAGES_REQUEST["properties"], "model": model_schema}},
+            "CountTokensRequest": {**schemas.COUNT_TOKENS_REQUEST, "properties": {
+                **schemas.COUNT_TOKENS_REQUEST["properties"], "model": model_schema}},
+            "ResponsesRequest": {**schemas.RESPONSES_REQUEST, "properties": {
+                **schemas.RESPONSES_REQUEST["properties"], "model": model_schema}},
             "Error": schemas.ERROR_RESPONSE,
             "AnthropicError": schemas.ANTHROPIC_ERROR_RESPONSE,
         }},

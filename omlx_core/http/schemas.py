@@ -194,6 +194,75 @@ MESSAGES_REQUEST = {
     },
 }
 
+COUNT_TOKENS_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": MODEL,
+        "messages": MESSAGES_REQUEST["properties"]["messages"],
+        "system": MESSAGES_REQUEST["properties"]["system"],
+        "tools": _unsupported("tool use"),
+        "tool_choice": _unsupported("tool use"),
+        "thinking": MESSAGES_REQUEST["properties"]["thinking"],
+    },
+}
+
+RESPONSES_INPUT_TEXT = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {
+        "type": {"enum": ["input_text", "output_text", "text"],
+                 "x-error": "only text content parts (input_text, output_text) are supported"},
+        "text": {"type": "string"},
+    },
+}
+
+RESPONSES_REQUEST = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": MODEL,
+        "input": {"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "type": {"const": "message",
+                             "x-error": "only message input items are supported"},
+                    "role": {"enum": ["user", "assistant", "system", "developer"]},
+                    "content": {"anyOf": [
+                        {"type": "string"},
+                        {"type": "array", "items": RESPONSES_INPUT_TEXT},
+                    ]},
+                },
+            }},
+        ]},
+        "instructions": _nullable({"type": "string"}),
+        "max_output_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": INT32_MAX}),
+        "temperature": _SAMPLING["temperature"],
+        "top_p": _SAMPLING["top_p"],
+        "stream": _SAMPLING["stream"],
+        "store": _nullable({"type": "boolean"}),
+        "metadata": _nullable({"type": "object"}),
+        "user": {"type": "string"},
+        "truncation": {"enum": ["disabled", None],
+                       "x-error": "only truncation 'disabled' is supported"},
+        "parallel_tool_calls": _nullable({"type": "boolean"}),
+        "previous_response_id": {
+            "type": "null", "x-error": "previous_response_id is not supported: responses are not "
+                                       "stored; send the whole conversation in input"},
+        "tools": _unsupported("tools on /v1/responses"),
+        "tool_choice": _unsupported("tool_choice on /v1/responses"),
+        "text": {"type": "object", "properties": {"format": {
+            "type": "object", "required": ["type"],
+            "properties": {"type": {"const": "text",
+                                    "x-error": "only text output is supported on /v1/responses"}},
+        }}},
+        "reasoning": _unsupported("reasoning options"),
+    },
+}
+
 ERROR_RESPONSE = {
     "type": "object",
     "required": ["error"],

@@ -289,6 +289,12 @@ class ServingPipeline:
         """``engine.max_context`` when the operator set it, else the engine's own."""
         return self.max_context or limits.context_length
 
+    def count_tokens(self, job: Job) -> int:
+        """The prompt tokens ``job`` would prefill (chat template applied), without running
+        it: what Anthropic's ``count_tokens`` answers."""
+        engine = self.engine(job.model_id)
+        return len(self._tokenize(engine, job, engine.limits()))
+
     # -- starting a request --------------------------------------------------------------
 
     def start(self, job: Job, *, client_gone: Callable[[], bool] | None = None,

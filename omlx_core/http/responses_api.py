@@ -1,0 +1,167 @@
+"""The OpenAI Responses API (``POST /v1/responses``, text output) and Anthropic's
+``POST /v1/messages/count_tokens``.
+
+Responses are not stored: every request carries its whole conversation in ``input``
+(``previous_response_id`` is refused with a 400 that says so). The same preflight,
+admission and typed errors as every route apply: a request that can never fit is a 413
+before any byte, an error after the first byte is an in-band ``error`` event.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Iterator, Mapping
+
+import falcon
+
+from omlx_core.engine import SamplingParams
+from omlx_core.http.anthropic_api import messages_of
+from omlx_core.http.body import read_request
+from omlx_core.http.errors import api_error
+from omlx_core.http.schemas import COUNT_TOKENS_REQUEST, RESPONSES_REQUEST
+from omlx_core.http.sse import KEEPALIVE, Responder, frame
+from omlx_core.serving import Generation, Job
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+def responses_job(body: Mapping[str, Any]) -> Job:
+    messages: list[dict[str, Any]] = []
+    if body.get("instructions"):
+        messages.append({"role": "system", "content": body["instructions"]})
+    items = body["input"]
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    else:
+        messages += [{"role": "system" if item["role"] == "developer" else item["role"],
+                      "content": _text_of(item["content"])} for item in items]
+    given = body.get("max_output_tokens")
+    sampling = SamplingParams(
+        temperature=float(body["temperature"]) if body.get("temperature") is not None else 1.0,
+        top_p=float(body["top_p"]) if body.get("top_p") is not None else 1.0,
+        max_tokens=int(given) if given is not None else None)
+    return Job(body["model"], sampling, messages=messages, prompt_param="input",
+               max_tokens_param="max_output_tokens", id_prefix="resp_")
+
+
+def error_frames(error: Exception) -> list[bytes]:
+    rendered = api_error(error)
+    return [frame({"type": "error", "code": rendered.code, "message": rendered.message,
+                   "param": rendered.param, **rendered.extra}, event="error")]
+
+
+class Responses:
+    """``POST /v1/responses``: one assistant message of text, streamed as events or not."""
+
+    def __init__(self, responder: Responder, max_body: int):
+        self.responder = responder
+        self.max_body = max_body
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_request(req, self.max_body, RESPONSES_REQUEST)
+        stream = bool(body.get("stream"))
+        generation = self.responder.start(responses_job(body), req, stream=stream)
+        echo = {key: body.get(key) for key in ("instructions", "max_output_tokens", "temperature",
+                                                "top_p", "metadata", "user")}
+        self.responder.respond(resp, generation, stream=stream,
+                               collect=lambda g: self.collect(g, echo),
+                               frames=lambda: self.events(generation, echo),
+                               error_frames=error_frames)
+
+    def _response(self, generation: Generation, echo: Mapping[str, Any], status: str,
+                  output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        incomplete = ({"reason": "max_output_tokens"}
+                      if generation.finish_reason == "length" else None)
+        return {
+            "id": generation.request_id, "object": "response", "created_at": generation.created,
+            "status": status, "error": None, "incomplete_details": incomplete,
+            "model": generation.model_id, "output": output,
+            "instructions": echo.get("instructions"),
+            "max_output_tokens": echo.get("max_output_tokens"),
+            "temperature": echo.get("temperature") if echo.get("temperature") is not None else 1.0,
+            "top_p": echo.get("top_p") if echo.get("top_p") is not None else 1.0,
+            "metadata": echo.get("metadata") or {}, "user": echo.get("user"),
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "usage": usage,
+        }
+
+    @staticmethod
+    def _usage(generation: Generation) -> dict[str, Any]:
+        return {"input_tokens": generation.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": generation.cached_tokens},
+                "output_tokens": generation.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": generation.prompt_tokens + generation.completion_tokens}
+
+    @staticmethod
+    def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
+        return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}]
+                if status == "completed" else []}
+
+    def _status(self, generation: Generation) -> str:
+        return "incomplete" if generation.finish_reason == "length" else "completed"
+
+    def collect(self, generation: Generation, echo: Mapping[str, Any]) -> dict[str, Any]:
+        text = "".join(delta.text for delta in generation.deltas())
+        if generation.finish_reason not in ("stop", "length"):
+            raise api_error(generation.failure or RuntimeError("generation failed"))
+        item = self._message(f"msg_{uuid.uuid4().hex}", text, "completed")
+        return self._response(generation, echo, self._status(generation), [item],
+                              self._usage(generation))
+
+    def events(self, generation: Generation, echo: Mapping[str, Any]) -> Iterator[bytes]:
+        sequence = iter(range(1 << 62))
+        item_id = f"msg_{uuid.uuid4().hex}"
+
+        def event(kind: str, **fields: Any) -> bytes:
+            return frame({"type": kind, "sequence_number": next(sequence), **fields}, event=kind)
+
+        yield event("response.created",
+                    response=self._response(generation, echo, "in_progress", [], None))
+        yield event("response.in_progress",
+                    response=self._response(generation, echo, "in_progress", [], None))
+        yield event("response.output_item.added", output_index=0,
+                    item=self._message(item_id, "", "in_progress"))
+        yield event("response.content_part.added", item_id=item_id, output_index=0,
+                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        text = []
+        for delta in generation.deltas():
+            if delta.keepalive:
+                yield KEEPALIVE
+            elif delta.text:
+                text.append(delta.text)
+                yield event("response.output_text.delta", item_id=item_id, output_index=0,
+                            content_index=0, delta=delta.text, logprobs=[])
+        if generation.finish_reason not in ("stop", "length"):
+            yield from self.responder.stream_error(generation, error_frames)
+            return
+        whole = "".join(text)
+        item = self._message(item_id, whole, "completed")
+        yield event("response.output_text.done", item_id=item_id, output_index=0,
+                    content_index=0, text=whole, logprobs=[])
+        yield event("response.content_part.done", item_id=item_id, output_index=0,
+                    content_index=0, part=item["content"][0])
+        yield event("response.output_item.done", output_index=0, item=item)
+        status = self._status(generation)
+        yield event(f"response.{status}", response=self._response(
+            generation, echo, status, [item], self._usage(generation)))
+
+
+class CountTokens:
+    """``POST /v1/messages/count_tokens``: the prompt tokens of a Messages request."""
+
+    def __init__(self, responder: Responder, max_body: int):
+        self.pipeline = responder.pipeline
+        self.max_body = max_body
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_request(req, self.max_body, COUNT_TOKENS_REQUEST)
+        job = Job(body["model"], SamplingParams(), messages=messages_of(body))
+        resp.media = {"input_tokens": self.pipeline.count_tokens(job)}
+
