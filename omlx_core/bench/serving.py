@@ -381,7 +381,11 @@ def render(results: Sequence[ServerResult], header: Sequence[str]) -> str:
 
 
 def _short_argv(argv: Sequence[str]) -> list[str]:
-    return ["python" if arg == sys.executable else arg for arg in argv]
+    """The command as a reader can run it: ``python`` for this interpreter, ``~`` for the
+    home directory (a committed report shows no machine's paths)."""
+    home = str(Path.home())
+    return ["python" if arg == sys.executable else
+            ("~" + arg[len(home):] if arg.startswith(home + os.sep) else arg) for arg in argv]
 
 
 def _version(package: str) -> str:
