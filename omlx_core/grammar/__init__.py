@@ -3,7 +3,8 @@ per-request constraint that masks one row of logits, and tool-call formats.
 
 xgrammar is the optional ``grammar`` extra; it imports without torch thanks to
 :mod:`omlx_core.grammar.torch_stub`, which :func:`import_xgrammar` installs first.
-Importing this package does not import xgrammar.
+Importing this package does not import xgrammar. Tool-call formats, their grammars and
+the streaming parser are in :mod:`omlx_core.grammar.toolcalls`.
 """
 
 from omlx_core.grammar.compiler import (
@@ -19,6 +20,9 @@ from omlx_core.grammar.compiler import (
     GrammarUnavailable,
     compiler_for,
     import_xgrammar,
+    json_safe_strings,
+    special_token_ids,
+    special_tokens,
 )
 from omlx_core.grammar.constraint import GrammarConstraint, GrammarLogitsProcessor, apply_token_bitmask
 
@@ -38,4 +42,7 @@ __all__ = [
     "apply_token_bitmask",
     "compiler_for",
     "import_xgrammar",
+    "json_safe_strings",
+    "special_token_ids",
+    "special_tokens",
 ]

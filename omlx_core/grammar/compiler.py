@@ -39,6 +39,9 @@ __all__ = [
     "GrammarUnavailable",
     "compiler_for",
     "import_xgrammar",
+    "json_safe_strings",
+    "special_token_ids",
+    "special_tokens",
 ]
 
 GrammarKind = Literal["json_schema", "any_json", "regex", "ebnf", "structural_tag"]
@@ -221,6 +224,22 @@ class CompilerStats:
     compile_seconds_total: float = 0.0
 
 
+def special_token_ids(tokenizer: Any) -> set[int]:
+    """Ids of ``tokenizer``'s special tokens (control tokens such as ``<|im_start|>``)."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    ids = {int(i) for i in (getattr(hf, "all_special_ids", None) or [])}
+    for token_id, added in (getattr(hf, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            ids.add(int(token_id))
+    return ids
+
+
+def special_tokens(tokenizer: Any) -> set[str]:
+    """The text of ``tokenizer``'s special tokens."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    return {hf.convert_ids_to_tokens(i) for i in special_token_ids(tokenizer)}
+
+
 def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int | None,
                     stop_token_ids: Sequence[int] | None) -> Any:
     # mlx-lm's TokenizerWrapper delegates to the Hugging Face tokenizer it wraps;
@@ -230,8 +249,42 @@ def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int | None,
         stop_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or [])
         if not stop_token_ids and getattr(hf, "eos_token_id", None) is not None:
             stop_token_ids = [hf.eos_token_id]
-    return xgr.TokenizerInfo.from_huggingface(
+    info = xgr.TokenizerInfo.from_huggingface(
         hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
+    # xgrammar reads control tokens (<|im_start|>, <|endoftext|>) as their literal text,
+    # so free text and JSON strings could contain them. A token that decodes to nothing
+    # is one xgrammar never allows; the stop tokens are matched by id and still end it.
+    control = special_token_ids(tokenizer) - set(info.stop_token_ids)
+    if not control:
+        return info
+    vocab = list(info.decoded_vocab)
+    for token_id in control:
+        if token_id < len(vocab):
+            vocab[token_id] = b""
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=info.vocab_size,
+                             stop_token_ids=list(info.stop_token_ids), add_prefix_space=False)
+
+
+def json_safe_strings(schema: Any) -> Any:
+    """``schema`` with each length-bounded string turned into the equivalent ``pattern``.
+
+    xgrammar 0.2.8 compiles ``minLength``/``maxLength`` strings to a character class that
+    admits raw control characters (a tab, \\x12), which JSON forbids inside strings: the
+    output would not parse. A pattern over the characters that need no escape keeps the
+    bounds and the validity (such strings cannot contain escapes then).
+    """
+    if isinstance(schema, list):
+        return [json_safe_strings(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    patched = {key: json_safe_strings(value) for key, value in schema.items()}
+    is_string = patched.get("type") == "string"
+    bounded = "minLength" in patched or "maxLength" in patched
+    if is_string and bounded and not ({"pattern", "format", "enum", "const"} & patched.keys()):
+        low = int(patched.pop("minLength", 0))
+        high = patched.pop("maxLength", None)
+        patched["pattern"] = r'^[^"\\\x00-\x1f]{%d,%s}$' % (low, "" if high is None else int(high))
+    return patched
 
 
 class GrammarCompilerCache:
@@ -323,8 +376,10 @@ class GrammarCompilerCache:
     def _compile_with_xgrammar(self, spec: GrammarSpec) -> Any:
         compiler = self._compiler
         if spec.kind in ("json_schema", "any_json"):
+            schema = json.dumps(json_safe_strings(json.loads(spec.text))) if spec.kind == "json_schema" \
+                else ANY_JSON_SCHEMA
             return compiler.compile_json_schema(
-                spec.text if spec.kind == "json_schema" else ANY_JSON_SCHEMA,
+                schema,
                 strict_mode=spec.strict, any_whitespace=True,
                 max_whitespace_cnt=spec.max_whitespace)
         if spec.kind == "regex":
@@ -332,7 +387,7 @@ class GrammarCompilerCache:
         if spec.kind == "ebnf":
             return compiler.compile_grammar(spec.text)
         if spec.kind == "structural_tag":
-            return compiler.compile_structural_tag(spec.text)
+            return compiler.compile_structural_tag(json.dumps(json_safe_strings(json.loads(spec.text))))
         raise GrammarError(spec.field, f"unknown grammar kind {spec.kind!r}; use one of {', '.join(KINDS)}")
 
     def _finished(self, key: tuple, future: Future) -> None:
