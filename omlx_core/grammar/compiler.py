@@ -212,6 +212,9 @@ class Compiled:
     cached: bool
     #: width of the token bitmask: the model's logits width
     vocab_size: int
+    #: packed int32 bitmask row of the control tokens this grammar must not produce
+    #: (None: none); xgrammar would match them as their literal text
+    forbidden_bitmask: Any = None
 
 
 @dataclass
@@ -249,20 +252,8 @@ def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int | None,
         stop_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or [])
         if not stop_token_ids and getattr(hf, "eos_token_id", None) is not None:
             stop_token_ids = [hf.eos_token_id]
-    info = xgr.TokenizerInfo.from_huggingface(
+    return xgr.TokenizerInfo.from_huggingface(
         hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
-    # xgrammar reads control tokens (<|im_start|>, <|endoftext|>) as their literal text,
-    # so free text and JSON strings could contain them. A token that decodes to nothing
-    # is one xgrammar never allows; the stop tokens are matched by id and still end it.
-    control = special_token_ids(tokenizer) - set(info.stop_token_ids)
-    if not control:
-        return info
-    vocab = list(info.decoded_vocab)
-    for token_id in control:
-        if token_id < len(vocab):
-            vocab[token_id] = b""
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=info.vocab_size,
-                             stop_token_ids=list(info.stop_token_ids), add_prefix_space=False)
 
 
 def json_safe_strings(schema: Any) -> Any:
@@ -306,12 +297,21 @@ class GrammarCompilerCache:
         self.tokenizer_info = _tokenizer_info(self._xgr, tokenizer, vocab_size, stop_token_ids)
         self.vocab_size: int = self.tokenizer_info.vocab_size
         self.stop_token_ids: list[int] = list(self.tokenizer_info.stop_token_ids)
+        # Special tokens decode to nothing in the tokenizer info (see _tokenizer_info), so
+        # a structural tag that names one as a token is resolved to its id here.
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        self._special_ids = {hf.convert_ids_to_tokens(i): i for i in special_token_ids(tokenizer)}
+        # xgrammar reads control tokens (<|im_start|>, <|endoftext|>) as their literal
+        # text, so free text and JSON strings could contain them; masks leave them out
+        # unless the grammar names them (a tool-call marker). Stop tokens end the grammar.
+        self._control_ids = frozenset(i for i in self._special_ids.values()
+                                      if i not in self.stop_token_ids and i < self.vocab_size)
         self.capacity = capacity
         self.compile_timeout_s = compile_timeout_s
         # xgrammar's own cache is off: this LRU is the one bound on compiled-grammar memory.
         self._compiler = self._xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
         self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple, tuple[Any, float]] = OrderedDict()
+        self._entries: OrderedDict[tuple, tuple[Any, float, Any]] = OrderedDict()
         # Compiles under way, shared by concurrent requests for the same grammar (and by a
         # retry after a timeout) so a slow grammar is never compiled twice at once.
         self._inflight: dict[tuple, Future] = {}
@@ -345,7 +345,7 @@ class GrammarCompilerCache:
             if entry is not None:
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
-                return Compiled(spec, entry[0], entry[1], True, self.vocab_size)
+                return Compiled(spec, entry[0], entry[1], True, self.vocab_size, entry[2])
             self.stats.misses += 1
             future = self._inflight.get(key)
             if future is None:
@@ -353,7 +353,7 @@ class GrammarCompilerCache:
                 self._inflight[key] = future
                 future.add_done_callback(lambda done, key=key: self._finished(key, done))
         try:
-            grammar, seconds = future.result(timeout=timeout)
+            grammar, seconds, forbidden = future.result(timeout=timeout)
         except FutureTimeout:
             with self._lock:
                 self.stats.timeouts += 1
@@ -361,9 +361,9 @@ class GrammarCompilerCache:
                 spec.field, f"compiling this {spec.kind.replace('_', ' ')} took longer than "
                 f"{timeout:g} s; simplify it (fewer alternatives, smaller repetition bounds, "
                 "less nesting)") from None
-        return Compiled(spec, grammar, seconds, False, self.vocab_size)
+        return Compiled(spec, grammar, seconds, False, self.vocab_size, forbidden)
 
-    def _compile_now(self, spec: GrammarSpec) -> tuple[Any, float]:
+    def _compile_now(self, spec: GrammarSpec) -> tuple[Any, float, Any]:
         started = time.perf_counter()
         try:
             grammar = self._compile_with_xgrammar(spec)
@@ -371,7 +371,23 @@ class GrammarCompilerCache:
             raise
         except Exception as exc:
             raise GrammarError(spec.field, _describe_failure(spec, exc)) from None
-        return grammar, time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        return grammar, seconds, self._forbidden_bitmask(spec)
+
+    def _forbidden_bitmask(self, spec: GrammarSpec) -> Any:
+        import numpy as np
+
+        named: set[int] = set()
+        if spec.kind == "structural_tag":
+            _collect_tokens(json.loads(spec.text), self._special_ids, named)
+        forbidden = self._control_ids - named
+        if not forbidden:
+            return None
+        mask = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        words = mask.view(np.uint32)
+        for token in forbidden:
+            words[0, token // 32] |= np.uint32(1 << (token % 32))
+        return mask
 
     def _compile_with_xgrammar(self, spec: GrammarSpec) -> Any:
         compiler = self._compiler
@@ -387,7 +403,8 @@ class GrammarCompilerCache:
         if spec.kind == "ebnf":
             return compiler.compile_grammar(spec.text)
         if spec.kind == "structural_tag":
-            return compiler.compile_structural_tag(json.dumps(json_safe_strings(json.loads(spec.text))))
+            tag = _token_names_to_ids(json_safe_strings(json.loads(spec.text)), self._special_ids, spec.field)
+            return compiler.compile_structural_tag(json.dumps(tag))
         raise GrammarError(spec.field, f"unknown grammar kind {spec.kind!r}; use one of {', '.join(KINDS)}")
 
     def _finished(self, key: tuple, future: Future) -> None:
@@ -398,13 +415,50 @@ class GrammarCompilerCache:
             if future.exception() is not None:
                 self.stats.errors += 1
                 return
-            grammar, seconds = future.result()
+            grammar, seconds, forbidden = future.result()
             self.stats.compile_seconds_total += seconds
-            self._entries[key] = (grammar, seconds)
+            self._entries[key] = (grammar, seconds, forbidden)
             self._entries.move_to_end(key)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
                 self.stats.evictions += 1
+
+
+def _token_names_to_ids(value: Any, ids: dict[str, int], field: str) -> Any:
+    def resolve(token: Any) -> Any:
+        if not isinstance(token, str):
+            return token
+        if token not in ids:
+            raise GrammarError(field, f"names the token {token!r}, which is not a special token of "
+                               f"this model's tokenizer (its special tokens: {', '.join(sorted(ids))})")
+        return ids[token]
+
+    if isinstance(value, list):
+        return [_token_names_to_ids(item, ids, field) for item in value]
+    if not isinstance(value, dict):
+        return value
+    resolved = {key: _token_names_to_ids(item, ids, field) for key, item in value.items()}
+    if resolved.get("type") == "token":
+        resolved["token"] = resolve(resolved.get("token"))
+    for key in ("trigger_tokens", "exclude_tokens"):
+        if isinstance(resolved.get(key), list):
+            resolved[key] = [resolve(token) for token in resolved[key]]
+    return resolved
+
+
+def _collect_tokens(value: Any, ids: dict[str, int], into: set[int]) -> None:
+    if isinstance(value, list):
+        for item in value:
+            _collect_tokens(item, ids, into)
+    elif isinstance(value, dict):
+        if value.get("type") == "token":
+            token = value.get("token")
+            into.add(ids.get(token, -1) if isinstance(token, str) else int(token))
+        for key in ("trigger_tokens",):
+            for token in value.get(key) or ():
+                into.add(ids.get(token, -1) if isinstance(token, str) else int(token))
+        for item in value.values():
+            _collect_tokens(item, ids, into)
 
 
 # xgrammar prefixes its C++ errors with a timestamp and a source location

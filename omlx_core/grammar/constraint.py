@@ -71,7 +71,16 @@ class GrammarConstraint:
         token is allowed (nothing to apply). Does not change the state."""
         if self._matcher.is_terminated():
             return self.stop_bitmask()
-        if not self._matcher.fill_next_token_bitmask(self._bitmask):
+        need_apply = self._matcher.fill_next_token_bitmask(self._bitmask)
+        forbidden = self.compiled.forbidden_bitmask
+        if forbidden is not None:
+            allowed = self._bitmask & ~forbidden
+            # A grammar that spells a control token out as text (a regex for
+            # "<|im_start|>") keeps it: an all-forbidden row would sample garbage.
+            if allowed.any():
+                np.copyto(self._bitmask, allowed)
+                need_apply = True
+        if not need_apply:
             return None
         return self._bitmask
 
