@@ -348,12 +348,19 @@ class GrammarCompilerCache:
                 return Compiled(spec, entry[0], entry[1], True, self.vocab_size, entry[2])
             self.stats.misses += 1
             future = self._inflight.get(key)
-            if future is None:
+            started = future is None
+            if started:
                 future = self._pool.submit(self._compile_now, spec)
                 self._inflight[key] = future
-                future.add_done_callback(lambda done, key=key: self._finished(key, done))
+        if started:
+            # Outside the lock: a compile that is already done runs the callback here,
+            # and the callback takes the lock.
+            future.add_done_callback(lambda done, key=key: self._finished(key, done))
         try:
             grammar, seconds, forbidden = future.result(timeout=timeout)
+        except GrammarError:
+            self._finished(key, future)
+            raise
         except FutureTimeout:
             with self._lock:
                 self.stats.timeouts += 1
@@ -361,6 +368,7 @@ class GrammarCompilerCache:
                 spec.field, f"compiling this {spec.kind.replace('_', ' ')} took longer than "
                 f"{timeout:g} s; simplify it (fewer alternatives, smaller repetition bounds, "
                 "less nesting)") from None
+        self._finished(key, future)
         return Compiled(spec, grammar, seconds, False, self.vocab_size, forbidden)
 
     def _compile_now(self, spec: GrammarSpec) -> tuple[Any, float, Any]:
@@ -408,8 +416,13 @@ class GrammarCompilerCache:
         raise GrammarError(spec.field, f"unknown grammar kind {spec.kind!r}; use one of {', '.join(KINDS)}")
 
     def _finished(self, key: tuple, future: Future) -> None:
+        # Runs twice per compile (the future's callback, and the caller that got the
+        # result, so that the next lookup is a hit even before the callback has run);
+        # only the first does the work.
         with self._lock:
-            self._inflight.pop(key, None)
+            if self._inflight.get(key) is not future:
+                return
+            del self._inflight[key]
             if future.cancelled():
                 return
             if future.exception() is not None:
