@@ -131,8 +131,11 @@ def normalize_tools(tools: Any, *, field: str = "tools") -> list[FunctionTool]:
             if not isinstance(function, dict):
                 raise GrammarError(where, "must be an object with name and parameters")
             schema_key = "parameters"
-        else:
+        elif "input_schema" in tool or tool.get("type") in (None, "custom"):
             function, schema_key = tool, "input_schema"
+        else:
+            raise GrammarError(f"{where}.type", f"unsupported tool type {tool.get('type')!r}; only "
+                               "function tools (OpenAI) and custom tools (Anthropic) can be constrained")
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise GrammarError(f"{where}.name", "must be 1-64 letters, digits, underscores, dots or dashes")
