@@ -202,3 +202,12 @@ def test_a_torch_that_fails_to_import_is_replaced_by_the_stub(tmp_path):
                           "env": os.environ.get("TVM_FFI_DISABLE_TORCH_C_DLPACK")}))
     """, extra_path=path)
     assert result == {"installed": True, "is_stub": True, "env": "1"}
+
+
+def test_importing_omlx_grammar_imports_neither_xgrammar_nor_torch():
+    result = run_python("""
+        import json, sys
+        import omlx_core.grammar, omlx_core.grammar.toolcalls
+        print(json.dumps({"loaded": sorted(n for n in ("xgrammar", "torch", "tvm_ffi") if n in sys.modules)}))
+    """)
+    assert result == {"loaded": []}

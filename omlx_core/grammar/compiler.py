@@ -60,9 +60,11 @@ ANY_JSON_SCHEMA = '{"type":["object","array"]}'
 # keeps one pathological grammar from starving the rest without taking over the CPU.
 COMPILE_WORKERS = 2
 
+# The release the torch stub and the workarounds below are tested with (setup.sh pins it).
+XGRAMMAR_TESTED = "0.2.8"
 INSTALL_HINT = (
     "install the grammar extra without torch: pip install 'omlx-core[grammar]' && "
-    "pip install --no-deps 'xgrammar>=0.2,<0.3' (./setup.sh does both)"
+    f"pip install --no-deps 'xgrammar=={XGRAMMAR_TESTED}' (./setup.sh does both)"
 )
 
 
@@ -102,8 +104,22 @@ def import_xgrammar() -> Any:
                 raise GrammarUnavailable(
                     f"structured output needs xgrammar, which does not import ({exc}); {INSTALL_HINT}"
                 ) from exc
+            _warn_on_version_drift()
             _xgrammar = xgrammar
     return _xgrammar
+
+
+def _warn_on_version_drift() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("xgrammar")
+    except PackageNotFoundError:
+        return
+    if installed != XGRAMMAR_TESTED:
+        log.warning("xgrammar %s is installed; omlx-core's torch stub and grammar workarounds are "
+                    "tested with %s. If constrained decoding misbehaves, pip install --no-deps "
+                    "'xgrammar==%s'", installed, XGRAMMAR_TESTED, XGRAMMAR_TESTED)
 
 
 @dataclass(frozen=True)
@@ -219,6 +235,8 @@ class Compiled:
 
 @dataclass
 class CompilerStats:
+    """Counters of a :class:`GrammarCompilerCache` since it was built."""
+
     hits: int = 0
     misses: int = 0
     evictions: int = 0
@@ -297,8 +315,8 @@ class GrammarCompilerCache:
         self.tokenizer_info = _tokenizer_info(self._xgr, tokenizer, vocab_size, stop_token_ids)
         self.vocab_size: int = self.tokenizer_info.vocab_size
         self.stop_token_ids: list[int] = list(self.tokenizer_info.stop_token_ids)
-        # Special tokens decode to nothing in the tokenizer info (see _tokenizer_info), so
-        # a structural tag that names one as a token is resolved to its id here.
+        # Structural tags name marker tokens by text; resolving them here gives an unknown
+        # name an error that lists the tokens this model has.
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         self._special_ids = {hf.convert_ids_to_tokens(i): i for i in special_token_ids(tokenizer)}
         # xgrammar reads control tokens (<|im_start|>, <|endoftext|>) as their literal
@@ -467,9 +485,8 @@ def _collect_tokens(value: Any, ids: dict[str, int], into: set[int]) -> None:
         if value.get("type") == "token":
             token = value.get("token")
             into.add(ids.get(token, -1) if isinstance(token, str) else int(token))
-        for key in ("trigger_tokens",):
-            for token in value.get(key) or ():
-                into.add(ids.get(token, -1) if isinstance(token, str) else int(token))
+        for token in value.get("trigger_tokens") or ():
+            into.add(ids.get(token, -1) if isinstance(token, str) else int(token))
         for item in value.values():
             _collect_tokens(item, ids, into)
 
