@@ -165,3 +165,18 @@ def test_without_xgrammar_the_error_says_how_to_install_it():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "pip install --no-deps" in done.stdout and "omlx-core[grammar]" in done.stdout
+
+
+def test_a_hugging_face_tokenizer_works_as_well_as_mlx_lms_wrapper(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    from omlx_core.testing import build_tokenizer, special_token_id
+    from omlx_core.testing.tokenizer import IM_END
+
+    build_tokenizer(tmp_path)
+    cache = GrammarCompilerCache(AutoTokenizer.from_pretrained(tmp_path), vocab_size=512)
+    try:
+        assert cache.stop_token_ids == [special_token_id(IM_END)]
+        assert cache.compile(GrammarSpec.regex("(yes|no)")).grammar is not None
+    finally:
+        cache.close()

@@ -211,3 +211,48 @@ def test_importing_omlx_grammar_imports_neither_xgrammar_nor_torch():
         print(json.dumps({"loaded": sorted(n for n in ("xgrammar", "torch", "tvm_ffi") if n in sys.modules)}))
     """)
     assert result == {"loaded": []}
+
+
+REAL_TORCH = "torch==2.13.0"  # a CPU build on the project's machines (see DESIGN.md)
+
+
+@pytest.fixture(scope="session")
+def real_torch_path(tmp_path_factory) -> Path:
+    """A real PyTorch installed into a private directory (not the test environment, whose
+    other tests need torch absent): ~190 MB download, ~15 s to unpack."""
+    target = tmp_path_factory.mktemp("real-torch")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                           "--no-deps", "--target", str(target), REAL_TORCH],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        pytest.skip(f"cannot install {REAL_TORCH} here: {done.stderr.strip()[-300:]}")
+    return target
+
+
+@pytest.mark.slow
+def test_with_real_torch_the_stub_steps_aside_and_constraints_still_work(real_torch_path):
+    result = run_python("""
+        import json, os, sys, tempfile
+        from omlx_core.grammar import torch_stub
+        installed = torch_stub.install()
+        import torch
+        from omlx_core.testing import build_tokenizer
+        from transformers import AutoTokenizer
+        from omlx_core.grammar import GrammarCompilerCache, GrammarConstraint, GrammarSpec
+        folder = tempfile.mkdtemp()
+        build_tokenizer(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        cache = GrammarCompilerCache(tokenizer, vocab_size=512)
+        constraint = GrammarConstraint(cache.compile(GrammarSpec.regex("(yes|no)")))
+        bitmask = constraint.fill_bitmask()
+        accepted = constraint.accept_tokens(tokenizer.encode("yes"))
+        cache.close()
+        print(json.dumps({"installed": installed, "version": torch.__version__,
+                          "is_stub": torch_stub.is_stub(torch),
+                          "env": os.environ.get("TVM_FFI_DISABLE_TORCH_C_DLPACK"),
+                          "masked": bitmask is not None, "accepted": accepted,
+                          "completed": constraint.is_completed()}))
+    """, extra_path=real_torch_path)
+    assert result["version"].startswith("2.13.0")
+    assert (result["installed"], result["is_stub"], result["env"]) == (False, False, None)
+    assert result["masked"] and result["accepted"] >= 1 and result["completed"]

@@ -245,9 +245,19 @@ class CompilerStats:
     compile_seconds_total: float = 0.0
 
 
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer behind ``tokenizer`` (an mlx-lm ``TokenizerWrapper``,
+    which xgrammar does not know, or a Hugging Face tokenizer itself)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    # Only the wrapper is unwrapped: a Hugging Face fast tokenizer also has a _tokenizer,
+    # the raw `tokenizers` object, which xgrammar cannot read.
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
 def special_token_ids(tokenizer: Any) -> set[int]:
     """Ids of ``tokenizer``'s special tokens (control tokens such as ``<|im_start|>``)."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     ids = {int(i) for i in (getattr(hf, "all_special_ids", None) or [])}
     for token_id, added in (getattr(hf, "added_tokens_decoder", None) or {}).items():
         if getattr(added, "special", False):
@@ -257,19 +267,19 @@ def special_token_ids(tokenizer: Any) -> set[int]:
 
 def special_tokens(tokenizer: Any) -> set[str]:
     """The text of ``tokenizer``'s special tokens."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     return {hf.convert_ids_to_tokens(i) for i in special_token_ids(tokenizer)}
 
 
 def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int | None,
                     stop_token_ids: Sequence[int] | None) -> Any:
-    # mlx-lm's TokenizerWrapper delegates to the Hugging Face tokenizer it wraps;
-    # xgrammar needs the Hugging Face object itself.
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     if stop_token_ids is None:
-        stop_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or [])
-        if not stop_token_ids and getattr(hf, "eos_token_id", None) is not None:
-            stop_token_ids = [hf.eos_token_id]
+        # mlx-lm's wrapper holds a set of EOS ids; a Hugging Face tokenizer one int or none.
+        eos = getattr(tokenizer, "eos_token_ids", None)
+        if eos is None:
+            eos = getattr(hf, "eos_token_id", None)
+        stop_token_ids = [eos] if isinstance(eos, int) else sorted(eos or [])
     return xgr.TokenizerInfo.from_huggingface(
         hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
 
@@ -317,7 +327,7 @@ class GrammarCompilerCache:
         self.stop_token_ids: list[int] = list(self.tokenizer_info.stop_token_ids)
         # Structural tags name marker tokens by text; resolving them here gives an unknown
         # name an error that lists the tokens this model has.
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        hf = hf_tokenizer(tokenizer)
         self._special_ids = {hf.convert_ids_to_tokens(i): i for i in special_token_ids(tokenizer)}
         # xgrammar reads control tokens (<|im_start|>, <|endoftext|>) as their literal
         # text, so free text and JSON strings could contain them; masks leave them out
