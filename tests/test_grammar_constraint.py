@@ -193,3 +193,18 @@ def test_constrained_rows_leave_the_other_rows_of_a_batch_unchanged(model_and_to
             jsonschema.validate(value, schemas[row // 2])
         else:
             assert mixed[row] == baseline[row], f"unconstrained row {row} changed"
+
+
+def test_no_utf16_surrogate_is_spelled_in_utf8(compiler):
+    """xgrammar admits ED A0-BF (a UTF-16 surrogate, invalid UTF-8) in strings; a random
+    model emitted one and the decoded string broke its maxLength. The mask forbids the
+    continuation after a token ending in ED."""
+    vocab = list(compiler.tokenizer_info.decoded_vocab)
+    byte_token = {raw[0]: i for i, raw in enumerate(vocab) if len(raw) == 1}
+    constraint = GrammarConstraint(compiler.compile(GrammarSpec.json_schema({"type": "string"})))
+    assert constraint.accept(byte_token[ord('"')]) and constraint.accept(byte_token[0xED])
+    allowed = allowed_ids(constraint)
+    assert byte_token[0x80] in allowed and byte_token[0x9F] in allowed  # U+D000-U+D7FF
+    assert byte_token[0xA0] not in allowed and byte_token[0xBF] not in allowed
+    # xgrammar alone would have taken it.
+    assert constraint._matcher.accept_token(byte_token[0xA0])

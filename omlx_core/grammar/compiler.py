@@ -228,9 +228,55 @@ class Compiled:
     cached: bool
     #: width of the token bitmask: the model's logits width
     vocab_size: int
-    #: packed int32 bitmask row of the control tokens this grammar must not produce
-    #: (None: none); xgrammar would match them as their literal text
+    #: packed int32 bitmask row of the tokens this grammar must not produce although
+    #: xgrammar allows them: control tokens it would match as their literal text, tokens
+    #: that spell a UTF-16 surrogate (None: none)
     forbidden_bitmask: Any = None
+    #: the tokens that may not follow a token ending in a surrogate's first byte
+    surrogate_guard: Any = None
+
+
+def bitmask_of(token_ids: Any, vocab_size: int) -> Any:
+    """A packed int32 bitmask row (xgrammar's layout) with the bits of ``token_ids`` set."""
+    import numpy as np
+
+    mask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
+    words = mask.view(np.uint32)
+    for token in token_ids:
+        words[0, token // 32] |= np.uint32(1 << (token % 32))
+    return mask
+
+
+@dataclass(frozen=True)
+class SurrogateGuard:
+    """The tokens that would spell a UTF-16 surrogate (U+D800-U+DFFF) in UTF-8.
+
+    xgrammar 0.2.8 admits the bytes ED A0-BF .. in strings, which are not valid UTF-8:
+    detokenized they turn into replacement characters, breaking length limits and the
+    text. A surrogate is ED followed by A0-BF, inside one token or across two.
+    """
+
+    #: tokens with ED A0-BF inside them: never allowed
+    inside: Any
+    #: tokens whose first byte is A0-BF: not allowed right after a token ending in ED
+    continuation: Any
+    #: tokens whose last byte is ED
+    ends_with_lead: frozenset[int]
+
+    @classmethod
+    def of(cls, decoded_vocab: Sequence[bytes], vocab_size: int) -> SurrogateGuard:
+        inside, continuation, lead = [], [], []
+        for token_id, raw in enumerate(decoded_vocab[:vocab_size]):
+            if _SURROGATE.search(raw):
+                inside.append(token_id)
+            if raw and 0xA0 <= raw[0] <= 0xBF:
+                continuation.append(token_id)
+            if raw.endswith(b"\xed"):
+                lead.append(token_id)
+        return cls(bitmask_of(inside, vocab_size), bitmask_of(continuation, vocab_size), frozenset(lead))
+
+
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 @dataclass
@@ -334,6 +380,7 @@ class GrammarCompilerCache:
         # unless the grammar names them (a tool-call marker). Stop tokens end the grammar.
         self._control_ids = frozenset(i for i in self._special_ids.values()
                                       if i not in self.stop_token_ids and i < self.vocab_size)
+        self.surrogate_guard = SurrogateGuard.of(self.tokenizer_info.decoded_vocab, self.vocab_size)
         self.capacity = capacity
         self.compile_timeout_s = compile_timeout_s
         # xgrammar's own cache is off: this LRU is the one bound on compiled-grammar memory.
@@ -373,7 +420,8 @@ class GrammarCompilerCache:
             if entry is not None:
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
-                return Compiled(spec, entry[0], entry[1], True, self.vocab_size, entry[2])
+                return Compiled(spec, entry[0], entry[1], True, self.vocab_size, entry[2],
+                                self.surrogate_guard)
             self.stats.misses += 1
             future = self._inflight.get(key)
             started = future is None
@@ -397,7 +445,7 @@ class GrammarCompilerCache:
                 f"{timeout:g} s; simplify it (fewer alternatives, smaller repetition bounds, "
                 "less nesting)") from None
         self._finished(key, future)
-        return Compiled(spec, grammar, seconds, False, self.vocab_size, forbidden)
+        return Compiled(spec, grammar, seconds, False, self.vocab_size, forbidden, self.surrogate_guard)
 
     def _compile_now(self, spec: GrammarSpec) -> tuple[Any, float, Any]:
         started = time.perf_counter()
@@ -416,14 +464,9 @@ class GrammarCompilerCache:
         named: set[int] = set()
         if spec.kind == "structural_tag":
             _collect_tokens(json.loads(spec.text), self._special_ids, named)
-        forbidden = self._control_ids - named
-        if not forbidden:
-            return None
-        mask = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
-        words = mask.view(np.uint32)
-        for token in forbidden:
-            words[0, token // 32] |= np.uint32(1 << (token % 32))
-        return mask
+        mask = bitmask_of(self._control_ids - named, self.vocab_size)
+        np.bitwise_or(mask, self.surrogate_guard.inside, out=mask)
+        return mask if mask.any() else None
 
     def _compile_with_xgrammar(self, spec: GrammarSpec) -> Any:
         compiler = self._compiler

@@ -63,8 +63,13 @@ class GrammarConstraint:
         self.stop_token_ids: tuple[int, ...] = tuple(
             int(t) for t in compiled.grammar.tokenizer_info.stop_token_ids)
         self._stop_mask: np.ndarray | None = None
-        #: tokens accepted since the start (or the last reset), less rollbacks
-        self.num_accepted = 0
+        # Accepted token ids since the start (or the last reset), less rollbacks.
+        self._accepted: list[int] = []
+
+    @property
+    def num_accepted(self) -> int:
+        """Tokens accepted since the start (or the last reset), less rollbacks."""
+        return len(self._accepted)
 
     def fill_bitmask(self) -> np.ndarray | None:
         """The packed int32 mask row of the tokens allowed next, or ``None`` when every
@@ -73,6 +78,9 @@ class GrammarConstraint:
             return self.stop_bitmask()
         need_apply = self._matcher.fill_next_token_bitmask(self._bitmask)
         forbidden = self.compiled.forbidden_bitmask
+        guard = self.compiled.surrogate_guard
+        if guard is not None and self._accepted and self._accepted[-1] in guard.ends_with_lead:
+            forbidden = guard.continuation if forbidden is None else forbidden | guard.continuation
         if forbidden is not None:
             allowed = self._bitmask & ~forbidden
             # A grammar that spells a control token out as text (a regex for
@@ -106,7 +114,7 @@ class GrammarConstraint:
         """Advance by ``token_id``; ``False`` (state unchanged) when the grammar forbids it."""
         accepted = bool(self._matcher.accept_token(int(token_id)))
         if accepted:
-            self.num_accepted += 1
+            self._accepted.append(int(token_id))
         return accepted
 
     def accept_tokens(self, token_ids: Sequence[int]) -> int:
@@ -124,7 +132,7 @@ class GrammarConstraint:
                 f"cannot roll back {num_tokens} tokens: {self.num_accepted} have been accepted")
         if num_tokens:
             self._matcher.rollback(num_tokens)
-            self.num_accepted -= num_tokens
+            del self._accepted[len(self._accepted) - num_tokens:]
 
     def is_terminated(self) -> bool:
         """Whether the grammar has ended and a stop token was accepted: the output is done."""
@@ -137,7 +145,7 @@ class GrammarConstraint:
     def reset(self) -> None:
         """Back to the start of the grammar."""
         self._matcher.reset()
-        self.num_accepted = 0
+        self._accepted.clear()
 
     def processor(self, prompt_length: int | None = None) -> GrammarLogitsProcessor:
         """An mlx-lm logits processor driving this constraint (see :class:`GrammarLogitsProcessor`)."""
