@@ -195,16 +195,20 @@ def test_constrained_rows_leave_the_other_rows_of_a_batch_unchanged(model_and_to
             assert mixed[row] == baseline[row], f"unconstrained row {row} changed"
 
 
-def test_no_utf16_surrogate_is_spelled_in_utf8(compiler):
-    """xgrammar admits ED A0-BF (a UTF-16 surrogate, invalid UTF-8) in strings; a random
-    model emitted one and the decoded string broke its maxLength. The mask forbids the
-    continuation after a token ending in ED."""
+@pytest.mark.parametrize("lead, bad, good", [
+    (0xED, (0xA0, 0xBF), (0x80, 0x9F)),  # UTF-16 surrogates
+    (0xE0, (0x80, 0x9F), (0xA0, 0xBF)),  # overlong 3-byte forms
+    (0xF0, (0x80, 0x8F), (0x90, 0xBF)),  # overlong 4-byte forms
+    (0xF4, (0x90, 0xBF), (0x80, 0x8F)),  # past U+10FFFF
+])
+def test_masks_never_spell_invalid_utf8(compiler, lead, bad, good):
+    """xgrammar admits some invalid UTF-8 in strings (a random model emitted ED A0 .. and
+    F0 87 .., which decoded to replacement characters and broke a maxLength). After a
+    token ending in a lead byte the mask forbids the second bytes that make it invalid."""
     vocab = list(compiler.tokenizer_info.decoded_vocab)
     byte_token = {raw[0]: i for i, raw in enumerate(vocab) if len(raw) == 1}
     constraint = GrammarConstraint(compiler.compile(GrammarSpec.json_schema({"type": "string"})))
-    assert constraint.accept(byte_token[ord('"')]) and constraint.accept(byte_token[0xED])
+    assert constraint.accept(byte_token[ord('"')]) and constraint.accept(byte_token[lead])
     allowed = allowed_ids(constraint)
-    assert byte_token[0x80] in allowed and byte_token[0x9F] in allowed  # U+D000-U+D7FF
-    assert byte_token[0xA0] not in allowed and byte_token[0xBF] not in allowed
-    # xgrammar alone would have taken it.
-    assert constraint._matcher.accept_token(byte_token[0xA0])
+    assert {byte_token[b] for b in good} <= allowed
+    assert not {byte_token[b] for b in bad} & allowed

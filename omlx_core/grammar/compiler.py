@@ -230,10 +230,10 @@ class Compiled:
     vocab_size: int
     #: packed int32 bitmask row of the tokens this grammar must not produce although
     #: xgrammar allows them: control tokens it would match as their literal text, tokens
-    #: that spell a UTF-16 surrogate (None: none)
+    #: that are invalid UTF-8 (None: none)
     forbidden_bitmask: Any = None
-    #: the tokens that may not follow a token ending in a surrogate's first byte
-    surrogate_guard: Any = None
+    #: the :class:`Utf8Guard` for what may follow a token that ends in a lead byte
+    utf8_guard: Any = None
 
 
 def bitmask_of(token_ids: Any, vocab_size: int) -> Any:
@@ -247,36 +247,49 @@ def bitmask_of(token_ids: Any, vocab_size: int) -> Any:
     return mask
 
 
+# Lead bytes after which xgrammar 0.2.8 admits a second byte that makes invalid UTF-8:
+# overlong forms (E0 80-9F, F0 80-8F), UTF-16 surrogates (ED A0-BF) and code points past
+# U+10FFFF (F4 90-BF). Detokenized, such bytes become replacement characters, which
+# break a string's length limits and the text itself.
+_BAD_SECOND_BYTE = {0xE0: (0x80, 0x9F), 0xED: (0xA0, 0xBF), 0xF0: (0x80, 0x8F), 0xF4: (0x90, 0xBF)}
+_BAD_PAIR = re.compile(b"|".join(bytes([lead]) + b"[" + bytes([low]) + b"-" + bytes([high]) + b"]"
+                                 for lead, (low, high) in _BAD_SECOND_BYTE.items()))
+
+
 @dataclass(frozen=True)
-class SurrogateGuard:
-    """The tokens that would spell a UTF-16 surrogate (U+D800-U+DFFF) in UTF-8.
+class Utf8Guard:
+    """The tokens that would make the output invalid UTF-8 although xgrammar allows them:
+    a bad lead/second-byte pair inside one token, or split across two."""
 
-    xgrammar 0.2.8 admits the bytes ED A0-BF .. in strings, which are not valid UTF-8:
-    detokenized they turn into replacement characters, breaking length limits and the
-    text. A surrogate is ED followed by A0-BF, inside one token or across two.
-    """
-
-    #: tokens with ED A0-BF inside them: never allowed
+    #: tokens with a bad pair inside them: never allowed
     inside: Any
-    #: tokens whose first byte is A0-BF: not allowed right after a token ending in ED
-    continuation: Any
-    #: tokens whose last byte is ED
-    ends_with_lead: frozenset[int]
+    #: per lead byte, the tokens whose first byte may not follow it
+    continuation: dict[int, Any]
+    #: token id -> its last byte, for tokens that end in one of those lead bytes
+    trailing_lead: dict[int, int]
 
     @classmethod
-    def of(cls, decoded_vocab: Sequence[bytes], vocab_size: int) -> SurrogateGuard:
-        inside, continuation, lead = [], [], []
+    def of(cls, decoded_vocab: Sequence[bytes], vocab_size: int) -> Utf8Guard:
+        inside: list[int] = []
+        starts: dict[int, list[int]] = {lead: [] for lead in _BAD_SECOND_BYTE}
+        trailing: dict[int, int] = {}
         for token_id, raw in enumerate(decoded_vocab[:vocab_size]):
-            if _SURROGATE.search(raw):
+            if not raw:
+                continue
+            if _BAD_PAIR.search(raw):
                 inside.append(token_id)
-            if raw and 0xA0 <= raw[0] <= 0xBF:
-                continuation.append(token_id)
-            if raw.endswith(b"\xed"):
-                lead.append(token_id)
-        return cls(bitmask_of(inside, vocab_size), bitmask_of(continuation, vocab_size), frozenset(lead))
+            for lead, (low, high) in _BAD_SECOND_BYTE.items():
+                if low <= raw[0] <= high:
+                    starts[lead].append(token_id)
+            if raw[-1] in _BAD_SECOND_BYTE:
+                trailing[token_id] = raw[-1]
+        return cls(bitmask_of(inside, vocab_size),
+                   {lead: bitmask_of(ids, vocab_size) for lead, ids in starts.items()}, trailing)
 
-
-_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+    def after(self, token_id: int) -> Any:
+        """The tokens that may not follow ``token_id`` (None: no restriction)."""
+        lead = self.trailing_lead.get(token_id)
+        return None if lead is None else self.continuation[lead]
 
 
 @dataclass
@@ -380,7 +393,7 @@ class GrammarCompilerCache:
         # unless the grammar names them (a tool-call marker). Stop tokens end the grammar.
         self._control_ids = frozenset(i for i in self._special_ids.values()
                                       if i not in self.stop_token_ids and i < self.vocab_size)
-        self.surrogate_guard = SurrogateGuard.of(self.tokenizer_info.decoded_vocab, self.vocab_size)
+        self.utf8_guard = Utf8Guard.of(self.tokenizer_info.decoded_vocab, self.vocab_size)
         self.capacity = capacity
         self.compile_timeout_s = compile_timeout_s
         # xgrammar's own cache is off: this LRU is the one bound on compiled-grammar memory.
@@ -421,7 +434,7 @@ class GrammarCompilerCache:
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
                 return Compiled(spec, entry[0], entry[1], True, self.vocab_size, entry[2],
-                                self.surrogate_guard)
+                                self.utf8_guard)
             self.stats.misses += 1
             future = self._inflight.get(key)
             started = future is None
@@ -445,7 +458,7 @@ class GrammarCompilerCache:
                 f"{timeout:g} s; simplify it (fewer alternatives, smaller repetition bounds, "
                 "less nesting)") from None
         self._finished(key, future)
-        return Compiled(spec, grammar, seconds, False, self.vocab_size, forbidden, self.surrogate_guard)
+        return Compiled(spec, grammar, seconds, False, self.vocab_size, forbidden, self.utf8_guard)
 
     def _compile_now(self, spec: GrammarSpec) -> tuple[Any, float, Any]:
         started = time.perf_counter()
@@ -465,7 +478,7 @@ class GrammarCompilerCache:
         if spec.kind == "structural_tag":
             _collect_tokens(json.loads(spec.text), self._special_ids, named)
         mask = bitmask_of(self._control_ids - named, self.vocab_size)
-        np.bitwise_or(mask, self.surrogate_guard.inside, out=mask)
+        np.bitwise_or(mask, self.utf8_guard.inside, out=mask)
         return mask if mask.any() else None
 
     def _compile_with_xgrammar(self, spec: GrammarSpec) -> Any:

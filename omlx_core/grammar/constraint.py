@@ -78,9 +78,10 @@ class GrammarConstraint:
             return self.stop_bitmask()
         need_apply = self._matcher.fill_next_token_bitmask(self._bitmask)
         forbidden = self.compiled.forbidden_bitmask
-        guard = self.compiled.surrogate_guard
-        if guard is not None and self._accepted and self._accepted[-1] in guard.ends_with_lead:
-            forbidden = guard.continuation if forbidden is None else forbidden | guard.continuation
+        guard = self.compiled.utf8_guard
+        after = guard.after(self._accepted[-1]) if guard is not None and self._accepted else None
+        if after is not None:
+            forbidden = after if forbidden is None else forbidden | after
         if forbidden is not None:
             allowed = self._bitmask & ~forbidden
             # A grammar that spells a control token out as text (a regex for
