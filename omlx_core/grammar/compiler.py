@@ -1,0 +1,595 @@
+"""Grammar compilation with xgrammar: one compiler per tokenizer, a bounded LRU of compiled
+grammars, and a compile time limit.
+
+Compiling a grammar against a vocabulary costs milliseconds to seconds (a large JSON
+schema against a 150k-token vocabulary), so each distinct grammar is compiled once per
+tokenizer and kept. Every failure is a :class:`GrammarError` naming the request field
+it came from, which the HTTP layer turns into a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from typing import Any, Literal, Sequence
+
+from omlx_core.grammar import torch_stub
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_CACHE_SIZE",
+    "DEFAULT_COMPILE_TIMEOUT_S",
+    "DEFAULT_MAX_WHITESPACE",
+    "Compiled",
+    "CompilerStats",
+    "GrammarCompileTimeout",
+    "GrammarCompilerCache",
+    "GrammarError",
+    "GrammarSpec",
+    "GrammarUnavailable",
+    "compiler_for",
+    "import_xgrammar",
+    "json_safe_strings",
+    "special_token_ids",
+    "special_tokens",
+]
+
+GrammarKind = Literal["json_schema", "any_json", "regex", "ebnf", "structural_tag"]
+KINDS: tuple[str, ...] = ("json_schema", "any_json", "regex", "ebnf", "structural_tag")
+
+DEFAULT_CACHE_SIZE = 128
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+# Whitespace between JSON tokens is free in JSON, and a model that is unsure (or knows
+# nothing, like a random test model) can fill an output with it forever. 16 characters
+# still fit pretty-printed output a few levels deep.
+DEFAULT_MAX_WHITESPACE = 16
+# OpenAI's json_object: valid JSON, in practice an object; arrays are allowed as xgrammar's
+# built-in JSON grammar allows them, but that grammar cannot bound whitespace.
+ANY_JSON_SCHEMA = '{"type":["object","array"]}'
+# Compiles run beside the MLX thread on a machine whose cores also decode: two at a time
+# keeps one pathological grammar from starving the rest without taking over the CPU.
+COMPILE_WORKERS = 2
+
+# The release the torch stub and the workarounds below are tested with (setup.sh pins it).
+XGRAMMAR_TESTED = "0.2.8"
+INSTALL_HINT = (
+    "install the grammar extra without torch: pip install 'omlx-core[grammar]' && "
+    f"pip install --no-deps 'xgrammar=={XGRAMMAR_TESTED}' (./setup.sh does both)"
+)
+
+
+class GrammarError(ValueError):
+    """A grammar (schema, regex, EBNF, tool definition) that cannot be used, and which
+    request field it came from."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class GrammarCompileTimeout(GrammarError):
+    """Compiling the grammar took longer than the compile time limit."""
+
+
+class GrammarUnavailable(RuntimeError):
+    """xgrammar is not installed, so constrained decoding is off on this server."""
+
+
+_xgrammar: Any = None
+_import_lock = threading.Lock()
+
+
+def import_xgrammar() -> Any:
+    """The ``xgrammar`` module, imported once, with the torch stub in place first."""
+    global _xgrammar
+    if _xgrammar is not None:
+        return _xgrammar
+    with _import_lock:
+        if _xgrammar is None:
+            torch_stub.install()
+            try:
+                import xgrammar
+            except ImportError as exc:
+                raise GrammarUnavailable(
+                    f"structured output needs xgrammar, which does not import ({exc}); {INSTALL_HINT}"
+                ) from exc
+            _warn_on_version_drift()
+            _xgrammar = xgrammar
+    return _xgrammar
+
+
+def _warn_on_version_drift() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("xgrammar")
+    except PackageNotFoundError:
+        return
+    if installed != XGRAMMAR_TESTED:
+        log.warning("xgrammar %s is installed; omlx-core's torch stub and grammar workarounds are "
+                    "tested with %s. If constrained decoding misbehaves, pip install --no-deps "
+                    "'xgrammar==%s'", installed, XGRAMMAR_TESTED, XGRAMMAR_TESTED)
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What to constrain the output to, in canonical form.
+
+    ``text`` is the canonical grammar source: compact JSON for schemas and structural tags
+    (key order kept: without ``any_order`` xgrammar emits properties in the order the
+    schema declares them, so two orders are two grammars), the pattern or EBNF verbatim.
+    ``max_whitespace`` bounds each run of whitespace between JSON tokens.
+    ``field`` names the request field for error messages and is not part of the identity.
+    """
+
+    kind: GrammarKind
+    text: str = ""
+    strict: bool = True
+    max_whitespace: int | None = None
+    field: str = dataclass_field(default="response_format", compare=False)
+
+    @property
+    def key(self) -> tuple[str, str, bool, int | None]:
+        return (self.kind, self.text, self.strict, self.max_whitespace)
+
+    @classmethod
+    def json_schema(cls, schema: Any, *, strict: bool = True,
+                    max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+                    field: str = "response_format.json_schema.schema") -> GrammarSpec:
+        """A JSON value valid against ``schema`` (a dict, ``True``, or JSON text).
+
+        ``strict`` forbids properties and array items the schema does not declare
+        (OpenAI's ``strict: true``); without it, undeclared ones are allowed.
+        """
+        if isinstance(schema, (str, bytes)):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise GrammarError(field, f"is not valid JSON ({exc}); send a JSON Schema object") from None
+        if schema is True:
+            schema = {}
+        if schema is False:
+            raise GrammarError(field, "is the schema `false`, which no value satisfies")
+        if not isinstance(schema, dict):
+            raise GrammarError(
+                field, f"must be a JSON Schema object, got {type(schema).__name__}; e.g. "
+                '{"type": "object", "properties": {...}}')
+        return cls("json_schema", _compact_json(schema, field), bool(strict),
+                   _check_whitespace(max_whitespace, field), field)
+
+    @classmethod
+    def any_json(cls, *, max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+                 field: str = "response_format") -> GrammarSpec:
+        """Any JSON object or array (OpenAI's ``json_object``)."""
+        return cls("any_json", "", False, _check_whitespace(max_whitespace, field), field)
+
+    @classmethod
+    def regex(cls, pattern: str, *, field: str = "regex") -> GrammarSpec:
+        """Text matching ``pattern`` in full."""
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError(field, "must be a non-empty regular expression string")
+        return cls("regex", pattern, True, None, field)
+
+    @classmethod
+    def ebnf(cls, grammar: str, *, field: str = "grammar") -> GrammarSpec:
+        """Text derived from the GBNF/EBNF ``grammar`` (llama.cpp syntax, root rule ``root``)."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise GrammarError(field, "must be a non-empty EBNF grammar string with a `root` rule")
+        return cls("ebnf", grammar, True, None, field)
+
+    @classmethod
+    def structural_tag(cls, tag: dict[str, Any] | str, *, field: str = "tools") -> GrammarSpec:
+        """An xgrammar structural tag (``{"type": "structural_tag", "format": {...}}``),
+        the form tool calls are constrained with (see :mod:`omlx_core.grammar.toolcalls`)."""
+        if isinstance(tag, str):
+            try:
+                tag = json.loads(tag)
+            except ValueError as exc:
+                raise GrammarError(field, f"structural tag is not valid JSON ({exc})") from None
+        if not isinstance(tag, dict) or tag.get("type") != "structural_tag":
+            raise GrammarError(field, 'a structural tag must be an object with "type": "structural_tag"')
+        return cls("structural_tag", _compact_json(tag, field), True, None, field)
+
+
+def _compact_json(value: Any, field: str) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise GrammarError(field, f"cannot be serialized as JSON ({exc})") from None
+
+
+def _check_whitespace(max_whitespace: int | None, field: str) -> int | None:
+    if max_whitespace is not None and (not isinstance(max_whitespace, int) or max_whitespace < 1):
+        raise GrammarError(field, f"max_whitespace must be a positive integer or None, got {max_whitespace!r}")
+    return max_whitespace
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled grammar and how it was obtained."""
+
+    spec: GrammarSpec
+    #: the ``xgrammar.CompiledGrammar``
+    grammar: Any
+    #: seconds the compile itself took (the first time, for a cached grammar)
+    compile_seconds: float
+    #: whether this lookup was served from the cache
+    cached: bool
+    #: width of the token bitmask: the model's logits width
+    vocab_size: int
+    #: packed int32 bitmask row of the tokens this grammar must not produce although
+    #: xgrammar allows them: control tokens it would match as their literal text, tokens
+    #: that are invalid UTF-8 (None: none)
+    forbidden_bitmask: Any = None
+    #: the :class:`Utf8Guard` for what may follow a token that ends in a lead byte
+    utf8_guard: Any = None
+
+
+def bitmask_of(token_ids: Any, vocab_size: int) -> Any:
+    """A packed int32 bitmask row (xgrammar's layout) with the bits of ``token_ids`` set."""
+    import numpy as np
+
+    mask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
+    words = mask.view(np.uint32)
+    for token in token_ids:
+        words[0, token // 32] |= np.uint32(1 << (token % 32))
+    return mask
+
+
+# Lead bytes after which xgrammar 0.2.8 admits a second byte that makes invalid UTF-8:
+# overlong forms (E0 80-9F, F0 80-8F), UTF-16 surrogates (ED A0-BF) and code points past
+# U+10FFFF (F4 90-BF). Detokenized, such bytes become replacement characters, which
+# break a string's length limits and the text itself.
+_BAD_SECOND_BYTE = {0xE0: (0x80, 0x9F), 0xED: (0xA0, 0xBF), 0xF0: (0x80, 0x8F), 0xF4: (0x90, 0xBF)}
+_BAD_PAIR = re.compile(b"|".join(bytes([lead]) + b"[" + bytes([low]) + b"-" + bytes([high]) + b"]"
+                                 for lead, (low, high) in _BAD_SECOND_BYTE.items()))
+
+
+@dataclass(frozen=True)
+class Utf8Guard:
+    """The tokens that would make the output invalid UTF-8 although xgrammar allows them:
+    a bad lead/second-byte pair inside one token, or split across two."""
+
+    #: tokens with a bad pair inside them: never allowed
+    inside: Any
+    #: per lead byte, the tokens whose first byte may not follow it
+    continuation: dict[int, Any]
+    #: token id -> its last byte, for tokens that end in one of those lead bytes
+    trailing_lead: dict[int, int]
+
+    @classmethod
+    def of(cls, decoded_vocab: Sequence[bytes], vocab_size: int) -> Utf8Guard:
+        inside: list[int] = []
+        starts: dict[int, list[int]] = {lead: [] for lead in _BAD_SECOND_BYTE}
+        trailing: dict[int, int] = {}
+        for token_id, raw in enumerate(decoded_vocab[:vocab_size]):
+            if not raw:
+                continue
+            if _BAD_PAIR.search(raw):
+                inside.append(token_id)
+            for lead, (low, high) in _BAD_SECOND_BYTE.items():
+                if low <= raw[0] <= high:
+                    starts[lead].append(token_id)
+            if raw[-1] in _BAD_SECOND_BYTE:
+                trailing[token_id] = raw[-1]
+        return cls(bitmask_of(inside, vocab_size),
+                   {lead: bitmask_of(ids, vocab_size) for lead, ids in starts.items()}, trailing)
+
+    def after(self, token_id: int) -> Any:
+        """The tokens that may not follow ``token_id`` (None: no restriction)."""
+        lead = self.trailing_lead.get(token_id)
+        return None if lead is None else self.continuation[lead]
+
+
+@dataclass
+class CompilerStats:
+    """Counters of a :class:`GrammarCompilerCache` since it was built."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    compile_seconds_total: float = 0.0
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer behind ``tokenizer`` (an mlx-lm ``TokenizerWrapper``,
+    which xgrammar does not know, or a Hugging Face tokenizer itself)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    # Only the wrapper is unwrapped: a Hugging Face fast tokenizer also has a _tokenizer,
+    # the raw `tokenizers` object, which xgrammar cannot read.
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
+def special_token_ids(tokenizer: Any) -> set[int]:
+    """Ids of ``tokenizer``'s special tokens (control tokens such as ``<|im_start|>``)."""
+    hf = hf_tokenizer(tokenizer)
+    ids = {int(i) for i in (getattr(hf, "all_special_ids", None) or [])}
+    for token_id, added in (getattr(hf, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            ids.add(int(token_id))
+    return ids
+
+
+def special_tokens(tokenizer: Any) -> set[str]:
+    """The text of ``tokenizer``'s special tokens."""
+    hf = hf_tokenizer(tokenizer)
+    return {hf.convert_ids_to_tokens(i) for i in special_token_ids(tokenizer)}
+
+
+def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int | None,
+                    stop_token_ids: Sequence[int] | None) -> Any:
+    hf = hf_tokenizer(tokenizer)
+    if stop_token_ids is None:
+        # mlx-lm's wrapper holds a set of EOS ids; a Hugging Face tokenizer one int or none.
+        eos = getattr(tokenizer, "eos_token_ids", None)
+        if eos is None:
+            eos = getattr(hf, "eos_token_id", None)
+        stop_token_ids = [eos] if isinstance(eos, int) else sorted(eos or [])
+    return xgr.TokenizerInfo.from_huggingface(
+        hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
+
+
+def json_safe_strings(schema: Any) -> Any:
+    """``schema`` with each length-bounded string turned into the equivalent ``pattern``.
+
+    xgrammar 0.2.8 compiles ``minLength``/``maxLength`` strings to a character class that
+    admits raw control characters (a tab, \\x12), which JSON forbids inside strings: the
+    output would not parse. A pattern over the characters that need no escape keeps the
+    bounds and the validity (such strings cannot contain escapes then).
+    """
+    if isinstance(schema, list):
+        return [json_safe_strings(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    patched = {key: json_safe_strings(value) for key, value in schema.items()}
+    is_string = patched.get("type") == "string"
+    bounded = "minLength" in patched or "maxLength" in patched
+    if is_string and bounded and not ({"pattern", "format", "enum", "const"} & patched.keys()):
+        low = int(patched.pop("minLength", 0))
+        high = patched.pop("maxLength", None)
+        patched["pattern"] = r'^[^"\\\x00-\x1f]{%d,%s}$' % (low, "" if high is None else int(high))
+    return patched
+
+
+class GrammarCompilerCache:
+    """Compiles grammars for one tokenizer and keeps the ``capacity`` most recently used.
+
+    ``vocab_size`` is the model's logits width, which can exceed the tokenizer's
+    vocabulary (padded embeddings); masks are that wide. ``stop_token_ids`` are the
+    tokens that end a constrained output (default: the tokenizer's EOS ids).
+    """
+
+    def __init__(self, tokenizer: Any, *, vocab_size: int | None = None,
+                 stop_token_ids: Sequence[int] | None = None, capacity: int = DEFAULT_CACHE_SIZE,
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1 compiled grammar, got {capacity}")
+        if compile_timeout_s <= 0:
+            raise ValueError(f"compile_timeout_s must be positive, got {compile_timeout_s}")
+        self._xgr = import_xgrammar()
+        self.tokenizer_info = _tokenizer_info(self._xgr, tokenizer, vocab_size, stop_token_ids)
+        self.vocab_size: int = self.tokenizer_info.vocab_size
+        self.stop_token_ids: list[int] = list(self.tokenizer_info.stop_token_ids)
+        # Structural tags name marker tokens by text; resolving them here gives an unknown
+        # name an error that lists the tokens this model has.
+        hf = hf_tokenizer(tokenizer)
+        self._special_ids = {hf.convert_ids_to_tokens(i): i for i in special_token_ids(tokenizer)}
+        # xgrammar reads control tokens (<|im_start|>, <|endoftext|>) as their literal
+        # text, so free text and JSON strings could contain them; masks leave them out
+        # unless the grammar names them (a tool-call marker). Stop tokens end the grammar.
+        self._control_ids = frozenset(i for i in self._special_ids.values()
+                                      if i not in self.stop_token_ids and i < self.vocab_size)
+        self.utf8_guard = Utf8Guard.of(self.tokenizer_info.decoded_vocab, self.vocab_size)
+        self.capacity = capacity
+        self.compile_timeout_s = compile_timeout_s
+        # xgrammar's own cache is off: this LRU is the one bound on compiled-grammar memory.
+        self._compiler = self._xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple, tuple[Any, float, Any]] = OrderedDict()
+        # Compiles under way, shared by concurrent requests for the same grammar (and by a
+        # retry after a timeout) so a slow grammar is never compiled twice at once.
+        self._inflight: dict[tuple, Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="grammar-compile")
+        self.stats = CompilerStats()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __contains__(self, spec: GrammarSpec) -> bool:
+        with self._lock:
+            return spec.key in self._entries
+
+    def close(self) -> None:
+        """Stop accepting compiles; a compile already running finishes in the background."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def compile(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Compiled:
+        """The compiled form of ``spec``, from the cache or compiled now.
+
+        Raises :class:`GrammarError` (naming ``spec.field``) when the grammar is invalid or
+        unsupported, :class:`GrammarCompileTimeout` when compiling takes longer than
+        ``timeout_s`` (default: the cache's limit). A compile that times out goes on in
+        the background and is cached when it ends, so a retry can succeed.
+        """
+        timeout = self.compile_timeout_s if timeout_s is None else timeout_s
+        key = spec.key
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self.stats.hits += 1
+                return Compiled(spec, entry[0], entry[1], True, self.vocab_size, entry[2],
+                                self.utf8_guard)
+            self.stats.misses += 1
+            future = self._inflight.get(key)
+            started = future is None
+            if started:
+                future = self._pool.submit(self._compile_now, spec)
+                self._inflight[key] = future
+        if started:
+            # Outside the lock: a compile that is already done runs the callback here,
+            # and the callback takes the lock.
+            future.add_done_callback(lambda done, key=key: self._finished(key, done))
+        try:
+            grammar, seconds, forbidden = future.result(timeout=timeout)
+        except GrammarError:
+            self._finished(key, future)
+            raise
+        except FutureTimeout:
+            with self._lock:
+                self.stats.timeouts += 1
+            raise GrammarCompileTimeout(
+                spec.field, f"compiling this {spec.kind.replace('_', ' ')} took longer than "
+                f"{timeout:g} s; simplify it (fewer alternatives, smaller repetition bounds, "
+                "less nesting)") from None
+        self._finished(key, future)
+        return Compiled(spec, grammar, seconds, False, self.vocab_size, forbidden, self.utf8_guard)
+
+    def _compile_now(self, spec: GrammarSpec) -> tuple[Any, float, Any]:
+        started = time.perf_counter()
+        try:
+            grammar = self._compile_with_xgrammar(spec)
+        except GrammarError:
+            raise
+        except Exception as exc:
+            raise GrammarError(spec.field, _describe_failure(spec, exc)) from None
+        seconds = time.perf_counter() - started
+        return grammar, seconds, self._forbidden_bitmask(spec)
+
+    def _forbidden_bitmask(self, spec: GrammarSpec) -> Any:
+        import numpy as np
+
+        named: set[int] = set()
+        if spec.kind == "structural_tag":
+            _collect_tokens(json.loads(spec.text), self._special_ids, named)
+        mask = bitmask_of(self._control_ids - named, self.vocab_size)
+        np.bitwise_or(mask, self.utf8_guard.inside, out=mask)
+        return mask if mask.any() else None
+
+    def _compile_with_xgrammar(self, spec: GrammarSpec) -> Any:
+        compiler = self._compiler
+        if spec.kind in ("json_schema", "any_json"):
+            schema = json.dumps(json_safe_strings(json.loads(spec.text))) if spec.kind == "json_schema" \
+                else ANY_JSON_SCHEMA
+            return compiler.compile_json_schema(
+                schema,
+                strict_mode=spec.strict, any_whitespace=True,
+                max_whitespace_cnt=spec.max_whitespace)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.text)
+        if spec.kind == "ebnf":
+            return compiler.compile_grammar(spec.text)
+        if spec.kind == "structural_tag":
+            tag = _token_names_to_ids(json_safe_strings(json.loads(spec.text)), self._special_ids, spec.field)
+            return compiler.compile_structural_tag(json.dumps(tag))
+        raise GrammarError(spec.field, f"unknown grammar kind {spec.kind!r}; use one of {', '.join(KINDS)}")
+
+    def _finished(self, key: tuple, future: Future) -> None:
+        # Runs twice per compile (the future's callback, and the caller that got the
+        # result, so that the next lookup is a hit even before the callback has run);
+        # only the first does the work.
+        with self._lock:
+            if self._inflight.get(key) is not future:
+                return
+            del self._inflight[key]
+            if future.cancelled():
+                return
+            if future.exception() is not None:
+                self.stats.errors += 1
+                return
+            grammar, seconds, forbidden = future.result()
+            self.stats.compile_seconds_total += seconds
+            self._entries[key] = (grammar, seconds, forbidden)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+                self.stats.evictions += 1
+
+
+def _token_names_to_ids(value: Any, ids: dict[str, int], field: str) -> Any:
+    def resolve(token: Any) -> Any:
+        if not isinstance(token, str):
+            return token
+        if token not in ids:
+            raise GrammarError(field, f"names the token {token!r}, which is not a special token of "
+                               f"this model's tokenizer (its special tokens: {', '.join(sorted(ids))})")
+        return ids[token]
+
+    if isinstance(value, list):
+        return [_token_names_to_ids(item, ids, field) for item in value]
+    if not isinstance(value, dict):
+        return value
+    resolved = {key: _token_names_to_ids(item, ids, field) for key, item in value.items()}
+    if resolved.get("type") == "token":
+        resolved["token"] = resolve(resolved.get("token"))
+    for key in ("trigger_tokens", "exclude_tokens"):
+        if isinstance(resolved.get(key), list):
+            resolved[key] = [resolve(token) for token in resolved[key]]
+    return resolved
+
+
+def _collect_tokens(value: Any, ids: dict[str, int], into: set[int]) -> None:
+    if isinstance(value, list):
+        for item in value:
+            _collect_tokens(item, ids, into)
+    elif isinstance(value, dict):
+        if value.get("type") == "token":
+            token = value.get("token")
+            into.add(ids.get(token, -1) if isinstance(token, str) else int(token))
+        for token in value.get("trigger_tokens") or ():
+            into.add(ids.get(token, -1) if isinstance(token, str) else int(token))
+        for item in value.values():
+            _collect_tokens(item, ids, into)
+
+
+# xgrammar prefixes its C++ errors with a timestamp and a source location
+# ("[11:14:50] /project/cpp/regex_converter.cc:83: "), which mean nothing to a client.
+_CPP_LOCATION = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+def _describe_failure(spec: GrammarSpec, exc: Exception) -> str:
+    reason = str(exc).strip().splitlines()
+    detail = _CPP_LOCATION.sub("", reason[0]) if reason else type(exc).__name__
+    what = {
+        "json_schema": "is not a JSON Schema xgrammar supports",
+        "any_json": "could not be compiled",
+        "regex": "is not a regular expression xgrammar supports",
+        "ebnf": "is not a valid EBNF grammar (llama.cpp GBNF syntax with a `root` rule)",
+        "structural_tag": "is not a valid structural tag",
+    }[spec.kind]
+    return f"{what}: {detail}"
+
+
+_per_tokenizer: weakref.WeakKeyDictionary[Any, dict[tuple, GrammarCompilerCache]] = weakref.WeakKeyDictionary()
+_per_tokenizer_lock = threading.Lock()
+
+
+def compiler_for(tokenizer: Any, *, vocab_size: int | None = None,
+                 stop_token_ids: Sequence[int] | None = None, **kwargs: Any) -> GrammarCompilerCache:
+    """The process's :class:`GrammarCompilerCache` for ``tokenizer`` (an mlx-lm
+    ``TokenizerWrapper`` or a Hugging Face tokenizer), built on first use and dropped with
+    the tokenizer. ``kwargs`` (capacity, compile_timeout_s) apply when it is built."""
+    key = (vocab_size, tuple(stop_token_ids) if stop_token_ids is not None else None)
+    with _per_tokenizer_lock:
+        caches = _per_tokenizer.setdefault(tokenizer, {})
+        cache = caches.get(key)
+        if cache is None:
+            cache = GrammarCompilerCache(tokenizer, vocab_size=vocab_size,
+                                         stop_token_ids=stop_token_ids, **kwargs)
+            caches[key] = cache
+        return cache

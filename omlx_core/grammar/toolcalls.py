@@ -1,0 +1,645 @@
+"""Tool calls in a model's own format: detect it from the chat template, constrain the
+calls to the functions' parameter schemas, and parse generated text back into content
+and calls as it streams.
+
+A model calls tools in the syntax its chat template taught it:
+
+- ``hermes`` (Qwen 2.5/3, Hermes, many fine-tunes):
+  ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one block per call;
+- ``llama3`` (Llama 3.1-3.3): a bare ``{"name": "f", "parameters": {...}}``, optionally
+  after ``<|python_tag|>``, several separated by ``;``;
+- ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``.
+
+The grammar is an xgrammar structural tag: free text until the format's trigger, then
+the call's fixed framing with the arguments constrained by the function's schema. This
+module builds plain dicts and needs xgrammar only to compile them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Iterable, Literal, Sequence
+
+from omlx_core.grammar.compiler import DEFAULT_MAX_WHITESPACE, GrammarError, GrammarSpec
+
+__all__ = [
+    "FORMATS",
+    "HERMES",
+    "LLAMA3",
+    "MISTRAL",
+    "ContentDelta",
+    "FunctionTool",
+    "ToolCall",
+    "ToolCallArgumentsDelta",
+    "ToolCallEnd",
+    "ToolCallFormat",
+    "ToolCallParser",
+    "ToolCallStart",
+    "ToolChoice",
+    "detect_tool_call_format",
+    "normalize_tools",
+    "tool_call_grammar",
+    "tool_call_structural_tag",
+]
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How one family of models writes a tool call."""
+
+    name: str
+    #: text (or special token) that opens the calls; "" when a call opens with its JSON
+    open: str
+    #: text (or special token) that closes the calls; "" when the JSON's end closes it
+    close: str
+    #: the key holding the arguments object in the call JSON
+    arguments_key: str
+    #: between two calls inside one open/close pair ("" when each call has its own pair)
+    separator: str = ""
+    #: opens a list of calls inside open/close (mistral's JSON array)
+    list_open: str = ""
+    list_close: str = ""
+    #: text a model may put before the calls that is not content
+    ignorable_prefixes: tuple[str, ...] = ()
+
+
+HERMES = ToolCallFormat("hermes", open="<tool_call>\n", close="\n</tool_call>", arguments_key="arguments")
+LLAMA3 = ToolCallFormat("llama3", open="", close="", arguments_key="parameters", separator="; ",
+                        ignorable_prefixes=("<|python_tag|>",))
+MISTRAL = ToolCallFormat("mistral", open="[TOOL_CALLS]", close="", arguments_key="arguments",
+                         separator=", ", list_open="[", list_close="]")
+FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HERMES, LLAMA3, MISTRAL)}
+
+# Template fragments that identify a format, checked in order: Mistral's marker is
+# unambiguous; <tool_call> is the hermes family; Llama 3.1+ templates render tool calls
+# as {"name": ..., "parameters": ...} and mention <|python_tag|> or the ipython role.
+_TEMPLATE_SIGNS: tuple[tuple[ToolCallFormat, re.Pattern[str]], ...] = (
+    (MISTRAL, re.compile(r"\[TOOL_CALLS\]")),
+    (HERMES, re.compile(r"<tool_call>")),
+    (LLAMA3, re.compile(r"<\|python_tag\|>|ipython|\"parameters\"\s*:|'parameters'\s*:|\.parameters\b")),
+)
+
+
+def detect_tool_call_format(chat_template: str | None) -> ToolCallFormat:
+    """The tool-call format ``chat_template`` teaches its model; hermes when it shows none
+    (the most widely trained format, and what templates without tool support get)."""
+    for fmt, sign in _TEMPLATE_SIGNS:
+        if chat_template and sign.search(chat_template):
+            return fmt
+    return HERMES
+
+
+# -- tools and tool_choice --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    """A function the model may call, checked."""
+
+    name: str
+    parameters: dict[str, Any]
+    description: str = ""
+    strict: bool = True
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+ToolChoice = Literal["auto", "none", "required"] | dict
+
+
+def normalize_tools(tools: Any, *, field: str = "tools") -> list[FunctionTool]:
+    """The function tools of an OpenAI ``tools`` list (``[{"type": "function", "function":
+    {"name", "description", "parameters", "strict"}}]``); an Anthropic-style flat entry
+    (``{"name", "description", "input_schema"}``) is accepted too. Raises
+    :class:`GrammarError` naming the first bad entry."""
+    if not isinstance(tools, list) or not tools:
+        raise GrammarError(field, "must be a non-empty array of tools")
+    result: list[FunctionTool] = []
+    seen: set[str] = set()
+    for index, tool in enumerate(tools):
+        where = f"{field}[{index}]"
+        if not isinstance(tool, dict):
+            raise GrammarError(where, "must be an object")
+        if "function" in tool or tool.get("type") == "function":
+            if tool.get("type", "function") != "function":
+                raise GrammarError(f"{where}.type", f"unsupported tool type {tool.get('type')!r}; use \"function\"")
+            function = tool.get("function")
+            where = f"{where}.function"
+            if not isinstance(function, dict):
+                raise GrammarError(where, "must be an object with name and parameters")
+            schema_key = "parameters"
+        elif "input_schema" in tool or tool.get("type") in (None, "custom"):
+            function, schema_key = tool, "input_schema"
+        else:
+            raise GrammarError(f"{where}.type", f"unsupported tool type {tool.get('type')!r}; only "
+                               "function tools (OpenAI) and custom tools (Anthropic) can be constrained")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise GrammarError(f"{where}.name", "must be 1-64 letters, digits, underscores, dots or dashes")
+        if name in seen:
+            raise GrammarError(f"{where}.name", f"{name!r} is defined twice; function names must be unique")
+        seen.add(name)
+        parameters = function.get(schema_key, {"type": "object", "properties": {}})
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise GrammarError(
+                f"{where}.{schema_key}",
+                'must be a JSON Schema of type "object" (a function takes named arguments), e.g. '
+                '{"type": "object", "properties": {"city": {"type": "string"}}}')
+        description = function.get("description") or ""
+        if not isinstance(description, str):
+            raise GrammarError(f"{where}.description", "must be a string")
+        strict = function.get("strict")
+        result.append(FunctionTool(name, {"type": "object", **parameters}, description,
+                                   True if strict is None else bool(strict)))
+    return result
+
+
+def _resolve_choice(tools: list[FunctionTool], tool_choice: Any, field: str
+                    ) -> tuple[Literal["none", "auto", "required", "forced"], list[FunctionTool]]:
+    if tool_choice is None or tool_choice == "auto":
+        return "auto", tools
+    if tool_choice in ("none", "required"):
+        return tool_choice, tools
+    if isinstance(tool_choice, dict):
+        # OpenAI {"type": "function", "function": {"name"}}; Anthropic {"type": "tool", "name"},
+        # {"type": "any"} (required), {"type": "auto"}, {"type": "none"}.
+        kind = tool_choice.get("type")
+        if kind in ("auto", "none"):
+            return kind, tools
+        if kind == "any":
+            return "required", tools
+        name = (tool_choice.get("function") or {}).get("name") if kind == "function" else (
+            tool_choice.get("name") if kind == "tool" else None)
+        if isinstance(name, str):
+            chosen = [tool for tool in tools if tool.name == name]
+            if not chosen:
+                known = ", ".join(tool.name for tool in tools)
+                raise GrammarError(f"{field}.function.name" if kind == "function" else f"{field}.name",
+                                   f"names {name!r}, which is not among the tools ({known})")
+            return "forced", chosen
+    raise GrammarError(field, 'must be "auto", "none", "required" or {"type": "function", '
+                       '"function": {"name": ...}}')
+
+
+# -- the grammar ------------------------------------------------------------------------
+
+
+def _const(text: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": text}
+
+
+def _split_marker(text: str) -> tuple[str, str, str]:
+    """``text`` as (leading whitespace, marker, trailing whitespace)."""
+    core = text.strip()
+    lead = text[:text.index(core)] if core else text
+    return lead, core, text[len(lead) + len(core):]
+
+
+def _sequence(elements: list[dict[str, Any]]) -> dict[str, Any]:
+    elements = [e for e in elements if not (e.get("type") == "const_string" and not e["value"])]
+    return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
+
+
+def _marker_parts(text: str, special_tokens: Collection[str]) -> list[dict[str, Any]]:
+    # xgrammar never matches a special token as text, so a marker that is one (Mistral's
+    # [TOOL_CALLS] in its v3 vocabulary, <tool_call> in some) is named as a token.
+    lead, core, trail = _split_marker(text)
+    if not core or core not in special_tokens:
+        return [_const(text)] if text else []
+    return [_const(lead), {"type": "token", "token": core}, _const(trail)]
+
+
+def _arguments(tool: FunctionTool, max_whitespace: int | None) -> dict[str, Any]:
+    # A function declared strict: false gets any arguments object, as OpenAI does.
+    schema: Any = tool.parameters if tool.strict else {"type": "object"}
+    content: dict[str, Any] = {"type": "json_schema", "json_schema": schema}
+    if max_whitespace is not None:
+        content["max_whitespace_cnt"] = max_whitespace
+    return content
+
+
+def _call_prefix(fmt: ToolCallFormat, tool: FunctionTool) -> str:
+    return f'{{"name": {json.dumps(tool.name)}, "{fmt.arguments_key}": '
+
+
+def _call_tag(fmt: ToolCallFormat, tool: FunctionTool, max_whitespace: int | None,
+              special_tokens: Collection[str], *, framed: bool) -> dict[str, Any]:
+    """One call as a tag; ``framed``: inside the format's own open/close markers (a
+    format with a framing per call, hermes)."""
+    prefix, suffix = _call_prefix(fmt, tool), "}"
+    content = [_arguments(tool, max_whitespace)]
+    if not framed:
+        return {"type": "tag", "begin": prefix, "content": content[0], "end": suffix}
+    _, open_core, open_trail = _split_marker(fmt.open)
+    close_lead, close_core, _ = _split_marker(fmt.close)
+    if open_core in special_tokens:
+        begin: Any = {"type": "token", "token": open_core}
+        content.insert(0, _const(open_trail + prefix))
+    else:
+        begin = fmt.open + prefix
+    if close_core in special_tokens:
+        end: Any = {"type": "token", "token": close_core}
+        content.append(_const(suffix + close_lead))
+    else:
+        end = suffix + fmt.close
+    return {"type": "tag", "begin": begin, "content": _sequence(content), "end": end}
+
+
+def tool_call_structural_tag(fmt: ToolCallFormat, tools: Sequence[FunctionTool], tool_choice: Any = "auto",
+                             *, parallel_tool_calls: bool = True, special_tokens: Collection[str] = (),
+                             max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+                             field: str = "tool_choice") -> dict[str, Any] | None:
+    """The xgrammar structural tag that makes ``fmt``'s calls valid against ``tools``'
+    parameter schemas, or ``None`` when ``tool_choice`` is ``"none"`` (no constraint).
+
+    ``auto``: text, optionally followed by calls; ``required``: one or more calls and
+    nothing else; a named function: exactly that call. ``parallel_tool_calls=False``
+    allows one call at most. ``special_tokens``: the tokenizer's special tokens, so
+    markers that are special tokens are matched as tokens.
+    """
+    mode, chosen = _resolve_choice(list(tools), tool_choice, field)
+    if mode == "none":
+        return None
+    one = not parallel_tool_calls or mode == "forced"
+    _, open_core, open_trail = _split_marker(fmt.open)
+    per_call_framing = not fmt.separator
+    tags = [_call_tag(fmt, tool, max_whitespace, special_tokens, framed=per_call_framing and bool(fmt.open))
+            for tool in chosen]
+
+    if per_call_framing:
+        # hermes: each call is a framed block; calls follow one another (a newline apart).
+        if mode == "auto":
+            if open_core in special_tokens:
+                body: dict[str, Any] = {"type": "token_triggered_tags", "trigger_tokens": [open_core],
+                                        "tags": tags, "stop_after_first": one}
+            else:
+                body = {"type": "triggered_tags", "triggers": [open_core or fmt.open], "tags": tags,
+                        "stop_after_first": one}
+        else:
+            body = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                    "at_least_one": True, "stop_after_first": one}
+        return {"type": "structural_tag", "format": body}
+
+    # mistral, llama3: all calls inside one framing, separated.
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
+             "at_least_one": True, "stop_after_first": one}
+    if mode == "auto":
+        if not fmt.open:
+            # llama3 has no marker: each call's own beginning triggers it.
+            body = {"type": "triggered_tags", "triggers": ['{"name": '], "tags": tags,
+                    "stop_after_first": one}
+            return {"type": "structural_tag", "format": body}
+        inside = _sequence([_const(open_trail + fmt.list_open), calls])
+        end = fmt.list_close + fmt.close
+        if open_core in special_tokens:
+            block = {"type": "tag", "begin": {"type": "token", "token": open_core}, "content": inside, "end": end}
+            body = {"type": "token_triggered_tags", "trigger_tokens": [open_core], "tags": [block],
+                    "stop_after_first": True}
+        else:
+            block = {"type": "tag", "begin": fmt.open, "content": inside, "end": end}
+            body = {"type": "triggered_tags", "triggers": [fmt.open], "tags": [block], "stop_after_first": True}
+        return {"type": "structural_tag", "format": body}
+    body = _sequence([*_marker_parts(fmt.open, special_tokens), _const(fmt.list_open), calls,
+                      _const(fmt.list_close), *_marker_parts(fmt.close, special_tokens)])
+    return {"type": "structural_tag", "format": body}
+
+
+def tool_call_grammar(fmt: ToolCallFormat, tools: Any, tool_choice: Any = "auto", *,
+                      parallel_tool_calls: bool = True, special_tokens: Collection[str] = (),
+                      max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> GrammarSpec | None:
+    """A :class:`GrammarSpec` for a request's ``tools`` and ``tool_choice`` (raw request
+    values, checked here), or ``None`` when no constraint applies (``"none"``)."""
+    checked = normalize_tools(tools)
+    tag = tool_call_structural_tag(fmt, checked, tool_choice, parallel_tool_calls=parallel_tool_calls,
+                                   special_tokens=special_tokens, max_whitespace=max_whitespace)
+    return None if tag is None else GrammarSpec.structural_tag(tag, field="tools")
+
+
+# -- parsing generated text -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArgumentsDelta:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallEnd:
+    index: int
+    call: "ToolCall"
+
+
+@dataclass
+class ToolCall:
+    index: int
+    id: str
+    name: str = ""
+    #: the arguments as JSON text (OpenAI's ``function.arguments``)
+    arguments: str = ""
+    complete: bool = False
+
+    def arguments_json(self) -> Any:
+        """The arguments parsed (``{}`` for none)."""
+        return json.loads(self.arguments) if self.arguments.strip() else {}
+
+
+Event = ContentDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
+
+
+def _new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class _CallScanner:
+    """Follows one call object (``{"name": ..., "<arguments key>": {...}}``) a character
+    at a time: where it ends, its name, and the span of its arguments value."""
+
+    def __init__(self, arguments_keys: Collection[str]) -> None:
+        self.arguments_keys = arguments_keys
+        self.text: list[str] = []
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.string_start = -1
+        self.last_string: str | None = None
+        self.key: str | None = None
+        self.expect = "key"  # at depth 1: key, colon, value, comma
+        self.value_start = -1
+        self.name: str | None = None
+        self.args_start = -1
+        self.args_end = -1
+        self.done = False
+
+    def feed(self, char: str) -> None:
+        position = len(self.text)
+        self.text.append(char)
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+                if self.depth == 1:
+                    self._string_closed(position)
+            return
+        if char == '"':
+            self.in_string = True
+            self.string_start = position
+            if self.depth == 1 and self.expect == "value":
+                self._value_begins(position)
+            return
+        if char in "{[":
+            self.depth += 1
+            if self.depth == 2 and self.expect == "value":
+                self._value_begins(position)
+            return
+        if char in "}]":
+            self.depth -= 1
+            if self.depth == 1 and self.expect == "in_value":
+                self._value_ends(position + 1)
+            elif self.depth == 0:
+                if self.expect == "in_value":
+                    self._value_ends(self._trimmed_end(position))
+                self.done = True
+            return
+        if self.depth == 1:
+            if char == ":" and self.expect == "colon":
+                self.expect = "value"
+            elif char == ",":
+                if self.expect == "in_value":
+                    self._value_ends(self._trimmed_end(position))
+                self.expect = "key"
+            elif not char.isspace() and self.expect == "value":
+                self._value_begins(position)  # a number, true, false or null
+
+    def _trimmed_end(self, position: int) -> int:
+        while position > self.value_start and self.text[position - 1].isspace():
+            position -= 1
+        return position
+
+    def _string_closed(self, position: int) -> None:
+        raw = "".join(self.text[self.string_start:position + 1])
+        if self.expect == "key":
+            self.key = json.loads(raw)
+            self.expect = "colon"
+        elif self.expect == "in_value":
+            self._value_ends(position + 1)
+
+    def _value_begins(self, position: int) -> None:
+        self.expect = "in_value"
+        self.value_start = position
+        if self.key in self.arguments_keys and self.args_start < 0:
+            self.args_start = position
+
+    def _value_ends(self, end: int) -> None:
+        raw = "".join(self.text[self.value_start:end])
+        if self.key == "name" and self.name is None:
+            try:
+                name = json.loads(raw)
+            except ValueError:
+                name = None
+            self.name = name if isinstance(name, str) else None
+        if self.key in self.arguments_keys and self.args_start == self.value_start:
+            self.args_end = end
+        self.expect = "comma"
+
+    def arguments_so_far(self) -> str:
+        if self.args_start < 0:
+            return ""
+        end = self.args_end if self.args_end >= 0 else len(self.text)
+        return "".join(self.text[self.args_start:end])
+
+
+class ToolCallParser:
+    """Splits a model's output, fed as it streams, into content and tool calls in ``fmt``.
+
+    ``feed(text)`` returns the events the new text completes: content to show, a call
+    starting (once its name is known), pieces of its arguments JSON (for OpenAI
+    ``delta.tool_calls[].function.arguments`` or Anthropic ``input_json_delta``), a call
+    ending. Text that might be the start of a marker is held back until it is decided.
+    ``finish()`` flushes at the end of the output; ``calls`` holds every call seen.
+    """
+
+    def __init__(self, fmt: ToolCallFormat, *, new_id: Callable[[], str] = _new_call_id) -> None:
+        self.fmt = fmt
+        self.new_id = new_id
+        self.calls: list[ToolCall] = []
+        self._pending = ""
+        self._state = "text"  # text, call, between
+        self._scanner: _CallScanner | None = None
+        self._current: ToolCall | None = None
+        self._sent_arguments = 0
+        self._arguments_keys = {fmt.arguments_key, "arguments", "parameters"}
+        self._openers = self._text_openers()
+
+    def _text_openers(self) -> tuple[str, ...]:
+        if self.fmt.open:
+            return (self.fmt.open.strip() or self.fmt.open,)
+        return tuple(p + "{" for p in self.fmt.ignorable_prefixes) + ('{"name"',)
+
+    def feed(self, text: str) -> list[Event]:
+        self._pending += text
+        events: list[Event] = []
+        while self._pending:
+            before = (self._state, len(self._pending))
+            if self._state == "text":
+                self._scan_text(events)
+            elif self._state == "call":
+                self._scan_call(events)
+            else:
+                self._scan_between(events)
+            if (self._state, len(self._pending)) == before:
+                break  # waiting for more text to decide
+        return events
+
+    def finish(self) -> list[Event]:
+        """Flush at the end of the output: held-back text is content; a call cut off
+        (``max_tokens``) stays in ``calls`` with ``complete=False``."""
+        events: list[Event] = []
+        if self._state == "call" and self._current is not None:
+            self._emit_arguments(events)
+        elif self._pending and self._state in ("text", "between") and not self._is_gap(self._pending):
+            events.append(ContentDelta(self._pending))
+        self._pending = ""
+        return events
+
+    # text: content until an opener
+    def _scan_text(self, events: list[Event]) -> None:
+        pending = self._pending
+        best = -1
+        for opener in self._openers:
+            found = pending.find(opener)
+            if found >= 0 and (best < 0 or found < best):
+                best = found
+        if best >= 0:
+            if best and not self._is_gap(pending[:best]):
+                events.append(ContentDelta(pending[:best]))
+            self._pending = pending[best:]
+            self._enter_call_framing()
+            return
+        if self._is_gap(pending):
+            return  # whitespace after a call: content only if text follows
+        # Hold back a tail that could still grow into an opener.
+        hold = 0
+        for opener in self._openers:
+            for size in range(min(len(opener) - 1, len(pending)), 0, -1):
+                if opener.startswith(pending[-size:]):
+                    hold = max(hold, size)
+                    break
+        if len(pending) > hold and not self._is_gap(pending[:len(pending) - hold]):
+            events.append(ContentDelta(pending[:len(pending) - hold]))
+            self._pending = pending[len(pending) - hold:]
+
+    def _is_gap(self, text: str) -> bool:
+        # The newline a model writes between or after its calls is layout, not content.
+        return bool(self.calls) and not text.strip()
+
+    def _enter_call_framing(self) -> None:
+        pending = self._pending
+        for prefix in (self.fmt.open, self.fmt.open.strip(), *self.fmt.ignorable_prefixes):
+            if prefix and pending.startswith(prefix):
+                pending = pending[len(prefix):]
+                break
+        self._pending = pending
+        self._state = "between"
+
+    # between: whitespace, list brackets and separators around call objects
+    def _scan_between(self, events: list[Event]) -> None:
+        original = self._pending
+        pending = original.lstrip()
+        fmt = self.fmt
+        if not pending:
+            return  # whitespace: wait to see what follows
+        if pending[0] == "{":
+            self._pending = pending
+            self._start_call()
+            return
+        for token in (fmt.list_open, fmt.separator.strip()):
+            if token and pending.startswith(token):
+                self._pending = pending[len(token):]
+                return
+        closers = [c for c in (fmt.list_close, fmt.close.strip()) if c]
+        for closer in closers:
+            if pending.startswith(closer):
+                self._pending = pending[len(closer):]
+                self._state = "text"
+                return
+            if closer.startswith(pending):
+                self._pending = pending
+                return  # a closer still arriving
+        # Anything else ends the calls: back to content, whitespace included.
+        self._pending = original
+        self._state = "text"
+
+    def _start_call(self) -> None:
+        self._scanner = _CallScanner(self._arguments_keys)
+        self._current = ToolCall(index=len(self.calls), id=self.new_id())
+        self._sent_arguments = 0
+        self._announced = False
+        self._state = "call"
+
+    def _scan_call(self, events: list[Event]) -> None:
+        scanner, call = self._scanner, self._current
+        assert scanner is not None and call is not None
+        consumed = 0
+        for char in self._pending:
+            scanner.feed(char)
+            consumed += 1
+            if scanner.done:
+                break
+        self._pending = self._pending[consumed:]
+        if scanner.name is not None and not self._announced:
+            call.name = scanner.name
+            self.calls.append(call)
+            self._announced = True
+            events.append(ToolCallStart(call.index, call.id, call.name))
+        if self._announced:
+            self._emit_arguments(events)
+        if scanner.done:
+            if not self._announced:  # a JSON object without a name: it was content
+                events.append(ContentDelta("".join(scanner.text)))
+            else:
+                call.arguments = scanner.arguments_so_far()
+                call.complete = True
+                events.append(ToolCallEnd(call.index, call))
+            self._scanner = self._current = None
+            self._state = "between"
+
+    def _emit_arguments(self, events: list[Event]) -> None:
+        scanner, call = self._scanner, self._current
+        if scanner is None or call is None or not self._announced:
+            return
+        arguments = scanner.arguments_so_far()
+        call.arguments = arguments
+        if len(arguments) > self._sent_arguments:
+            events.append(ToolCallArgumentsDelta(call.index, arguments[self._sent_arguments:]))
+            self._sent_arguments = len(arguments)
+
+
+def parse_tool_calls(fmt: ToolCallFormat, text: str) -> tuple[str, list[ToolCall]]:
+    """The content and the complete tool calls of a whole output (non-streaming)."""
+    parser = ToolCallParser(fmt)
+    content = [e.text for e in [*parser.feed(text), *parser.finish()] if isinstance(e, ContentDelta)]
+    return "".join(content), [call for call in parser.calls if call.complete]
+
+
+__all__ += ["Event", "parse_tool_calls"]

@@ -1,0 +1,182 @@
+"""Compiled grammars: cached once per tokenizer, bounded, errors that name the field,
+compiles that cannot hang a request."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None,
+                                reason="xgrammar is not installed (./setup.sh installs it)")
+
+from omlx_core.grammar import (  # noqa: E402
+    GrammarCompileTimeout,
+    GrammarCompilerCache,
+    GrammarError,
+    GrammarSpec,
+    compiler_for,
+)
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from mlx_lm import load
+
+    _, tokenizer = load(str(tiny_model_path("llama")))
+    return tokenizer
+
+
+@pytest.fixture()
+def cache(tokenizer):
+    cache = GrammarCompilerCache(tokenizer, vocab_size=512, capacity=2)
+    yield cache
+    cache.close()
+
+
+def test_second_compile_of_the_same_grammar_is_a_cache_hit(cache):
+    cold = cache.compile(GrammarSpec.json_schema(SCHEMA))
+    # The same schema written with other whitespace is the same grammar.
+    warm = cache.compile(GrammarSpec.json_schema(json.dumps(SCHEMA, indent=4)))
+    assert not cold.cached and warm.cached
+    assert warm.grammar is cold.grammar
+    assert warm.compile_seconds == cold.compile_seconds > 0
+    assert (cache.stats.hits, cache.stats.misses) == (1, 1)
+
+
+def test_property_order_and_strictness_make_distinct_grammars(cache):
+    reordered = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}
+    ordered = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    keys = {GrammarSpec.json_schema(reordered).key, GrammarSpec.json_schema(ordered).key,
+            GrammarSpec.json_schema(ordered, strict=False).key}
+    assert len(keys) == 3
+
+
+def test_cache_keeps_the_most_recently_used_up_to_its_capacity(cache):
+    first, second, third = (GrammarSpec.regex(p) for p in ("a+", "b+", "c+"))
+    cache.compile(first)
+    cache.compile(second)
+    cache.compile(first)  # first is now the most recent
+    cache.compile(third)
+    assert len(cache) == 2 and cache.stats.evictions == 1
+    assert first in cache and third in cache and second not in cache
+    assert not cache.compile(second).cached
+
+
+def test_every_kind_compiles(cache):
+    for spec in (GrammarSpec.any_json(), GrammarSpec.json_schema(True), GrammarSpec.regex(r"\d{3}"),
+                 GrammarSpec.ebnf('root ::= "yes" | "no"'),
+                 GrammarSpec.structural_tag({"type": "structural_tag",
+                                             "format": {"type": "const_string", "value": "hi"}})):
+        assert cache.compile(spec).grammar is not None
+
+
+@pytest.mark.parametrize("make, field, words", [
+    (lambda: GrammarSpec.json_schema('{"type": "object",'), "response_format.json_schema.schema", "not valid JSON"),
+    (lambda: GrammarSpec.json_schema(["type", "object"]), "response_format.json_schema.schema", "JSON Schema object"),
+    (lambda: GrammarSpec.json_schema(False), "response_format.json_schema.schema", "no value satisfies"),
+    (lambda: GrammarSpec.regex(""), "regex", "non-empty"),
+    (lambda: GrammarSpec.ebnf("  "), "grammar", "root"),
+    (lambda: GrammarSpec.structural_tag({"format": {}}), "tools", "structural_tag"),
+    (lambda: GrammarSpec.json_schema(SCHEMA, max_whitespace=0), "response_format.json_schema.schema", "max_whitespace"),
+])
+def test_malformed_input_is_refused_before_compiling(make, field, words):
+    with pytest.raises(GrammarError) as caught:
+        make()
+    assert caught.value.field == field and words in caught.value.message
+
+
+@pytest.mark.parametrize("spec, words", [
+    (GrammarSpec.json_schema({"type": "nonsense"}, field="response_format.json_schema.schema"),
+     'Unsupported type "nonsense"'),
+    (GrammarSpec.regex("(abc", field="regex"), "parenthesis is not closed"),
+    (GrammarSpec.ebnf("root ::= undefined_rule", field="grammar"), 'Rule "undefined_rule" is not defined'),
+    (GrammarSpec.structural_tag({"type": "structural_tag", "format": {"type": "bogus"}}, field="tools"),
+     "structural tag"),
+])
+def test_uncompilable_grammar_raises_naming_the_field(cache, spec, words):
+    with pytest.raises(GrammarError) as caught:
+        cache.compile(spec)
+    assert caught.value.field == spec.field
+    assert words in caught.value.message
+    # The C++ source location xgrammar prefixes is no use to a client.
+    assert ".cc:" not in caught.value.message
+    assert cache.stats.errors == 1 and spec not in cache
+
+
+def test_unknown_token_in_a_structural_tag_is_named(cache):
+    tag = {"type": "structural_tag", "format": {"type": "token", "token": "<|not_a_token|>"}}
+    with pytest.raises(GrammarError, match="<|not_a_token|>"):
+        cache.compile(GrammarSpec.structural_tag(tag))
+
+
+def slow_grammar() -> GrammarSpec:
+    # 6000 alternatives take ~2 s to compile against the 512-token test vocabulary on
+    # one core: 40x the time limit below, so the timeout is certain.
+    return GrammarSpec.ebnf("root ::= " + " | ".join(f'"word{i}" root?' for i in range(6000)),
+                            field="grammar")
+
+
+def test_a_compile_past_the_time_limit_raises_and_finishes_in_the_background(tokenizer):
+    cache = GrammarCompilerCache(tokenizer, vocab_size=512, compile_timeout_s=0.05)
+    try:
+        spec = slow_grammar()
+        started = time.perf_counter()
+        with pytest.raises(GrammarCompileTimeout) as caught:
+            cache.compile(spec)
+        assert time.perf_counter() - started < 1.0
+        assert caught.value.field == "grammar" and "0.05 s" in caught.value.message
+        assert cache.stats.timeouts == 1
+        # A retry while it compiles waits on the same compile rather than starting another.
+        with pytest.raises(GrammarCompileTimeout):
+            cache.compile(spec)
+        assert cache.stats.misses == 2 and len(cache._inflight) <= 1
+        deadline = time.monotonic() + 120
+        while spec not in cache and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cache.compile(spec).cached
+    finally:
+        cache.close()
+
+
+def test_vocab_size_is_the_logits_width_not_the_tokenizer_size(tokenizer):
+    cache = GrammarCompilerCache(tokenizer, vocab_size=544)
+    assert cache.vocab_size == 544 and cache.compile(GrammarSpec.any_json()).vocab_size == 544
+
+
+def test_compiler_for_builds_one_cache_per_tokenizer_and_vocabulary(tokenizer):
+    first = compiler_for(tokenizer, vocab_size=512)
+    assert compiler_for(tokenizer, vocab_size=512) is first
+    assert compiler_for(tokenizer, vocab_size=544) is not first
+
+
+def test_without_xgrammar_the_error_says_how_to_install_it():
+    code = (
+        "import sys; sys.modules['xgrammar'] = None\n"  # the documented way to make an import fail
+        "from omlx_core.grammar import GrammarUnavailable, import_xgrammar\n"
+        "try:\n    import_xgrammar()\nexcept GrammarUnavailable as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "pip install --no-deps" in done.stdout and "omlx-core[grammar]" in done.stdout
+
+
+def test_a_hugging_face_tokenizer_works_as_well_as_mlx_lms_wrapper(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    from omlx_core.testing import build_tokenizer, special_token_id
+    from omlx_core.testing.tokenizer import IM_END
+
+    build_tokenizer(tmp_path)
+    cache = GrammarCompilerCache(AutoTokenizer.from_pretrained(tmp_path), vocab_size=512)
+    try:
+        assert cache.stop_token_ids == [special_token_id(IM_END)]
+        assert cache.compile(GrammarSpec.regex("(yes|no)")).grammar is not None
+    finally:
+        cache.close()
