@@ -54,7 +54,7 @@ REQUIRED_SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "seed",
                                "stop", "stop_token_ids"})
 #: Sampling fields an engine may honour; it lists the ones it does in ``supported_sampling``.
 OPTIONAL_SAMPLING = frozenset({"repetition_penalty", "presence_penalty", "frequency_penalty",
-                               "logit_bias", "logprobs"})
+                               "logit_bias", "logprobs", "grammar"})
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,11 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     # None: no logprobs; 0: the chosen token's; k > 0: also the k most likely.
     logprobs: int | None = None
+    #: constrain the output to a grammar (an :class:`omlx_core.grammar.GrammarSpec`: a
+    #: JSON schema, any JSON, a regex, EBNF, a tool-call structure); the output ends
+    #: when the grammar is complete. An engine that honours it raises
+    #: :class:`omlx_core.grammar.GrammarError` from ``submit`` for one it cannot compile.
+    grammar: Any = None
 
     def optional_fields_set(self) -> set[str]:
         """The :data:`OPTIONAL_SAMPLING` fields that differ from their neutral value."""

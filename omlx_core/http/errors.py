@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import falcon
 
+from omlx_core.grammar import GrammarError
 from omlx_core.memory.types import RequestRejected
 from omlx_core.serving import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 
@@ -88,6 +89,8 @@ def api_error(error: Exception) -> APIError:
         return APIError(404, error.message, code=error.code, param=error.param)
     if isinstance(error, InvalidRequest):
         return APIError(400, error.message, code=error.code, param=error.param)
+    if isinstance(error, GrammarError):
+        return APIError(400, str(error), code="invalid_grammar", param=error.field)
     if isinstance(error, RequestAborted):
         return APIError(503, str(error), code="aborted")
     if isinstance(error, EngineFailed):
@@ -163,5 +166,5 @@ def install_error_handlers(app: falcon.App) -> None:
     app.add_error_handler(Exception, handle_unexpected_error)
     app.add_error_handler(falcon.HTTPError, handle_falcon_error)
     app.add_error_handler(APIError, handle_api_error)
-    app.add_error_handler((InvalidRequest, RequestRejected, EngineFailed, RequestAborted),
-                          handle_serving_error)
+    app.add_error_handler((InvalidRequest, RequestRejected, EngineFailed, RequestAborted,
+                           GrammarError), handle_serving_error)

@@ -8,6 +8,7 @@ from typing import Any, Iterator, Mapping
 import falcon
 
 from omlx_core.engine import SamplingParams, TokenLogprob
+from omlx_core.grammar import GrammarSpec
 from omlx_core.http.body import read_request
 from omlx_core.http.errors import api_error, bad_request, openai_error_body
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST
@@ -21,6 +22,21 @@ FINISH_REASONS = {"stop": "stop", "length": "length"}
 def _get(body: Mapping[str, Any], name: str, default: Any) -> Any:
     value = body.get(name)
     return default if value is None else value
+
+
+def grammar_of(response_format: Mapping[str, Any] | None) -> GrammarSpec | None:
+    """The grammar an OpenAI ``response_format`` asks for (``None`` for plain text)."""
+    if not response_format or response_format["type"] == "text":
+        return None
+    if response_format["type"] == "json_object":
+        return GrammarSpec.any_json(field="response_format")
+    spec = response_format.get("json_schema")
+    if spec is None:
+        raise bad_request("response_format of type json_schema needs a json_schema object "
+                          "with a name and a schema", "response_format.json_schema")
+    return GrammarSpec.json_schema(spec.get("schema", True),
+                                   strict=bool(spec.get("strict") or False),
+                                   field="response_format.json_schema.schema")
 
 
 def sampling_from(body: Mapping[str, Any], max_tokens: int | None,
@@ -41,6 +57,7 @@ def sampling_from(body: Mapping[str, Any], max_tokens: int | None,
         frequency_penalty=float(_get(body, "frequency_penalty", 0.0)),
         logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
         logprobs=logprobs,
+        grammar=grammar_of(body.get("response_format")),
     )
 
 

@@ -109,9 +109,20 @@ CHAT_COMPLETION_REQUEST = {
                                    "description": "needs logprobs: true"}),
         "response_format": _nullable({
             "type": "object", "required": ["type"],
-            "properties": {"type": {"const": "text",
-                                    "x-error": "only response_format {\"type\": \"text\"} is "
-                                               "supported"}},
+            "properties": {
+                "type": {"enum": ["text", "json_object", "json_schema"],
+                         "x-error": "response_format.type must be text, json_object or "
+                                    "json_schema"},
+                "json_schema": {
+                    "type": "object", "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1, "maxLength": 64},
+                        "description": {"type": "string"},
+                        "schema": {"type": ["object", "boolean"]},
+                        "strict": _nullable({"type": "boolean"}),
+                    },
+                },
+            },
         }),
         "tools": _unsupported("tool calling"),
         "tool_choice": _unsupported("tool calling"),

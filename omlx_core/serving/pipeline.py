@@ -44,6 +44,7 @@ from omlx_core.engine import (
     SamplingParams,
     TokenLogprob,
 )
+from omlx_core.grammar import GrammarError
 from omlx_core.memory.types import RequestRejected
 from omlx_core.serving.inflight import InFlight
 
@@ -323,6 +324,9 @@ class ServingPipeline:
         release = self._reserve(engine, request_id, tokens, sampling.max_tokens)
         try:
             handle = engine.submit(GenerationRequest(request_id, tokens, sampling))
+        except GrammarError as exc:
+            release()
+            raise InvalidRequest(str(exc), exc.field, "invalid_grammar") from None
         except ValueError as exc:  # the engine's own check of an unservable request
             release()
             raise InvalidRequest(f"the engine cannot serve this request: {exc}") from None

@@ -315,6 +315,14 @@ class BatchedEngine(GuardedEngine):
             raise ValueError("prompt_tokens is empty; a request needs at least one prompt token")
         check_sampling(request.sampling)
         sequence = new_sequence(request)
+        if request.sampling.grammar is not None:
+            # Compiled here, on the request's thread and bounded in time, not on the MLX
+            # thread; an unusable grammar raises GrammarError (HTTP 400 naming its field).
+            from omlx_core.grammar import GrammarConstraint, compiler_for
+
+            compiled = compiler_for(self.tokenizer, vocab_size=self.vocab_size).compile(
+                request.sampling.grammar)
+            sequence.grammar = GrammarConstraint(compiled)
         handle = BatchedRequestHandle(request.request_id, sequence.outputs, self.abort)
         scheduler.enqueue(sequence)
         return handle

@@ -102,6 +102,8 @@ class SequenceState:
     #: first token and handed on to the decode batch
     sampler: Any = None
     processors: tuple[Any, ...] = ()
+    #: the grammar the output must follow (an ``omlx_core.grammar.GrammarConstraint``)
+    grammar: Any = None
 
     @property
     def request_id(self) -> str:
@@ -671,6 +673,9 @@ class Scheduler(MemoryReceiver):
         sampling = sequence.request.sampling
         sequence.sampler = make_sampler(sampling, sequence.seed, self.vocab_size)
         sequence.processors = make_logits_processors(sampling, len(sequence.prompt))
+        if sequence.grammar is not None:
+            # Last: the mask applies to the logits after bias and penalties.
+            sequence.processors += (sequence.grammar.processor(prompt_length=len(sequence.prompt)),)
         if sequence.processors:
             context = mx.array(sequence.prompt)
             for processor in sequence.processors:
