@@ -271,6 +271,16 @@ class Engine(abc.ABC):
     def abort(self, request_id: str) -> None:
         """Stop a request within one engine step and free its cache. Unknown ids are ignored."""
 
+    def chat_template(self) -> str | None:
+        """The model's chat template text, if it has one: the pipeline reads from it how
+        the model writes tool calls and whether it renders tools itself."""
+        return None
+
+    def special_tokens(self) -> frozenset[str]:
+        """The text of the tokenizer's special tokens (so a tool-call marker that is one
+        is matched as a token)."""
+        return frozenset()
+
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes token ``token_id`` stands for (for logprobs)."""
         from omlx_core.models.tokens import token_texts

@@ -13,7 +13,8 @@ from omlx_core.http.body import read_request
 from omlx_core.http.errors import api_error, bad_request, openai_error_body
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST
 from omlx_core.http.sse import KEEPALIVE, Responder, frame
-from omlx_core.serving import Generation, Job
+from omlx_core.grammar.toolcalls import ToolCallArgumentsDelta, ToolCallStart
+from omlx_core.serving import Generation, Job, ToolRequest
 
 DONE = b"data: [DONE]\n\n"
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -75,9 +76,22 @@ def _message_text(content: Any) -> str:
     return "".join(part["text"] for part in content)
 
 
+def _chat_message(message: Mapping[str, Any], index: int) -> dict[str, Any]:
+    role = "system" if message["role"] == "developer" else message["role"]
+    content = message.get("content")
+    if content is None and not (role == "assistant" and message.get("tool_calls")):
+        raise bad_request(f"messages[{index}].content is missing; only an assistant message "
+                          "with tool_calls may leave it out", f"messages[{index}].content")
+    result: dict[str, Any] = {"role": role,
+                              "content": None if content is None else _message_text(content)}
+    for key in ("tool_calls", "tool_call_id", "name"):
+        if message.get(key) is not None:
+            result[key] = message[key]
+    return result
+
+
 def chat_job(body: Mapping[str, Any]) -> Job:
-    messages = [{"role": "system" if m["role"] == "developer" else m["role"],
-                 "content": _message_text(m["content"])} for m in body["messages"]]
+    messages = [_chat_message(m, i) for i, m in enumerate(body["messages"])]
     given = body.get("max_completion_tokens")
     param = "max_completion_tokens"
     if given is None:
@@ -88,8 +102,12 @@ def chat_job(body: Mapping[str, Any]) -> Job:
     elif body.get("top_logprobs") is not None:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     sampling = sampling_from(body, int(given) if given is not None else None, logprobs)
+    tools = None
+    if body.get("tools"):
+        tools = ToolRequest(body["tools"], body.get("tool_choice") or "auto",
+                            body.get("parallel_tool_calls") is not False)
     return Job(body["model"], sampling, messages=messages, prompt_param="messages",
-               max_tokens_param=param, id_prefix="chatcmpl-")
+               max_tokens_param=param, id_prefix="chatcmpl-", tools=tools)
 
 
 def completion_job(body: Mapping[str, Any]) -> Job:
@@ -116,6 +134,22 @@ def usage_of(generation: Generation) -> dict[str, Any]:
         "total_tokens": generation.prompt_tokens + generation.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
     }
+
+
+def _finish_reason(generation: Generation) -> str:
+    if generation.tool_calls:
+        return "tool_calls"
+    return FINISH_REASONS[generation.finish_reason]
+
+
+def _tool_call_delta(event: Any) -> dict[str, Any] | None:
+    """One tool-call event as an element of OpenAI's ``delta.tool_calls``."""
+    if isinstance(event, ToolCallStart):
+        return {"index": event.index, "id": event.id, "type": "function",
+                "function": {"name": event.name, "arguments": ""}}
+    if isinstance(event, ToolCallArgumentsDelta) and event.text:
+        return {"index": event.index, "function": {"arguments": event.text}}
+    return None
 
 
 def error_frames(error: Exception) -> list[bytes]:
@@ -226,11 +260,17 @@ class ChatCompletions(_Completions):
                 entries.extend(logprobs.chat(delta.logprobs)["content"])
         if self._ended_in_error(generation):
             self._raise_generation_error(generation)
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text), "refusal": None}
+        calls = generation.tool_calls
+        if calls:
+            message["content"] = message["content"] or None
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in calls]
         return {**self._head(generation, "chat.completion"), "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": "".join(text), "refusal": None},
+            "index": 0, "message": message,
             "logprobs": {"content": entries, "refusal": None} if wants_logprobs else None,
-            "finish_reason": FINISH_REASONS[generation.finish_reason],
+            "finish_reason": _finish_reason(generation),
         }], "usage": usage_of(generation)}
 
     def frames(self, generation: Generation, include_usage: bool) -> Iterator[bytes]:
@@ -250,11 +290,15 @@ class ChatCompletions(_Completions):
                 yield KEEPALIVE
                 continue
             entries = logprobs.chat(delta.logprobs) if logprobs and delta.logprobs else None
-            yield chunk({"content": delta.text}, token_logprobs=entries)
+            if delta.text or entries:
+                yield chunk({"content": delta.text}, token_logprobs=entries)
+            calls = [_tool_call_delta(event) for event in delta.tool_events]
+            if any(calls):
+                yield chunk({"tool_calls": [c for c in calls if c]})
         if self._ended_in_error(generation):
             yield from self.responder.stream_error(generation, error_frames)
             return
-        yield chunk({}, FINISH_REASONS[generation.finish_reason])
+        yield chunk({}, _finish_reason(generation))
         if include_usage:
             yield frame({**head, "choices": [], "usage": usage_of(generation)})
         yield DONE

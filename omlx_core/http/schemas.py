@@ -80,18 +80,31 @@ _SAMPLING = {
     "user": {"type": "string"},
 }
 
+TOOL_CALL = {
+    "type": "object",
+    "required": ["id", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string"}}},
+    },
+}
+
 CHAT_MESSAGE = {
     "type": "object",
-    "required": ["role", "content"],
+    "required": ["role"],
     "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant"],
-                 "x-error": "role must be system, developer, user or assistant (tool messages "
-                            "are not supported)"},
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"],
+                 "x-error": "role must be system, developer, user, assistant or tool"},
         "content": {"anyOf": [
+            {"type": "null"},
             {"type": "string"},
             {"type": "array", "items": TEXT_PART},
         ]},
         "name": {"type": "string"},
+        "tool_calls": {"type": "array", "items": TOOL_CALL},
+        "tool_call_id": {"type": "string"},
     },
 }
 
@@ -124,8 +137,11 @@ CHAT_COMPLETION_REQUEST = {
                 },
             },
         }),
-        "tools": _unsupported("tool calling"),
-        "tool_choice": _unsupported("tool calling"),
+        "tools": _nullable({"type": "array", "minItems": 1, "maxItems": 128,
+                            "items": {"type": "object"}}),
+        "tool_choice": {"anyOf": [{"type": "null"}, {"enum": ["auto", "none", "required"]},
+                                  {"type": "object"}]},
+        "parallel_tool_calls": _nullable({"type": "boolean"}),
         "functions": _unsupported("function calling"),
         "function_call": _unsupported("function calling"),
         "audio": _unsupported("audio output"),

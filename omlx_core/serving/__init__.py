@@ -18,6 +18,7 @@ from omlx_core.serving.pipeline import (
     ServingPipeline,
     UnknownModel,
 )
+from omlx_core.serving.tools import ToolRequest
 
 __all__ = ["Delta", "EngineFailed", "Generation", "InvalidRequest", "Job", "RequestAborted",
-           "RequestRejected", "ServingEvents", "ServingPipeline", "UnknownModel"]
+           "RequestRejected", "ServingEvents", "ServingPipeline", "ToolRequest", "UnknownModel"]

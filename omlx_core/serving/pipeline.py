@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from omlx_core.engine import (
@@ -47,6 +47,8 @@ from omlx_core.engine import (
 from omlx_core.grammar import GrammarError
 from omlx_core.memory.types import RequestRejected
 from omlx_core.serving.inflight import InFlight
+from omlx_core.grammar.toolcalls import ContentDelta
+from omlx_core.serving.tools import ToolRequest, ToolTurn, content_of, prepare
 
 if TYPE_CHECKING:
     from omlx_core.memory.admission import AdmissionTicket
@@ -76,6 +78,10 @@ class Job:
     text: str | None = None
     token_ids: list[int] | None = None
     max_tokens_is_cap: bool = False
+    #: functions the model may call (chat requests only)
+    tools: ToolRequest | None = None
+    #: extra arguments for the engine's chat template (the pipeline sets ``tools``)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
     #: the request parameters that carry the prompt and max_tokens, for error messages
     prompt_param: str = "messages"
     max_tokens_param: str = "max_tokens"
@@ -133,11 +139,14 @@ class ServingEvents:
 @dataclass
 class Delta:
     """New text of a request and the logprobs of the tokens that produced it; a
-    ``keepalive`` delta carries nothing and says the request is still being prefilled."""
+    ``keepalive`` delta carries nothing and says the request is still being prefilled.
+    With tools, ``text`` is content only and ``tool_events`` the tool-call pieces
+    (:mod:`omlx_core.grammar.toolcalls` start, arguments and end events)."""
 
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
     keepalive: bool = False
+    tool_events: tuple[Any, ...] = ()
 
 
 # -- a started request ------------------------------------------------------------------------
@@ -150,7 +159,8 @@ class Generation:
     def __init__(self, *, request_id: str, engine: Engine, model_id: str, prompt_tokens: int,
                  sampling: SamplingParams, handle: RequestHandle, first: GenerationOutput | None,
                  release: Callable[[], None], events: ServingEvents,
-                 arrived: float, keepalive_s: float | None = None):
+                 arrived: float, keepalive_s: float | None = None,
+                 tool_turn: ToolTurn | None = None):
         self.request_id = request_id
         self.engine = engine
         self.model_id = model_id
@@ -172,12 +182,18 @@ class Generation:
         self._keepalive_s = keepalive_s
         self._release = release
         self._events = events
+        self._tools = tool_turn
         self._closed = False
         self._lock = threading.Lock()
 
     @property
     def error(self) -> str | None:
         return None if self.failure is None else str(self.failure)
+
+    @property
+    def tool_calls(self) -> list[Any]:
+        """The complete tool calls the output made (``ToolCall``: id, name, arguments)."""
+        return self._tools.calls if self._tools is not None else []
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes of a token of this request's model (for logprobs)."""
@@ -194,8 +210,9 @@ class Generation:
                 self.completion_tokens += len(output.token_ids)
                 if output.usage is not None:
                     usage = output.usage
-                if output.text or output.logprobs:
-                    yield Delta(output.text, output.logprobs or ())
+                delta = self._delta(output)
+                if delta.text or delta.logprobs or delta.tool_events:
+                    yield delta
                 if output.finished:
                     self._finish(output)
                     break
@@ -208,6 +225,15 @@ class Generation:
                 self.completion_tokens = usage.completion_tokens
                 self.cached_tokens = usage.cached_tokens
             self._events.finished(self.model_id, self.completion_tokens, self.cached_tokens)
+
+    def _delta(self, output: GenerationOutput) -> Delta:
+        if self._tools is None:
+            return Delta(output.text, output.logprobs or ())
+        events = self._tools.feed(output.text)
+        if output.finished:
+            events += self._tools.finish()
+        return Delta(content_of(events), output.logprobs or (),
+                     tool_events=tuple(e for e in events if not isinstance(e, ContentDelta)))
 
     def _all_outputs(self) -> Iterator[GenerationOutput | None]:
         """The outputs, with ``None`` for every keep-alive interval that passed without
@@ -294,6 +320,7 @@ class ServingPipeline:
         """The prompt tokens ``job`` would prefill (chat template applied), without running
         it: what Anthropic's ``count_tokens`` answers."""
         engine = self.engine(job.model_id)
+        job, _ = self._with_tools(engine, job)
         return len(self._tokenize(engine, job, engine.limits()))
 
     # -- starting a request --------------------------------------------------------------
@@ -316,6 +343,7 @@ class ServingPipeline:
         arrived = time.monotonic()
         engine = self.engine(job.model_id)
         limits = engine.limits()
+        job, tool_turn = self._with_tools(engine, job)
         self._check_supported(engine, job)
         tokens = self._tokenize(engine, job, limits)
         sampling = self._settle_max_tokens(job, limits, len(tokens))
@@ -350,7 +378,8 @@ class ServingPipeline:
         return Generation(request_id=request_id, engine=engine, model_id=job.model_id,
                           prompt_tokens=len(tokens), sampling=sampling, handle=handle,
                           first=first, release=release_all, events=self.events,
-                          arrived=arrived, keepalive_s=first_output_wait_s)
+                          arrived=arrived, keepalive_s=first_output_wait_s,
+                          tool_turn=tool_turn)
 
     def _first_output(self, request_id: str, handle: RequestHandle,
                       client_gone: Callable[[], bool] | None, release: Callable[[], None],
@@ -390,6 +419,22 @@ class ServingPipeline:
 
     # -- the checks ------------------------------------------------------------------------
 
+    def _with_tools(self, engine: Engine, job: Job) -> tuple[Job, ToolTurn | None]:
+        """``job`` with its tools rendered for the engine's template and their grammar."""
+        if job.tools is None or job.messages is None:
+            return job, None
+        if job.sampling.grammar is not None:
+            raise InvalidRequest("response_format and tools cannot be used together; send one",
+                                 "response_format")
+        try:
+            prepared = prepare(job.tools, job.messages, engine.chat_template(),
+                               engine.special_tokens())
+        except GrammarError as exc:
+            raise InvalidRequest(str(exc), exc.field, "invalid_tools") from None
+        job = replace(job, messages=prepared.messages, template_kwargs=prepared.template_kwargs,
+                      sampling=replace(job.sampling, grammar=prepared.grammar))
+        return job, ToolTurn(prepared.fmt)
+
     def _check_supported(self, engine: Engine, job: Job) -> None:
         unsupported = sorted(job.sampling.optional_fields_set() - set(engine.supported_sampling))
         if unsupported:
@@ -401,7 +446,7 @@ class ServingPipeline:
     def _tokenize(self, engine: Engine, job: Job, limits: EngineLimits) -> list[int]:
         try:
             if job.messages is not None:
-                tokens = engine.tokenize_chat(job.messages)
+                tokens = engine.tokenize_chat(job.messages, **job.template_kwargs)
             elif job.text is not None:
                 tokens = engine.tokenize(job.text)
             else:
