@@ -102,3 +102,44 @@ def test_tools_that_cannot_be_used_are_a_400_naming_the_field(client, tools, too
         client.chat.completions.create(model=MODEL, messages=ASK, tools=tools,
                                        tool_choice=tool_choice, max_tokens=5)
     assert refused.value.body["param"] == param
+
+
+anthropic = pytest.importorskip("anthropic")
+CLAUDE_WEATHER = {"name": "get_weather", "description": "Current weather in a city",
+                  "input_schema": WEATHER["function"]["parameters"]}
+
+
+@pytest.fixture
+def claude(server):
+    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def test_anthropic_tool_use_blocks_validate_and_stream_as_input_json_delta(claude) -> None:
+    reply = claude.messages.create(model=MODEL, max_tokens=200, messages=ASK, extra_body={"temperature": 0},
+                                   tools=[CLAUDE_WEATHER], tool_choice={"type": "any"})
+    assert reply.stop_reason == "tool_use"
+    [use] = [block for block in reply.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and use.id
+    jsonschema.validate(use.input, CLAUDE_WEATHER["input_schema"])
+    with claude.messages.stream(model=MODEL, max_tokens=200, messages=ASK, extra_body={"temperature": 0},
+                                tools=[CLAUDE_WEATHER], tool_choice={"type": "any"}) as stream:
+        partial = "".join(e.delta.partial_json for e in stream
+                          if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+        final = stream.get_final_message()
+    assert json.loads(partial) == use.input
+    assert [b for b in final.content if b.type == "tool_use"][0].input == use.input
+
+
+def test_anthropic_tool_results_in_the_history_and_count_tokens_with_tools(claude) -> None:
+    history = ASK + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris", "unit": "celsius"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": "21 degrees"}]}]
+    reply = claude.messages.create(model=MODEL, max_tokens=5, messages=history, extra_body={"temperature": 0},
+                                   tools=[CLAUDE_WEATHER], tool_choice={"type": "none"})
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+    with_tools = claude.messages.count_tokens(model=MODEL, messages=ASK, tools=[CLAUDE_WEATHER])
+    without = claude.messages.count_tokens(model=MODEL, messages=ASK)
+    assert with_tools.input_tokens > without.input_tokens  # the functions are in the prompt

@@ -1,7 +1,9 @@
-"""The Anthropic Messages endpoint: ``POST /v1/messages``, streaming events and not."""
+"""The Anthropic Messages endpoint: ``POST /v1/messages``, streaming events and not,
+with tools (``tool_use`` blocks out, ``tool_result`` blocks in)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterator, Mapping
 
 import falcon
@@ -11,13 +13,37 @@ from omlx_core.http.body import read_request
 from omlx_core.http.errors import anthropic_error_body, api_error
 from omlx_core.http.schemas import MESSAGES_REQUEST
 from omlx_core.http.sse import Responder, frame
-from omlx_core.serving import Generation, Job
+from omlx_core.grammar.toolcalls import ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
+from omlx_core.serving import Generation, Job, ToolRequest
 
 
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    return "".join(block["text"] for block in content)
+    return "".join(block.get("text", "") for block in content if block["type"] == "text")
+
+
+def _chat_messages(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: tool results become ``tool`` messages,
+    tool uses the assistant's ``tool_calls``."""
+    content = message["content"]
+    if isinstance(content, str):
+        return [{"role": message["role"], "content": content}]
+    out: list[dict[str, Any]] = []
+    results = [b for b in content if b["type"] == "tool_result"]
+    for block in results:
+        out.append({"role": "tool", "tool_call_id": block.get("tool_use_id", ""),
+                    "content": _text(block.get("content") or "")})
+    uses = [b for b in content if b["type"] == "tool_use"]
+    text = _text(content)
+    if uses:
+        out.append({"role": "assistant", "content": text or None, "tool_calls": [
+            {"id": b.get("id", ""), "type": "function",
+             "function": {"name": b.get("name", ""), "arguments": json.dumps(b.get("input") or {})}}
+            for b in uses]})
+    elif text or not results:
+        out.append({"role": message["role"], "content": text})
+    return out
 
 
 def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -25,8 +51,14 @@ def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     messages = []
     if body.get("system") is not None:
         messages.append({"role": "system", "content": _text(body["system"])})
-    return messages + [{"role": m["role"], "content": _text(m["content"])}
-                       for m in body["messages"]]
+    return messages + [m for message in body["messages"] for m in _chat_messages(message)]
+
+
+def tools_of(body: Mapping[str, Any]) -> ToolRequest | None:
+    if not body.get("tools"):
+        return None
+    choice = body.get("tool_choice") or {"type": "auto"}
+    return ToolRequest(body["tools"], choice, not choice.get("disable_parallel_tool_use", False))
 
 
 def messages_job(body: Mapping[str, Any]) -> Job:
@@ -41,10 +73,13 @@ def messages_job(body: Mapping[str, Any]) -> Job:
     # Anthropic clients treat max_tokens as a cap and often send more than a small
     # model's context holds; it is shortened to fit rather than refused.
     return Job(body["model"], sampling, messages=messages, prompt_param="messages",
-               max_tokens_param="max_tokens", max_tokens_is_cap=True, id_prefix="msg_")
+               max_tokens_param="max_tokens", max_tokens_is_cap=True, id_prefix="msg_",
+               tools=tools_of(body))
 
 
 def _stop_reason(generation: Generation) -> str:
+    if generation.tool_calls:
+        return "tool_use"
     if generation.stop_sequence is not None:
         return "stop_sequence"
     return "max_tokens" if generation.finish_reason == "length" else "end_turn"
@@ -89,7 +124,11 @@ class Messages:
         text = "".join(delta.text for delta in generation.deltas())
         if generation.finish_reason not in ("stop", "length"):
             raise api_error(generation.failure or RuntimeError("generation failed"))
-        return self._message(generation, [{"type": "text", "text": text}], _stop_reason(generation),
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not \
+            generation.tool_calls else []
+        content += [{"type": "tool_use", "id": call.id, "name": call.name,
+                     "input": call.arguments_json()} for call in generation.tool_calls]
+        return self._message(generation, content, _stop_reason(generation),
                              generation.stop_sequence, _usage(generation))
 
     def events(self, generation: Generation) -> Iterator[bytes]:
@@ -97,16 +136,32 @@ class Messages:
         yield _event("message_start", message=self._message(generation, [], None, None, start_usage))
         yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
         yield _event("ping")
+        block, open_block = 0, True  # the block being written, and whether it is open
         for delta in generation.deltas():
             if delta.keepalive:
                 yield _event("ping")
-            elif delta.text:
+                continue
+            if delta.text and open_block and block == 0:
                 yield _event("content_block_delta", index=0,
                              delta={"type": "text_delta", "text": delta.text})
+            for event in delta.tool_events:
+                if isinstance(event, ToolCallStart):
+                    if open_block:
+                        yield _event("content_block_stop", index=block)
+                    block, open_block = block + 1, True
+                    yield _event("content_block_start", index=block, content_block={
+                        "type": "tool_use", "id": event.id, "name": event.name, "input": {}})
+                elif isinstance(event, ToolCallArgumentsDelta) and event.text and open_block:
+                    yield _event("content_block_delta", index=block,
+                                 delta={"type": "input_json_delta", "partial_json": event.text})
+                elif isinstance(event, ToolCallEnd) and open_block:
+                    yield _event("content_block_stop", index=block)
+                    open_block = False
         if generation.finish_reason not in ("stop", "length"):
             yield from self.responder.stream_error(generation, error_frames)
             return
-        yield _event("content_block_stop", index=0)
+        if open_block:
+            yield _event("content_block_stop", index=block)
         yield _event("message_delta",
                      delta={"stop_reason": _stop_reason(generation),
                             "stop_sequence": generation.stop_sequence},

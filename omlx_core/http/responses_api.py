@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping
 import falcon
 
 from omlx_core.engine import SamplingParams
-from omlx_core.http.anthropic_api import messages_of
+from omlx_core.http.anthropic_api import messages_of, tools_of
 from omlx_core.http.body import read_request
 from omlx_core.http.errors import api_error
 from omlx_core.http.schemas import COUNT_TOKENS_REQUEST, RESPONSES_REQUEST
@@ -162,6 +162,7 @@ class CountTokens:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_request(req, self.max_body, COUNT_TOKENS_REQUEST)
-        job = Job(body["model"], SamplingParams(), messages=messages_of(body))
+        job = Job(body["model"], SamplingParams(), messages=messages_of(body),
+                  tools=tools_of(body))
         resp.media = {"input_tokens": self.pipeline.count_tokens(job)}
 

@@ -184,6 +184,23 @@ ANTHROPIC_TEXT_BLOCK = {
     },
 }
 
+ANTHROPIC_CONTENT_BLOCK = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {
+        "type": {"enum": ["text", "tool_use", "tool_result"],
+                 "x-error": "content blocks must be text, tool_use or tool_result"},
+        "text": {"type": "string"},
+        "id": {"type": "string"},
+        "name": {"type": "string"},
+        "input": {"type": "object"},
+        "tool_use_id": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"},
+                              {"type": "array", "items": ANTHROPIC_TEXT_BLOCK}]},
+        "is_error": {"type": "boolean"},
+    },
+}
+
 MESSAGES_REQUEST = {
     "type": "object",
     "required": ["model", "max_tokens", "messages"],
@@ -197,7 +214,7 @@ MESSAGES_REQUEST = {
                 "role": {"enum": ["user", "assistant"]},
                 "content": {"anyOf": [
                     {"type": "string"},
-                    {"type": "array", "items": ANTHROPIC_TEXT_BLOCK},
+                    {"type": "array", "items": ANTHROPIC_CONTENT_BLOCK},
                 ]},
             },
         }},
@@ -213,8 +230,11 @@ MESSAGES_REQUEST = {
                                      "maxLength": MAX_STOP_LENGTH}},
         "stream": {"type": "boolean"},
         "metadata": {"type": "object"},
-        "tools": _unsupported("tool use"),
-        "tool_choice": _unsupported("tool use"),
+        "tools": {"type": "array", "minItems": 1, "maxItems": 128, "items": {"type": "object"}},
+        "tool_choice": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["auto", "any", "tool", "none"]},
+            "name": {"type": "string"},
+            "disable_parallel_tool_use": {"type": "boolean"}}},
         "thinking": {"type": "object", "required": ["type"],
                      "properties": {"type": {"const": "disabled",
                                              "x-error": "extended thinking is not supported"}}},
@@ -228,8 +248,8 @@ COUNT_TOKENS_REQUEST = {
         "model": MODEL,
         "messages": MESSAGES_REQUEST["properties"]["messages"],
         "system": MESSAGES_REQUEST["properties"]["system"],
-        "tools": _unsupported("tool use"),
-        "tool_choice": _unsupported("tool use"),
+        "tools": MESSAGES_REQUEST["properties"]["tools"],
+        "tool_choice": MESSAGES_REQUEST["properties"]["tool_choice"],
         "thinking": MESSAGES_REQUEST["properties"]["thinking"],
     },
 }
