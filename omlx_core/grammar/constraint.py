@@ -98,7 +98,8 @@ class GrammarConstraint:
 
     def fill_bitmask(self) -> np.ndarray | None:
         """The packed int32 mask row of the tokens allowed next, or ``None`` when every
-        token is allowed (nothing to apply). Does not change the state."""
+        token is allowed (nothing to apply). Does not change the state; the array is
+        reused by the next call, so copy it to keep it."""
         if self._matcher.is_terminated():
             return self.stop_bitmask()
         need_apply = self._matcher.fill_next_token_bitmask(self._bitmask)
