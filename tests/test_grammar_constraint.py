@@ -212,3 +212,24 @@ def test_masks_never_spell_invalid_utf8(compiler, lead, bad, good):
     allowed = allowed_ids(constraint)
     assert {byte_token[b] for b in good} <= allowed
     assert not {byte_token[b] for b in bad} & allowed
+
+
+def test_mask_batch_masks_each_constrained_row_and_leaves_the_others_bit_for_bit(model_and_tokenizer, compiler):
+    from omlx_core.grammar import mask_batch
+
+    tokenizer = model_and_tokenizer[1]
+    constraints = [GrammarConstraint(compiler.compile(GrammarSpec.regex("(yes|no)"))), None,
+                   GrammarConstraint(compiler.compile(GrammarSpec.json_schema({"type": "integer"}))), None]
+    constraints[2].accept_tokens(tokenizer.encode("4"))
+    logits = mx.random.normal((4, 512), key=mx.random.key(3))
+    masked = mask_batch(logits, constraints)
+    for row, constraint in enumerate(constraints):
+        if constraint is None:
+            assert np.array_equal(np.array(masked[row]), np.array(logits[row]))
+        else:
+            alone = constraint.mask_logits(logits[row:row + 1])
+            assert np.array_equal(np.array(masked[row:row + 1]), np.array(alone))
+            assert np.isneginf(np.array(masked[row])).sum() > 0
+    assert mask_batch(logits, [None] * 4) is logits
+    with pytest.raises(ValueError, match="3 constraints for 4 rows"):
+        mask_batch(logits, constraints[:3])

@@ -121,7 +121,7 @@ def constrained_decode(model, tokenizer, constraint: GrammarConstraint, *, tempe
     return tokenizer.decode(generated), False
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(schema=schemas, seed=st.integers(0, 2**16))
 def test_every_constrained_output_parses_and_validates(model_and_tokenizer, compiler, schema, seed):

@@ -322,3 +322,20 @@ def test_a_call_cut_off_by_max_tokens_is_reported_incomplete():
 def test_json_without_a_name_is_content():
     assert parse_tool_calls(LLAMA3, 'The set {"name" : none} is empty.') == (
         'The set {"name" : none} is empty.', [])
+
+
+@needs_xgrammar
+def test_strict_false_lets_undeclared_arguments_through_but_keeps_the_declared_types(model_and_tokenizer, compiler):
+    from omlx_core.grammar import GrammarConstraint
+
+    tokenizer = model_and_tokenizer[1]
+    loose = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": loose, "strict": False}}]
+    compiled = compiler.compile(tool_call_grammar(HERMES, tools, "required"))
+    extra = tokenizer.encode('<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": "x"}}\n</tool_call>')
+    assert GrammarConstraint(compiled).accept_tokens(extra) == len(extra)
+    wrong = tokenizer.encode('<tool_call>\n{"name": "f", "arguments": {"a": "1"}}\n</tool_call>')
+    assert GrammarConstraint(compiled).accept_tokens(wrong) < len(wrong)
+    strict = compiler.compile(tool_call_grammar(HERMES, [{"type": "function", "function": {
+        "name": "f", "parameters": loose}}], "required"))
+    assert GrammarConstraint(strict).accept_tokens(extra) < len(extra)

@@ -24,7 +24,12 @@ from omlx_core.grammar.compiler import (
     special_token_ids,
     special_tokens,
 )
-from omlx_core.grammar.constraint import GrammarConstraint, GrammarLogitsProcessor, apply_token_bitmask
+from omlx_core.grammar.constraint import (
+    GrammarConstraint,
+    GrammarLogitsProcessor,
+    apply_token_bitmask,
+    mask_batch,
+)
 
 __all__ = [
     "DEFAULT_CACHE_SIZE",
@@ -43,6 +48,7 @@ __all__ = [
     "compiler_for",
     "import_xgrammar",
     "json_safe_strings",
+    "mask_batch",
     "special_token_ids",
     "special_tokens",
 ]

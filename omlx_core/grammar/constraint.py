@@ -21,28 +21,53 @@ from omlx_core.grammar.compiler import Compiled, import_xgrammar
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GrammarConstraint", "GrammarLogitsProcessor", "apply_token_bitmask"]
+__all__ = ["GrammarConstraint", "GrammarLogitsProcessor", "apply_token_bitmask", "mask_batch"]
 
 
 def apply_token_bitmask(logits: Any, bitmask: np.ndarray) -> Any:
     """``logits`` with every token whose bit is clear in ``bitmask`` set to ``-inf``.
 
-    ``bitmask`` is xgrammar's packed int32 row (bit ``i % 32`` of word ``i // 32`` allows
-    token ``i``); ``logits`` is ``(vocab,)`` or ``(1, vocab)``. The bits are unpacked in
-    MLX so only ``vocab / 8`` bytes cross to the device.
+    ``bitmask`` is xgrammar's packed int32 layout (bit ``i % 32`` of word ``i // 32``
+    allows token ``i``), one row per row of ``logits``: ``(rows, words)`` for ``(rows,
+    vocab)`` logits, or one row for ``(vocab,)``. The bits are unpacked in MLX, so only
+    ``vocab / 8`` bytes per row cross to the device.
     """
     import mlx.core as mx
 
     width = logits.shape[-1]
+    bitmask = np.ascontiguousarray(bitmask.reshape(-1, bitmask.shape[-1]))
     if width > bitmask.shape[-1] * 32:
         raise ValueError(
             f"the logits are {width} wide but the grammar's token bitmask covers "
             f"{bitmask.shape[-1] * 32} tokens; build the grammar compiler with "
             "vocab_size set to the model's logits width")
-    words = mx.array(np.ascontiguousarray(bitmask.reshape(-1)).view(np.uint32))
-    bits = mx.right_shift(words[:, None], mx.arange(32, dtype=mx.uint32)[None, :]) & 1
-    allowed = bits.reshape(-1)[:width].astype(mx.bool_)
+    rows = 1 if logits.ndim == 1 else logits.shape[0]
+    if bitmask.shape[0] != rows:
+        raise ValueError(f"{bitmask.shape[0]} bitmask rows for {rows} rows of logits")
+    words = mx.array(bitmask.view(np.uint32))
+    bits = mx.right_shift(words[:, :, None], mx.arange(32, dtype=mx.uint32)) & 1
+    allowed = bits.reshape(rows, -1)[:, :width].astype(mx.bool_)
+    if logits.ndim == 1:
+        allowed = allowed[0]
     return mx.where(allowed, logits, mx.array(-math.inf, dtype=logits.dtype))
+
+
+def mask_batch(logits: Any, constraints: Sequence[GrammarConstraint | None]) -> Any:
+    """``(rows, vocab)`` logits with each constrained row masked by its constraint, in
+    one MLX operation; a ``None`` row, and a row whose grammar allows every token, keep
+    their logits bit for bit."""
+    if len(constraints) != logits.shape[0]:
+        raise ValueError(f"{len(constraints)} constraints for {logits.shape[0]} rows of logits")
+    masks = [None if c is None else c.fill_bitmask() for c in constraints]
+    if all(mask is None for mask in masks):
+        return logits
+    words = next(mask for mask in masks if mask is not None).shape[-1]
+    # All bits set: the -inf select leaves such a row's values untouched.
+    batch = np.full((len(masks), words), -1, dtype=np.int32)
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            batch[row] = mask[0]
+    return apply_token_bitmask(logits, batch)
 
 
 class GrammarConstraint:
@@ -73,7 +98,8 @@ class GrammarConstraint:
 
     def fill_bitmask(self) -> np.ndarray | None:
         """The packed int32 mask row of the tokens allowed next, or ``None`` when every
-        token is allowed (nothing to apply). Does not change the state."""
+        token is allowed (nothing to apply). Does not change the state; the array is
+        reused by the next call, so copy it to keep it."""
         if self._matcher.is_terminated():
             return self.stop_bitmask()
         need_apply = self._matcher.fill_next_token_bitmask(self._bitmask)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterable, Literal, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Literal, Sequence
 
 from omlx_core.grammar.compiler import DEFAULT_MAX_WHITESPACE, GrammarError, GrammarSpec
 
@@ -31,6 +31,7 @@ __all__ = [
     "LLAMA3",
     "MISTRAL",
     "ContentDelta",
+    "Event",
     "FunctionTool",
     "ToolCall",
     "ToolCallArgumentsDelta",
@@ -41,6 +42,7 @@ __all__ = [
     "ToolChoice",
     "detect_tool_call_format",
     "normalize_tools",
+    "parse_tool_calls",
     "tool_call_grammar",
     "tool_call_structural_tag",
 ]
@@ -215,8 +217,11 @@ def _marker_parts(text: str, special_tokens: Collection[str]) -> list[dict[str, 
 
 
 def _arguments(tool: FunctionTool, max_whitespace: int | None) -> dict[str, Any]:
-    # A function declared strict: false gets any arguments object, as OpenAI does.
-    schema: Any = tool.parameters if tool.strict else {"type": "object"}
+    # Arguments always follow the schema; strict: false (OpenAI) only lets through the
+    # properties it does not declare, which xgrammar otherwise forbids.
+    schema: Any = tool.parameters
+    if not tool.strict and "additionalProperties" not in schema:
+        schema = {**schema, "additionalProperties": True}
     content: dict[str, Any] = {"type": "json_schema", "json_schema": schema}
     if max_whitespace is not None:
         content["max_whitespace_cnt"] = max_whitespace
@@ -641,5 +646,3 @@ def parse_tool_calls(fmt: ToolCallFormat, text: str) -> tuple[str, list[ToolCall
     content = [e.text for e in [*parser.feed(text), *parser.finish()] if isinstance(e, ContentDelta)]
     return "".join(content), [call for call in parser.calls if call.complete]
 
-
-__all__ += ["Event", "parse_tool_calls"]
