@@ -86,3 +86,33 @@ def test_count_tokens_counts_what_messages_would_prefill(context, claude) -> Non
     assert counted.input_tokens == len(expected)
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.count_tokens(model="nope", messages=messages)
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def test_function_tools_on_responses_call_and_stream_their_arguments(client) -> None:
+    import json
+
+    response = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER],
+                                       tool_choice="required", temperature=0, max_output_tokens=80)
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    arguments = json.loads(call.arguments)
+    assert set(arguments) == {"city"} and len(arguments["city"]) <= 20
+    events = list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER],
+                                          tool_choice="required", temperature=0,
+                                          max_output_tokens=80, stream=True))
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert pieces == call.arguments
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert done[-1].item.type == "function_call" and done[-1].item.arguments == call.arguments
+    followup = client.responses.create(model=MODEL, tools=[WEATHER], tool_choice="none",
+                                       max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert followup.status in ("completed", "incomplete")

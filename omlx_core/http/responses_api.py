@@ -1,5 +1,5 @@
-"""The OpenAI Responses API (``POST /v1/responses``, text output) and Anthropic's
-``POST /v1/messages/count_tokens``.
+"""The OpenAI Responses API (``POST /v1/responses``: text output and function tools)
+and Anthropic's ``POST /v1/messages/count_tokens``.
 
 Responses are not stored: every request carries its whole conversation in ``input``
 (``previous_response_id`` is refused with a 400 that says so). The same preflight,
@@ -17,10 +17,11 @@ import falcon
 from omlx_core.engine import SamplingParams
 from omlx_core.http.anthropic_api import messages_of, tools_of
 from omlx_core.http.body import read_request
-from omlx_core.http.errors import api_error
+from omlx_core.http.errors import api_error, bad_request
 from omlx_core.http.schemas import COUNT_TOKENS_REQUEST, RESPONSES_REQUEST
 from omlx_core.http.sse import KEEPALIVE, Responder, frame
-from omlx_core.serving import Generation, Job
+from omlx_core.grammar.toolcalls import ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
+from omlx_core.serving import Generation, Job, ToolRequest
 
 
 def _text_of(content: Any) -> str:
@@ -37,15 +38,49 @@ def responses_job(body: Mapping[str, Any]) -> Job:
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
     else:
-        messages += [{"role": "system" if item["role"] == "developer" else item["role"],
-                      "content": _text_of(item["content"])} for item in items]
+        for index, item in enumerate(items):
+            messages += _input_item(item, index)
     given = body.get("max_output_tokens")
     sampling = SamplingParams(
         temperature=float(body["temperature"]) if body.get("temperature") is not None else 1.0,
         top_p=float(body["top_p"]) if body.get("top_p") is not None else 1.0,
         max_tokens=int(given) if given is not None else None)
+    tools = None
+    if body.get("tools"):
+        # Responses tools are flat ({"type": "function", "name", "parameters"}); the
+        # pipeline takes chat-completions' nested form.
+        tools = ToolRequest([{"type": tool.get("type"), "function": {
+            key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}}
+            if tool.get("type") == "function" else tool for tool in body["tools"]],
+            _choice(body.get("tool_choice")), body.get("parallel_tool_calls") is not False)
     return Job(body["model"], sampling, messages=messages, prompt_param="input",
-               max_tokens_param="max_output_tokens", id_prefix="resp_")
+               max_tokens_param="max_output_tokens", id_prefix="resp_", tools=tools)
+
+
+def _choice(choice: Any) -> Any:
+    """A Responses tool_choice ({"type": "function", "name"}) in chat-completions' form."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice or "auto"
+
+
+def _input_item(item: Mapping[str, Any], index: int) -> list[dict[str, Any]]:
+    kind = item.get("type", "message")
+    where = f"input[{index}]"
+    if kind == "function_call":
+        if not item.get("name") or not item.get("call_id"):
+            raise bad_request(f"{where} (a function_call) needs call_id and name", where)
+        return [{"role": "assistant", "content": None, "tool_calls": [{
+            "id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}]}]
+    if kind == "function_call_output":
+        if not item.get("call_id"):
+            raise bad_request(f"{where} (a function_call_output) needs call_id", where)
+        return [{"role": "tool", "tool_call_id": item["call_id"], "content": item.get("output", "")}]
+    if "role" not in item or "content" not in item:
+        raise bad_request(f"{where} (a message) needs role and content", where)
+    return [{"role": "system" if item["role"] == "developer" else item["role"],
+             "content": _text_of(item["content"])}]
 
 
 def error_frames(error: Exception) -> list[bytes]:
@@ -66,7 +101,8 @@ class Responses:
         stream = bool(body.get("stream"))
         generation = self.responder.start(responses_job(body), req, stream=stream)
         echo = {key: body.get(key) for key in ("instructions", "max_output_tokens", "temperature",
-                                                "top_p", "metadata", "user")}
+                                                "top_p", "metadata", "user", "tools",
+                                                "tool_choice")}
         self.responder.respond(resp, generation, stream=stream,
                                collect=lambda g: self.collect(g, echo),
                                frames=lambda: self.events(generation, echo),
@@ -85,7 +121,8 @@ class Responses:
             "temperature": echo.get("temperature") if echo.get("temperature") is not None else 1.0,
             "top_p": echo.get("top_p") if echo.get("top_p") is not None else 1.0,
             "metadata": echo.get("metadata") or {}, "user": echo.get("user"),
-            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "parallel_tool_calls": True, "tool_choice": echo.get("tool_choice") or "auto",
+            "tools": echo.get("tools") or [],
             "text": {"format": {"type": "text"}}, "truncation": "disabled",
             "usage": usage,
         }
@@ -111,8 +148,11 @@ class Responses:
         text = "".join(delta.text for delta in generation.deltas())
         if generation.finish_reason not in ("stop", "length"):
             raise api_error(generation.failure or RuntimeError("generation failed"))
-        item = self._message(f"msg_{uuid.uuid4().hex}", text, "completed")
-        return self._response(generation, echo, self._status(generation), [item],
+        output = [self._message(f"msg_{uuid.uuid4().hex}", text, "completed")] if (
+            text or not generation.tool_calls) else []
+        output += [_function_call(f"fc_{uuid.uuid4().hex}", call.id, call.name, call.arguments,
+                                  "completed") for call in generation.tool_calls]
+        return self._response(generation, echo, self._status(generation), output,
                               self._usage(generation))
 
     def events(self, generation: Generation, echo: Mapping[str, Any]) -> Iterator[bytes]:
@@ -130,27 +170,64 @@ class Responses:
                     item=self._message(item_id, "", "in_progress"))
         yield event("response.content_part.added", item_id=item_id, output_index=0,
                     content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-        text = []
+        text: list[str] = []
+        output: list[dict[str, Any]] = []
+        message_open = True
+        calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its function_call item
+
+        def close_message() -> Iterator[bytes]:
+            whole = "".join(text)
+            item = self._message(item_id, whole, "completed")
+            yield event("response.output_text.done", item_id=item_id, output_index=0,
+                        content_index=0, text=whole, logprobs=[])
+            yield event("response.content_part.done", item_id=item_id, output_index=0,
+                        content_index=0, part=item["content"][0])
+            yield event("response.output_item.done", output_index=0, item=item)
+            output.append(item)
+
         for delta in generation.deltas():
             if delta.keepalive:
                 yield KEEPALIVE
-            elif delta.text:
+                continue
+            if delta.text and message_open:
                 text.append(delta.text)
                 yield event("response.output_text.delta", item_id=item_id, output_index=0,
                             content_index=0, delta=delta.text, logprobs=[])
+            for tool_event in delta.tool_events:
+                if isinstance(tool_event, ToolCallStart):
+                    if message_open:
+                        yield from close_message()
+                        message_open = False
+                    item = _function_call(f"fc_{uuid.uuid4().hex}", tool_event.id,
+                                          tool_event.name, "", "in_progress")
+                    calls[tool_event.index] = item
+                    yield event("response.output_item.added", output_index=len(output), item=item)
+                elif isinstance(tool_event, ToolCallArgumentsDelta) and tool_event.text:
+                    item = calls[tool_event.index]
+                    item["arguments"] += tool_event.text
+                    yield event("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=len(output), delta=tool_event.text)
+                elif isinstance(tool_event, ToolCallEnd):
+                    item = calls[tool_event.index]
+                    item.update(arguments=tool_event.call.arguments, status="completed")
+                    yield event("response.function_call_arguments.done", item_id=item["id"],
+                                output_index=len(output), arguments=item["arguments"])
+                    yield event("response.output_item.done", output_index=len(output), item=item)
+                    output.append(item)
         if generation.finish_reason not in ("stop", "length"):
             yield from self.responder.stream_error(generation, error_frames)
             return
-        whole = "".join(text)
-        item = self._message(item_id, whole, "completed")
-        yield event("response.output_text.done", item_id=item_id, output_index=0,
-                    content_index=0, text=whole, logprobs=[])
-        yield event("response.content_part.done", item_id=item_id, output_index=0,
-                    content_index=0, part=item["content"][0])
-        yield event("response.output_item.done", output_index=0, item=item)
+        if message_open:
+            yield from close_message()
         status = self._status(generation)
         yield event(f"response.{status}", response=self._response(
-            generation, echo, status, [item], self._usage(generation)))
+            generation, echo, status, output, self._usage(generation)))
+
+
+def _function_call(item_id: str, call_id: str, name: str, arguments: str,
+                   status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
 
 
 class CountTokens:

@@ -273,15 +273,19 @@ RESPONSES_REQUEST = {
             {"type": "string", "minLength": 1},
             {"type": "array", "minItems": 1, "items": {
                 "type": "object",
-                "required": ["role", "content"],
                 "properties": {
-                    "type": {"const": "message",
-                             "x-error": "only message input items are supported"},
+                    "type": {"enum": ["message", "function_call", "function_call_output"],
+                             "x-error": "input items must be messages, function_call or "
+                                        "function_call_output items"},
                     "role": {"enum": ["user", "assistant", "system", "developer"]},
                     "content": {"anyOf": [
                         {"type": "string"},
                         {"type": "array", "items": RESPONSES_INPUT_TEXT},
                     ]},
+                    "call_id": {"type": "string"},
+                    "name": {"type": "string"},
+                    "arguments": {"type": "string"},
+                    "output": {"type": "string"},
                 },
             }},
         ]},
@@ -299,8 +303,9 @@ RESPONSES_REQUEST = {
         "previous_response_id": {
             "type": "null", "x-error": "previous_response_id is not supported: responses are not "
                                        "stored; send the whole conversation in input"},
-        "tools": _unsupported("tools on /v1/responses"),
-        "tool_choice": _unsupported("tool_choice on /v1/responses"),
+        "tools": {"type": "array", "minItems": 1, "maxItems": 128, "items": {"type": "object"}},
+        "tool_choice": {"anyOf": [{"type": "null"}, {"enum": ["auto", "none", "required"]},
+                                  {"type": "object"}]},
         "text": {"type": "object", "properties": {"format": {
             "type": "object", "required": ["type"],
             "properties": {"type": {"const": "text",
