@@ -96,3 +96,22 @@ def test_constrained_rows_leave_the_others_of_the_batch_unchanged(context) -> No
     mixed = run("mixed", True)
     assert [mixed[i] for i in range(1, 16, 2)] == [free[i] for i in range(1, 16, 2)]
     assert any(mixed[i] != free[i] for i in range(0, 16, 2))  # the constraint did act
+
+
+def test_regex_and_ebnf_extensions_constrain_the_whole_output(client) -> None:
+    import re
+
+    date = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A date."}], max_tokens=30,
+        temperature=1.0, seed=2, response_format={"type": "regex", "regex": r"\d{4}-\d{2}-\d{2}"})
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date.choices[0].message.content)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Yes or no?"}], max_tokens=10,
+        temperature=1.0, seed=4, extra_body={"response_format": {
+            "type": "grammar", "grammar": 'root ::= "yes" | "no"'}})
+    assert answer.choices[0].message.content in ("yes", "no")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=5, response_format={
+                                           "type": "grammar", "grammar": "root ::= ("})
+    assert refused.value.body["param"] == "response_format.grammar"

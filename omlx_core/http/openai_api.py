@@ -31,6 +31,10 @@ def grammar_of(response_format: Mapping[str, Any] | None) -> GrammarSpec | None:
         return None
     if response_format["type"] == "json_object":
         return GrammarSpec.any_json(field="response_format")
+    if response_format["type"] == "regex":
+        return GrammarSpec.regex(response_format.get("regex", ""), field="response_format.regex")
+    if response_format["type"] == "grammar":
+        return GrammarSpec.ebnf(response_format.get("grammar", ""), field="response_format.grammar")
     spec = response_format.get("json_schema")
     if spec is None:
         raise bad_request("response_format of type json_schema needs a json_schema object "

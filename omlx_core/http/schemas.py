@@ -123,9 +123,15 @@ CHAT_COMPLETION_REQUEST = {
         "response_format": _nullable({
             "type": "object", "required": ["type"],
             "properties": {
-                "type": {"enum": ["text", "json_object", "json_schema"],
-                         "x-error": "response_format.type must be text, json_object or "
-                                    "json_schema"},
+                "type": {"enum": ["text", "json_object", "json_schema", "regex", "grammar"],
+                         "description": "regex and grammar are omlx-core extensions",
+                         "x-error": "response_format.type must be text, json_object, "
+                                    "json_schema, regex or grammar"},
+                "regex": {"type": "string", "minLength": 1,
+                          "description": "with type regex: the pattern the whole output matches"},
+                "grammar": {"type": "string", "minLength": 1,
+                            "description": "with type grammar: a GBNF/EBNF grammar (llama.cpp "
+                                           "syntax) whose root rule the output derives"},
                 "json_schema": {
                     "type": "object", "required": ["name"],
                     "properties": {
