@@ -293,6 +293,17 @@ class BatchedEngine(GuardedEngine):
             raise RuntimeError(f"engine for model {self.model.id!r} is not started; call start() first")
         return scheduler
 
+    def chat_template(self) -> str | None:
+        self._require_started()
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def special_tokens(self) -> frozenset[str]:
+        from omlx_core.grammar import special_tokens
+
+        self._require_started()
+        return frozenset(special_tokens(self.tokenizer))
+
     def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
         self._require_started()
         with self._tokenizer_lock:
