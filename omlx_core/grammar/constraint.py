@@ -207,6 +207,12 @@ class GrammarLogitsProcessor:
         self.violations = 0
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
+        # The mask needs the newest token on the host, which waits for the step that
+        # sampled it; start this step's forward first, so it computes meanwhile instead
+        # of after the mask is built (in a decode batch, the whole batch's forward).
+        import mlx.core as mx
+
+        mx.async_eval(logits)
         length = int(tokens.shape[0])
         if self._seen is None:
             self._seen = length if self._prompt_length is None else self._prompt_length
