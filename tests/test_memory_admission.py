@@ -1,4 +1,5 @@
-"""Budget admission: wait instead of stacking, strict FIFO, a bounded queue, a timeout,
+"""Budget admission: wait instead of stacking, arrival order with backfill, a bounded
+queue, a timeout,
 and reservations that come back when a request ends."""
 
 from __future__ import annotations
@@ -8,8 +9,16 @@ import time
 
 import pytest
 
-from omlx_core.memory.admission import AdmissionQueue, AdmissionTimeoutError, reservation_cost
-from omlx_core.memory.types import AdmissionQueueFullError, CeilingBreakdown, LimitSnapshot
+from omlx_core.memory.admission import AdmissionQueue, reservation_cost
+from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, RequestRejected
+
+
+def is_queue_full(error: BaseException | None) -> bool:
+    return isinstance(error, RequestRejected) and error.rejection.cause == "queue_full"
+
+
+def is_timeout(error: BaseException | None) -> bool:
+    return isinstance(error, RequestRejected) and error.rejection.cause == "queue_timeout"
 
 MIB = 1024**2
 
@@ -108,30 +117,29 @@ def test_watermark_shrinks_the_budget():
     queue = make_queue(hard=1000 * MIB, baseline=0, watermark=0.5, size=0)
     first = queue.admit("a", 300 * MIB)
     second = queue.admit("b", 200 * MIB)  # 500 MiB: exactly the budget
-    with pytest.raises(AdmissionQueueFullError):
+    with pytest.raises(RequestRejected) as full:
         queue.admit("c", 1 * MIB)  # over 50 % of 1000 MiB, and no room to wait
+    assert is_queue_full(full.value) and full.value.stage == "admission"
     first.release()
     second.release()
 
 
-def test_fifo_a_big_request_at_the_head_is_not_overtaken_by_small_ones():
+def test_a_big_request_at_the_head_is_admitted_first_once_it_fits():
     queue = make_queue()  # budget 800 MiB
     arrivals = Arrivals(queue)
     arrivals.arrive("running", 500 * MIB)
     arrivals.arrive("big", 700 * MIB)        # does not fit next to "running": waits
-    arrivals.arrive("small-1", 100 * MIB)    # would fit now, but "big" is ahead
-    arrivals.arrive("small-2", 100 * MIB)
+    arrivals.arrive("small-1", 200 * MIB)    # fits beside "running": backfilled now
+    arrivals.arrive("small-2", 200 * MIB)    # does not fit beside both: waits
     time.sleep(0.05)
-    assert arrivals.order == ["running"]
-    assert [w.request_id for w in queue._waiting] == ["big", "small-1", "small-2"]
-    arrivals.release("running")
-    arrivals.wait_granted("big", "small-1")
-    assert arrivals.order[:3] == ["running", "big", "small-1"]
-    # big (700) + small-1 (100) fill the budget; small-2 waits for one of them.
-    assert "small-2" not in arrivals.order
+    assert arrivals.order == ["running", "small-1"]
+    assert [w.request_id for w in queue._waiting] == ["big", "small-2"]
+    arrivals.release("running")             # 200 held: big (700) still cannot fit, so
+    arrivals.wait_granted("small-2")        # small-2 runs beside small-1 meanwhile
     arrivals.release("small-1")
-    arrivals.wait_granted("small-2")
-    assert arrivals.order == ["running", "big", "small-1", "small-2"]
+    arrivals.release("small-2")
+    arrivals.wait_granted("big")            # the head, as soon as it fits
+    assert arrivals.order == ["running", "small-1", "small-2", "big"]
 
 
 def test_queue_full_raises_with_retry_after():
@@ -139,9 +147,9 @@ def test_queue_full_raises_with_retry_after():
     arrivals = Arrivals(queue)
     arrivals.arrive("running", 800 * MIB)
     arrivals.arrive("waiting", 100 * MIB)
-    with pytest.raises(AdmissionQueueFullError) as info:
+    with pytest.raises(RequestRejected) as info:
         queue.admit("rejected", 100 * MIB)
-    assert info.value.retry_after_s >= 1
+    assert is_queue_full(info.value) and info.value.retry_after_s >= 1
     assert "memory.queue_size" in str(info.value)
     arrivals.release("running")
     arrivals.wait_granted("waiting")
@@ -151,10 +159,10 @@ def test_waiting_longer_than_the_timeout_raises_and_leaves_the_queue():
     queue = make_queue(timeout=0.2)
     running = queue.admit("running", 800 * MIB)
     started = time.monotonic()
-    with pytest.raises(AdmissionTimeoutError) as info:
+    with pytest.raises(RequestRejected) as info:
         queue.admit("slow", 100 * MIB)
     assert 0.18 <= time.monotonic() - started < 2
-    assert isinstance(info.value, AdmissionQueueFullError)  # the front end's 503
+    assert is_timeout(info.value) and info.value.stage == "admission"  # the front end's 503
     assert "memory.queue_timeout_s" in str(info.value)
     assert queue.waiting == 0
     running.release()
@@ -168,11 +176,12 @@ def test_a_timed_out_head_lets_the_next_waiter_through():
     queue.timeout_s = 0.2
     arrivals.arrive("big", 700 * MIB)      # will time out
     queue.timeout_s = 5.0
-    arrivals.arrive("small", 100 * MIB)    # fits, but is behind "big"
+    arrivals.arrive("small", 400 * MIB)    # does not fit beside "running" either: waits
     arrivals.threads[1].join(2)
-    assert isinstance(arrivals.errors.get("big"), AdmissionTimeoutError)
-    arrivals.wait_granted("small")
+    assert is_timeout(arrivals.errors.get("big"))
+    assert [w.request_id for w in queue._waiting] == ["small"]  # now the head
     arrivals.release("running")
+    arrivals.wait_granted("small")
     arrivals.release("small")
     assert queue.idle()
 
@@ -243,7 +252,7 @@ def test_a_short_request_waits_behind_a_long_one_in_the_same_padded_batch():
     assert queue.reserved_bytes == 600 * MIB  # two sequences padded to the long one
     # A third would make 900 MiB of padded KV: over the budget, and nowhere to wait.
     queue.queue_size = 0
-    with pytest.raises(AdmissionQueueFullError):
+    with pytest.raises(RequestRejected):
         queue.admit("short-late", 10 * MIB, batch="engine")
     # Another engine's batch is not padded by this one.
     other = queue.admit("other-engine", 150 * MIB, batch="other")

@@ -12,14 +12,10 @@ import pytest
 from omlx_core.config import load_config
 from omlx_core.hookspecs import hookimpl
 from omlx_core.memory.ceilings import ProbeReadings
-from omlx_core.memory.guard import DefaultMemoryGuard
+from omlx_core.engine import EngineLimits, GuardedEngine, MemoryHints
+from omlx_core.memory.guard import MemoryGuard
 from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
-from omlx_core.memory.types import (
-    AdmissionQueueFullError,
-    PeakQuery,
-    PrefillMemoryExceededError,
-    Rejection,
-)
+from omlx_core.memory.types import PeakQuery, Rejection, RequestRejected
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.models.registry import ModelSpec
 from omlx_core.pluginmanager import PluginManager
@@ -45,18 +41,25 @@ class PerTokenEstimate:
         return (query.new_tokens + copied) * PER_TOKEN
 
 
-class Engine:
-    """What the guard reads from an engine: its model and a few optional hints."""
+class Engine(GuardedEngine):
+    """What the guard reads from an engine: its model, its memory hints, its cache."""
 
     def __init__(self, **hints):
         self.model = ModelSpec("tiny", Path("/nonexistent"), "batched", "test",
                                {"model_type": "llama", "num_hidden_layers": 2})
         self.cached = 0
-        for name, value in hints.items():
-            setattr(self, name, value)
+        self.hints = MemoryHints(**{"prefill_step_size": 64, **hints})
+
+    def memory_hints(self):
+        return self.hints
 
     def cached_tokens(self, prompt_tokens):
         return self.cached
+
+    def limits(self):
+        return EngineLimits(context_length=None, vocab_size=1000)
+
+    start = shutdown = tokenize_chat = tokenize = submit = abort = None  # never called here
 
 
 def readings(available: int = 20 * GIB) -> ProbeReadings:
@@ -76,10 +79,11 @@ class Setup:
         self.resident = baseline
         config = load_config(tier="cpu-small", env={}, overrides=[
             ("memory.tier", "custom", "test"), ("memory.custom_ceiling", str(ceiling), "test"),
-            ("engine.prefill_step_size", "64", "test"),
+            # The margin has tests of its own (test_memory_margin): whole MiB here.
+            ("memory.transient_margin", "0", "test"),
             *((k, v, "test") for k, v in overrides.items())])
         usage = MemoryUsage(read_active=lambda: self.resident, read_footprint=lambda: 0)
-        self.guard = DefaultMemoryGuard(self.plugins, config, usage=usage)
+        self.guard = MemoryGuard(self.plugins, config, usage=usage, mlx_cache=lambda: 0)
         self.enforcer = self.guard.start(lambda: [], read=readings)
         self.guard.close()  # polls are driven by hand below
 
@@ -98,7 +102,7 @@ def test_a_request_that_fits_passes(setup):
 
 
 def test_a_request_that_can_never_fit_is_refused_with_everything_needed(setup):
-    with pytest.raises(PrefillMemoryExceededError) as info:
+    with pytest.raises(RequestRejected) as info:
         setup.guard.preflight(Engine(), "huge", tokens(900))  # 200 + 900 MiB > 1 GiB
     rejection = info.value.rejection
     assert rejection.estimated_bytes == 900 * MIB
@@ -129,7 +133,7 @@ def test_no_limits_yet_means_no_refusal():
     plugins = PluginManager()
     plugins.register(memory_guard_plugin, "memory_guard")
     plugins.register(PerTokenEstimate(), "estimator")
-    guard = DefaultMemoryGuard(plugins, load_config(tier="cpu-small", env={}))
+    guard = MemoryGuard(plugins, load_config(tier="cpu-small", env={}), mlx_cache=lambda: 0)
     assert guard.snapshot is None
     guard.preflight(Engine(), "early", tokens(10**6))
 
@@ -137,7 +141,7 @@ def test_no_limits_yet_means_no_refusal():
 def test_without_an_estimator_requests_pass_and_the_gap_is_logged_once(caplog):
     plugins = PluginManager()
     plugins.register(memory_guard_plugin, "memory_guard")
-    guard = DefaultMemoryGuard(plugins, load_config(tier="cpu-small", env={}))
+    guard = MemoryGuard(plugins, load_config(tier="cpu-small", env={}), mlx_cache=lambda: 0)
     guard.update(Setup().guard.snapshot)
     with caplog.at_level(logging.WARNING, logger="omlx_core.memory.guard"):
         guard.preflight(Engine(), "a", tokens(10**6))
@@ -150,17 +154,18 @@ def test_a_third_party_preflight_rejection_gets_the_advice_ladder(setup):
         @hookimpl
         def preflight(self, request):
             if request.prompt_tokens > 10:
-                raise PrefillMemoryExceededError(Rejection(
+                raise RequestRejected(Rejection(
                     estimated_bytes=request.estimated_bytes, limit_bytes=request.limits.hard_bytes,
-                    breakdown=request.limits.breakdown, prompt_tokens=request.prompt_tokens))
+                    breakdown=request.limits.breakdown, prompt_tokens=request.prompt_tokens,
+                    stage="preflight"))
 
     setup.plugins.register(Strict(), "strict")
-    with pytest.raises(PrefillMemoryExceededError) as info:
+    with pytest.raises(RequestRejected) as info:
         setup.guard.preflight(Engine(), "x", tokens(20))
     assert info.value.advice and "custom" in info.value.advice[0]
 
 
-def test_the_query_uses_the_engine_chunk_size_or_the_configured_one(setup):
+def test_the_query_uses_the_engine_chunk_size(setup):
     setup.guard.preflight(Engine(), "a", tokens(10))
     setup.guard.preflight(Engine(prefill_step_size=128), "b", tokens(10))
     assert [q.chunk_size for q in setup.estimator.queries] == [64, 128]
@@ -176,10 +181,10 @@ def test_full_logits_unless_the_engine_says_its_prefill_skips_them(setup):
 def test_cached_kv_counts_as_allocated_unless_the_engine_keeps_it_resident(setup):
     copying = Engine()
     copying.cached = 512
-    resident = Engine(cached_kv_is_resident=True)
+    resident = Engine(cached_kv_resident=True)
     resident.cached = 512
     # 800 tokens, 512 of them cached: fits only if the cached KV is not allocated again.
-    with pytest.raises(PrefillMemoryExceededError):
+    with pytest.raises(RequestRejected):
         setup.guard.preflight(copying, "copy", tokens(900))
     setup.guard.preflight(resident, "shared", tokens(900))
     copy_query, shared_query = setup.estimator.queries
@@ -197,11 +202,12 @@ def test_cached_tokens_never_cover_the_whole_prompt(setup):
 
 def test_admission_reserves_the_estimate_and_queues_what_does_not_fit(setup):
     setup.guard.admission.timeout_s = 0.1
-    first = setup.guard.admit(Engine(), "a", tokens(500))
+    first = setup.guard.admit(Engine(), "a", tokens(500), max_tokens=0)
     assert setup.guard.admission.reserved_bytes == 500 * MIB
     # 200 MiB baseline + 500 + 400 MiB > 1 GiB x 0.95 watermark: waits, then times out.
-    with pytest.raises(AdmissionQueueFullError):
-        setup.guard.admit(Engine(), "b", tokens(400))
+    with pytest.raises(RequestRejected) as waited:
+        setup.guard.admit(Engine(), "b", tokens(400), max_tokens=0)
+    assert (waited.value.stage, waited.value.rejection.cause) == ("admission", "queue_timeout")
     with first:
         pass
     with setup.guard.admit(Engine(), "b", tokens(400), max_tokens=100):
@@ -229,7 +235,7 @@ def real_guard(tiny_model_path):
     engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
     engine.start()
     usage = MemoryUsage(read_active=lambda: 100 * MIB, read_footprint=lambda: 0)
-    guard = DefaultMemoryGuard(plugins, config, usage=usage)
+    guard = MemoryGuard(plugins, config, usage=usage, mlx_cache=lambda: 0)
     guard.start(lambda: [engine], read=readings)
     guard.close()
     yield guard, engine
@@ -241,13 +247,14 @@ def test_the_builtin_estimate_refuses_what_cannot_fit_and_passes_what_can(real_g
 
     guard, engine = real_guard
     guard.preflight(engine, "fits", tokens(300))
-    with pytest.raises(PrefillMemoryExceededError) as info:
+    with pytest.raises(RequestRejected) as info:
         guard.preflight(engine, "too-long", tokens(6000))
     rejection = info.value.rejection
     # The batched engine declares it never evaluates prompt logits, and its dtype.
     expected = estimate_for_config(dict(engine.model.config), 6000, 0, 64, full_logits=False,
                                    dtype_bytes=engine.activation_dtype_bytes).total
-    assert rejection.estimated_bytes == expected
+    # The estimate and the one transient margin every stage charges.
+    assert rejection.estimated_bytes == expected + MIB and rejection.margin_bytes == MIB
     assert rejection.base_bytes + rejection.estimated_bytes > rejection.limit_bytes == 110 * MIB
     assert info.value.advice
 

@@ -184,6 +184,7 @@ class AdmissionQueue:
         """
         reserve_bytes = max(0, int(reserve_bytes))
         start = self.clock()
+        timeout = self.timeout_s
         with self._cond:
             if self._fits(reserve_bytes, batch) and (not self._waiting or self._may_backfill()):
                 if self._waiting:
@@ -209,13 +210,13 @@ class AdmissionQueue:
                         # The next waiter may fit as well.
                         self._cond.notify_all()
                         return self._grant(request_id, reserve_bytes, self.clock() - start, batch)
-                    deadline = max(start, self._progress_at) + self.timeout_s
+                    deadline = max(start, self._progress_at) + timeout
                     remaining = deadline - self.clock()
                     if remaining <= 0:
                         raise self._rejected(
                             request_id, reserve_bytes, model_id, prompt_tokens, "queue_timeout",
                             f"request {request_id} waited {self.clock() - start:.1f} s for memory, "
-                            f"the last {self.timeout_s:.0f} s without any running request "
+                            f"the last {timeout:.0f} s without any running request "
                             "finishing; retry later or raise memory.queue_timeout_s",
                             batch, decode_bytes, max_tokens)
                     self._cond.wait(remaining)

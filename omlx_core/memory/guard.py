@@ -63,10 +63,13 @@ class MemoryGuard:
         ``on_rejection`` and ``resolve_scheduler`` hooks are called.
     :param config: the effective configuration (``[memory]``).
     :param usage: where current use is read (tests pass fake readers).
+    :param mlx_cache: reads the bytes in mlx's buffer cache (tests pass a fake reader).
     """
 
     def __init__(self, plugins: PluginManager, config: Config, *,
-                 usage: MemoryUsage | None = None):
+                 usage: MemoryUsage | None = None,
+                 mlx_cache: Callable[[], int] | None = None):
+        self._mlx_cache = mlx_cache or mlx_cache_bytes
         self.plugins = plugins
         self.config = config
         self.policy = TierPolicy.from_config(config)
@@ -130,7 +133,7 @@ class MemoryGuard:
     def reclaimable_bytes(self) -> int:
         """Memory held only to go faster: every guarded engine's caches and mlx's
         buffer cache (freed buffers kept for reuse)."""
-        total = mlx_cache_bytes()
+        total = self._mlx_cache()
         for engine in list(self._engines()):
             if isinstance(engine, GuardedEngine):
                 total += max(0, int(engine.reclaimable_bytes()))
@@ -147,7 +150,7 @@ class MemoryGuard:
                 break
             if isinstance(engine, GuardedEngine):
                 freed += max(0, int(engine.reclaim(nbytes - freed)))
-        cached = mlx_cache_bytes()
+        cached = self._mlx_cache()
         clear_mlx_cache()
         freed += cached
         self.usage.forget_recent()
