@@ -1,6 +1,6 @@
 """The enforcer publishes one immutable snapshot to every engine on every poll: engines
-loaded before and after it started, engines behind wrappers, and it says once per type
-when an engine cannot receive limits."""
+loaded before and after it started, wrappers whose plugin resolves the active path on
+every poll, and it says once per type when an engine cannot receive limits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import pytest
 
 from omlx_core.config import load_config
 from omlx_core.memory.ceilings import ProbeReadings
-from omlx_core.memory.guard import DefaultMemoryGuard
+from omlx_core.hookspecs import hookimpl
+from omlx_core.memory.gate import MemoryReceiver
+from omlx_core.memory.guard import MemoryGuard
 from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
 from omlx_core.memory.types import LimitSnapshot
 from omlx_core.memory.usage import MemoryUsage
@@ -33,78 +35,78 @@ def readings(available: int = 20 * GIB) -> ProbeReadings:
         footprint=ProcessFootprint(GIB, GIB, "test"))
 
 
-class Receiver:
-    """An object that takes limits, as a scheduler does."""
+class Receiver(MemoryReceiver):
+    """An object that takes limits and the forward gate, as a scheduler does."""
 
     def __init__(self):
         self.snapshots: list[LimitSnapshot] = []
+        self.forward_gate = None
+        self.gates_set = 0
 
     def apply_memory_limits(self, snapshot: LimitSnapshot) -> None:
         self.snapshots.append(snapshot)
 
+    def set_forward_gate(self, gate) -> None:
+        self.forward_gate = gate
+        self.gates_set += 1
+
 
 class SchedulerEngine:
-    """An engine that keeps its scheduler at ``.scheduler``."""
+    """An engine that keeps its scheduler at ``.scheduler`` (its plugin resolves it)."""
 
     def __init__(self):
         self.scheduler = Receiver()
 
 
-class GuardEngine:
-    """An engine that bypasses any scheduler and takes limits itself."""
+class GuardEngine(Receiver):
+    """An engine that bypasses any scheduler and takes limits itself (the built-in
+    memory_guard plugin resolves it to itself)."""
+
+
+class SwitchingEngine:
+    """A wrapper with two paths (a speculative one and a fallback): its plugin resolves
+    whichever is active, on every poll."""
 
     def __init__(self):
-        self.snapshots: list[LimitSnapshot] = []
-
-    def apply_memory_limits(self, snapshot: LimitSnapshot) -> None:
-        self.snapshots.append(snapshot)
-
-
-class InnerWrapper:
-    def __init__(self, inner):
-        self.inner = inner
-
-
-class EngineWrapper:
-    def __init__(self, engine):
-        self.engine = engine
-
-
-class DecoratedWrapper:
-    def __init__(self, wrapped):
-        self.__wrapped__ = wrapped
+        self.primary, self.fallback = Receiver(), Receiver()
+        self.active = self.primary
 
 
 class OpaqueEngine:
-    """Nothing along it takes limits."""
+    """Nothing resolves it."""
 
 
-class SelfLoop:
-    """A wrapper chain with a cycle must not hang the walk."""
+class Unknown:
+    """Another type nothing resolves."""
 
-    def __init__(self):
-        self.inner = self
+
+class Resolver:
+    """The engine plugins' resolve_scheduler for the engine types above."""
+
+    @hookimpl
+    def resolve_scheduler(self, engine):
+        if isinstance(engine, SchedulerEngine):
+            return engine.scheduler
+        if isinstance(engine, SwitchingEngine):
+            return engine.active
+        return None
 
 
 def make_guard(plugins: PluginManager | None = None, *, resident: int = GIB,
-               **overrides: str) -> DefaultMemoryGuard:
+               **overrides: str) -> MemoryGuard:
     if plugins is None:
         plugins = PluginManager()
         plugins.register(memory_guard_plugin, "memory_guard")
+        plugins.register(Resolver(), "resolver")
     config = load_config(tier="cpu-small", env={}, overrides=[
         ("memory.poll_interval_s", str(POLL_S), "test"),
         *((key, value, "test") for key, value in overrides.items())])
     usage = MemoryUsage(window_s=1.0, read_active=lambda: resident, read_footprint=lambda: 0)
-    return DefaultMemoryGuard(plugins, config, usage=usage)
+    return MemoryGuard(plugins, config, usage=usage, mlx_cache=lambda: 0)
 
 
 def received(engine) -> list[LimitSnapshot]:
-    target = getattr(engine, "scheduler", None) or engine
-    while not hasattr(target, "snapshots"):
-        target = (getattr(target, "inner", None) or getattr(target, "engine", None)
-                  or getattr(target, "__wrapped__"))
-        target = getattr(target, "scheduler", None) or target
-    return target.snapshots
+    return (engine.scheduler if isinstance(engine, SchedulerEngine) else engine).snapshots
 
 
 def wait_for(condition, timeout: float = 2.0) -> None:
@@ -140,7 +142,7 @@ def test_engines_loaded_before_and_after_start_get_limits_within_one_poll():
 
 def test_every_engine_gets_the_same_immutable_snapshot_each_poll():
     guard = make_guard()
-    engines = [SchedulerEngine(), GuardEngine(), InnerWrapper(SchedulerEngine())]
+    engines = [SchedulerEngine(), GuardEngine()]
     guard.start(lambda: engines, read=readings)
     guard.close()
     firsts = [received(engine)[0] for engine in engines]
@@ -161,22 +163,20 @@ def test_snapshots_are_numbered_and_carry_breakdown_usage_and_baseline():
     assert second.breakdown.tier == "safe" and second.hard_bytes == second.breakdown.hard
 
 
-@pytest.mark.parametrize("engine", [
-    SchedulerEngine(),
-    GuardEngine(),
-    InnerWrapper(SchedulerEngine()),
-    EngineWrapper(SchedulerEngine()),
-    DecoratedWrapper(GuardEngine()),
-    InnerWrapper(EngineWrapper(DecoratedWrapper(SchedulerEngine()))),
-], ids=["scheduler", "own-guard", "inner", "engine", "__wrapped__", "three-deep"])
-def test_wrapper_chains_are_walked_to_the_limit_receiver(engine):
+def test_a_wrapper_is_followed_to_whichever_path_is_active_on_every_poll():
     guard = make_guard()
-    guard.start(lambda: [engine], read=readings)
+    engine = SwitchingEngine()
+    enforcer = guard.start(lambda: [engine], read=readings)
     guard.close()
-    assert received(engine) == [guard.snapshot]
+    assert engine.primary.snapshots == [guard.snapshot] and not engine.fallback.snapshots
+    engine.active = engine.fallback  # e.g. a speculative engine falls back to batching
+    enforcer.poll_once()
+    assert engine.fallback.snapshots == [guard.snapshot]
+    gate = guard.forward_gate_for(engine)
+    assert engine.primary.forward_gate is gate and engine.fallback.forward_gate is gate
 
 
-def test_a_plugin_resolver_answers_before_the_generic_walk():
+def test_a_plugin_resolver_answers_before_the_builtin_one():
     plugins = PluginManager()
     plugins.register(memory_guard_plugin, "memory_guard")
     special = Receiver()
@@ -186,30 +186,31 @@ def test_a_plugin_resolver_answers_before_the_generic_walk():
 
         @hookimpl
         def resolve_scheduler(self, engine):
-            return special if isinstance(engine, OpaqueEngine) else None
+            return special if isinstance(engine, GuardEngine) else None
 
     plugins.register(KnowsItsEngine(), "knows")
     guard = make_guard(plugins)
-    guard.start(lambda: [OpaqueEngine()], read=readings)
+    engine = GuardEngine()  # the built-in plugin would resolve it to itself
+    guard.start(lambda: [engine], read=readings)
     guard.close()
-    assert special.snapshots == [guard.snapshot]
+    assert special.snapshots == [guard.snapshot] and not engine.snapshots
 
 
 def test_unresolvable_engine_type_warns_once(caplog):
     guard = make_guard()
-    engines = [OpaqueEngine(), OpaqueEngine(), SelfLoop()]
+    engines = [OpaqueEngine(), OpaqueEngine(), Unknown()]
     with caplog.at_level(logging.WARNING, logger="omlx_core.memory.enforcer"):
         enforcer = guard.start(lambda: engines, read=readings)
         for _ in range(3):
             enforcer.poll_once()
         guard.close()
-    warnings = [r.getMessage() for r in caplog.records if "apply_memory_limits" in r.getMessage()]
-    assert len(warnings) == 2, warnings  # one per type: OpaqueEngine, SelfLoop
-    assert any("OpaqueEngine" in w for w in warnings) and any("SelfLoop" in w for w in warnings)
+    warnings = [r.getMessage() for r in caplog.records if "MemoryReceiver" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # one per type: OpaqueEngine, Unknown
+    assert any("OpaqueEngine" in w for w in warnings) and any("Unknown" in w for w in warnings)
 
 
 def test_a_receiver_that_raises_does_not_stop_the_others(caplog):
-    class Broken:
+    class Broken(GuardEngine):
         def apply_memory_limits(self, snapshot):
             raise RuntimeError("boom")
 
@@ -223,19 +224,14 @@ def test_a_receiver_that_raises_does_not_stop_the_others(caplog):
     assert sum("publishing memory limits" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_forward_gate_is_installed_where_the_receiver_takes_one():
-    class GatedScheduler(Receiver):
-        forward_gate = None
-
-        def set_forward_gate(self, gate):
-            self.forward_gate = gate
-
+def test_the_forward_gate_is_installed_once_per_receiver():
     engine = SchedulerEngine()
-    engine.scheduler = GatedScheduler()
     guard = make_guard()
-    guard.start(lambda: [engine], read=readings)
+    enforcer = guard.start(lambda: [engine], read=readings)
     guard.close()
+    enforcer.poll_once()
     assert engine.scheduler.forward_gate is guard.forward_gate_for(engine)
+    assert engine.scheduler.gates_set == 1
 
 
 def test_changing_ceilings_reach_engines_on_the_next_poll():
@@ -260,7 +256,7 @@ def test_baseline_is_only_resampled_while_idle():
     plugins.register(memory_guard_plugin, "memory_guard")
     config = load_config(tier="cpu-small", env={})
     usage = MemoryUsage(read_active=lambda: resident["bytes"], read_footprint=lambda: 0)
-    guard = DefaultMemoryGuard(plugins, config, usage=usage)
+    guard = MemoryGuard(plugins, config, usage=usage, mlx_cache=lambda: 0)
     enforcer = guard.start(lambda: [], read=readings)
     guard.close()
     ticket = guard.admission.admit("busy", MIB)
@@ -306,7 +302,7 @@ def test_start_engines_installs_the_guard_and_stop_engines_stops_its_enforcer(ti
     context = start_engines(setup, progress=False)
     try:
         guard = context.memory_guard
-        assert isinstance(guard, DefaultMemoryGuard) and guard.enforcer.running
+        assert isinstance(guard, MemoryGuard) and guard.enforcer.running
         scheduler = context.engines["tiny"].scheduler
         assert scheduler.limits is not None and scheduler.limits.hard_bytes
         assert scheduler.forward_gate is guard.forward_gate_for(context.engines["tiny"])
