@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 
 import mlx.core as mx
@@ -131,9 +133,9 @@ def test_token_logprob_reports_chosen_and_ranked_top():
     (SamplingParams(min_p=2), "min_p"),
     (SamplingParams(max_tokens=0), "max_tokens"),
     (SamplingParams(repetition_penalty=0), "repetition_penalty"),
-    (SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias"),
-    (SamplingParams(stop_token_ids=(-1,)), "stop_token_ids"),
 ])
 def test_invalid_sampling_names_the_parameter(params, word):
+    if word != "max_tokens":
+        params = replace(params, max_tokens=8)
     with pytest.raises(ValueError, match=word):
-        check_sampling(params, VOCAB)
+        check_sampling(params)

@@ -14,14 +14,15 @@ from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.hookspecs import hookimpl
 from omlx_core.memory.ceilings import ProbeReadings
 from omlx_core.memory.forward_gate import PrefillForwardGate
-from omlx_core.memory.guard import DefaultMemoryGuard
+from omlx_core.memory.guard import MemoryGuard
 from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
 from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PeakQuery
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.pluginmanager import PluginManager
 from omlx_core.plugins import advice as advice_plugin
 from omlx_core.plugins import memory_guard as memory_guard_plugin
-from omlx_core.plugins.batched import BatchedEngine, PrefillChunk, PrefillStep
+from omlx_core.memory.gate import PrefillChunk, PrefillStep
+from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.plugins.batched import resolve_scheduler as batched_resolve_scheduler
 from omlx_core.models.registry import spec_for_path
 
@@ -63,7 +64,7 @@ def test_only_the_chunk_that_would_overshoot_is_refused():
     # 100 MiB in use + 16 MiB margin: 50 MiB chunks fit under 170 MiB, 60 MiB do not.
     refused = gate.check_prefill(step(chunk("small", 50), chunk("big", 60), hard=170 * MIB))
     assert set(refused) == {"big"}
-    assert "the request was stopped before the forward ran" in refused["big"]
+    assert "the request was stopped before the forward ran" in str(refused["big"])
 
 
 def test_the_margin_is_part_of_the_check():
@@ -97,7 +98,7 @@ def test_chunks_sharing_a_forward_are_judged_together():
                   hard=160 * MIB)
     refused = gate.check_prefill(shared)
     assert set(refused) == {"a", "b"}
-    assert "78.00 MiB" in refused["a"]
+    assert "78.00 MiB" in str(refused["a"])
 
 
 def test_a_shared_forward_counts_the_copy_of_its_rows_cached_prefixes():
@@ -110,7 +111,7 @@ def test_a_shared_forward_counts_the_copy_of_its_rows_cached_prefixes():
     # 2 x 2 rows x (40 + 10) tokens x 1 MiB = 200 MiB more.
     refused = gate.check_prefill(step(*rows, hard=200 * MIB))
     assert set(refused) == {"long", "short"}
-    assert "220.00 MiB" in refused["short"]
+    assert "220.00 MiB" in str(refused["short"])
     assert gate.check_prefill(step(*rows, hard=400 * MIB)) == {}
 
 
@@ -156,15 +157,15 @@ def test_footprint_counts_when_it_is_above_active_memory():
 def test_no_limits_lets_chunks_run_and_warns_once(caplog):
     gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
     with caplog.at_level(logging.WARNING, logger="omlx_core.memory.forward_gate"):
-        assert gate.check_prefill(step(chunk("a", 10**6), hard=None)) is None
-        assert gate.check_prefill(step(chunk("b", 10**6), hard=None)) is None
+        assert gate.check_prefill(step(chunk("a", 10**6), hard=None)) == {}
+        assert gate.check_prefill(step(chunk("b", 10**6), hard=None)) == {}
     assert sum("no memory limit yet" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_no_estimate_refuses_rather_than_guessing():
     gate = PrefillForwardGate(lambda query: None, fixed_usage(), MARGIN)
     refused = gate.check_prefill(step(chunk("a", 1), hard=GIB))
-    assert "cannot let it run" in refused["a"]
+    assert "cannot let it run" in str(refused["a"])
 
 
 def test_refusal_reason_carries_figures_and_advice():
@@ -172,7 +173,7 @@ def test_refusal_reason_carries_figures_and_advice():
     plugins.register(advice_plugin, "advice")
     advise = lambda r: plugins.hook.on_rejection(rejection=r)  # noqa: E731
     gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN, advise)
-    reason = gate.check_prefill(step(chunk("a", 64, cached=128), hard=170 * MIB))["a"]
+    reason = str(gate.check_prefill(step(chunk("a", 64, cached=128), hard=170 * MIB))["a"])
     assert "tokens 128-192 of 193" in reason
     assert "64.00 MiB" in reason and "100.00 MiB in use" in reason and "170.00 MiB limit" in reason
     assert "custom ceiling binds" in reason and "memory.custom_ceiling" in reason
@@ -204,7 +205,7 @@ def served(tiny_model_path):
         ("engine.prefill_step_size", "32", "test"), ("cache.memory_budget", "0", "test")])
     engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
     engine.start()
-    guard = DefaultMemoryGuard(plugins, config, usage=fixed_usage())
+    guard = MemoryGuard(plugins, config, usage=fixed_usage(), mlx_cache=lambda: 0)
     readings = ProbeReadings(
         system="Linux", meminfo=LinuxMeminfo(32 * GIB, 20 * GIB, 20 * GIB, 20 * GIB, 0, 0),
         cgroup=CgroupMemory(2, Path("/x"), None, None, None),
@@ -243,9 +244,11 @@ def test_batched_engine_ends_only_the_request_whose_chunk_would_overshoot(served
     assert guard.forward_gate_for(engine).refused_total == 1
 
 
-def test_batched_resolve_scheduler_and_the_generic_walk_agree(served):
+def test_the_batched_plugin_resolves_its_engine_to_its_scheduler(served):
     engine, _guard = served
-    assert batched_resolve_scheduler(engine) is memory_guard_plugin.resolve_scheduler(engine)
+    assert batched_resolve_scheduler(engine) is engine.scheduler
+    # The built-in fallback answers only for engines that are their own receiver.
+    assert memory_guard_plugin.resolve_scheduler(engine) is None
 
 
 # -- the post-forward backstop -------------------------------------------------------------------
@@ -255,13 +258,13 @@ def test_backstop_stops_the_request_when_use_after_the_forward_is_over_the_limit
     level = {"bytes": RESIDENT}
     usage = MemoryUsage(window_s=0.0, read_active=lambda: level["bytes"], read_footprint=lambda: 0)
     gate = PrefillForwardGate(per_token, usage, MARGIN)
-    assert gate.check_after_prefill(step(chunk("a", 10), hard=170 * MIB)) is None
+    assert gate.check_after_prefill(step(chunk("a", 10), hard=170 * MIB)) == {}
     level["bytes"] = 171 * MIB  # a fake high reading right after the forward
-    reason = gate.check_after_prefill(step(chunk("a", 10, cached=20), hard=170 * MIB))["a"]
+    reason = str(gate.check_after_prefill(step(chunk("a", 10, cached=20), hard=170 * MIB))["a"])
     assert "tokens 20-30 of 31" in reason and "171.00 MiB was in use" in reason
     assert "170.00 MiB limit" in reason and "its cache freed" in reason
     assert gate.refused_total == 1
-    assert gate.check_after_prefill(step(chunk("a", 10), hard=None)) is None
+    assert gate.check_after_prefill(step(chunk("a", 10), hard=None)) == {}
 
 
 def test_backstop_after_a_shared_forward_stops_only_the_request_holding_the_most_kv():
@@ -302,7 +305,7 @@ def test_batched_engine_backstop_ends_only_the_request_whose_forward_overshot(se
     victim_outputs = list(run(engine, "victim", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]))
     runner_rest = list(runner_outputs)
     last = victim_outputs[-1]
-    assert last.finish_reason == "error" and last.error_type == "memory"
+    assert last.finish_reason == "error" and last.rejected is not None
     assert "was in use after the forward" in (last.error or "")
     assert not any(o.token_ids for o in victim_outputs)
     # Its forward ran (the backstop comes after it) and its cache is gone.
