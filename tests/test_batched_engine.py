@@ -14,7 +14,9 @@ import pytest
 from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams, Usage
 from omlx_core.models.registry import spec_for_path
-from omlx_core.plugins.batched import BatchedEngine, PrefillStep
+from omlx_core.memory.gate import PrefillStep
+from omlx_core.plugins.batched import BatchedEngine
+from omlx_core.testing.conformance import ScriptedGate
 from omlx_core.mlx_thread import mlx_thread
 
 PREFILL_STEP = 16
@@ -45,6 +47,7 @@ class Completion:
     error_type: str | None
     chunks: list[str]
     logprobs: list
+    rejected: object = None
 
 
 def collect(handle) -> Completion:
@@ -55,7 +58,7 @@ def collect(handle) -> Completion:
         logprobs += output.logprobs or []
         last = output
     return Completion("".join(chunks), tokens, last.finish_reason, last.usage, last.error,
-                      last.error_type, chunks, logprobs)
+                      last.error_type, chunks, logprobs, last.rejected)
 
 
 def submit(engine, prompt, sampling=GREEDY, request_id=None):
@@ -137,22 +140,16 @@ def test_one_token_prompt(llama):
 def test_invalid_requests_are_refused_at_submit(llama):
     with pytest.raises(ValueError, match="empty"):
         submit(llama, [])
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        submit(llama, [1, llama.vocab_size])
     with pytest.raises(ValueError, match="top_p"):
         submit(llama, [1, 2], SamplingParams(top_p=1.5))
 
 
-def test_context_limit_caps_max_tokens_and_refuses_long_prompts(tiny_model_path):
-    engine = start_engine(tiny_model_path("llama"), **{"engine.max_context": 40})
-    try:
-        prompt = prompt_of(engine, 10)[:30]
-        done = run(engine, prompt, replace(GREEDY, max_tokens=100))
-        assert done.finish_reason == "length" and done.usage.completion_tokens == 10
-        with pytest.raises(ValueError, match="context limit"):
-            submit(engine, prompt_of(engine, 30)[:40])
-    finally:
-        engine.shutdown()
+def test_limits_report_the_models_context_vocabulary_and_batch(llama):
+    # The pipeline checks requests against these (tests/test_serving.py); the engine
+    # itself no longer clamps or re-checks them.
+    limits = llama.limits()
+    assert limits.context_length == llama.model.config["max_position_embeddings"]
+    assert limits.vocab_size == llama.vocab_size and limits.max_running == 8
 
 
 # -- batching -------------------------------------------------------------------------
@@ -191,13 +188,14 @@ def test_new_request_joins_without_waiting_for_the_batch_to_drain(llama):
     wait_idle(llama)
 
 
-class RecordingGate:
+class RecordingGate(ScriptedGate):
     def __init__(self, engine, refuse: dict[str, str] | None = None):
+        super().__init__(refuse=self._record)
         self.engine = engine
         self.refuse = refuse or {}
         self.steps: list[tuple[PrefillStep, int]] = []
 
-    def check_prefill(self, step: PrefillStep):
+    def _record(self, step: PrefillStep) -> dict[str, str]:
         self.steps.append((step, self.engine.stats()["tokens_generated"]))
         return {c.request_id: self.refuse[c.request_id] for c in step.chunks if c.request_id in self.refuse}
 
@@ -222,8 +220,10 @@ def test_long_prefill_is_chunked_and_interleaved_with_decoding(llama):
         assert step.decoding >= 1  # the runner kept decoding during the long prefill
     tokens_seen = [t for _, t in long_steps]
     assert all(b > a for a, b in zip(tokens_seen, tokens_seen[1:])), tokens_seen
-    cached = [c.cached_tokens for s, _ in long_steps for c in s.chunks]
-    assert cached == sorted(cached) and cached[0] == 0
+    chunks = [c for s, _ in long_steps for c in s.chunks if c.request_id != "runner"]
+    cached = [c.cached_tokens for c in chunks]
+    # In order from the first token not reused from the prefix cache.
+    assert cached == sorted(cached) and cached[0] == chunks[0].reused_tokens
 
 
 def test_gate_refusal_fails_only_that_request(llama):
@@ -239,7 +239,7 @@ def test_gate_refusal_fails_only_that_request(llama):
         llama.scheduler.set_forward_gate(None)
     assert victim_done.finish_reason == "error"
     assert victim_done.error == "would exceed the memory ceiling"
-    assert victim_done.error_type == "memory"
+    assert victim_done.rejected is not None and victim_done.rejected.stage == "forward"
     assert victim_done.usage.completion_tokens == 0
     assert survivor_done.finish_reason == "length"
     assert survivor_done.token_ids == run(llama, survivor_prompt).token_ids
@@ -248,11 +248,10 @@ def test_gate_refusal_fails_only_that_request(llama):
 
 
 def test_gate_that_raises_refuses_the_step(llama):
-    class BrokenGate:
-        def check_prefill(self, step):
-            raise RuntimeError("probe failed")
+    def broken(step):
+        raise RuntimeError("probe failed")
 
-    llama.scheduler.set_forward_gate(BrokenGate())
+    llama.scheduler.set_forward_gate(ScriptedGate(refuse=broken))
     try:
         done = run(llama, prompt_of(llama, 20, 4))
     finally:
@@ -282,14 +281,14 @@ def test_memory_limits_reach_the_gate_and_resolve_scheduler_finds_them(llama):
 
 def test_preflight_estimate_leaves_out_prefill_logits(llama):
     """The engine never evaluates prompt logits: the guard's estimate must not count them."""
-    from omlx_core.memory.bench_estimate import activation_dtype_bytes
+    from omlx_core.models.loader import activation_dtype_bytes
     from omlx_core.memory.estimate import ModelDims, estimate_prefill_peak
-    from omlx_core.memory.guard import DefaultMemoryGuard
+    from omlx_core.memory.guard import MemoryGuard
     from omlx_core.pluginmanager import build_plugin_manager
 
-    assert llama.prefill_full_logits is False
+    assert llama.memory_hints().prefill_full_logits is False
     assert llama.activation_dtype_bytes == activation_dtype_bytes(llama._lm)
-    guard = DefaultMemoryGuard(build_plugin_manager(), llama.config)
+    guard = MemoryGuard(build_plugin_manager(), llama.config)
     prompt = prompt_of(llama, 60, 3)
     query = guard.peak_query(llama, prompt)
     assert query.full_logits is False and query.dtype_bytes == llama.activation_dtype_bytes
@@ -320,11 +319,12 @@ def test_restored_prefix_is_resident_before_the_first_gated_chunk(llama):
                       * config.get("num_key_value_heads", heads) * head_dim
                       * llama.activation_dtype_bytes)
 
-    class ActiveMemoryGate:
+    class ActiveMemoryGate(ScriptedGate):
         def __init__(self):
+            super().__init__(refuse=self._read)
             self.readings: list[int] = []
 
-        def check_prefill(self, step):
+        def _read(self, step):
             self.readings.append(mx.get_active_memory())
             return {}
 

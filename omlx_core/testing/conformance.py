@@ -217,3 +217,26 @@ class EngineConformance:
         assert final.rejected.stage == "forward"
         assert not tokens_of(victim), "the refused request produced tokens"
         assert survivor[-1].finish_reason in ("stop", "length")
+
+
+class ScriptedGate(ForwardGate):
+    """A forward gate for engine tests: ``refuse(step)`` names request ids to refuse
+    before the forward (each with a reason), ``after(step)`` after it; both default to
+    refusing nothing."""
+
+    def __init__(self, refuse=None, after=None):
+        self._refuse = refuse or (lambda step: {})
+        self._after = after or (lambda step: {})
+
+    def check_prefill(self, step: PrefillStep) -> Refusals:
+        return {rid: refusal(rid, reason) for rid, reason in self._refuse(step).items()}
+
+    def check_after_prefill(self, step: PrefillStep) -> Refusals:
+        return {rid: refusal(rid, reason) for rid, reason in self._after(step).items()}
+
+
+def refusal(request_id: str, reason: str) -> RequestRejected:
+    """A forward-stage refusal whose message is ``reason``."""
+    return RequestRejected(Rejection(estimated_bytes=0, limit_bytes=None, breakdown=None,
+                                     request_id=request_id, stage="forward",
+                                     cause="memory_short", detail=reason), retry_after_s=1.0)
