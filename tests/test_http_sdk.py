@@ -134,7 +134,7 @@ def test_sdk_hang_up_mid_stream_aborts_the_request(context, server, client) -> N
     stream.close()
     assert wait_for(lambda: idle(context), timeout=5), engine.stats()
     assert engine.stats()["finished"]["abort"] == aborted + 1
-    assert wait_for(lambda: len(server.frontend.in_flight) == 0)
+    assert wait_for(lambda: len(server.frontend.pipeline.in_flight) == 0)
 
 
 def test_errors_after_the_first_byte_reach_both_sdks(context) -> None:
@@ -144,14 +144,14 @@ def test_errors_after_the_first_byte_reach_both_sdks(context) -> None:
         stream = client.chat.completions.create(model=MODEL, messages=story, max_tokens=2000,
                                                 stream=True)
         next(iter(stream))
-        server.frontend.in_flight.abort_all()
+        server.frontend.pipeline.in_flight.abort_all()
         with pytest.raises(openai.APIError, match="aborted"):
             for _chunk in stream:
                 pass
         claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
         with claude.messages.stream(model=MODEL, max_tokens=2000, messages=story) as events:
             next(iter(events))
-            server.frontend.in_flight.abort_all()
+            server.frontend.pipeline.in_flight.abort_all()
             with pytest.raises(anthropic.APIError, match="aborted"):
                 for _event in events:
                     pass
