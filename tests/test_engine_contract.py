@@ -225,3 +225,12 @@ def test_no_import_cycles_among_production_modules() -> None:
         if module not in state:
             visit(module, [module])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_plugins_talk_through_core_not_through_each_other() -> None:
+    """ssd_cache reaches the prefix cache through omlx_core.kvblocks' protocol only."""
+    offenders = [f"{path.relative_to(ROOT)} imports {name}"
+                 for path in python_files("plugins", "ssd_cache") for name in _imports(path)
+                 if name.startswith("omlx_core.plugins.") and not name.startswith(
+                     "omlx_core.plugins.ssd_cache")]
+    assert not offenders, "\n".join(offenders)

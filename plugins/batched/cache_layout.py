@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from omlx_core.plugins.batched.prefix_cache import CachedBlock, CachedTail
+from omlx_core.kvblocks import CachedBlock, CachedTail
 
 
 def _is_cuttable(layer: Any) -> bool:

@@ -97,7 +97,7 @@ def measure_writes(model_dir: Path, blocks: int, queue_size: int, block_size: in
     """A sustained save burst of model-shaped blocks into a fresh store."""
     import mlx.core as mx
 
-    from omlx_core.plugins.batched.prefix_cache import CachedBlock
+    from omlx_core.kvblocks import CachedBlock
     from omlx_core.plugins.ssd_cache.store import PagedSSDStore
 
     config = json.loads((model_dir / "config.json").read_text())

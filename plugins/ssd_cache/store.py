@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from omlx_core.plugins.batched.prefix_cache import CachedBlock
+from omlx_core.kvblocks import CachedBlock
 from omlx_core.plugins.ssd_cache.blockfile import (
     BLOCK_KIND, BLOCK_SUFFIX, BOUNDARY_KIND, BOUNDARY_SUFFIX, TMP_SUFFIX, BlockFileError, Payload,
     block_path, boundary_path, check_metadata, kv_of, payload_of_kv, payload_of_states, read_arrays,
@@ -125,7 +125,7 @@ class DirectoryInUseError(RuntimeError):
 
 
 class PagedSSDStore:
-    """Blocks of one model on disk: a :class:`~omlx_core.plugins.batched.BlockStore`."""
+    """Blocks of one model on disk: a :class:`~omlx_core.kvblocks.BlockStore`."""
 
     def __init__(self, directory: Path, *, identity: str, budget: int | None = None,
                  auto_share: float = 0.5, queue_size: int = 64, save_timeout_s: float = 0.25,
