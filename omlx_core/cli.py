@@ -27,7 +27,7 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", action="append", default=[], metavar="FILE",
                         help="extra TOML file layered over the tier (repeatable)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one setting, e.g. --set engine.max_batch_size=8")
+                        help="override one setting, e.g. --set plugin.batched.max_batch_size=8")
 
 
 def _overrides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
@@ -190,6 +190,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         } for i in infos], indent=2))
         return 0
     rows = [(i.name, i.version or "-", i.source, i.status, ", ".join(i.hooks) or "-") for i in infos]
+    print(f"# tier {setup.config.tier}: " + _plugin_stack(setup))
     print(_table(("NAME", "VERSION", "SOURCE", "STATUS", "HOOKS"), rows))
     if registered:
         print()
@@ -238,12 +239,31 @@ def cmd_config(args: argparse.Namespace) -> int:
                                        for k, v, s in _masked(config.rows())}},
                          indent=2, default=str))
         return 0
+    from omlx_core.config.loader import _display
+
     print(f"# tier: {config.tier}")
-    print("# files: " + ", ".join(str(f) for f in config.files))
+    print("# files: " + ", ".join(_display(f) for f in config.files))
+    print("# " + _plugin_stack(setup))
     print(_table(("KEY", "VALUE", "SOURCE"),
                  [(k, json.dumps(v) if not isinstance(v, str) else repr(v), s)
                   for k, v, s in _masked(config.rows())]))
     return 0
+
+
+def _plugin_stack(setup: Any) -> str:
+    """Which plugins this configuration loads and leaves out, and where that was set."""
+    infos = setup.plugins.list()
+    loaded = [i.name for i in infos if i.enabled and not i.error]
+    off = [i.name for i in infos if not i.enabled]
+    broken = [i.name for i in infos if i.error]
+    config = setup.config
+    text = f"plugin stack: {', '.join(loaded) or 'none'}"
+    if off:
+        text += f"; disabled: {', '.join(off)}"
+    if broken:
+        text += f"; broken: {', '.join(broken)}"
+    return (text + f" ([plugins] from {config.source('plugins.enabled')}, "
+            f"disabled from {config.source('plugins.disabled')})")
 
 
 def _masked(rows: list[tuple[str, Any, str]]) -> list[tuple[str, Any, str]]:

@@ -3,7 +3,7 @@
 The in-memory prefix cache of the ``batched`` engine and lower tiers such as the paged
 SSD store of the ``ssd_cache`` plugin exchange :class:`CachedBlock` values through the
 :class:`BlockStore` protocol; neither imports the other. A block is one
-``cache.block_size`` run of a prompt's tokens: per layer its keys and values (for layers
+``plugin.batched.block_size`` run of a prompt's tokens: per layer its keys and values (for layers
 cut by token) and, for models with layers that cannot be cut, the state at the block's
 end. Hashes chain: a block's hash covers its tokens and its parent's hash, so one hash
 names a whole prefix.

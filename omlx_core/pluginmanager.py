@@ -9,6 +9,7 @@ plugins the server cannot run without.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -219,3 +220,20 @@ def build_plugin_manager(enabled: Iterable[str] = ("*",), disabled: Iterable[str
     manager = PluginManager(enabled, disabled)
     manager.load_entrypoints()
     return manager
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_settings() -> tuple[tuple[str, tuple[Setting, ...]], ...]:
+    manager = build_plugin_manager()
+    return tuple((name, tuple(settings)) for name, settings in manager.settings().items())
+
+
+def installed_plugin_settings() -> dict[str, list[Setting]]:
+    """Settings every installed plugin declares (for a configuration read without a
+    plugin manager of its own)."""
+    return {name: list(settings) for name, settings in _installed_settings()}
+
+
+def installed_plugin_names() -> set[str]:
+    """Names of the plugins installed in the ``omlx_core`` entry-point group."""
+    return {ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}

@@ -23,7 +23,7 @@ _ids = itertools.count()
 
 
 def start(path, **overrides) -> BatchedEngine:
-    values = {"engine.prefill_step_size": 32, "cache.block_size": 16, **overrides}
+    values = {"plugin.batched.prefill_step_size": 32, "plugin.batched.block_size": 16, **overrides}
     config = load_config("base", overrides=[(k, str(v), "test") for k, v in values.items()], env={})
     engine = BatchedEngine(spec_for_path(path), config)
     engine.start()
@@ -123,7 +123,7 @@ def test_cancellation_frees_the_request(engine):
 
 
 def test_prefix_hit_gives_the_same_answer(default_model_dir, engine):
-    uncached = start(default_model_dir, **{"cache.memory_budget": 0})
+    uncached = start(default_model_dir, **{"plugin.batched.prefix_cache_budget": 0})
     try:
         history = [{"role": "system", "content": "You are a helpful assistant who answers briefly."},
                    {"role": "user", "content": "What is the capital of France?"}]

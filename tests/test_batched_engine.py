@@ -26,8 +26,8 @@ _ids = itertools.count()
 
 
 def make_config(**overrides):
-    values = {"engine.prefill_step_size": PREFILL_STEP, "cache.block_size": BLOCK,
-              "engine.max_batch_size": 8, **overrides}
+    values = {"plugin.batched.prefill_step_size": PREFILL_STEP, "plugin.batched.block_size": BLOCK,
+              "plugin.batched.max_batch_size": 8, **overrides}
     return load_config("base", overrides=[(k, str(v), "test") for k, v in values.items()], env={})
 
 
@@ -501,8 +501,8 @@ def test_abort_ends_a_running_request_within_one_step(llama):
 
 
 def test_thousand_aborted_requests_leak_nothing(tiny_model_path):
-    engine = start_engine(tiny_model_path("llama"), **{"cache.memory_budget": 0, "engine.max_batch_size": 32,
-                                                       "engine.prefill_step_size": 48})
+    engine = start_engine(tiny_model_path("llama"), **{"plugin.batched.prefix_cache_budget": 0, "plugin.batched.max_batch_size": 32,
+                                                       "plugin.batched.prefill_step_size": 48})
     try:
         short, long = prompt_of(engine, 6), prompt_of(engine, 20, 1)
         for _ in range(3):
@@ -536,7 +536,7 @@ def test_thousand_aborted_requests_leak_nothing(tiny_model_path):
 def test_prefix_cache_hit_gives_the_same_greedy_output(tiny_model_path, family):
     path = tiny_model_path(family)
     cached = start_engine(path)
-    uncached = start_engine(path, **{"cache.memory_budget": 0})
+    uncached = start_engine(path, **{"plugin.batched.prefix_cache_budget": 0})
     try:
         prompt = prompt_of(cached, 30, 8)
         assert len(prompt) > 3 * BLOCK
@@ -568,7 +568,7 @@ def test_prefix_cache_hit_gives_the_same_greedy_output(tiny_model_path, family):
 
 
 def test_prefix_cache_respects_its_byte_budget(tiny_model_path):
-    engine = start_engine(tiny_model_path("llama"), **{"cache.memory_budget": 40_000})
+    engine = start_engine(tiny_model_path("llama"), **{"plugin.batched.prefix_cache_budget": 40_000})
     try:
         for salt in range(6):
             run(engine, prompt_of(engine, 30, salt))

@@ -44,8 +44,8 @@ class Gate(ForwardGate):
 
 
 def start_engine(path, **overrides) -> BatchedEngine:
-    values = {"engine.prefill_step_size": PREFILL_STEP, "cache.block_size": BLOCK,
-              "engine.max_batch_size": 8, "cache.memory_budget": 0, **overrides}
+    values = {"plugin.batched.prefill_step_size": PREFILL_STEP, "plugin.batched.block_size": BLOCK,
+              "plugin.batched.max_batch_size": 8, "plugin.batched.prefix_cache_budget": 0, **overrides}
     config = load_config("base", overrides=[(k, str(v), "test") for k, v in values.items()], env={})
     engine = BatchedEngine(spec_for_path(path), config)
     engine.start()
@@ -183,7 +183,7 @@ def test_mixed_lengths_are_grouped_and_match_solo_outputs(llama):
 def test_a_chunk_resuming_a_prompt_batches_with_fresh_ones(tiny_model_path):
     """A step budget that cuts a prompt leaves its next chunk over a cached start of its
     own, batched with chunks starting from nothing: rows with different offsets."""
-    engine = start_engine(tiny_model_path("llama"), **{"engine.prefill_step_size": 48})
+    engine = start_engine(tiny_model_path("llama"), **{"plugin.batched.prefill_step_size": 48})
     try:
         prompts = [prompt_of(engine, 5, salt) for salt in range(5)]
         assert sum(len(p) - 1 for p in prompts) > 2 * 48
@@ -348,7 +348,7 @@ def test_models_with_non_cuttable_layers_prefill_one_request_per_forward(tiny_mo
 
 
 def test_restored_prefixes_batch_and_match_an_uncached_engine(tiny_model_path, llama):
-    cached = start_engine(tiny_model_path("llama"), **{"cache.memory_budget": 1 << 26})
+    cached = start_engine(tiny_model_path("llama"), **{"plugin.batched.prefix_cache_budget": 1 << 26})
     try:
         shared = prompt_of(cached, 30, 3)
         collect(submit(cached, shared + prompt_of(cached, 4, 1)))
@@ -379,8 +379,8 @@ def test_a_long_cached_prompt_gets_its_first_token_alone(tiny_model_path, monkey
     a fully cached long prompt ready with short ones runs alone, not copied once per row."""
     from omlx_core.plugins.batched.batch_prefill import prefill_together
 
-    engine = start_engine(tiny_model_path("llama"), **{"engine.prefill_step_size": 16,
-                                                       "cache.memory_budget": 1 << 26})
+    engine = start_engine(tiny_model_path("llama"), **{"plugin.batched.prefill_step_size": 16,
+                                                       "plugin.batched.prefix_cache_budget": 1 << 26})
     try:
         prompts = [prompt_of(engine, 20, 1)] + [prompt_of(engine, 2, salt)[:12] for salt in range(3)]
         assert len(prompts[0]) > 3 * 16
@@ -408,7 +408,7 @@ def test_a_long_cached_prompt_gets_its_first_token_alone(tiny_model_path, monkey
 
 @pytest.fixture
 def windowed(tiny_model_path):
-    engine = start_engine(tiny_model_path("llama"), **{"engine.batch_window_s": 1.0})
+    engine = start_engine(tiny_model_path("llama"), **{"plugin.batched.batch_window_s": 1.0})
     yield engine
     engine.shutdown()
 
@@ -443,7 +443,7 @@ def test_requests_sent_within_the_window_share_one_forward(windowed):
 
 @pytest.mark.slow
 def test_default_model_chat_prompts_prefill_together(default_model_dir):
-    engine = start_engine(default_model_dir, **{"cache.block_size": 16})
+    engine = start_engine(default_model_dir, **{"plugin.batched.block_size": 16})
     try:
         prompts = [engine.tokenize_chat([{"role": "user", "content": question}])
                    for question in ("What is the capital of France?", "Name a primary colour.",

@@ -17,7 +17,7 @@ BLOCK = 4
 def blocks_for(cache: PrefixCache, tokens: list[int], nbytes: int = 100,
                reusable: set[int] | None = None) -> list[CachedBlock]:
     hashes = cache.hashes(tokens)
-    return [CachedBlock(h, hashes[i - 1] if i else cache.root, i, cache.block_size, (), None,
+    return [CachedBlock(h, hashes[i - 1] if i else cache.root, i, plugin.batched.block_size, (), None,
                         reusable_end=reusable is None or i in reusable, nbytes=nbytes)
             for i, h in enumerate(hashes)]
 
@@ -283,8 +283,8 @@ def test_a_cached_block_is_reused_up_to_the_first_token_that_differs(tiny_model_
     from omlx_core.models.registry import spec_for_path
     from omlx_core.plugins.batched import BatchedEngine
 
-    config = load_config("base", overrides=[("cache.block_size", "16", "test"),
-                                            ("engine.prefill_step_size", "32", "test")], env={})
+    config = load_config("base", overrides=[("plugin.batched.block_size", "16", "test"),
+                                            ("plugin.batched.prefill_step_size", "32", "test")], env={})
     engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
     engine.start()
     try:

@@ -33,23 +33,24 @@ def test_the_four_hardware_tiers_ship():
 
 def test_tier_value_overrides_base_and_remembers_its_file():
     config = load_config("cpu-small", env={})
-    assert config["engine.prefill_step_size"] == 256
-    assert config.source("engine.prefill_step_size").endswith("cpu-small.toml")
+    assert config["plugin.batched.prefill_step_size"] == 256
+    assert config.source("plugin.batched.prefill_step_size").endswith("cpu-small.toml")
 
 
 def test_layering_order_file_then_env_then_cli(tmp_path):
     extra = write(tmp_path, "mine.toml", """
-        [engine]
+        [plugin.batched]
         max_batch_size = 4
         prefill_step_size = 128
         """)
     config = load_config("cpu-small", files=[extra],
-                         env={"OMLX_ENGINE_PREFILL_STEP_SIZE": "64", "OMLX_SERVER_PORT": "9000"},
+                         env={"OMLX_PLUGIN_BATCHED_PREFILL_STEP_SIZE": "64",
+                              "OMLX_SERVER_PORT": "9000"},
                          overrides=[("server.port", "9100", "cli --port")])
-    assert config["engine.max_batch_size"] == 4
-    assert config.source("engine.max_batch_size") == str(extra)
-    assert config["engine.prefill_step_size"] == 64
-    assert config.source("engine.prefill_step_size") == "env OMLX_ENGINE_PREFILL_STEP_SIZE"
+    assert config["plugin.batched.max_batch_size"] == 4
+    assert config.source("plugin.batched.max_batch_size") == str(extra)
+    assert config["plugin.batched.prefill_step_size"] == 64
+    assert config.source("plugin.batched.prefill_step_size") == "env OMLX_PLUGIN_BATCHED_PREFILL_STEP_SIZE"
     assert config["server.port"] == 9100
     assert config.source("server.port") == "cli --port"
 
@@ -62,7 +63,7 @@ def test_custom_tier_inherits_a_shipped_tier_by_name(tmp_path):
         custom_ceiling = "1.5GiB"
         """)
     config = load_config(str(mine), env={})
-    assert config["engine.prefill_step_size"] == 256  # from cpu-small
+    assert config["plugin.batched.prefill_step_size"] == 256  # from cpu-small
     assert config["memory.custom_ceiling"] == int(1.5 * 1024**3)
     assert config["memory.tier"] == "custom"
 
@@ -70,24 +71,34 @@ def test_custom_tier_inherits_a_shipped_tier_by_name(tmp_path):
 def test_unknown_key_names_file_key_and_nearest_valid_key(tmp_path):
     bad = write(tmp_path, "bad.toml", """
         base = ["base"]
-        [engine]
+        [plugin.batched]
         max_batch_sise = 8
         """)
     with pytest.raises(ConfigError) as err:
         load_config(str(bad), env={})
     message = str(err.value)
     assert str(bad) in message
-    assert "engine.max_batch_sise" in message
-    assert "did you mean 'engine.max_batch_size'" in message
+    assert "plugin.batched.max_batch_sise" in message
+    assert "did you mean 'max_batch_size'" in message
+
+
+def test_a_setting_that_moved_to_its_plugin_says_where(tmp_path):
+    old = write(tmp_path, "old.toml", """
+        base = ["base"]
+        [engine]
+        max_batch_size = 8
+        """)
+    with pytest.raises(ConfigError, match="moved to 'plugin.batched.max_batch_size'"):
+        load_config(str(old), env={})
 
 
 def test_unknown_section_is_an_error_with_suggestion(tmp_path):
     bad = write(tmp_path, "bad.toml", """
         base = ["base"]
         [engnie]
-        max_batch_size = 8
+        max_tokens = 8
         """)
-    with pytest.raises(ConfigError, match="did you mean 'engine.max_batch_size'"):
+    with pytest.raises(ConfigError, match="did you mean 'engine.max_tokens'"):
         load_config(str(bad), env={})
 
 
@@ -122,10 +133,10 @@ def test_bad_value_out_of_range_and_bad_choice(tmp_path):
 def test_bad_size_string(tmp_path):
     bad = write(tmp_path, "bad.toml", """
         base = ["base"]
-        [cache]
-        memory_budget = "lots"
+        [plugin.batched]
+        prefix_cache_budget = "lots"
         """)
-    with pytest.raises(ConfigError, match=r"cache.memory_budget: 'lots' is not a size"):
+    with pytest.raises(ConfigError, match=r"plugin.batched.prefix_cache_budget: 'lots' is not a size"):
         load_config(str(bad), env={})
 
 

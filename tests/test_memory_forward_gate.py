@@ -202,7 +202,7 @@ def served(tiny_model_path):
     config = load_config(tier="cpu-small", env={}, overrides=[
         ("memory.tier", "custom", "test"), ("memory.custom_ceiling", str(140 * MIB), "test"),
         ("memory.transient_margin", str(MARGIN), "test"),
-        ("engine.prefill_step_size", "32", "test"), ("cache.memory_budget", "0", "test")])
+        ("plugin.batched.prefill_step_size", "32", "test"), ("plugin.batched.prefix_cache_budget", "0", "test")])
     engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
     engine.start()
     guard = MemoryGuard(plugins, config, usage=fixed_usage(), mlx_cache=lambda: 0)

@@ -42,7 +42,7 @@ def start(tmp_path: Path, model_dir: Path, ceiling: int, margin: int):
     config.write_text(f'[server]\nmodels = ["tiny"]\n\n[models.tiny]\npath = "{model_dir}"\n')
     setup = load_setup("cpu-small", [config], [
         ("memory.tier", "custom", "test"), ("memory.custom_ceiling", str(ceiling), "test"),
-        ("memory.transient_margin", str(margin), "test"), ("cache.memory_budget", "0", "test"),
+        ("memory.transient_margin", str(margin), "test"), ("plugin.batched.prefix_cache_budget", "0", "test"),
         # No poll refreshes the idle baseline between the requests: preflight must not
         # trust a stale one.
         ("memory.poll_interval_s", "60", "test")])

@@ -231,7 +231,7 @@ def real_guard(tiny_model_path):
     config = load_config(tier="cpu-small", env={}, overrides=[
         ("memory.tier", "custom", "test"), ("memory.custom_ceiling", "110MiB", "test"),
         ("memory.transient_margin", "1MiB", "test"),
-        ("engine.prefill_step_size", "64", "test"), ("cache.memory_budget", "0", "test")])
+        ("plugin.batched.prefill_step_size", "64", "test"), ("plugin.batched.prefix_cache_budget", "0", "test")])
     engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
     engine.start()
     usage = MemoryUsage(read_active=lambda: 100 * MIB, read_footprint=lambda: 0)

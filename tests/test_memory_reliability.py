@@ -80,7 +80,7 @@ class Server:
             [sys.executable, "-m", "omlx_core", "serve", "--tier", "cpu-small",
              "--model", str(model_dir), "--memory-ceiling", str(ceiling),
              "--port", str(self.port), "--threads", str(CLIENTS),
-             "--set", "cache.memory_budget=32MiB", "--set", "memory.queue_size=128"],
+             "--set", "plugin.batched.prefix_cache_budget=32MiB", "--set", "memory.queue_size=128"],
             stdout=self._log, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "OMLX_LOG_LEVEL": "INFO"})
         deadline = time.monotonic() + 120

@@ -150,7 +150,8 @@ def test_cli_plugins_lists_name_version_source_and_hooks(third_party):
     result = run_cli("plugins", "--tier", "cpu-small",
                      env_extra={"PYTHONPATH": str(third_party)})
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["NAME", "VERSION", "SOURCE", "STATUS", "HOOKS"]
+    assert lines[0].startswith("# tier cpu-small: plugin stack: ") and "good" in lines[0]
+    assert lines[1].split() == ["NAME", "VERSION", "SOURCE", "STATUS", "HOOKS"]
     batched = next(line for line in lines if line.startswith("batched"))
     assert "built-in" in batched and "register_engines" in batched
     good = next(line for line in lines if line.startswith("good"))
@@ -178,7 +179,7 @@ def test_cli_config_show_prints_values_with_sources():
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line and line[0] != "#"}
     assert rows["engine.max_tokens"].split()[1:] == ["99", "cli", "--set", "engine.max_tokens=99"]
     assert rows["server.port"].split()[1:] == ["8123", "env", "OMLX_SERVER_PORT"]
-    assert rows["engine.prefill_step_size"].endswith("cpu-small.toml")
+    assert rows["plugin.batched.prefill_step_size"].endswith("cpu-small.toml")
     assert rows["memory.tier"].endswith("cpu-small.toml")
 
 

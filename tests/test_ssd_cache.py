@@ -368,7 +368,7 @@ def test_one_process_per_directory(tmp_path):
     from omlx_core.plugins.ssd_cache.store import DirectoryInUseError
 
     store = make_store(tmp_path)
-    with pytest.raises(DirectoryInUseError, match="give each server its own cache.ssd_dir"):
+    with pytest.raises(DirectoryInUseError, match="give each server its own plugin.ssd_cache.dir"):
         make_store(tmp_path)
     store.close()
     make_store(tmp_path).close()  # free again once closed

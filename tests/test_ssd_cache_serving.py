@@ -30,8 +30,8 @@ class Served:
     """One batched engine started the way ``serve`` starts it: plugins bound by ``startup``."""
 
     def __init__(self, path: Path, ssd_dir: Path | str, **overrides: object) -> None:
-        values = {"engine.prefill_step_size": PREFILL_STEP, "cache.block_size": BLOCK,
-                  "cache.ssd_dir": str(ssd_dir), **overrides}
+        values = {"plugin.batched.prefill_step_size": PREFILL_STEP, "plugin.batched.block_size": BLOCK,
+                  "plugin.ssd_cache.dir": str(ssd_dir), **overrides}
         self.config = load_config("base", overrides=[(k, str(v), "test") for k, v in values.items()],
                                   env={})
         self.plugins = build_plugin_manager()
@@ -64,7 +64,7 @@ def prompt_for(engine: BatchedEngine, words: int) -> list[int]:
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next"])
 def test_restarted_engine_resumes_from_blocks_on_disk(tiny_model_path, tmp_path, family):
     path = tiny_model_path(family)
-    cold = Served(path, "", **{"cache.memory_budget": 0})
+    cold = Served(path, "", **{"plugin.batched.prefix_cache_budget": 0})
     first = Served(path, tmp_path)
     prompt = prompt_for(first.engine, 40)
     target = len(prompt) - 1  # all but the last prompt token are prefilled
@@ -173,7 +173,7 @@ _HANGING_SERVER = textwrap.dedent("""
 
 def _serve_argv(port: int, ssd_dir: Path, python_prefix: list[str]) -> list[str]:
     return python_prefix + ["--log-level", "WARNING", "serve", "--tier", "cpu-small",
-                            "--port", str(port), "--set", f"cache.ssd_dir={ssd_dir}"]
+                            "--port", str(port), "--set", f"plugin.ssd_cache.dir={ssd_dir}"]
 
 
 def _ask(port: int, text: str):

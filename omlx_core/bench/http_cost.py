@@ -200,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omlx_core.http.serve import HTTPServer
 
     overrides: list[tuple[str, str, str]] = [
-        ("engine.max_batch_size", str(max(args.streams, 1)), "bench")]
-    print("override: engine.max_batch_size=%d (both paths run every stream at once)"
+        ("plugin.batched.max_batch_size", str(max(args.streams, 1)), "bench")]
+    print("override: plugin.batched.max_batch_size=%d (both paths run every stream at once)"
           % max(args.streams, 1))
     setup = load_setup(args.tier, [], overrides)
     model_ids = None

@@ -422,12 +422,12 @@ def settings_for(tier: str | None, overrides: Sequence[str], plan: Plan) -> Serv
 
     config = load_setup(tier, [], [(*parse_set_flag(o), f"bench --set {o}")
                                    for o in overrides]).config
-    max_batch = int(config["engine.max_batch_size"])
+    max_batch = int(config["plugin.batched.max_batch_size"])
     threads = config["server.threads"]
     if threads == "auto":
         threads = max_batch + int(config["memory.queue_size"]) + SPARE_THREADS
     return ServerSettings(tier=config.tier, max_batch_size=max_batch,
-                          prefill_step_size=int(config["engine.prefill_step_size"]),
+                          prefill_step_size=int(config["plugin.batched.prefill_step_size"]),
                           http_threads=int(threads), overrides=tuple(overrides),
                           tier_given=tier is not None)
 

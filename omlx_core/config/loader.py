@@ -21,6 +21,16 @@ from omlx_core.config.schema import CORE_SETTINGS, MODEL_SETTINGS, TIER_FILE_KEY
 from omlx_core.settings import Setting
 
 TIERS_DIR = Path(__file__).parent / "tiers"
+#: keys that moved to the plugin that reads them: an old configuration is told where
+MOVED = {
+    "engine.max_batch_size": "plugin.batched.max_batch_size",
+    "engine.prefill_step_size": "plugin.batched.prefill_step_size",
+    "engine.batch_window_s": "plugin.batched.batch_window_s",
+    "cache.block_size": "plugin.batched.block_size",
+    "cache.memory_budget": "plugin.batched.prefix_cache_budget",
+    "cache.ssd_dir": "plugin.ssd_cache.dir",
+    "cache.ssd_budget": "plugin.ssd_cache.budget",
+}
 DEFAULT_ENGINE = "batched"
 # Variables with these names configure the process, not a setting.
 _PROCESS_ENV = {
@@ -78,7 +88,7 @@ class ModelEntry:
 
 @dataclass
 class Config:
-    """The effective configuration. ``config["engine.max_batch_size"]`` reads a value."""
+    """The effective configuration. ``config["plugin.batched.max_batch_size"]`` reads a value."""
 
     tier: str
     files: list[Path]
@@ -87,14 +97,23 @@ class Config:
     plugin_values: dict[str, dict[str, Sourced]] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:
-        return self.values[key].value
+        return self._sourced(key).value
 
     def get(self, key: str, default: Any = None) -> Any:
-        item = self.values.get(key)
-        return default if item is None else item.value
+        try:
+            return self._sourced(key).value
+        except KeyError:
+            return default
 
     def source(self, key: str) -> str:
-        return self.values[key].source
+        return self._sourced(key).source
+
+    def _sourced(self, key: str) -> Sourced:
+        """A core key, or a plugin's as ``plugin.<name>.<key>``."""
+        if key.startswith("plugin."):
+            _, name, leaf = key.split(".", 2)
+            return self.plugin_values[name][leaf]
+        return self.values[key]
 
     def plugin(self, name: str) -> dict[str, Any]:
         """Settings of ``[plugin.<name>]``, defaults filled in."""
@@ -204,13 +223,17 @@ class _Schema:
     core: dict[str, Setting]
     model: dict[str, Setting]
     plugins: dict[str, dict[str, Setting]]
+    #: installed plugins this configuration does not load: their tables are ignored
+    inactive: frozenset[str] = frozenset()
 
     @classmethod
-    def build(cls, plugin_settings: Mapping[str, Iterable[Setting]]) -> "_Schema":
+    def build(cls, plugin_settings: Mapping[str, Iterable[Setting]],
+              inactive: Iterable[str] = ()) -> "_Schema":
         return cls(
             core={s.key: s for s in CORE_SETTINGS},
             model={s.key: s for s in MODEL_SETTINGS},
             plugins={name: {s.key: s for s in settings} for name, settings in plugin_settings.items()},
+            inactive=frozenset(inactive) - set(plugin_settings),
         )
 
     def lookup(self, key: str) -> tuple[str, Setting | None, str]:
@@ -227,6 +250,8 @@ class _Schema:
             if len(parts) != 3:
                 return "plugin", None, "plugin settings are tables [plugin.<name>]"
             table = self.plugins.get(parts[1])
+            if table is None and parts[1] in self.inactive:
+                return "inactive", None, ""
             if table is None:
                 known = ", ".join(sorted(self.plugins)) or "none"
                 return "plugin", None, (f"no loaded plugin named {parts[1]!r} declares settings "
@@ -235,14 +260,18 @@ class _Schema:
             setting = table.get(parts[2])
             return "plugin", setting, "" if setting else _suggest(parts[2], table)
         setting = self.core.get(key)
-        return "core", setting, "" if setting else _suggest(key, self.core)
+        if setting is None and key in MOVED:
+            return "core", None, f"this setting moved to {MOVED[key]!r} (its plugin owns it now)"
+        everything = [*self.core, *(f"plugin.{name}.{leaf}" for name, table in self.plugins.items()
+                                    for leaf in table)]
+        return "core", setting, "" if setting else _suggest(key, everything)
 
 
 def _suggest(word: str, options: Iterable[str]) -> str:
     options = list(options)
     match = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
     if not match and "." in word:
-        # Compare the last part so "engine.max_batch_sise" finds "engine.max_batch_size".
+        # Compare the last part so "engine.max_batch_sise" finds "plugin.batched.max_batch_size".
         leaf = word.rsplit(".", 1)[1]
         by_leaf = {o.rsplit(".", 1)[-1]: o for o in options}
         leaf_match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
@@ -254,7 +283,7 @@ def _suggest(word: str, options: Iterable[str]) -> str:
 
 
 def env_name(key: str) -> str:
-    """``engine.max_batch_size`` -> ``OMLX_ENGINE_MAX_BATCH_SIZE``."""
+    """``plugin.batched.max_batch_size`` -> ``OMLX_PLUGIN_BATCHED_MAX_BATCH_SIZE``."""
     return "OMLX_" + key.upper().replace(".", "_").replace("-", "_")
 
 
@@ -358,7 +387,17 @@ def load_config(tier: str | None = None, files: Iterable[str | Path] = (),
     :raises ConfigError: listing every problem, each with its file, key and the fix.
     """
     env = os.environ if env is None else env
-    schema = _Schema.build(plugin_settings or {})
+    inactive: Iterable[str] = ()
+    if plugin_settings is None:
+        # Not given (a caller that builds no plugin manager): every installed plugin's.
+        from omlx_core.pluginmanager import installed_plugin_settings
+
+        plugin_settings = installed_plugin_settings()
+    else:
+        from omlx_core.pluginmanager import installed_plugin_names
+
+        inactive = installed_plugin_names()
+    schema = _Schema.build(plugin_settings, inactive)
     tier_name, paths, file_items = read_layers(tier, files, env)
     env_items, env_warnings = _env_overrides(env, schema)
     if warnings is not None:
@@ -376,6 +415,8 @@ def load_config(tier: str | None = None, files: Iterable[str | Path] = (),
     layered += [(k, v, s, True) for k, v, s in overrides]
     for key, value, source, from_text in layered:
         kind, setting, hint = schema.lookup(key)
+        if kind == "inactive":
+            continue  # a table for a plugin this configuration disables
         if setting is None:
             problems.append(Problem(source, key, f"unknown key; {hint}".rstrip("; ").rstrip()))
             continue
@@ -431,9 +472,9 @@ def _check_models(models: dict[str, ModelEntry], values: dict[str, Sourced]) -> 
 
 
 def parse_set_flag(text: str) -> tuple[str, str]:
-    """``--set engine.max_batch_size=8`` -> ``("engine.max_batch_size", "8")``."""
+    """``--set plugin.batched.max_batch_size=8`` -> ``("plugin.batched.max_batch_size", "8")``."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError([Problem("cli --set", text, "expected KEY=VALUE, e.g. "
-                                                      "--set engine.max_batch_size=8")])
+                                                      "--set plugin.batched.max_batch_size=8")])
     return key.strip(), value.strip()

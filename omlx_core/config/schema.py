@@ -1,5 +1,8 @@
 """Every configuration key omlx-core itself reads. Defaults are not here: they live in
-``tiers/base.toml`` so that one file shows an operator what every knob is set to."""
+``tiers/base.toml`` so that one file shows an operator what every knob is set to.
+
+A plugin's keys are its own (``register_settings``), under ``[plugin.<name>]``: the
+batched engine's batch and prefix-cache sizes, the SSD cache's directory and budget."""
 
 from __future__ import annotations
 
@@ -60,18 +63,9 @@ CORE_SETTINGS: list[Setting] = [
             "engine names allowed to run without the memory guard's cooperation (no memory "
             "hints, no forward gate); empty: such engines are refused at start"),
     *(s for tier in MEMORY_TIERS for s in _tier_settings(tier)),
-    Setting("engine.max_batch_size", "int", "most sequences decoded together", minimum=1, maximum=4096),
-    Setting("engine.prefill_step_size", "int", "prefill chunk size in tokens", minimum=16,
-            maximum=65536),
-    Setting("engine.batch_window_s", "float", "how long an idle engine waits after a request "
-            "arrives for others to prefill together with it", minimum=0.0, maximum=1.0),
     Setting("engine.max_tokens", "int", "completion tokens when a request sets none", minimum=1),
     Setting("engine.max_context", "int", "longest prompt + completion accepted (0 = model's own)",
             minimum=0),
-    Setting("cache.block_size", "int", "tokens per prefix-cache block", minimum=1, maximum=65536),
-    Setting("cache.memory_budget", "size", "bytes the in-memory prefix cache may hold"),
-    Setting("cache.ssd_dir", "str", "directory of the paged SSD KV cache ('' = off)"),
-    Setting("cache.ssd_budget", "size", "bytes the SSD cache may use", allow=("auto",)),
 ]
 
 # Each model is a table [models.<id>] with these keys.

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from omlx_core.hookspecs import hookimpl
+from omlx_core.settings import Setting
 from omlx_core.plugins.batched.engine import (
     MEMORY_CACHE_NAME,
     BatchedEngine,
@@ -43,6 +44,25 @@ from omlx_core.plugins.batched.prefix_cache import BlockStore, CachedBlock, Pref
 from omlx_core.plugins.batched.scheduler import Scheduler
 
 ENGINE_NAME = "batched"
+
+SETTINGS = (
+    Setting("max_batch_size", "int", "most sequences decoded together", minimum=1,
+            maximum=4096, default=16),
+    Setting("prefill_step_size", "int", "most prompt tokens one scheduler step prefills",
+            minimum=16, maximum=65536, default=512),
+    Setting("batch_window_s", "float", "how long an idle engine waits after a request arrives "
+            "for others to prefill together with it", minimum=0.0, maximum=1.0, default=0.01),
+    Setting("block_size", "int", "tokens per prefix-cache block", minimum=1, maximum=65536,
+            default=64),
+    Setting("prefix_cache_budget", "size", "bytes the in-memory prefix cache may hold "
+            "(0 turns it off)", default=1 << 30),
+)
+
+
+@hookimpl
+def register_settings(register: Callable[[Setting], None]) -> None:
+    for setting in SETTINGS:
+        register(setting)
 
 
 @hookimpl

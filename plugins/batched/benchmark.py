@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
 
         args.model = ensure_default_model()
     batch = max(args.concurrency + [1])
-    print(f"override: engine.max_batch_size={batch} (every stream runs at once)")
-    setup = load_setup("base", [], [("engine.max_batch_size", str(batch), "benchmark")])
+    print(f"override: plugin.batched.max_batch_size={batch} (every stream runs at once)")
+    setup = load_setup("base", [], [("plugin.batched.max_batch_size", str(batch), "benchmark")])
     context = start_engines(setup, _served_models(setup, [str(args.model)]), progress=True)
     pipeline = ServingPipeline(context)
     model_id, engine = next(iter(context.engines.items()))

@@ -48,11 +48,11 @@ class EngineSettings:
     @classmethod
     def from_config(cls, config: Any) -> "EngineSettings":
         return cls(
-            max_batch_size=int(config["engine.max_batch_size"]),
-            prefill_step_size=int(config["engine.prefill_step_size"]),
-            block_size=int(config["cache.block_size"]),
-            cache_budget=int(config["cache.memory_budget"]),
-            batch_window_s=float(config["engine.batch_window_s"]),
+            max_batch_size=int(config["plugin.batched.max_batch_size"]),
+            prefill_step_size=int(config["plugin.batched.prefill_step_size"]),
+            block_size=int(config["plugin.batched.block_size"]),
+            cache_budget=int(config["plugin.batched.prefix_cache_budget"]),
+            batch_window_s=float(config["plugin.batched.batch_window_s"]),
         )
 
 
@@ -248,8 +248,8 @@ class BatchedEngine(GuardedEngine):
                             ", ".join(n for n, _ in tiers), tiers[0][0])
             self.prefix_cache.attach_lower(tiers[0][1])
             if not self.prefix_cache.enabled:
-                log.warning("model %r: cache.memory_budget is 0, so the prefix cache is off and "
-                            "the %r cache tier behind it is never used; set cache.memory_budget "
+                log.warning("model %r: plugin.batched.prefix_cache_budget is 0, so the prefix cache is off and "
+                            "the %r cache tier behind it is never used; set plugin.batched.prefix_cache_budget "
                             "above 0 to use it", self.model.id, tiers[0][0])
 
     def _on_boundary(self, snapshot: Any) -> None:

@@ -1,6 +1,6 @@
 """The in-memory prefix cache: chain-hashed KV blocks under a byte budget, LRU.
 
-A prompt is cut into blocks of ``cache.block_size`` tokens. Block ``i``'s hash covers
+A prompt is cut into blocks of ``plugin.batched.block_size`` tokens. Block ``i``'s hash covers
 its tokens *and* the hash of block ``i - 1``, so one hash names a whole prefix and
 two prompts share blocks exactly as far as they share tokens. A new request reuses
 the longest run of cached blocks from the start of its prompt, which is what a
@@ -88,7 +88,7 @@ class PrefixCache:
 
     def __init__(self, block_size: int, budget_bytes: int, namespace: str = "") -> None:
         if block_size < 1:
-            raise ValueError(f"cache.block_size must be >= 1, got {block_size}")
+            raise ValueError(f"plugin.batched.block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self.root = root_hash(namespace)

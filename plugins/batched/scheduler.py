@@ -7,16 +7,16 @@ It is a :class:`~omlx_core.mlx_thread.Worker`: every call below except
 A request moves through four phases:
 
 ``waiting``
-    queued; admitted in arrival order while fewer than ``engine.max_batch_size``
+    queued; admitted in arrival order while fewer than ``plugin.batched.max_batch_size``
     sequences are prefilling or decoding. Admission looks up the prefix cache and
     starts the request's own KV cache from the longest reusable cached prefix.
 ``prefilling``
-    each :meth:`Scheduler.step` prefills at most ``engine.prefill_step_size`` prompt
+    each :meth:`Scheduler.step` prefills at most ``plugin.batched.prefill_step_size`` prompt
     tokens in all, split into chunks, then runs one decode step: a long prompt never
     stalls the running streams for more than one chunk budget. Chunks of different
     requests with similar lengths share one forward where the model's caches allow
     (:mod:`~omlx_core.plugins.batched.batch_prefill`); each request keeps its own
-    cache. Chunk ends fall on ``cache.block_size`` boundaries where they can, so full
+    cache. Chunk ends fall on ``plugin.batched.block_size`` boundaries where they can, so full
     blocks (and, for models with non-cuttable layers, their boundary states) go into
     the prefix cache as prefill crosses them. Chunks cover all prompt tokens but the
     last. At the end of the step every request whose chunks are done has its last

@@ -1,6 +1,6 @@
 """The built-in ``ssd_cache`` plugin: a paged SSD tier behind the in-memory prefix cache.
 
-Turned on by ``cache.ssd_dir`` (empty = off) with ``cache.ssd_budget`` bytes at most
+Turned on by ``plugin.ssd_cache.dir`` (empty = off) with ``plugin.ssd_cache.budget`` bytes at most
 (``"auto"``: ``plugin.ssd_cache.auto_share`` of the free disk). Through the public hooks:
 
 - ``register_caches``: ``"ssd"`` -> a :class:`~.store.PagedSSDStore` per model, which the
@@ -65,7 +65,10 @@ def _plugin_settings(config: Any) -> dict[str, Any]:
 
 
 SETTINGS = (
-    Setting("auto_share", "float", 'share of the free disk an "auto" cache.ssd_budget may use',
+    Setting("dir", "str", "directory of the paged SSD KV cache (\"\" turns it off)", default=""),
+    Setting("budget", "size", "bytes the SSD cache may use; \"auto\": auto_share of the free "
+            "disk", allow=("auto",), default="auto"),
+    Setting("auto_share", "float", 'share of the free disk an "auto" plugin.ssd_cache.budget may use',
             minimum=0.01, maximum=0.95, default=0.5),
     Setting("queue_size", "int", "block writes the writer thread may have queued",
             minimum=1, maximum=65536, default=64),
@@ -83,14 +86,14 @@ def register_settings(register: Callable[[Setting], None]) -> None:
 
 
 def create_store(model: Any, config: Any) -> PagedSSDStore | None:
-    """The ``register_caches`` factory: the model's store, or ``None`` when ``cache.ssd_dir`` is empty."""
-    directory = str(config["cache.ssd_dir"] or "").strip()
+    """The ``register_caches`` factory: the model's store, or ``None`` when ``plugin.ssd_cache.dir`` is empty."""
+    directory = str(config["plugin.ssd_cache.dir"] or "").strip()
     if not directory:
         return None
     identity = model_identity(Path(model.path))
     safe_id = re.sub(r"[^A-Za-z0-9._-]", "_", model.id)
     root = (Path(directory).expanduser() / f"{safe_id}-{identity[:16]}").resolve()
-    budget = config["cache.ssd_budget"]
+    budget = config["plugin.ssd_cache.budget"]
     settings = _plugin_settings(config)
     with _lock:
         store = _by_directory.get(root)
@@ -103,8 +106,8 @@ def create_store(model: Any, config: Any) -> PagedSSDStore | None:
                                       save_timeout_s=float(settings["save_timeout_s"]),
                                       eviction_burst=int(settings["eviction_burst"]))
             except OSError as exc:
-                raise RuntimeError(f"cache.ssd_dir {directory!r}: cannot use {root} for model "
-                                   f"{model.id!r}: {exc}; set cache.ssd_dir to a writable "
+                raise RuntimeError(f"plugin.ssd_cache.dir {directory!r}: cannot use {root} for model "
+                                   f"{model.id!r}: {exc}; set plugin.ssd_cache.dir to a writable "
                                    "directory, or to \"\" to turn the SSD cache off") from None
             _by_directory[root] = store
         _by_model[model.id] = store

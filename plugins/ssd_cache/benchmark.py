@@ -3,7 +3,7 @@
     python -m omlx_core.plugins.ssd_cache.benchmark [--model DIR] [--prompt-tokens 4096]
         [--quick] [--out docs/ssd-cache-bench.md]
 
-**TTFT.** ``omlx-core serve`` (tier ``cpu-small``, ``cache.ssd_dir`` in a temporary
+**TTFT.** ``omlx-core serve`` (tier ``cpu-small``, ``plugin.ssd_cache.dir`` in a temporary
 directory) answers one streaming chat request with a ``--prompt-tokens`` prompt three
 times: cold, again (an in-memory prefix-cache hit), and once more after the server was
 stopped and started again (its memory is empty: every reused block is read back from
@@ -11,7 +11,7 @@ disk). The peer is ``mlx_lm.server`` on the same model, which keeps its prompt c
 memory only: after its restart it pays the cold prefill again.
 
 **Write throughput.** A :class:`~.store.PagedSSDStore` in this process receives a
-sustained burst of blocks shaped like the model's (all layers, ``cache.block_size``
+sustained burst of blocks shaped like the model's (all layers, ``plugin.batched.block_size``
 tokens) as fast as the caller can produce them, with a small and a default write queue:
 blocks saved and persisted per second, MB/s, blocks dropped because the writer could not
 keep up, and the caller's (the MLX thread's) median cost per save.
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def omlx(port: int) -> ServerSpec:
         argv = [sys.executable, "-m", "omlx_core", "--log-level", "WARNING", "serve", "--tier", tier,
-                "--model", str(model_dir), "--port", str(port), "--set", f"cache.ssd_dir={ssd_dir}"]
+                "--model", str(model_dir), "--port", str(port), "--set", f"plugin.ssd_cache.dir={ssd_dir}"]
         return ServerSpec("omlx", "omlx-core serve", argv, model_id=model_dir.name)
 
     settings = ServerSettings(tier=tier, max_batch_size=8, prefill_step_size=256, http_threads=8)

@@ -1,6 +1,6 @@
 """The paged SSD block store: prefix-cache blocks on disk, surviving restarts.
 
-Layout of one model's directory (``<cache.ssd_dir>/<model id>-<identity>/``)::
+Layout of one model's directory (``<plugin.ssd_cache.dir>/<model id>-<identity>/``)::
 
     blocks/<hash>.safetensors            KV of one block (cuttable layers)
     blocks/<hash>.boundary.safetensors   non-cuttable layers' state at the block's end
@@ -182,7 +182,7 @@ class PagedSSDStore:
             handle.close()
             raise DirectoryInUseError(
                 f"SSD cache directory {self.directory} is in use by {owner}; give each "
-                "server its own cache.ssd_dir (two processes would evict and clean up each "
+                "server its own plugin.ssd_cache.dir (two processes would evict and clean up each "
                 "other's files)") from None
         handle.seek(0)
         handle.truncate()
@@ -619,11 +619,11 @@ class PagedSSDStore:
         if full:
             log.error("SSD cache: disk full while writing %s in %s; it is not cached, and the "
                       "cache shrinks to the free space from the next save on (writes already "
-                      "queued may fail too). Free disk space or lower cache.ssd_budget.",
+                      "queued may fail too). Free disk space or lower plugin.ssd_cache.budget.",
                       what, self.directory)
         else:
             log.error("SSD cache: writing %s in %s failed: %s; check that the directory is "
-                      "writable and on a working disk, or change cache.ssd_dir",
+                      "writable and on a working disk, or change plugin.ssd_cache.dir",
                       what, self.directory, exc)
 
     # -- budget ------------------------------------------------------------------------
