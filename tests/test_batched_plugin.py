@@ -50,7 +50,7 @@ def test_entry_point_registers_the_engine_and_the_memory_cache(tiny_model_path):
     engine = plugins.engines()["batched"](spec_for_path(tiny_model_path("llama")), config())
     assert isinstance(engine, BatchedEngine)
     cache = plugins.caches()["memory"](engine.model, config())
-    assert isinstance(cache, PrefixCache) and plugin.batched.block_size == 8
+    assert isinstance(cache, PrefixCache) and cache.block_size == 8
 
 
 def test_startup_connects_lower_tier_and_boundary_snapshots(tiny_model_path):

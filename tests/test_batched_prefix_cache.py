@@ -17,7 +17,7 @@ BLOCK = 4
 def blocks_for(cache: PrefixCache, tokens: list[int], nbytes: int = 100,
                reusable: set[int] | None = None) -> list[CachedBlock]:
     hashes = cache.hashes(tokens)
-    return [CachedBlock(h, hashes[i - 1] if i else cache.root, i, plugin.batched.block_size, (), None,
+    return [CachedBlock(h, hashes[i - 1] if i else cache.root, i, cache.block_size, (), None,
                         reusable_end=reusable is None or i in reusable, nbytes=nbytes)
             for i, h in enumerate(hashes)]
 

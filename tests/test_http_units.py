@@ -39,7 +39,7 @@ def test_valid_requests_pass() -> None:
     ({"model": "m", "messages": CHAT, "n": 4}, "n",
      "n: only n=1 is supported; send one request per choice"),
     ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content",
-     "messages[0].content must be a string or an array, got an integer"),
+     "messages[0].content must be null or a string or an array, got an integer"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
      "messages[0].content[0].text", "messages[0].content[0].text must be a string"),
     ({"model": "m", "messages": CHAT, "stop": ["ok", ""]}, "stop[1]", "stop[1] must not be empty"),
