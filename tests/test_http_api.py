@@ -540,6 +540,11 @@ def test_oversized_prompt_is_413_before_any_generation_work(guarded_context) -> 
         assert status == 413, body
         assert body["type"] == "error" and body["error"]["code"] == "prefill_memory_exceeded"
         assert body["error"]["binding_ceiling"] == "custom"
+        status, headers, body = post(server, "/v1/responses", {
+            "model": MODEL, "input": words, "max_output_tokens": 4, "stream": True})
+        assert status == 413, body
+        assert headers["content-type"].startswith("application/json")
+        assert error_of(body)["code"] == "prefill_memory_exceeded"
         samples = scrape(server)
     after = engine.stats()
     # Nothing reached the engine: no prefill, no token, no finished request.
@@ -547,7 +552,7 @@ def test_oversized_prompt_is_413_before_any_generation_work(guarded_context) -> 
         assert after[key] == before[key], key
     assert after["finished"] == before["finished"]
     assert sample(samples, "omlx_memory_rejections_total", binding="custom", stage="preflight",
-                  cause="never_fits") == 3
+                  cause="never_fits") == 4
 
 
 def test_a_prompt_that_fits_still_runs_under_the_ceiling(guarded_context) -> None:
