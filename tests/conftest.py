@@ -55,3 +55,25 @@ def server(context):
 
     with HTTPServer(context, port=0) as server:
         yield server
+
+
+def start_tiny_context(tmp_path_factory, model_id: str = "tiny"):
+    """A started server context serving a tiny random llama as ``model_id``, through
+    the real bootstrap (tier cpu-small)."""
+    from omlx_core.bootstrap import load_setup, start_engines
+    from omlx_core.testing import cached_model
+
+    model_dir = cached_model("llama", 0, cache_dir=tmp_path_factory.mktemp("models"))
+    config = tmp_path_factory.mktemp("config") / "omlx.toml"
+    config.write_text(f'[server]\nmodels = ["{model_id}"]\n\n[models.{model_id}]\n'
+                      f'path = "{model_dir}"\n')
+    return start_engines(load_setup("cpu-small", [config]), progress=False)
+
+
+@pytest.fixture
+def client(server):
+    """The openai SDK against the module's ``server``."""
+    import openai
+
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+        yield client

@@ -9,11 +9,12 @@ from typing import Iterator
 
 import pytest
 
-from omlx_core.bootstrap import load_setup, start_engines, stop_engines
+from omlx_core.bootstrap import stop_engines
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.grammar import GrammarSpec
 from omlx_core.server_context import ServerContext
-from omlx_core.testing import cached_model
+
+from conftest import start_tiny_context
 
 openai = pytest.importorskip("openai")
 import jsonschema
@@ -28,18 +29,9 @@ PERSON = {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def context(tmp_path_factory) -> Iterator[ServerContext]:
-    model_dir = cached_model("llama", 0, cache_dir=tmp_path_factory.mktemp("models"))
-    config = tmp_path_factory.mktemp("config") / "omlx.toml"
-    config.write_text(f'[server]\nmodels = ["{MODEL}"]\n\n[models.{MODEL}]\npath = "{model_dir}"\n')
-    context = start_engines(load_setup("cpu-small", [config]), progress=False)
+    context = start_tiny_context(tmp_path_factory, MODEL)
     yield context
     stop_engines(context)
-
-
-@pytest.fixture
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
-        yield client
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
