@@ -86,3 +86,44 @@ def test_a_request_preflight_admits_on_an_idle_server_is_not_refused_half_way(
         assert context.memory_guard.refused_total() == 0
     finally:
         stop_engines(context)
+
+
+def test_cached_blocks_of_a_finished_request_never_turn_a_fitting_one_into_a_413(
+        tmp_path: Path, model_dir: Path) -> None:
+    """Issue 11's second scenario: a prompt that fits on a fresh server, then the same
+    prompt again and a different one of the same size, each with the prefix cache
+    holding the previous one's blocks: same verdict as on a fresh server, and no
+    refusal half-way (the cached blocks are given back when the room is needed)."""
+    probe = start(tmp_path / "probe", model_dir, 64 * GIB, 8 * MIB)
+    guard = probe.memory_guard
+    assert wait_for(lambda: guard.snapshot is not None)
+    baseline, engine = guard.snapshot.baseline_bytes, probe.engines["tiny"]
+    need = guard.estimate(guard.peak_query(engine, [(11 * i) % 200 + 10 for i in range(3000)]))
+    stop_engines(probe)
+    margin = max(2 * MIB, need // 4)
+    ceiling = baseline + need + margin + need // 4  # a 3k prompt fits, with room to spare
+    tmp = tmp_path / "run"
+    tmp.mkdir()
+    config = tmp / "omlx.toml"
+    config.write_text(f'[server]\nmodels = ["tiny"]\n\n[models.tiny]\npath = "{model_dir}"\n')
+    setup = load_setup("cpu-small", [config], [
+        ("memory.tier", "custom", "test"), ("memory.custom_ceiling", str(ceiling), "test"),
+        ("memory.transient_margin", str(margin), "test"),
+        # A prefix cache as large as the whole ceiling: only eviction makes room.
+        ("plugin.batched.prefix_cache_budget", str(ceiling), "test")])
+    context = start_engines(setup, progress=False)
+    try:
+        pipeline = ServingPipeline(context)
+        first = [(13 * i) % 200 + 10 for i in range(3000)]
+        other = [(17 * i + 5) % 200 + 10 for i in range(3000)]
+        for prompt in (first, first, other):
+            generation = pipeline.start(Job("tiny", SamplingParams(temperature=0, max_tokens=2),
+                                            token_ids=prompt, prompt_param="prompt"))
+            list(generation.deltas())
+            generation.close()
+            assert generation.finish_reason in ("stop", "length"), generation.error
+        engine = context.engines["tiny"]
+        assert engine.reclaimable_bytes() > 0  # the cache kept blocks all along
+        assert context.memory_guard.refused_total() == 0
+    finally:
+        stop_engines(context)
