@@ -314,3 +314,81 @@ def test_batched_engine_backstop_ends_only_the_request_whose_forward_overshot(se
     assert runner_rest[-1].finish_reason in ("stop", "length") and runner_rest[-1].error is None
     stats = engine.scheduler.stats()
     assert (stats["prefilling"], stats["running"], stats["queue_depth"]) == (0, 0, 0)
+
+
+# -- decode growth and preemption ---------------------------------------------------------
+
+
+def ledger_with(hard: int, *tickets: tuple[str, int, int, int]):
+    """An admission ledger under ``hard`` (100 MiB baseline, no margin) holding
+    ``(request id, MiB reserved, KV tokens covered, KV tokens cap)`` tickets."""
+    from omlx_core.memory.admission import AdmissionQueue
+
+    ledger = AdmissionQueue(queue_size=8, timeout_s=0.2, admit_watermark=1.0)
+    ledger.update(limits(hard))
+    granted = {rid: ledger.admit(rid, mib * MIB, kv_tokens=tokens, kv_tokens_cap=cap)
+               for rid, mib, tokens, cap in tickets}
+    return ledger, granted
+
+
+def decode_step(*rows: tuple[str, int, float], hard: int):
+    from omlx_core.memory.gate import DecodeRow, DecodeStep
+
+    return DecodeStep("tiny", tuple(DecodeRow(*row) for row in rows), limits=limits(hard),
+                      model_config={"model_type": "llama"})
+
+
+def test_decode_growth_that_fits_grows_in_kv_blocks_up_to_max_tokens():
+    hard = 100 * MIB + 2 * GIB
+    ledger, tickets = ledger_with(hard, ("a", 300, 300, 600), ("b", 300, 300, 2000))
+    gate = PrefillForwardGate(per_token, fixed_usage(), 0, ledger=ledger)
+    plan = gate.check_decode(decode_step(("a", 301, 1.0), ("b", 257, 2.0), hard=hard))
+    assert plan.preempt == ()
+    # "a" grows to the next 256-token block but no further than prompt + max_tokens;
+    # "b" is still inside what admission reserved.
+    assert plan.allowed_tokens == {"a": 512, "b": 300}
+    assert (tickets["a"].kv_tokens, tickets["a"].reserve_bytes) == (512, 512 * MIB)
+    plan = gate.check_decode(decode_step(("a", 513, 1.0), ("b", 258, 2.0), hard=hard))
+    assert plan.allowed_tokens["a"] == 600 and tickets["a"].reserve_bytes == 600 * MIB
+
+
+def test_growth_that_does_not_fit_preempts_the_youngest_which_resumes_when_room_frees():
+    hard = 100 * MIB + 700 * MIB
+    ledger, tickets = ledger_with(hard, ("old", 300, 300, 2000), ("mid", 100, 100, 2000),
+                                  ("young", 200, 200, 2000))
+    gate = PrefillForwardGate(per_token, fixed_usage(), 0, ledger=ledger)
+    plan = gate.check_decode(decode_step(("old", 301, 1.0), ("young", 150, 3.0),
+                                         ("mid", 90, 2.0), hard=hard))
+    # 512 + 100 + 200 MiB > 700 MiB: the youngest goes; the oldest grows.
+    assert plan.preempt == ("young",)
+    assert plan.allowed_tokens["old"] == 512 and tickets["young"].suspended
+    assert gate.preempted_total == 1 and ledger.preempted == 1
+    assert not gate.may_resume("young")
+    # A new request waits behind the suspended one, whose need still counts for it.
+    from omlx_core.memory.types import RequestRejected
+
+    with pytest.raises(RequestRejected) as refused:
+        ledger.admit("new", 10 * MIB)
+    assert refused.value.rejection.cause == "queue_timeout"
+    tickets["old"].release()
+    assert gate.may_resume("young") and not tickets["young"].suspended
+
+
+def test_the_oldest_request_is_never_preempted_and_real_memory_counts_too():
+    hard = 100 * MIB + 700 * MIB
+    ledger, tickets = ledger_with(hard, ("old", 300, 300, 2000), ("young", 100, 100, 2000))
+    # The ledger has room, memory in use does not: 700 MiB in use + 212 MiB growth.
+    gate = PrefillForwardGate(per_token, fixed_usage(700 * MIB), 0, ledger=ledger)
+    plan = gate.check_decode(decode_step(("old", 301, 1.0), ("young", 99, 2.0), hard=hard))
+    assert plan.preempt == ("young",) and plan.allowed_tokens["old"] == 512
+    plan = gate.check_decode(decode_step(("old", 513, 1.0), hard=hard))
+    assert plan.preempt == () and plan.allowed_tokens["old"] == 768
+
+
+def test_without_a_ledger_or_a_limit_decode_is_not_budgeted():
+    from omlx_core.memory.gate import UNLIMITED_TOKENS
+
+    gate = PrefillForwardGate(per_token, fixed_usage(), 0)
+    plan = gate.check_decode(decode_step(("a", 10_000, 1.0), hard=200 * MIB))
+    assert plan.allowed_tokens == {"a": UNLIMITED_TOKENS} and plan.preempt == ()
+

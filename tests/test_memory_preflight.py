@@ -275,3 +275,24 @@ def test_the_builtin_estimate_covers_a_real_prefill(real_guard):
     assert outputs[-1].finish_reason in ("stop", "length")
     measured = mx.get_peak_memory() - before
     assert 0 < measured <= estimate, (measured, estimate)
+
+
+def test_preflight_counts_the_kv_of_the_whole_completion_and_names_a_max_tokens_that_fits():
+    from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PreflightRequest
+
+    snapshot = LimitSnapshot(hard_bytes=GIB, breakdown=CeilingBreakdown(custom=GIB, tier="custom"),
+                             baseline_bytes=0)
+    kib = 1024
+
+    def request(max_tokens: int) -> PreflightRequest:
+        # A 1,000-token prompt whose prefill peaks at 100 MiB; 256 KiB of KV per token.
+        return PreflightRequest("r", "tiny", 1000, 0, 256, 100 * MIB, snapshot,
+                                max_tokens=max_tokens, kv_bytes_per_token=256 * kib)
+
+    memory_guard_plugin.preflight(request=request(3000))  # 4,096 tokens of KV: exactly 1 GiB
+    with pytest.raises(RequestRejected) as refused:
+        memory_guard_plugin.preflight(request=request(3100))
+    rejection = refused.value.rejection
+    assert rejection.stage == "preflight" and rejection.cause == "never_fits"
+    assert "max_tokens=3100" in rejection.detail
+    assert rejection.fitting_max_tokens == 3096  # 4,096 tokens of KV less the prompt

@@ -57,6 +57,10 @@ CORE_SETTINGS: list[Setting] = [
     Setting("memory.transient_margin_share", "float",
             "the same headroom as a share of the hard limit; the larger of the two is charged",
             minimum=0.0, maximum=0.5),
+    Setting("memory.decode_reserve_tokens", "int",
+            "completion tokens of KV reserved at admission; decode grows the reservation "
+            "in blocks past it, preempting the youngest request when memory runs short",
+            minimum=1),
     Setting("memory.queue_size", "int", "requests that may wait for memory before 503", minimum=0),
     Setting("memory.queue_timeout_s", "float", "longest a request waits for memory", minimum=0),
     Setting("memory.unguarded_engines", "list",

@@ -74,6 +74,8 @@ class Health:
                 "baseline_bytes": snapshot.baseline_bytes,
                 "headroom_bytes": snapshot.headroom_bytes,
                 "admission_waiting": guard.waiting,
+                "preempted_now": guard.admission.suspended,
+                "preempted_total": guard.preempted_total(),
                 "admission_reserved_bytes": guard.admission.reserved_bytes,
                 "reclaimed_bytes_total": guard.reclaimed_bytes_total}
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from omlx_core.serving import ServingEvents
@@ -185,3 +185,10 @@ class _LiveValues(Collector):
                 yield flag
         yield GaugeMetricFamily("omlx_admission_queue_depth", "requests waiting for memory",
                                 value=guard.waiting)
+        yield GaugeMetricFamily("omlx_memory_preempted_requests",
+                                "requests preempted to let older ones grow, waiting to resume",
+                                value=guard.admission.suspended)
+        yield CounterMetricFamily("omlx_memory_preemptions",
+                                  "requests taken out of a decode batch for memory, to resume "
+                                  "later (their clients see a pause, not an error)",
+                                  value=guard.preempted_total())

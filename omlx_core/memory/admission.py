@@ -21,6 +21,14 @@ large one is never starved: from then on only it can be admitted, as room frees 
 request runs alone whenever nothing else is reserved: it passed preflight, so it fits
 alone, and waiting could not make room.
 
+A reservation covers the request's prompt and the KV of its first completion tokens
+(``memory.decode_reserve_tokens``), not all ``max_tokens`` of them: most requests stop
+long before. Decode grows it in blocks (:meth:`AdmissionQueue.resize`, asked by the forward
+gate), and when growth does not fit, the youngest running request is **suspended**
+(preempted by its engine; it keeps its place, holds no memory, and resumes with
+:meth:`AdmissionQueue.resume` when it fits again). While a request is suspended, new
+requests wait behind it: its need counts as reserved for them.
+
 A full queue raises :class:`~omlx_core.memory.types.RequestRejected` with stage
 ``"admission"`` (HTTP 503 with ``Retry-After``), and so does a wait that outlasts
 ``memory.queue_timeout_s`` *without progress*: the timeout counts from the later of the
@@ -36,7 +44,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable, Mapping
 
 from omlx_core.memory.types import LimitSnapshot, Rejection, RequestRejected
 from omlx_core.settings import format_size
@@ -76,11 +84,18 @@ class AdmissionTicket:
     budget for the next request; releasing twice is harmless."""
 
     def __init__(self, queue: "AdmissionQueue", request_id: str, reserve_bytes: int,
-                 waited_s: float, batch: Hashable | None = None):
+                 waited_s: float, batch: Hashable | None = None, *, kv_tokens: int = 0,
+                 kv_tokens_cap: int = 0):
         self.request_id = request_id
         self.reserve_bytes = reserve_bytes
         self.batch = batch
         self.waited_s = waited_s
+        #: KV tokens the reservation covers (prompt and completion so far)
+        self.kv_tokens = kv_tokens
+        #: the most KV tokens the request can reach (prompt plus ``max_tokens``)
+        self.kv_tokens_cap = max(kv_tokens_cap, kv_tokens)
+        #: preempted: holds no memory now, and resumes before any new request is admitted
+        self.suspended = False
         self._queue = queue
         self._granted_at = queue.clock()
         self._released = False
@@ -121,6 +136,8 @@ class AdmissionQueue:
         #: when a running request last finished (progress that may make room)
         self._progress_at = clock()
         self.backfilled = 0
+        #: requests suspended so far (preempted to let older ones grow)
+        self.preempted = 0
 
     # -- reading ------------------------------------------------------------------------
 
@@ -172,13 +189,16 @@ class AdmissionQueue:
 
     def admit(self, request_id: str, reserve_bytes: int, batch: Hashable | None = None, *,
               model_id: str = "", prompt_tokens: int = 0, decode_bytes: int = 0,
-              max_tokens: int = 0) -> AdmissionTicket:
+              max_tokens: int = 0, kv_tokens: int = 0, kv_tokens_cap: int = 0
+              ) -> AdmissionTicket:
         """Block until ``reserve_bytes`` fits next to the running requests.
 
         :param batch: requests with the same key share a padded decode batch (one key
             per engine); ``None`` for a request whose memory adds up with the others'.
         :param decode_bytes: of ``reserve_bytes``, the KV of ``max_tokens`` completion
             tokens: a refusal says which smaller ``max_tokens`` would fit now.
+        :param kv_tokens: KV tokens ``reserve_bytes`` covers; :param kv_tokens_cap: the
+            most the request can grow to (for :meth:`grow`).
         :raises RequestRejected: stage ``"admission"``: the queue is full (cause
             ``"queue_full"``) or the wait timed out (``"queue_timeout"``).
         """
@@ -189,7 +209,7 @@ class AdmissionQueue:
             if self._fits(reserve_bytes, batch) and (not self._waiting or self._may_backfill()):
                 if self._waiting:
                     self.backfilled += 1
-                return self._grant(request_id, reserve_bytes, 0.0, batch)
+                return self._grant(request_id, reserve_bytes, 0.0, batch, kv_tokens, kv_tokens_cap)
             if len(self._waiting) >= self.queue_size:
                 raise self._rejected(
                     request_id, reserve_bytes, model_id, prompt_tokens, "queue_full",
@@ -209,7 +229,8 @@ class AdmissionQueue:
                         self.backfilled += 0 if head else 1
                         # The next waiter may fit as well.
                         self._cond.notify_all()
-                        return self._grant(request_id, reserve_bytes, self.clock() - start, batch)
+                        return self._grant(request_id, reserve_bytes, self.clock() - start, batch,
+                                           kv_tokens, kv_tokens_cap)
                     deadline = max(start, self._progress_at) + timeout
                     remaining = deadline - self.clock()
                     if remaining <= 0:
@@ -225,6 +246,74 @@ class AdmissionQueue:
                     self._waiting.remove(waiter)
                     self._cond.notify_all()
                 raise
+
+    # -- decode growth and preemption ----------------------------------------------------
+
+    def ticket(self, request_id: str) -> AdmissionTicket | None:
+        """The running (or suspended) request's ticket."""
+        with self._cond:
+            return self._ticket(request_id)
+
+    def resize(self, sizes: Mapping[str, tuple[int, int]], *, force: bool = False) -> bool:
+        """Set running requests' reservations to ``sizes`` (request id → (KV tokens,
+        bytes)): the forward gate grows them as decode goes on. Growth must fit the budget next to the other running requests (suspended ones do
+        not count: growth is what preemption makes room for); all or nothing. A request
+        running alone always may grow (preflight admitted its whole ``max_tokens``), so
+        may the oldest in a decode batch (``force``: there is no one left to preempt),
+        and shrinking always succeeds and lets waiters re-check."""
+        with self._cond:
+            tickets = {rid: t for rid in sizes
+                       if (t := self._ticket(rid)) is not None and not t.suspended}
+            new = {rid: (int(tokens), int(nbytes)) for rid, (tokens, nbytes) in sizes.items()
+                   if rid in tickets}
+            grows = any(nbytes > tickets[rid].reserve_bytes for rid, (_, nbytes) in new.items())
+            active = [t for t in self._running.values() if not t.suspended]
+            budget = self.budget_bytes(self._snapshot)
+            if grows and not force and len(active) > 1 and budget is not None:
+                cost = reservation_cost(
+                    (new.get(t.request_id, (0, t.reserve_bytes))[1], t.batch) for t in active)
+                if cost > budget:
+                    return False
+            for rid, (tokens, nbytes) in new.items():
+                tickets[rid].kv_tokens, tickets[rid].reserve_bytes = tokens, nbytes
+            if not grows:
+                self._cond.notify_all()
+            return True
+
+    def suspend(self, request_id: str) -> None:
+        """The request was preempted: it holds no memory until :meth:`resume`."""
+        with self._cond:
+            ticket = self._ticket(request_id)
+            if ticket is not None and not ticket.suspended:
+                ticket.suspended = True
+                self.preempted += 1
+                self._cond.notify_all()
+
+    def resume(self, request_id: str) -> bool:
+        """Whether the suspended request fits next to the running ones again (it always
+        does alone); if so it holds its reservation again. Oldest suspended first."""
+        with self._cond:
+            ticket = self._ticket(request_id)
+            if ticket is None or not ticket.suspended:
+                return True
+            active = [(t.reserve_bytes, t.batch) for t in self._running.values() if not t.suspended]
+            budget = self.budget_bytes(self._snapshot)
+            if active and budget is not None and reservation_cost(
+                    active + [(ticket.reserve_bytes, ticket.batch)]) > budget:
+                return False
+            ticket.suspended = False
+            return True
+
+    @property
+    def suspended(self) -> int:
+        with self._cond:
+            return sum(1 for t in self._running.values() if t.suspended)
+
+    def _ticket(self, request_id: str) -> AdmissionTicket | None:
+        for ticket in self._running.values():
+            if ticket.request_id == request_id:
+                return ticket
+        return None
 
     def _rejected(self, request_id: str, reserve_bytes: int, model_id: str, prompt_tokens: int,
                   cause: str, detail: str, batch: Hashable | None, decode_bytes: int,
@@ -271,14 +360,18 @@ class AdmissionQueue:
         return self.clock() - head.since < self.backfill_s
 
     def _fits(self, reserve_bytes: int, batch: Hashable | None) -> bool:
+        """Whether a new request fits next to the running and the suspended ones (the
+        latter resume first)."""
         if not self._running:
             return True
         budget = self.budget_bytes(self._snapshot)
         return budget is None or self._cost((reserve_bytes, batch)) <= budget
 
     def _grant(self, request_id: str, reserve_bytes: int, waited_s: float,
-               batch: Hashable | None) -> AdmissionTicket:
-        ticket = AdmissionTicket(self, request_id, reserve_bytes, waited_s, batch)
+               batch: Hashable | None, kv_tokens: int = 0, kv_tokens_cap: int = 0
+               ) -> AdmissionTicket:
+        ticket = AdmissionTicket(self, request_id, reserve_bytes, waited_s, batch,
+                                 kv_tokens=kv_tokens, kv_tokens_cap=kv_tokens_cap)
         self._running[id(ticket)] = ticket
         return ticket
 

@@ -17,7 +17,8 @@ A shared forward also copies every member's cached prefix into a batch buffer
 projection adds ``2 x rows x (longest cached + longest new) x KV bytes per token``.
 (The batched engine then asks again with every chunk alone before refusing anything,
 so refusals of a shared forward are logged at DEBUG and not counted in
-``refused_total``: only the second answer is final.)
+``refused_total``: only the second answer is final. Nor are refusals of a request
+while others of its engine run, logged at INFO: it waits for them, preempted.)
 Admission keeps running requests inside the budget; the gate catches what drifted past
 it (estimates that undercounted, decode growth, memory taken by other processes).
 
@@ -25,19 +26,40 @@ it (estimates that undercounted, decode growth, memory taken by other processes)
 has run: if the high-water use then passes the hard limit even with the caches
 emptied, the request whose chunk just ran (of a shared forward, the one holding the
 most KV) is stopped, its cache freed, before it grows any further.
+
+:meth:`PrefillForwardGate.check_decode` budgets decode growth in blocks of ``KV_STEP``
+tokens (mlx's KV caches grow that way). Oldest request first, each request whose KV
+is about to pass what its reservation covers grows it to the next block boundary (at
+most its prompt plus ``max_tokens``). The growth must fit both the admission ledger's
+budget (:meth:`~.admission.AdmissionQueue.resize`) and memory in use now (plus the
+margin, after reclaiming caches); when it does not, the youngest request is preempted
+(suspended in the ledger, taken out of the batch by its engine) and the rest asked
+again. The oldest request is never preempted: it passed preflight with its whole
+``max_tokens``, so it fits alone.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from omlx_core.memory.estimate import KV_STEP
-from omlx_core.memory.gate import ForwardGate, PrefillChunk, PrefillStep, Refusals
+from omlx_core.memory.gate import (
+    UNLIMITED_TOKENS,
+    DecodePlan,
+    DecodeStep,
+    ForwardGate,
+    PrefillChunk,
+    PrefillStep,
+    Refusals,
+)
 from omlx_core.memory.types import LimitSnapshot, PeakQuery, Rejection, RequestRejected
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.settings import format_size
+
+if TYPE_CHECKING:
+    from omlx_core.memory.admission import AdmissionQueue
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +97,14 @@ class PrefillForwardGate(ForwardGate):
                  transient_margin: int | Callable[[int], int],
                  advise: Advise | None = None, *, dtype_bytes: int = 4,
                  full_logits: bool = False, backend: str = "cpu", retry_after_s: float = 2.0,
-                 reclaim: Callable[[int], int] | None = None):
+                 reclaim: Callable[[int], int] | None = None,
+                 ledger: AdmissionQueue | None = None):
         self._reclaim = reclaim
+        #: the admission ledger decode growth is reserved in (``None``: decode unbudgeted)
+        self._ledger = ledger
+        self._per_token: dict[str, int | None] = {}
+        #: requests preempted so far
+        self.preempted_total = 0
         self._estimate = estimate
         self._usage = usage
         self._margin = transient_margin if callable(transient_margin) else (
@@ -103,15 +131,19 @@ class PrefillForwardGate(ForwardGate):
         current = self._usage.high_water(record=True)
         earlier_kv = 0
         refused: dict[str, RequestRejected] = {}
-        final = 0  # refusals of forwards run alone; a shared one is asked about again
+        # Final refusals: of forwards run alone, of a request running alone. A shared
+        # forward is asked about again; a request refused while others run waits for them.
+        final = 0
+        waits = step.running > 1
         for forward in _forwards(step.chunks):
             shared = len(forward) > 1
+            provisional = shared or waits
             peaks = [self._chunk_estimate(step, chunk, chunk.new_tokens) for chunk in forward]
             copy = self._copy_bytes(step, forward) if shared else 0
             if any(peak is None for peak in peaks) or copy is None:
                 for chunk in forward:
                     refused[chunk.request_id] = self._unestimable(step, chunk, limits)
-                final += 0 if shared else len(forward)
+                final += 0 if shared else len(forward)  # waiting would not help
                 continue
             total = sum(peaks) + copy  # type: ignore[arg-type]
             projected = current + earlier_kv + total + self.transient_margin
@@ -121,8 +153,8 @@ class PrefillForwardGate(ForwardGate):
             if projected > hard:
                 for chunk in forward:
                     refused[chunk.request_id] = self._reason(step, chunk, total, current + earlier_kv,
-                                                             limits, shared=shared)
-                final += 0 if shared else len(forward)
+                                                             limits, shared=shared, waits=waits)
+                final += 0 if provisional else len(forward)
                 continue
             # What stays resident after this forward is its KV, not its transient: a
             # one-token chunk's estimate is (almost) only that.
@@ -132,15 +164,87 @@ class PrefillForwardGate(ForwardGate):
         self.refused_total += final
         return refused
 
+    def check_decode(self, step: DecodeStep) -> DecodePlan:
+        limits: LimitSnapshot | None = step.limits
+        ledger = self._ledger
+        unlimited = DecodePlan({row.request_id: UNLIMITED_TOKENS for row in step.rows})
+        if ledger is None or limits is None or limits.hard_bytes is None:
+            return unlimited
+        per_token = self.kv_bytes_per_token(step.model_id, step.model_config)
+        if per_token is None:
+            return unlimited
+        hard = limits.hard_bytes
+        margin = self._margin(hard)
+        rows = sorted(step.rows, key=lambda row: row.arrived)
+        preempt: list[str] = []
+        while True:
+            allowed: dict[str, int] = {}
+            sizes: dict[str, tuple[int, int]] = {}
+            growth = 0
+            for row in rows:
+                ticket = ledger.ticket(row.request_id)
+                if ticket is None:  # admitted by nobody here: nothing to budget
+                    allowed[row.request_id] = UNLIMITED_TOKENS
+                    continue
+                target = ticket.kv_tokens
+                if row.kv_tokens > target:
+                    target = min(max(ticket.kv_tokens_cap, row.kv_tokens),
+                                 -(-row.kv_tokens // KV_STEP) * KV_STEP)
+                    more = (target - ticket.kv_tokens) * per_token
+                    growth += more
+                    sizes[row.request_id] = (target, ticket.reserve_bytes + more)
+                allowed[row.request_id] = target
+            if len(rows) == 1:
+                # The oldest request fits alone (preflight counted its max_tokens).
+                ledger.resize(sizes, force=True)
+                return DecodePlan(allowed, tuple(preempt))
+            if (not growth or self._decode_fits(growth + margin, hard)) and ledger.resize(sizes):
+                return DecodePlan(allowed, tuple(preempt))
+            youngest = rows.pop()
+            ledger.suspend(youngest.request_id)
+            preempt.append(youngest.request_id)
+            self.preempted_total += 1
+            log.info("preempting request %s (model %r) so that %d older request(s) can grow "
+                     "their KV: it resumes when memory frees up", youngest.request_id,
+                     step.model_id, len(rows))
+
+    def _decode_fits(self, needed: int, hard: int) -> bool:
+        """Whether ``needed`` bytes fit on top of memory in use now (after reclaiming
+        caches when they do not)."""
+        current = self._usage.high_water(record=True)
+        if current + needed > hard and self._make_room(current + needed - hard):
+            current = self._usage.high_water(record=True)
+        return current + needed <= hard
+
+    def may_resume(self, request_id: str) -> bool:
+        return self._ledger is None or self._ledger.resume(request_id)
+
+    def suspend(self, request_id: str) -> None:
+        if self._ledger is not None:
+            self._ledger.suspend(request_id)
+            self.preempted_total += 1
+
+    def kv_bytes_per_token(self, model_id: str, model_config: Mapping[str, Any]) -> int | None:
+        """KV bytes one token of ``model_id`` holds in its cache (``None``: no estimate)."""
+        if model_id not in self._per_token:
+            step = PrefillStep(model_id=model_id, chunks=(), decoding=0, chunk_size=1,
+                               model_config=model_config)
+            self._per_token[model_id] = self._kv_bytes_per_token(step)
+        return self._per_token[model_id]
+
     def _make_room(self, nbytes: int) -> bool:
-        """Reclaim ``nbytes`` of caches; whether anything was freed."""
+        """Reclaim ``nbytes`` of caches; whether use must be read again. Reclaiming also
+        drops the recorded readings, so the next one is current use alone rather than a
+        high-water mark of earlier forwards' transients: even with nothing to free, a
+        request is judged on what is held now, as preflight judged it."""
         if self._reclaim is None:
             return False
         try:
-            return self._reclaim(nbytes) > 0
+            self._reclaim(nbytes)
         except Exception:
             log.exception("reclaiming cached memory failed; judging the chunk without it")
             return False
+        return True
 
     def _unestimable(self, step: PrefillStep, chunk: PrefillChunk,
                      limits: LimitSnapshot) -> RequestRejected:
@@ -217,13 +321,17 @@ class PrefillForwardGate(ForwardGate):
             first_token=last, cached_kv_resident=True, backend=self.backend))
 
     def _reason(self, step: PrefillStep, chunk: PrefillChunk, peak: int, base: int,
-                limits: LimitSnapshot, *, shared: bool = False) -> RequestRejected:
+                limits: LimitSnapshot, *, shared: bool = False, waits: bool = False
+                ) -> RequestRejected:
         # A shared forward's refusal is provisional: the engine asks again with one chunk
-        # per forward, and only that answer is final.
-        log.log(logging.DEBUG if shared else logging.WARNING,
+        # per forward, and only that answer is final. A request refused while others run
+        # waits for them (its engine preempts it).
+        log.log(logging.DEBUG if shared else logging.INFO if waits else logging.WARNING,
                 "forward gate refuses a %d-token prefill chunk of request %s (model %r)%s: "
                 "%s in use + %s estimated + %s margin > %s limit", chunk.new_tokens,
-                chunk.request_id, step.model_id, " in a shared forward" if shared else "",
+                chunk.request_id, step.model_id,
+                " in a shared forward" if shared else
+                "; it waits for the running requests" if waits else "",
                 format_size(base), format_size(peak),
                 format_size(self.transient_margin), format_size(limits.hard_bytes))
         return self._rejected(chunk, Rejection(

@@ -10,9 +10,11 @@ Once per scheduler step that has prefill work, the scheduler plans the chunks it
 about to run, describes them in a :class:`PrefillStep` and calls
 ``gate.check_prefill(step)`` *before any of those forwards runs*. The gate answers with
 the request ids it refuses, each with a :class:`~omlx_core.memory.types.RequestRejected`
-(stage ``"forward"``). A refused request ends at once with ``finish_reason="error"``
+(stage ``"forward"``). A refused request running alone ends at once with ``finish_reason="error"``
 and that rejection on its final output (:attr:`~omlx_core.engine.GenerationOutput.rejected`);
-its partial KV cache is dropped; every other chunk of the step runs as planned.
+one refused while others of the engine run (``running > 1``) is preempted instead: it
+waits, its finished chunks in the prefix cache, until ``may_resume`` lets it back. Either
+way its partial KV cache is dropped; every other chunk of the step runs as planned.
 
 What the gate can rely on:
 
@@ -30,6 +32,20 @@ What the gate can rely on:
 
 An exception raised by the gate refuses every chunk of the step (the requests end with
 an error naming the exception): a guard that cannot decide must not let a forward run.
+
+**Decode growth and preemption.** Admission reserves a request's prompt and the KV of
+its first completion tokens, not all ``max_tokens`` of them: decode grows in blocks.
+Before a decode step after which some request would hold more KV tokens than the gate
+last allowed it (:attr:`DecodePlan.allowed_tokens`; none yet for a request that just
+joined the batch), the scheduler calls ``gate.check_decode(step)`` with every request
+in its decode batch. The gate grows the allowances it can and names the requests to
+**preempt**, youngest first. A preempted request leaves the decode batch at once
+without ending: its KV goes to the prefix cache (or is dropped, to be recomputed), it
+waits at the head of the scheduler's queue, and ``gate.may_resume(request_id)`` says
+when it may prefill its prompt and completion so far again and go on. Its client sees
+only a pause. A request whose prefill the gate refuses after a resume is preempted
+again (``gate.suspend``), never failed. The default implementations allow everything:
+a gate that does not budget decode never preempts.
 
 **Post-forward backstop.** ``gate.check_after_prefill(step)`` is called once after each
 forward is evaluated (and mlx's buffer cache emptied), with a :class:`PrefillStep`
@@ -77,10 +93,51 @@ class PrefillStep:
     #: the engine's prefill step: the most tokens one step prefills in all
     chunk_size: int
     limits: LimitSnapshot | None = None
+    #: requests of the engine prefilling or decoding in this step; while others run, a
+    #: refused request is preempted (it waits for them), not failed, so a gate counts
+    #: only refusals of a request running alone as final
+    running: int = 1
     model_config: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
 Refusals = Mapping[str, "RequestRejected"]
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One request in the decode batch."""
+
+    request_id: str
+    #: KV tokens the request holds once the next decode step has run
+    kv_tokens: int
+    #: ``time.monotonic()`` when the request reached the engine: the youngest (latest)
+    #: is preempted first
+    arrived: float
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """The decode batch, when a request is about to grow past its allowance."""
+
+    model_id: str
+    rows: tuple[DecodeRow, ...]
+    limits: LimitSnapshot | None = None
+    model_config: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The gate's answer to a :class:`DecodeStep`."""
+
+    #: KV tokens each request may hold before the scheduler asks again (requests the
+    #: plan does not name: ask again at the next step)
+    allowed_tokens: Mapping[str, int]
+    #: requests to take out of the decode batch now, to resume later
+    preempt: tuple[str, ...] = ()
+
+
+#: an allowance that never runs out (a gate with no budget for decode)
+UNLIMITED_TOKENS = 1 << 62
 
 
 class ForwardGate(abc.ABC):
@@ -94,6 +151,18 @@ class ForwardGate(abc.ABC):
     def check_after_prefill(self, step: PrefillStep) -> Refusals:
         """Request ids to stop now that ``step``'s forward has run; empty lets them go
         on. Of several, only the request holding the most KV is stopped."""
+
+    def check_decode(self, step: DecodeStep) -> DecodePlan:
+        """How far each request of the decode batch may grow, and whom to preempt."""
+        return DecodePlan({row.request_id: UNLIMITED_TOKENS for row in step.rows})
+
+    def may_resume(self, request_id: str) -> bool:
+        """Whether a preempted request may prefill again and rejoin the batch now."""
+        return True
+
+    def suspend(self, request_id: str) -> None:
+        """The scheduler preempted ``request_id`` on its own (a refused resume prefill):
+        it holds no memory until :meth:`may_resume` lets it back."""
 
 
 class MemoryReceiver(abc.ABC):
@@ -113,4 +182,5 @@ class MemoryReceiver(abc.ABC):
         """Install (or with ``None`` remove) the gate asked before prefill forwards."""
 
 
-__all__ = ["ForwardGate", "MemoryReceiver", "PrefillChunk", "PrefillStep", "Refusals"]
+__all__ = ["DecodePlan", "DecodeRow", "DecodeStep", "ForwardGate", "MemoryReceiver", "PrefillChunk",
+           "PrefillStep", "Refusals", "UNLIMITED_TOKENS"]

@@ -77,6 +77,9 @@ class MemoryGuard:
         self.usage = usage or MemoryUsage(window_s=2 * poll)
         #: the margin's floor; :meth:`margin` is what a decision charges
         self.transient_margin = int(config["memory.transient_margin"])
+        #: completion tokens of KV a request reserves at admission; decode grows it in
+        #: blocks past that, preempting the youngest request when it cannot
+        self.decode_reserve_tokens = int(config["memory.decode_reserve_tokens"])
         #: a memory shortage read now has aged out of the high-water window by then
         self.retry_after_s = 2 * poll
         self.admission = AdmissionQueue(int(config["memory.queue_size"]),
@@ -198,8 +201,10 @@ class MemoryGuard:
 
     # -- the stages before the first byte -----------------------------------------------
 
-    def preflight(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int]) -> None:
-        """Raise :class:`RequestRejected` (stage ``"preflight"``) if the request can never fit."""
+    def preflight(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int], *,
+                  max_tokens: int = 0) -> None:
+        """Raise :class:`RequestRejected` (stage ``"preflight"``) if the request can never
+        fit: its prefill, or the KV of its prompt and ``max_tokens`` completion tokens."""
         snapshot = self._snapshot
         if snapshot is not None and self.admission.idle():
             # The enforcer's baseline is at most a poll old; on an idle server the truth
@@ -213,7 +218,10 @@ class MemoryGuard:
             request_id=request_id, model_id=engine.model.id, prompt_tokens=len(prompt_tokens),
             cached_tokens=query.cached_tokens, chunk_size=query.chunk_size,
             estimated_bytes=estimated, limits=snapshot, model_config=query.model_config,
-            margin_bytes=self.policy.margin(snapshot.hard_bytes if snapshot else None))
+            margin_bytes=self.policy.margin(snapshot.hard_bytes if snapshot else None),
+            max_tokens=max_tokens,
+            kv_bytes_per_token=(self.forward_gate_for(engine).kv_bytes_per_token(
+                engine.model.id, query.model_config) or 0) if max_tokens else 0)
         try:
             self.plugins.hook.preflight(request=request)
         except RequestRejected as error:
@@ -223,19 +231,23 @@ class MemoryGuard:
               max_tokens: int) -> AdmissionTicket:
         """Block until the request fits next to the running ones; see :mod:`.admission`.
 
-        The reservation covers the prompt's prefill and the KV its completion grows to
-        (``max_tokens``). Requests of one engine share its padded decode batch when its
+        The reservation covers the prompt's prefill and the KV of its first
+        ``memory.decode_reserve_tokens`` completion tokens; the forward gate grows it as
+        decode goes on. Requests of one engine share its padded decode batch when its
         hints say so. Raises :class:`RequestRejected` (stage ``"admission"``).
         """
         hints = memory_hints_of(engine)
-        estimated = self.estimate(self.peak_query(engine, prompt_tokens, extra_tokens=max_tokens))
+        soon = min(max_tokens, self.decode_reserve_tokens)
+        estimated = self.estimate(self.peak_query(engine, prompt_tokens, extra_tokens=soon))
         prompt_only = self.estimate(self.peak_query(engine, prompt_tokens))
         decode = max(0, (estimated or 0) - (prompt_only or 0))
         batch = id(engine) if hints.decode_batch_padded else None
         try:
             return self.admission.admit(request_id, estimated or 0, batch,
                                         model_id=engine.model.id, prompt_tokens=len(prompt_tokens),
-                                        decode_bytes=decode, max_tokens=max_tokens)
+                                        decode_bytes=decode, max_tokens=soon,
+                                        kv_tokens=len(prompt_tokens) + soon,
+                                        kv_tokens_cap=len(prompt_tokens) + max_tokens)
         except RequestRejected as error:
             raise self.advised(error) from None
 
@@ -248,13 +260,18 @@ class MemoryGuard:
                 self.estimate, self.usage, self.policy.margin, self.advice,
                 dtype_bytes=hints.activation_dtype_bytes,
                 full_logits=hints.prefill_full_logits, backend=self.backend,
-                retry_after_s=self.retry_after_s, reclaim=self.reclaim)
+                retry_after_s=self.retry_after_s, reclaim=self.reclaim,
+                ledger=self.admission)
             entry = self._gates[id(engine)] = (engine, gate)
         return entry[1]
 
     def refused_total(self) -> int:
         """Forward-gate refusals (final ones) over every engine."""
         return sum(gate.refused_total for _engine, gate in self._gates.values())
+
+    def preempted_total(self) -> int:
+        """Requests preempted (to resume later) over every engine."""
+        return sum(gate.preempted_total for _engine, gate in self._gates.values())
 
 
 def mlx_cache_bytes() -> int:

@@ -109,6 +109,11 @@ class PreflightRequest:
     #: (``memory.transient_margin``): a request preflight lets through is never refused
     #: by the forward gate on an idle server for want of it
     margin_bytes: int = 0
+    #: the completion tokens the request may generate, and the KV bytes each token of
+    #: prompt or completion holds (0: unknown): the KV of the whole prompt and
+    #: completion must fit too, since decode grows until then
+    max_tokens: int = 0
+    kv_bytes_per_token: int = 0
 
 
 #: where a request was refused: before any work (it can never fit), while waiting for

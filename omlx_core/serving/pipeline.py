@@ -500,7 +500,7 @@ class ServingPipeline:
         if guard is None:
             return lambda: None
         try:
-            guard.preflight(engine, request_id, tokens)
+            guard.preflight(engine, request_id, tokens, max_tokens=max_tokens)
             ticket: AdmissionTicket = guard.admit(engine, request_id, tokens, max_tokens=max_tokens)
         except RequestRejected as error:
             self.events.rejected(engine.model.id, error)

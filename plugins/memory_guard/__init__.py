@@ -7,16 +7,21 @@
 - ``preflight`` refuses a request that can never fit: its estimated peak plus the
   transient margin, on top of the memory the server holds when idle with every cache
   emptied (weights and runtime, not the current load, not the prefix cache), is over the
-  hard limit. Waiting or evicting would not help such a request; one that fits alone but
-  not next to the running ones is admission's business, not preflight's.
+  hard limit, or the KV its prompt and whole ``max_tokens`` completion grow to is.
+  Waiting or evicting would not help such a request; one that fits alone but not next
+  to the running ones is admission's business, not preflight's. (Decode reserves its
+  KV in blocks as it grows and preempts younger requests for room, which works only
+  because the oldest request always fits alone.)
 """
 
 from __future__ import annotations
 
 from omlx_core.engine import Engine
 from omlx_core.hookspecs import hookimpl
+from omlx_core.memory.estimate import KV_STEP
 from omlx_core.memory.gate import MemoryReceiver
 from omlx_core.memory.types import PreflightRequest, Rejection, RequestRejected
+from omlx_core.settings import format_size
 
 
 @hookimpl(trylast=True)
@@ -29,11 +34,29 @@ def preflight(request: PreflightRequest) -> None:
     limits = request.limits
     if request.estimated_bytes is None or limits is None or limits.hard_bytes is None:
         return
-    needed = request.estimated_bytes + request.margin_bytes
-    if limits.baseline_bytes + needed > limits.hard_bytes:
-        raise RequestRejected(Rejection(
-            estimated_bytes=needed, limit_bytes=limits.hard_bytes,
-            breakdown=limits.breakdown, request_id=request.request_id,
-            model_id=request.model_id, prompt_tokens=request.prompt_tokens,
-            stage="preflight", base_bytes=limits.baseline_bytes, cause="never_fits",
-            margin_bytes=request.margin_bytes))
+    per_token = request.kv_bytes_per_token
+    room = limits.hard_bytes - limits.baseline_bytes - request.margin_bytes
+    decode_kv = per_token * kv_capacity(request.prompt_tokens + request.max_tokens)
+    if max(request.estimated_bytes, decode_kv) <= room:
+        return
+    detail, fitting = "", None
+    if decode_kv > request.estimated_bytes:
+        detail = (f"the KV of the prompt and a max_tokens={request.max_tokens} completion "
+                  f"alone grows to {format_size(decode_kv)}")
+        if request.estimated_bytes <= room:
+            fitting = room // per_token // KV_STEP * KV_STEP - request.prompt_tokens
+    raise RequestRejected(Rejection(
+        estimated_bytes=max(request.estimated_bytes, decode_kv) + request.margin_bytes,
+        limit_bytes=limits.hard_bytes, breakdown=limits.breakdown,
+        request_id=request.request_id, model_id=request.model_id,
+        prompt_tokens=request.prompt_tokens, stage="preflight",
+        base_bytes=limits.baseline_bytes, cause="never_fits", detail=detail,
+        margin_bytes=request.margin_bytes,
+        decode_bytes=per_token * request.max_tokens if detail else 0,
+        max_tokens=request.max_tokens,
+        fitting_max_tokens=fitting if fitting is not None and fitting >= 1 else None))
+
+
+def kv_capacity(tokens: int) -> int:
+    """The KV tokens a cache holding ``tokens`` has allocated (it grows in blocks)."""
+    return -(-tokens // KV_STEP) * KV_STEP
