@@ -30,13 +30,24 @@ A request moves through four phases:
 ``done``
     its final output (``finish_reason`` and usage) is in its queue.
 
+A decoding request can also be **preempted** back to ``waiting``: when its KV (or an
+older request's) is about to grow past what the memory guard reserved and the growth
+does not fit, the guard's gate names the youngest requests to take out of the decode
+batch (:meth:`~omlx_core.memory.gate.ForwardGate.check_decode`). Such a request keeps its
+text, sampler and processors; its KV goes to the prefix cache as blocks (where the
+model's layers allow), and it waits at the head of the queue until the gate lets it
+resume (``may_resume``). Then it prefills its prompt and completion so far (mostly a
+prefix-cache hit) and goes on: its client sees a pause, not an error.
+
 **Forward gate seam.** Before a step's prefill forwards run, the planned chunks are
 handed to the installed :class:`~omlx_core.memory.gate.ForwardGate`
 (``set_forward_gate``) as one :class:`~omlx_core.memory.gate.PrefillStep`: request
 ids, chunk token counts, cached-token counts, the decode batch size and the latest
-limit snapshot. A request the gate refuses ends with ``finish_reason="error"`` and the
-gate's :class:`~omlx_core.memory.types.RequestRejected`, its cache is dropped, and the
-other chunks and streams go on. The gate is also asked after each forward (the
+limit snapshot. A request the gate refuses while other requests of this engine run is
+preempted (see below: it waits for them to give the memory back; its finished chunks
+stay in the prefix cache); one refused alone ends with ``finish_reason="error"`` and the
+gate's :class:`~omlx_core.memory.types.RequestRejected`. Either way its cache is
+dropped, and the other chunks and streams go on. The gate is also asked after each forward (the
 post-forward backstop): once per shared forward, which then loses at most one request,
 the one holding the most KV. A restored prefix is evaluated at admission, so the gate's
 current-use reading already holds it. See :mod:`omlx_core.memory.gate` for the contract.
@@ -64,7 +75,14 @@ from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
 from mlx_lm.sample_utils import greedy_sampler
 
 from omlx_core.engine import GenerationOutput, GenerationRequest, TokenLogprob, Usage
-from omlx_core.memory.gate import ForwardGate, MemoryReceiver, PrefillChunk, PrefillStep
+from omlx_core.memory.gate import (
+    DecodeRow,
+    DecodeStep,
+    ForwardGate,
+    MemoryReceiver,
+    PrefillChunk,
+    PrefillStep,
+)
 from omlx_core.plugins.batched.batch_prefill import PrefillRow, can_batch, group_spans, prefill_together
 from omlx_core.plugins.batched.cache_layout import CacheLayout
 from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
@@ -77,6 +95,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WAITING, PREFILLING, DECODING, DONE = "waiting", "prefilling", "decoding", "done"
+#: how soon a preempted request the gate did not let resume asks again
+RESUME_RETRY_S = 0.05
 
 
 @dataclass(eq=False)
@@ -104,6 +124,16 @@ class SequenceState:
     processors: tuple[Any, ...] = ()
     #: the grammar the output must follow (an ``omlx_core.grammar.GrammarConstraint``)
     grammar: Any = None
+    #: what prefill feeds: the prompt, or after a preemption the prompt and the
+    #: completion so far (all of which were in the KV cache it gave up)
+    context: list[int] = field(default_factory=list)
+    #: KV tokens the memory guard lets the request hold before it is asked again
+    #: (``None``: not asked yet since it joined the decode batch)
+    kv_allowance: int | None = None
+    #: times the request was preempted
+    preemptions: int = 0
+    #: the completion's token ids so far
+    generated: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -117,7 +147,12 @@ class SequenceState:
     def prefill_target(self) -> int:
         """Tokens prefilled in chunks: all but the last, which :meth:`Scheduler._first_tokens`
         feeds in a one-token forward that samples the first token."""
-        return len(self.prompt) - 1
+        return len(self.context) - 1
+
+    @property
+    def kv_after_step(self) -> int:
+        """KV tokens the request holds once the next decode step has fed its latest token."""
+        return len(self.prompt) + self.completion_tokens
 
 
 @dataclass
@@ -131,6 +166,8 @@ class _Counters:
     first_token_forwards: int = 0
     prompt_tokens_prefilled: int = 0
     tokens_generated: int = 0
+    #: requests taken out of the decode batch to let older ones grow
+    preempted: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
 
 
@@ -168,6 +205,8 @@ class Scheduler(MemoryReceiver):
         self._decoding: dict[int, SequenceState] = {}
         self._by_id: dict[str, SequenceState] = {}
         self._stopped = False
+        #: when a preempted request the gate did not let resume asks again
+        self._resume_at: float | None = None
         self._lock = threading.Lock()
         self.counters = _Counters()
         self._eos = tuple(sorted(tokenizer.eos_token_ids))
@@ -227,6 +266,7 @@ class Scheduler(MemoryReceiver):
             "first_token_forwards": c.first_token_forwards,
             "prompt_tokens_prefilled": c.prompt_tokens_prefilled,
             "tokens_generated": c.tokens_generated,
+            "preempted": c.preempted,
             "finished": dict(c.finished),
             "prefix_cache": self.prefix_cache.stats(),
         }
@@ -239,11 +279,14 @@ class Scheduler(MemoryReceiver):
             return True
         if self._inbox:
             return self._window_closes() is None
+        if self._resume_at is not None and time.monotonic() < self._resume_at:
+            return False
         return bool(self._waiting and self._free_slots() > 0)
 
     def wake_at(self) -> float | None:
-        """When the open batch window closes (a ``time.monotonic()`` time), or ``None``."""
-        return self._window_closes()
+        """When the open batch window closes, or a preempted request at the head of the
+        queue asks again whether it may resume (a ``time.monotonic()`` time), or ``None``."""
+        return self._window_closes() or self._resume_at
 
     def step(self) -> None:
         self.counters.steps += 1
@@ -318,14 +361,21 @@ class Scheduler(MemoryReceiver):
         return self.max_batch_size - len(self._prefilling) - len(self._decoding)
 
     def _admit(self) -> None:
+        self._resume_at = None
         while self._waiting and self._free_slots() > 0:
-            sequence = self._waiting.popleft()
+            sequence = self._waiting[0]
+            if sequence.preemptions and self._gate is not None and not self._may_resume(sequence):
+                # It resumes before anything queued behind it starts.
+                self._resume_at = time.monotonic() + RESUME_RETRY_S
+                return
+            self._waiting.popleft()
             sequence.phase = PREFILLING
-            sequence.text = TextAssembler(self.tokenizer.detokenizer, sequence.request.sampling.stop)
+            if sequence.text is None:
+                sequence.text = TextAssembler(self.tokenizer.detokenizer, sequence.request.sampling.stop)
             blocks: list[CachedBlock] = []
             tail, tail_tokens = None, 0
             if self.prefix_cache.enabled:
-                prefix = sequence.prompt[:sequence.prefill_target]
+                prefix = sequence.context[:sequence.prefill_target]
                 sequence.block_hashes = self.prefix_cache.hashes(prefix)
                 # Tails are only ever stored for models whose every layer can be cut.
                 blocks, tail, tail_tokens = self.prefix_cache.lookup_prefix(sequence.block_hashes, prefix)
@@ -335,9 +385,19 @@ class Scheduler(MemoryReceiver):
                 # forward would also materialize the whole copy, a transient no estimate
                 # counts. Evaluated here it is resident, in the gate's current-use reading.
                 mx.eval([layer.state for layer in sequence.cache])
-            sequence.prefilled = sequence.reused = len(blocks) * self.prefix_cache.block_size + tail_tokens
+            sequence.prefilled = len(blocks) * self.prefix_cache.block_size + tail_tokens
+            if not sequence.preemptions:
+                sequence.reused = sequence.prefilled
             sequence.stored_blocks = len(blocks)
             self._prefilling.append(sequence)
+
+    def _may_resume(self, sequence: SequenceState) -> bool:
+        try:
+            return bool(self._gate.may_resume(sequence.request_id))  # type: ignore[union-attr]
+        except Exception:
+            log.exception("forward gate %r failed to say whether request %s may resume; "
+                          "resuming it", self._gate, sequence.request_id)
+            return True
 
     # -- prefill ---------------------------------------------------------------------
 
@@ -380,12 +440,13 @@ class Scheduler(MemoryReceiver):
         groups = groups if groups is not None else [[chunk] for chunk in plan]
         return PrefillStep(
             model_id=self.model_id,
-            chunks=tuple(PrefillChunk(s.request_id, end - start, start, len(s.prompt), s.reused,
+            chunks=tuple(PrefillChunk(s.request_id, end - start, start, len(s.context), s.reused,
                                       forward=index if len(group) > 1 else None)
                          for index, group in enumerate(groups) for s, start, end in group),
             decoding=len(self._decoding),
             chunk_size=self.prefill_step_size,
             limits=self._limits,
+            running=len(self._prefilling) + len(self._decoding),
             model_config=self.model_config,
         )
 
@@ -446,7 +507,14 @@ class Scheduler(MemoryReceiver):
         for request_id, rejected in refused.items():
             sequence = self._by_id.get(request_id)
             if sequence is not None and sequence.phase == PREFILLING:
-                self._finish(sequence, "error", error=str(rejected), rejected=rejected)
+                if len(self._prefilling) + len(self._decoding) > 1:
+                    # Others hold the memory it needs and will give it back: it waits for
+                    # them (its finished chunks stay in the prefix cache), not fails.
+                    self._requeue([sequence], tell_gate=True)
+                else:
+                    # Alone and still short: memory went elsewhere (another process);
+                    # waiting on this engine would not bring it back.
+                    self._finish(sequence, "error", error=str(rejected), rejected=rejected)
         for group in groups:
             if len(group) == 1:
                 self._prefill_alone(*group[0])
@@ -490,7 +558,7 @@ class Scheduler(MemoryReceiver):
         """One forward over several requests' chunks; one by one if it fails."""
         members = [chunk for chunk in group if chunk[0].phase == PREFILLING]
         if len(members) > 1:
-            rows = [PrefillRow(s.cache, s.prompt[start:end], start) for s, start, end in members]
+            rows = [PrefillRow(s.cache, s.context[start:end], start) for s, start, end in members]
             try:
                 with mx.stream(generation_stream):
                     prefill_together(self.model, rows)
@@ -518,7 +586,7 @@ class Scheduler(MemoryReceiver):
 
     def _prefill_chunk(self, sequence: SequenceState, start: int, end: int) -> None:
         with mx.stream(generation_stream):
-            self.model(mx.array(sequence.prompt[start:end])[None], cache=sequence.cache)
+            self.model(mx.array(sequence.context[start:end])[None], cache=sequence.cache)
             mx.eval([layer.state for layer in sequence.cache])
         self.counters.prefill_forwards += 1
         self._chunk_done(sequence, start, end, self._check_after_forward([(sequence, start, end)]))
@@ -537,7 +605,7 @@ class Scheduler(MemoryReceiver):
             return
         self._store_prefill_blocks(sequence)
         if end == sequence.prefill_target:
-            self._store_tail(sequence.cache, sequence.prompt[:end], sequence.block_hashes)
+            self._store_tail(sequence.cache, sequence.context[:end], sequence.block_hashes)
 
     def _store_prefill_blocks(self, sequence: SequenceState) -> None:
         """Put the blocks prefill just completed into the prefix cache."""
@@ -558,7 +626,7 @@ class Scheduler(MemoryReceiver):
             kv = self.layout.cut(sequence.cache, index * block_size, (index + 1) * block_size)
             blocks.append(self.layout.make_block(
                 block_hash, parent, index, block_size, kv, boundary,
-                sequence.prompt[index * block_size:(index + 1) * block_size]))
+                sequence.context[index * block_size:(index + 1) * block_size]))
             if boundary is not None and self.boundary_listener is not None:
                 self._announce_boundary(sequence, blocks[-1])
         self.prefix_cache.insert(blocks, chain=sequence.block_hashes[:complete])
@@ -634,7 +702,7 @@ class Scheduler(MemoryReceiver):
         members = [s for s in ready
                    if can_batch(s.cache or ()) and s.prefill_target <= self.prefill_step_size]
         if len(members) > 1:
-            rows = [PrefillRow(s.cache, s.prompt[-1:], s.prefill_target) for s in members]
+            rows = [PrefillRow(s.cache, s.context[-1:], s.prefill_target) for s in members]
             try:
                 with mx.stream(generation_stream):
                     found = prefill_together(self.model, rows, logits=True)
@@ -649,7 +717,7 @@ class Scheduler(MemoryReceiver):
                 continue
             try:
                 with mx.stream(generation_stream):
-                    row = self.model(mx.array(sequence.prompt[-1:])[None], cache=sequence.cache)[:, -1, :]
+                    row = self.model(mx.array(sequence.context[-1:])[None], cache=sequence.cache)[:, -1, :]
                     mx.eval(row, [layer.state for layer in sequence.cache])
             except Exception as exc:
                 self._prefill_failed(sequence, exc, "first-token forward")
@@ -669,15 +737,18 @@ class Scheduler(MemoryReceiver):
 
     def _first_token(self, sequence: SequenceState, logits: mx.array) -> None:
         """Sample from the last prompt token's ``(1, vocab)`` logits, as the decode batch
-        would (same processors, same sampler, which it then goes on with)."""
+        would (same processors, same sampler, which it then goes on with). A resumed
+        request samples its next completion token with the sampler and processors it
+        had."""
         sampling = sequence.request.sampling
-        sequence.sampler = make_sampler(sampling, sequence.seed, self.vocab_size)
-        sequence.processors = make_logits_processors(sampling, len(sequence.prompt))
-        if sequence.grammar is not None:
-            # Last: the mask applies to the logits after bias and penalties.
-            sequence.processors += (sequence.grammar.processor(prompt_length=len(sequence.prompt)),)
+        if not sequence.preemptions:
+            sequence.sampler = make_sampler(sampling, sequence.seed, self.vocab_size)
+            sequence.processors = make_logits_processors(sampling, len(sequence.prompt))
+            if sequence.grammar is not None:
+                # Last: the mask applies to the logits after bias and penalties.
+                sequence.processors += (sequence.grammar.processor(prompt_length=len(sequence.prompt)),)
         if sequence.processors:
-            context = mx.array(sequence.prompt)
+            context = mx.array(sequence.context)
             for processor in sequence.processors:
                 logits = processor(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -685,12 +756,12 @@ class Scheduler(MemoryReceiver):
         finish_reason = None
         if token in self._stop_token_ids(sampling):
             finish_reason = "stop"
-        elif sequence.max_tokens <= 1:
+        elif sequence.completion_tokens + 1 >= sequence.max_tokens:
             finish_reason = "length"
         cache = sequence.cache
         if finish_reason is None:
             self._start_decoding(sequence, token)
-        self._accept(sequence, token, logprobs[0], finish_reason, cache, sequence.prompt)
+        self._accept(sequence, token, logprobs[0], finish_reason, cache, sequence.context)
 
     def _stop_token_ids(self, sampling: Any) -> set[int]:
         return set(self._eos) | {int(t) for t in (sampling.stop_token_ids or ())}
@@ -706,18 +777,22 @@ class Scheduler(MemoryReceiver):
             stops = StopSequences([(t,) for t in sorted(self._stop_token_ids(sampling))])
         sequence.uid = self._generator.insert(
             [[first_token]],
-            max_tokens=[sequence.max_tokens - 1],
+            max_tokens=[sequence.max_tokens - sequence.completion_tokens - 1],
             caches=[sequence.cache],
-            all_tokens=[list(sequence.prompt)],
+            all_tokens=[list(sequence.context)],
             samplers=[sequence.sampler],
             logits_processors=[sequence.processors],
             stop_sequences=[stops],
         )[0]
         sequence.cache = None
         sequence.phase = DECODING
+        sequence.kv_allowance = None
         self._decoding[sequence.uid] = sequence
 
     def _decode_step(self) -> None:
+        self._budget_decode()
+        if not self._decoding:
+            return
         _, responses = self._generator.next()
         self.counters.decode_steps += 1
         for response in responses:
@@ -731,6 +806,66 @@ class Scheduler(MemoryReceiver):
                 self._finish(sequence, "error", error=f"{type(exc).__name__}: {exc}",
                              error_type="internal")
 
+    def _budget_decode(self) -> None:
+        """Ask the gate before a decode step after which a request would hold more KV
+        than it was allowed; preempt the requests it names."""
+        gate = self._gate
+        if gate is None or not any(s.kv_allowance is None or s.kv_after_step > s.kv_allowance
+                                   for s in self._decoding.values()):
+            return
+        step = DecodeStep(self.model_id, tuple(DecodeRow(s.request_id, s.kv_after_step, s.arrived)
+                                               for s in self._decoding.values()),
+                          limits=self._limits, model_config=self.model_config)
+        try:
+            plan = gate.check_decode(step)
+        except Exception:
+            log.exception("forward gate %r failed to budget a decode step; decoding on", gate)
+            return
+        preempt = set(plan.preempt)
+        for sequence in self._decoding.values():
+            sequence.kv_allowance = plan.allowed_tokens.get(sequence.request_id)
+        if preempt:
+            self._preempt([s for s in self._decoding.values() if s.request_id in preempt])
+
+    def _preempt(self, sequences: list[SequenceState]) -> None:
+        """Take ``sequences`` out of the decode batch without ending them: their KV goes
+        to the prefix cache (recomputed on resume where it cannot, or was evicted)."""
+        uids = [s.uid for s in sequences]
+        extracted = self._generator.remove(uids, return_prompt_caches=True)
+        for sequence in sequences:
+            del self._decoding[sequence.uid]
+            # Resuming feeds the prompt and every token handed out (the batch may not
+            # have fed the newest yet); the token it sampled next is dropped with the
+            # row and sampled again from the same KV.
+            sequence.context = sequence.prompt + sequence.generated
+            cache, tokens = extracted.get(sequence.uid, (None, None))
+            if cache is not None:
+                self._store_finished_blocks(sequence, cache, list(tokens))
+            del cache
+            sequence.uid = None
+        self._requeue(sequences, tell_gate=False)
+
+    def _requeue(self, sequences: list[SequenceState], *, tell_gate: bool) -> None:
+        """Put preempted ``sequences`` at the head of the queue, oldest first."""
+        for sequence in sequences:
+            if sequence in self._prefilling:
+                self._prefilling.remove(sequence)
+            sequence.cache = None
+            sequence.phase = WAITING
+            sequence.preemptions += 1
+            sequence.kv_allowance = None
+            self.counters.preempted += 1
+            if tell_gate and self._gate is not None:
+                try:
+                    self._gate.suspend(sequence.request_id)
+                except Exception:
+                    log.exception("forward gate %r failed to note the preemption of request %s",
+                                  self._gate, sequence.request_id)
+        for sequence in sorted(sequences, key=lambda s: s.arrived, reverse=True):
+            self._waiting.appendleft(sequence)
+        log.info("preempted request(s) %s of model %r: they resume when memory allows",
+                 ", ".join(s.request_id for s in sequences), self.model_id)
+
     def _on_token(self, sequence: SequenceState, response: Any) -> None:
         self._accept(sequence, int(response.token), response.logprobs, response.finish_reason,
                      response.prompt_cache, response.all_tokens)
@@ -741,6 +876,7 @@ class Scheduler(MemoryReceiver):
         ``"length"``) ends the request; ``cache`` then holds ``tokens``, for the prefix
         cache. A request still in the decode batch is taken out of it."""
         sequence.completion_tokens += 1
+        sequence.generated.append(token)
         self.counters.tokens_generated += 1
         assert sequence.text is not None
         decoding = sequence.phase == DECODING
@@ -826,9 +962,9 @@ def new_sequence(request: GenerationRequest) -> SequenceState:
     seed = request.sampling.seed
     if seed is None:
         seed = secrets.randbits(63)
-    return SequenceState(request=request, outputs=queue.SimpleQueue(),
-                     prompt=[int(t) for t in request.prompt_tokens],
-                     seed=int(seed))
+    prompt = [int(t) for t in request.prompt_tokens]
+    return SequenceState(request=request, outputs=queue.SimpleQueue(), prompt=prompt,
+                         seed=int(seed), context=prompt)
 
 
 __all__ = ["Scheduler", "SequenceState", "new_sequence", "DECODING", "DONE", "PREFILLING", "WAITING"]
