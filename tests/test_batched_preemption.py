@@ -210,3 +210,28 @@ def test_a_prefill_refused_while_others_run_waits_for_them_instead_of_failing(ll
     assert late.token_ids == solo_younger.token_ids
     wait_idle(llama)
 
+
+
+def test_the_prefix_cache_gives_back_what_would_take_the_process_over_its_limit(tiny_model_path):
+    import mlx.core as mx
+
+    from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot
+    from omlx_core.mlx_thread import mlx_thread
+
+    engine = start_engine(tiny_model_path("llama"))
+    try:
+        run(engine, prompt_of(engine, 60, 13), GREEDY)
+        cached = engine.prefix_cache.nbytes
+        assert cached > 0
+
+        def limit_to_half_the_cache():
+            held = int(mx.get_active_memory() + mx.get_cache_memory())
+            hard = held - cached // 2  # mlx's held memory less half the cache fits
+            engine.scheduler.apply_memory_limits(LimitSnapshot(
+                hard_bytes=hard, breakdown=CeilingBreakdown(custom=hard, tier="custom")))
+
+        mlx_thread().run(limit_to_half_the_cache)
+        run(engine, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1))
+        assert 0 < engine.prefix_cache.nbytes <= cached - cached // 2 + cached // 4
+    finally:
+        engine.shutdown()

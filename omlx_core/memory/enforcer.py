@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from omlx_core.memory.ceilings import ProbeReadings, TierPolicy, compute_ceilings, read_probes
 from omlx_core.memory.gate import ForwardGate, MemoryReceiver
 from omlx_core.memory.types import LimitSnapshot
-from omlx_core.memory.usage import MemoryUsage
+from omlx_core.memory.usage import MemoryUsage, mlx_held_bytes
 from omlx_core.settings import format_size
 
 if TYPE_CHECKING:
@@ -124,7 +124,9 @@ class MemoryEnforcer:
             hard_bytes=breakdown.hard, breakdown=breakdown,
             in_use_bytes=max(resident, usage.recent_peak()), taken_at=time.time(),
             sequence=self._sequence, baseline_bytes=self._baseline,
-            reclaimable_bytes=reclaimable)
+            reclaimable_bytes=reclaimable,
+            margin_bytes=self.policy.margin(breakdown.hard) if breakdown.hard else 0,
+            other_bytes=max(0, resident - mlx_held_bytes()))
         self._publish_first(snapshot)
         self._publish(snapshot)
         self.polls += 1

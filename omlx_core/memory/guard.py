@@ -104,6 +104,10 @@ class MemoryGuard:
     def update(self, snapshot: LimitSnapshot) -> None:
         self._snapshot = snapshot
         self.admission.update(snapshot)
+        if snapshot.hard_bytes is not None and snapshot.margin_bytes > 0:
+            # Buffers mlx frees are kept for reuse; under a limit, at most the margin of
+            # them, so that its cache never takes the process over the limit unasked.
+            limit_mlx_cache(snapshot.margin_bytes)
 
     def idle(self) -> bool:
         return self.admission.idle()
@@ -281,6 +285,15 @@ def mlx_cache_bytes() -> int:
     except ImportError:
         return 0
     return int(mx.get_cache_memory())
+
+
+def limit_mlx_cache(nbytes: int) -> None:
+    """Cap mlx's buffer cache at ``nbytes`` (freed buffers past it go back at once)."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return
+    mx.set_cache_limit(max(0, int(nbytes)))
 
 
 def clear_mlx_cache() -> None:

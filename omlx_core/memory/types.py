@@ -59,6 +59,11 @@ class LimitSnapshot:
     baseline_bytes: int = 0
     #: of ``in_use_bytes``, what the server can give back on demand right now
     reclaimable_bytes: int = 0
+    #: the transient margin every stage charges under ``hard_bytes``
+    margin_bytes: int = 0
+    #: of ``in_use_bytes``, what mlx does not hold (interpreter, libraries, heap): it
+    #: changes slowly, so with mlx's own counters it tells current use between polls
+    other_bytes: int = 0
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -66,6 +71,15 @@ class LimitSnapshot:
         if self.hard_bytes is None:
             return None
         return self.hard_bytes - (self.in_use_bytes - self.reclaimable_bytes)
+
+    def over_by(self, mlx_bytes: int) -> int:
+        """How far memory in use, read now as ``other_bytes`` plus ``mlx_bytes`` (what
+        mlx holds, and any room an engine keeps free: a cheap reading between two polls),
+        is past the hard limit less the margin: what caches should give back before the
+        next forward's transient needs the room (0 when nothing is over, or no limit)."""
+        if self.hard_bytes is None:
+            return 0
+        return max(0, self.other_bytes + mlx_bytes + self.margin_bytes - self.hard_bytes)
 
 
 @dataclass(frozen=True)

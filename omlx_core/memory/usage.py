@@ -60,6 +60,24 @@ def mlx_active_bytes() -> int:
     return int(mx.get_active_memory())
 
 
+def mlx_held_bytes() -> int:
+    """What mlx holds: its active memory and its buffer cache (0 without mlx)."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return 0
+    return int(mx.get_active_memory()) + int(mx.get_cache_memory())
+
+
+def mlx_held_bytes() -> int:
+    """What mlx holds: its active memory and its buffer cache (0 without mlx)."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return 0
+    return int(mx.get_active_memory()) + int(mx.get_cache_memory())
+
+
 def mlx_peak_bytes() -> int:
     import mlx.core as mx
 
@@ -78,6 +96,12 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 _malloc_trim = _load_malloc_trim()
 
 
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc only; a few milliseconds)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
 def footprint_bytes() -> int:
     """Resident bytes of this process, after handing freed heap pages back to the OS.
 
@@ -85,8 +109,7 @@ def footprint_bytes() -> int:
     resident; without the trim a transient already gone would still be counted as in
     use (a few milliseconds, once per gate decision or poll).
     """
-    if _malloc_trim is not None:
-        _malloc_trim(0)
+    trim_heap()
     footprint = probes.probe_process_footprint()
     return footprint.rss_bytes if footprint else 0
 

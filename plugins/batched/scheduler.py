@@ -83,6 +83,7 @@ from omlx_core.memory.gate import (
     PrefillChunk,
     PrefillStep,
 )
+from omlx_core.memory.usage import trim_heap
 from omlx_core.plugins.batched.batch_prefill import PrefillRow, can_batch, group_spans, prefill_together
 from omlx_core.plugins.batched.cache_layout import CacheLayout
 from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
@@ -290,6 +291,7 @@ class Scheduler(MemoryReceiver):
 
     def step(self) -> None:
         self.counters.steps += 1
+        self._fit_prefix_cache()
         self._drain_inbox()
         self._admit()
         if self._prefilling:
@@ -318,6 +320,24 @@ class Scheduler(MemoryReceiver):
         # Drop every path to the weights so the engine can return them to the system.
         self._generator = None  # type: ignore[assignment]
         self.model = self.layout = None  # type: ignore[assignment]
+
+    def _fit_prefix_cache(self) -> None:
+        """Give back prefix-cache blocks while memory in use leaves less than the margin
+        under the limit, room for one copy of the decode batch's KV (a cache that grows
+        copies itself) kept free. Use is read cheaply between polls: what mlx holds now,
+        the rest as of the last poll (:meth:`~omlx_core.memory.types.LimitSnapshot.over_by`).
+        Cached blocks count as available memory, so they must never be what takes the
+        process over its limit when the next forward's transient arrives."""
+        limits = self._limits
+        if limits is None or not self.prefix_cache.nbytes:
+            return
+        # The decode batch's KV cache grows by copying: room for one copy of it stays free.
+        growth_copy = int(self._generator.prompt_cache_nbytes) if self._decoding else 0
+        over = limits.over_by(int(mx.get_active_memory() + mx.get_cache_memory()) + growth_copy)
+        if over > 0:
+            self.prefix_cache.release(over)
+            # Buffers freed by mlx can sit in the heap's free pages: hand them back too.
+            trim_heap()
 
     # -- inbox and admission ---------------------------------------------------------
 
