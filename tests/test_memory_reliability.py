@@ -39,6 +39,8 @@ pytestmark = pytest.mark.slow
 MIB = 1024**2
 SEED = 20260521
 CEILING = 480 * MIB
+#: a ceiling that never binds, for the same requests without memory pressure
+FREE_CEILING = 64 * 1024**3
 #: prefill chunk of the cpu-small tier the server runs
 CHUNK = 256
 #: a generous bound on the idle server's footprint (interpreter, libraries, weights)
@@ -298,17 +300,44 @@ def test_server_under_memory_pressure_never_crosses_its_ceiling(model_dir, tmp_p
         server.stop()
     server_log = server.log()
 
+    # The same fitting requests, sent the same way, to a server whose ceiling never
+    # binds: what the ceiling costs in throughput and latency.
+    fitting = [job for job in jobs if job.kind != "oversized"]
+    free = Server(model_dir, FREE_CEILING, tmp_path / "free.log")
+    try:
+        free_started = time.monotonic()
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            free_outcomes = list(pool.map(lambda job: send(free.port, job), fitting))
+        free_elapsed = time.monotonic() - free_started
+    finally:
+        free.stop()
+    assert all(o.status == 200 for o in free_outcomes)
+    # No false refusal: every refused request, sent alone to a fresh server with the
+    # same ceiling, is refused there too.
+    refused = [o.job for o in outcomes if o.status != 200]
+    fresh = Server(model_dir, CEILING, tmp_path / "fresh.log")
+    try:
+        alone = [send(fresh.port, job) for job in refused]
+    finally:
+        fresh.stop()
+    false_refusals = [o.job.index for o in alone if o.status == 200]
+
     figures = summarize(outcomes, baseline=baseline, loaded=loaded["VmRSS"], peak=peak,
                         peak_reset=peak_reset, sampled_peak=sampler.peak,
                         samples=sampler.samples, elapsed=elapsed,
                         waited=server_log.count("waits for memory"),
-                        gate_refusals=server_log.count("forward gate refuses"))
+                        gate_refusals=server_log.count("forward gate refuses"),
+                        capped=latencies([o for o in outcomes if o.job.kind != "oversized"]),
+                        free=latencies(free_outcomes), free_elapsed=free_elapsed,
+                        refused=len(refused), false_refusals=len(false_refusals),
+                        preempted=metrics.get("omlx_memory_preemptions_total", 0.0))
     print("\n" + format_report(figures))
     if os.environ.get("OMLX_RELIABILITY_REPORT"):
         Path(os.environ["OMLX_RELIABILITY_REPORT"]).write_text(format_report(figures) + "\n")
 
     refusals = [line for line in server_log.splitlines() if "forward gate refuses" in line]
     assert not refusals, "the forward gate refused requests that fit:\n" + "\n".join(refusals[:5])
+    assert not false_refusals, f"refused here but served alone by a fresh server: {false_refusals}"
     assert alive, "the server process died"
     assert peak < CEILING, f"peak RSS {peak / MIB:.1f} MiB crossed the {CEILING / MIB:.0f} MiB ceiling"
     assert sampler.peak < CEILING
@@ -332,6 +361,13 @@ def test_server_under_memory_pressure_never_crosses_its_ceiling(model_dir, tmp_p
         assert metrics[f'omlx_engine_{name}{{model="medium"}}'] == 0, name
     assert metrics['omlx_engine_finished_error{model="medium"}'] == 0
     assert elapsed < TIME_LIMIT_S
+
+
+def latencies(outcomes: list[Outcome]) -> dict[str, float]:
+    """Median and 95th-percentile seconds of ``outcomes`` and their count."""
+    seconds = sorted(o.seconds for o in outcomes)
+    return {"count": len(seconds), "p50": seconds[len(seconds) // 2],
+            "p95": seconds[min(len(seconds) - 1, int(0.95 * len(seconds)))]}
 
 
 def summarize(outcomes: list[Outcome], **measured: Any) -> dict[str, Any]:
@@ -367,7 +403,17 @@ def format_report(figures: dict[str, Any]) -> str:
         f"{'' if figures['peak_reset'] else ', start-up included'}), "
         f"{figures['sampled_peak'] / MIB:.1f} MiB sampled ({figures['samples']} samples)",
         f"- requests that waited in the admission queue: {figures['waited']}; "
-        f"refused by the forward gate: {figures['gate_refusals']}",
+        f"refused by the forward gate: {figures['gate_refusals']}; preempted: "
+        f"{figures['preempted']:.0f}",
+        f"- the {figures['capped']['count']} fitting requests against the same ones sent to a "
+        f"server whose ceiling never binds ({FREE_CEILING // 1024**3} GiB): wall time "
+        f"{figures['elapsed']:.1f} s vs {figures['free_elapsed']:.1f} s (throughput "
+        f"{figures['free_elapsed'] / figures['elapsed']:.2f}x the free run's, the oversized "
+        f"requests' 413s included in the capped run's time); latency p50 "
+        f"{figures['capped']['p50']:.2f} s vs {figures['free']['p50']:.2f} s, p95 "
+        f"{figures['capped']['p95']:.2f} s vs {figures['free']['p95']:.2f} s",
+        f"- false refusals: {figures['false_refusals']} of the {figures['refused']} refused "
+        f"requests were served when sent alone to a fresh server with the same ceiling",
         "",
         "| kind | count | prompt tokens | estimate (MiB) | HTTP statuses | median s | max s |",
         "|---|---|---|---|---|---|---|",
