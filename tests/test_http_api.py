@@ -21,6 +21,7 @@ import pytest
 from omlx_core.bootstrap import load_setup, start_engines, stop_engines
 from omlx_core.config import Sourced
 from omlx_core.http import HTTPServer, build_frontend, serve_forever
+from omlx_core.memory.gate import PrefillStep
 from omlx_core.memory.usage import MemoryUsage, footprint_bytes
 from omlx_core.server_context import ServerContext
 from omlx_core.testing import cached_model
@@ -553,6 +554,20 @@ def test_oversized_prompt_is_413_before_any_generation_work(guarded_context) -> 
     assert after["finished"] == before["finished"]
     assert sample(samples, "omlx_memory_rejections_total", binding="custom", stage="preflight",
                   cause="never_fits") == 4
+
+
+def test_preemptions_are_counted_by_binding_ceiling_and_stage(guarded_context) -> None:
+    guard, engine = guarded_context.memory_guard, guarded_context.engines[MODEL]
+    assert wait_for(lambda: guard.snapshot is not None)
+    gate = guard.forward_gate_for(engine)
+    gate.check_prefill(PrefillStep(MODEL, (), 0, 256, limits=guard.snapshot))
+    before = guard.preempted_total()
+    gate.suspend("a-request-the-engine-preempted")  # what a scheduler reports
+    with HTTPServer(guarded_context, port=0) as server:
+        samples = scrape(server)
+    assert guard.preempted_total() == before + 1
+    assert sample(samples, "omlx_memory_preemptions_total", binding="custom",
+                  stage="forward") >= 1
 
 
 def test_a_prompt_that_fits_still_runs_under_the_ceiling(guarded_context) -> None:

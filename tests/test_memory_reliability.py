@@ -330,7 +330,8 @@ def test_server_under_memory_pressure_never_crosses_its_ceiling(model_dir, tmp_p
                         capped=latencies([o for o in outcomes if o.job.kind != "oversized"]),
                         free=latencies(free_outcomes), free_elapsed=free_elapsed,
                         refused=len(refused), false_refusals=len(false_refusals),
-                        preempted=metrics.get("omlx_memory_preemptions_total", 0.0))
+                        preempted=sum(value for name, value in metrics.items()
+                                      if name.startswith("omlx_memory_preemptions_total")))
     print("\n" + format_report(figures))
     if os.environ.get("OMLX_RELIABILITY_REPORT"):
         Path(os.environ["OMLX_RELIABILITY_REPORT"]).write_text(format_report(figures) + "\n")

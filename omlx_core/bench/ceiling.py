@@ -106,6 +106,7 @@ def _metrics(host: str, port: int) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
+            name = name.partition("{")[0]  # summed over labels
             values[name] = values.get(name, 0.0) + float(value)
     return values
 

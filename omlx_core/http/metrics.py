@@ -188,7 +188,11 @@ class _LiveValues(Collector):
         yield GaugeMetricFamily("omlx_memory_preempted_requests",
                                 "requests preempted to let older ones grow, waiting to resume",
                                 value=guard.admission.suspended)
-        yield CounterMetricFamily("omlx_memory_preemptions",
-                                  "requests taken out of a decode batch for memory, to resume "
-                                  "later (their clients see a pause, not an error)",
-                                  value=guard.preempted_total())
+        preemptions = CounterMetricFamily(
+            "omlx_memory_preemptions", "requests paused for memory, to resume later (their "
+            "clients see a pause, not an error), by binding ceiling and stage (decode: KV "
+            "growth did not fit; forward: a prefill refused while others ran)",
+            labels=["binding", "stage"])
+        for (binding, stage), count in sorted(guard.preemptions().items()):
+            preemptions.add_metric([binding, stage], count)
+        yield preemptions

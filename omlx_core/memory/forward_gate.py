@@ -103,8 +103,10 @@ class PrefillForwardGate(ForwardGate):
         #: the admission ledger decode growth is reserved in (``None``: decode unbudgeted)
         self._ledger = ledger
         self._per_token: dict[str, int | None] = {}
-        #: requests preempted so far
-        self.preempted_total = 0
+        #: requests preempted so far, by (binding ceiling, stage): "decode" for growth
+        #: that did not fit, "forward" for a prefill refused while others ran
+        self.preemptions: dict[tuple[str, str], int] = {}
+        self._binding = "unknown"
         self._estimate = estimate
         self._usage = usage
         self._margin = transient_margin if callable(transient_margin) else (
@@ -128,6 +130,7 @@ class PrefillForwardGate(ForwardGate):
             return {}
         hard = limits.hard_bytes
         self.transient_margin = self._margin(hard)
+        self._binding = limits.binding_name or self._binding
         current = self._usage.high_water(record=True)
         earlier_kv = 0
         refused: dict[str, RequestRejected] = {}
@@ -203,7 +206,7 @@ class PrefillForwardGate(ForwardGate):
             youngest = rows.pop()
             ledger.suspend(youngest.request_id)
             preempt.append(youngest.request_id)
-            self.preempted_total += 1
+            self._count_preemption(limits, "decode")
             log.info("preempting request %s (model %r) so that %d older request(s) can grow "
                      "their KV: it resumes when memory frees up", youngest.request_id,
                      step.model_id, len(rows))
@@ -222,7 +225,17 @@ class PrefillForwardGate(ForwardGate):
     def suspend(self, request_id: str) -> None:
         if self._ledger is not None:
             self._ledger.suspend(request_id)
-            self.preempted_total += 1
+            self._count_preemption(None, "forward")
+
+    @property
+    def preempted_total(self) -> int:
+        return sum(self.preemptions.values())
+
+    def _count_preemption(self, limits: LimitSnapshot | None, stage: str) -> None:
+        if limits is not None and limits.binding_name:
+            self._binding = limits.binding_name
+        key = (self._binding, stage)
+        self.preemptions[key] = self.preemptions.get(key, 0) + 1
 
     def kv_bytes_per_token(self, model_id: str, model_config: Mapping[str, Any]) -> int | None:
         """KV bytes one token of ``model_id`` holds in its cache (``None``: no estimate)."""

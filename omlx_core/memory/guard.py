@@ -277,6 +277,14 @@ class MemoryGuard:
         """Requests preempted (to resume later) over every engine."""
         return sum(gate.preempted_total for _engine, gate in self._gates.values())
 
+    def preemptions(self) -> dict[tuple[str, str], int]:
+        """Preemptions over every engine by (binding ceiling, stage)."""
+        totals: dict[tuple[str, str], int] = {}
+        for _engine, gate in self._gates.values():
+            for key, count in gate.preemptions.items():
+                totals[key] = totals.get(key, 0) + count
+        return totals
+
 
 def mlx_cache_bytes() -> int:
     """Bytes in mlx's buffer cache (freed buffers it keeps for reuse)."""

@@ -72,6 +72,11 @@ class LimitSnapshot:
             return None
         return self.hard_bytes - (self.in_use_bytes - self.reclaimable_bytes)
 
+    @property
+    def binding_name(self) -> str | None:
+        """The ceiling that is the hard limit (``None``: none binds)."""
+        return self.breakdown.binding if self.breakdown is not None else None
+
     def over_by(self, mlx_bytes: int) -> int:
         """How far memory in use, read now as ``other_bytes`` plus ``mlx_bytes`` (what
         mlx holds, and any room an engine keeps free: a cheap reading between two polls),
