@@ -10,11 +10,12 @@ Once per scheduler step that has prefill work, the scheduler plans the chunks it
 about to run, describes them in a :class:`PrefillStep` and calls
 ``gate.check_prefill(step)`` *before any of those forwards runs*. The gate answers with
 the request ids it refuses, each with a :class:`~omlx_core.memory.types.RequestRejected`
-(stage ``"forward"``). A refused request running alone ends at once with ``finish_reason="error"``
-and that rejection on its final output (:attr:`~omlx_core.engine.GenerationOutput.rejected`);
-one refused while others of the engine run (``running > 1``) is preempted instead: it
-waits, its finished chunks in the prefix cache, until ``may_resume`` lets it back. Either
-way its partial KV cache is dropped; every other chunk of the step runs as planned.
+(stage ``"forward"``). A refused request running alone ends at once with
+``finish_reason="error"`` and that rejection on its final output
+(:attr:`~omlx_core.engine.GenerationOutput.rejected`); one refused while others of the
+engine run (``running > 1``) is preempted instead (``gate.suspend``): it waits, its
+finished chunks in the prefix cache, until ``may_resume`` lets it back. Either way its
+partial KV cache is dropped; every other chunk of the step runs as planned.
 
 What the gate can rely on:
 
@@ -43,9 +44,8 @@ in its decode batch. The gate grows the allowances it can and names the requests
 without ending: its KV goes to the prefix cache (or is dropped, to be recomputed), it
 waits at the head of the scheduler's queue, and ``gate.may_resume(request_id)`` says
 when it may prefill its prompt and completion so far again and go on. Its client sees
-only a pause. A request whose prefill the gate refuses after a resume is preempted
-again (``gate.suspend``), never failed. The default implementations allow everything:
-a gate that does not budget decode never preempts.
+only a pause. The default implementations allow everything: a gate that does not
+budget decode never preempts.
 
 **Post-forward backstop.** ``gate.check_after_prefill(step)`` is called once after each
 forward is evaluated (and mlx's buffer cache emptied), with a :class:`PrefillStep`
