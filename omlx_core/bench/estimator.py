@@ -39,8 +39,10 @@ DEFAULT_MODEL = "default"
 # (prompt tokens, chunk size) per run; tiny models are cheap, so they go long.
 FULL_TINY_GRID = tuple((n, c) for n in (64, 512, 2048, 8192) for c in (256, 512, 2048) if c <= max(n, 256))
 # An 8k prefill of the default model takes ~8 minutes on a 2-core CPU, so the grid has one.
+# The default model at every shipped tier's prefill step: 256 (cpu-small), 512 (base,
+# laptop-16gb), 2048 (workstation-128gb), 4096 (cuda-80gb).
 FULL_DEFAULT_GRID = ((512, 256), (512, 512), (2048, 256), (2048, 512), (2048, 2048),
-                     (4096, 512), (8192, 2048))
+                     (4096, 256), (4096, 512), (4096, 4096), (8192, 2048))
 QUICK_TINY_GRID = ((128, 256), (1024, 256), (1024, 512))
 QUICK_DEFAULT_GRID = ((512, 256), (1024, 512))
 
