@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from omlx_core.engine import SamplingParams
+from omlx_core.hookspecs import hookimpl
 from omlx_core.memory.gate import UNLIMITED_TOKENS, DecodePlan, DecodeStep
 from omlx_core.testing.conformance import ScriptedGate
 from tests.test_batched_engine import (
@@ -235,3 +236,97 @@ def test_the_prefix_cache_gives_back_what_would_take_the_process_over_its_limit(
         assert 0 < engine.prefix_cache.nbytes <= cached - cached // 2 + cached // 4
     finally:
         engine.shutdown()
+
+
+# -- with the real memory guard ------------------------------------------------------------
+
+
+KIB, MIB, GIB = 1024, 1024**2, 1024**3
+
+
+class KvPerTokenEstimate:
+    """An estimate of 64 KiB per token: prefill peaks and decode growth in one unit."""
+
+    @hookimpl
+    def estimate_peak(self, query):
+        return query.new_tokens * 64 * KIB
+
+
+@pytest.fixture
+def guarded(tiny_model_path):
+    """A batched engine under the real memory guard, its use read as a fixed 100 MiB and a
+    170 MiB ceiling: two requests' first 256 completion tokens fit together, not more."""
+    from pathlib import Path
+
+    from omlx_core.config import load_config
+    from omlx_core.memory.ceilings import ProbeReadings
+    from omlx_core.memory.guard import MemoryGuard
+    from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
+    from omlx_core.memory.usage import MemoryUsage
+    from omlx_core.models.registry import spec_for_path
+    from omlx_core.pluginmanager import PluginManager
+    from omlx_core.plugins import advice, memory_guard
+    from omlx_core.plugins.batched import BatchedEngine
+    import omlx_core.plugins.batched as batched_plugin
+
+    plugins = PluginManager()
+    for name, plugin in (("memory_guard", memory_guard), ("advice", advice),
+                         ("estimator", KvPerTokenEstimate()), ("batched", batched_plugin)):
+        plugins.register(plugin, name)
+    config = load_config(tier="cpu-small", env={}, overrides=[
+        ("memory.tier", "custom", "test"), ("memory.custom_ceiling", str(170 * MIB), "test"),
+        ("memory.transient_margin", str(16 * MIB), "test"),
+        ("plugin.batched.prefill_step_size", "16", "test"),
+        ("plugin.batched.block_size", "8", "test")])
+    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
+    engine.start()
+    usage = MemoryUsage(read_active=lambda: 100 * MIB, read_footprint=lambda: 0)
+    guard = MemoryGuard(plugins, config, usage=usage, mlx_cache=lambda: 0)
+    readings = ProbeReadings(
+        system="Linux", meminfo=LinuxMeminfo(32 * GIB, 20 * GIB, 20 * GIB, 20 * GIB, 0, 0),
+        cgroup=CgroupMemory(2, Path("/x"), None, None, None),
+        footprint=ProcessFootprint(GIB, GIB, "test"))
+    guard.start(lambda: [engine], read=lambda: readings)
+    from omlx_core.testing.waiting import wait_for
+
+    assert wait_for(lambda: engine.scheduler.limits is not None
+                    and engine.scheduler.forward_gate is not None)
+    try:
+        yield engine, guard
+    finally:
+        guard.close()
+        engine.shutdown()
+
+
+def test_the_guard_preempts_the_younger_of_two_growing_requests_and_both_complete(
+        guarded, tiny_model_path):
+    """Admission budget 0.95 x 170 - 100 - 16 = 45.5 MiB. Each request reserves its
+    prompt and first 256 completion tokens (~266 x 64 KiB = 16.6 MiB; a padded batch of
+    two costs 33 MiB): both run. When the older one grows to 512 tokens (32 MiB, 64 MiB
+    for the pair) the younger is preempted; it resumes once the older has finished, and
+    both answers are the ones each gets alone."""
+    engine, guard = guarded
+    long_answers = SamplingParams(temperature=0.0, max_tokens=600)
+    older, younger = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23]
+    reference = start_engine(tiny_model_path("llama"))
+    try:
+        solo = [run(reference, prompt, long_answers).token_ids for prompt in (older, younger)]
+    finally:
+        reference.shutdown()
+
+    tickets = []
+    for request_id, prompt in (("older", older), ("younger", younger)):
+        guard.preflight(engine, request_id, prompt, max_tokens=600)
+        tickets.append(guard.admit(engine, request_id, prompt, max_tokens=600))
+    handles = [submit(engine, older, long_answers, request_id="older"),
+               submit(engine, younger, long_answers, request_id="younger")]
+    first = collect(handles[0])
+    tickets[0].release()  # as the serving pipeline does when a request ends
+    second = collect(handles[1])
+    tickets[1].release()
+
+    assert guard.preempted_total() >= 1 and engine.stats()["preempted"] >= 1
+    assert guard.preemptions().get(("custom", "decode"), 0) >= 1
+    assert first.error is None and second.error is None
+    assert [first.token_ids, second.token_ids] == solo
+    assert guard.admission.reserved_bytes == 0 and guard.admission.suspended == 0
