@@ -66,6 +66,19 @@ class PreemptingGate(ScriptedGate):
         return {}
 
 
+def preempted_pair(engine, older, younger, *, older_sampling=GREEDY, younger_sampling=GREEDY,
+                   **gate_options):
+    """Run ``older`` and ``younger`` together under a :class:`PreemptingGate` aimed at the
+    younger; their completions and the gate."""
+    handles = submit_together(engine, [(older, older_sampling), (younger, younger_sampling)])
+    gate = PreemptingGate(handles[1].request_id, **gate_options)
+    engine.scheduler.set_forward_gate(gate)
+    try:
+        return collect(handles[0]), collect(handles[1]), gate
+    finally:
+        engine.scheduler.set_forward_gate(None)
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_model_path):
     engine = start_engine(tiny_model_path("llama"))
@@ -79,13 +92,7 @@ def test_a_preempted_request_resumes_with_the_same_greedy_output(llama, at):
     solo_older, solo_younger = run(llama, older, GREEDY), run(llama, younger, GREEDY)
     before = llama.stats()["preempted"]
 
-    handles = submit_together(llama, [(older, GREEDY), (younger, GREEDY)])
-    gate = PreemptingGate(handles[1].request_id, at=at)
-    llama.scheduler.set_forward_gate(gate)
-    try:
-        first, second = collect(handles[0]), collect(handles[1])
-    finally:
-        llama.scheduler.set_forward_gate(None)
+    first, second, gate = preempted_pair(llama, older, younger, at=at)
     assert gate.preempted == 1
     assert llama.stats()["preempted"] == before + 1
     assert first.token_ids == solo_older.token_ids
@@ -130,15 +137,9 @@ def test_a_resumed_request_refused_by_the_prefill_gate_is_preempted_again_not_fa
         # The older request runs long enough to still hold its memory when the younger
         # one's resumed prefill is refused: so the younger waits again.
         longer = SamplingParams(temperature=0.0, max_tokens=120)
-        handles = submit_together(engine, [(older, longer), (younger, GREEDY)])
-        gate = PreemptingGate(handles[1].request_id, at=3, refuse_resumed_prefill=2)
-        engine.scheduler.set_forward_gate(gate)
-        try:
-            collect(handles[0])
-            second = collect(handles[1])
-        finally:
-            engine.scheduler.set_forward_gate(None)
-        assert gate.suspended == [handles[1].request_id] * 2
+        _, second, gate = preempted_pair(engine, older, younger, older_sampling=longer, at=3,
+                                         refuse_resumed_prefill=2)
+        assert gate.suspended == [gate.victim] * 2
         assert second.error is None and second.token_ids == solo_younger.token_ids
         assert engine.stats()["preempted"] == 3
     finally:
@@ -149,18 +150,9 @@ def test_seeded_sampling_goes_on_after_a_preemption(llama):
     sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=30)
     older, younger = prompt_of(llama, 20, 7), prompt_of(llama, 14, 8)
 
-    def preempted_run():
-        handles = submit_together(llama, [(older, GREEDY), (younger, sampled)])
-        gate = PreemptingGate(handles[1].request_id, at=4)
-        llama.scheduler.set_forward_gate(gate)
-        try:
-            collect(handles[0])
-            return collect(handles[1]), gate.preempted
-        finally:
-            llama.scheduler.set_forward_gate(None)
-
-    (first, preempted), (again, _) = preempted_run(), preempted_run()
-    assert preempted == 1 and first.error is None and first.finish_reason in ("stop", "length")
+    _, first, gate = preempted_pair(llama, older, younger, younger_sampling=sampled, at=4)
+    _, again, _ = preempted_pair(llama, older, younger, younger_sampling=sampled, at=4)
+    assert gate.preempted == 1 and first.error is None and first.finish_reason in ("stop", "length")
     assert first.usage.completion_tokens == len(first.token_ids) + (first.finish_reason == "stop")
     # The same seed preempted at the same step samples the same completion.
     assert again.token_ids == first.token_ids
@@ -173,14 +165,7 @@ def test_preemption_recomputes_models_whose_layers_cannot_be_cut(tiny_model_path
     try:
         older, younger = prompt_of(engine, 20, 9), prompt_of(engine, 14, 10)
         solo_younger = run(engine, younger, GREEDY)
-        handles = submit_together(engine, [(older, GREEDY), (younger, GREEDY)])
-        gate = PreemptingGate(handles[1].request_id, at=3)
-        engine.scheduler.set_forward_gate(gate)
-        try:
-            collect(handles[0])
-            second = collect(handles[1])
-        finally:
-            engine.scheduler.set_forward_gate(None)
+        _, second, gate = preempted_pair(engine, older, younger, at=3)
         assert gate.preempted == 1
         assert second.error is None and second.token_ids == solo_younger.token_ids
     finally:
