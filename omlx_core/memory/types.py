@@ -77,14 +77,14 @@ class LimitSnapshot:
         """The ceiling that is the hard limit (``None``: none binds)."""
         return self.breakdown.binding if self.breakdown is not None else None
 
-    def over_by(self, mlx_bytes: int) -> int:
+    def over_by(self, mlx_bytes: int, keep_free: int = 0) -> int:
         """How far memory in use, read now as ``other_bytes`` plus ``mlx_bytes`` (what
-        mlx holds, and any room an engine keeps free: a cheap reading between two polls),
-        is past the hard limit less the margin: what caches should give back before the
-        next forward's transient needs the room (0 when nothing is over, or no limit)."""
+        mlx holds: a cheap reading between two polls), leaves less than ``keep_free``
+        under the hard limit: what caches should give back (0 when nothing is over, or
+        there is no limit)."""
         if self.hard_bytes is None:
             return 0
-        return max(0, self.other_bytes + mlx_bytes + self.margin_bytes - self.hard_bytes)
+        return max(0, self.other_bytes + mlx_bytes + keep_free - self.hard_bytes)
 
 
 @dataclass(frozen=True)

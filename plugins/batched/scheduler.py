@@ -322,18 +322,22 @@ class Scheduler(MemoryReceiver):
         self.model = self.layout = None  # type: ignore[assignment]
 
     def _fit_prefix_cache(self) -> None:
-        """Give back prefix-cache blocks while memory in use leaves less than the margin
-        under the limit, room for one copy of the decode batch's KV (a cache that grows
-        copies itself) kept free. Use is read cheaply between polls: what mlx holds now,
-        the rest as of the last poll (:meth:`~omlx_core.memory.types.LimitSnapshot.over_by`).
-        Cached blocks count as available memory, so they must never be what takes the
-        process over its limit when the next forward's transient arrives."""
+        """Give back prefix-cache blocks that would take the process over its limit.
+
+        Cached blocks count as available memory: a prefill's forward gate reclaims them
+        before a chunk that needs the room. Decode steps ask no gate, so while requests
+        decode the blocks also leave free the margin (the step's transients) and room
+        for one copy of the decode batch's KV (a cache that grows copies itself). Use is
+        read cheaply between polls: what mlx holds now, the rest of the process as of
+        the last poll (:meth:`~omlx_core.memory.types.LimitSnapshot.over_by`).
+        """
         limits = self._limits
         if limits is None or not self.prefix_cache.nbytes:
             return
-        # The decode batch's KV cache grows by copying: room for one copy of it stays free.
-        growth_copy = int(self._generator.prompt_cache_nbytes) if self._decoding else 0
-        over = limits.over_by(int(mx.get_active_memory() + mx.get_cache_memory()) + growth_copy)
+        keep_free = 0
+        if self._decoding:
+            keep_free = limits.margin_bytes + int(self._generator.prompt_cache_nbytes)
+        over = limits.over_by(int(mx.get_active_memory() + mx.get_cache_memory()), keep_free)
         if over > 0:
             self.prefix_cache.release(over)
             # Buffers freed by mlx can sit in the heap's free pages: hand them back too.
