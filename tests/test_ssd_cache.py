@@ -575,3 +575,129 @@ def test_a_save_the_writer_has_no_room_for_evicts_nothing(tmp_path):
     assert sum(store.contains(b.block_hash) for b in blocks) == 4 - before["evictions"]
     pin.release.set()
     store.close()
+
+
+# -- host memory of queued writes ------------------------------------------------------------------
+
+
+def test_queued_writes_stay_within_queue_bytes_and_one_block_always_fits(tmp_path):
+    block_bytes = make_block(0, seed=30).nbytes
+    store = make_store(tmp_path, queue_size=64, queue_bytes=2 * block_bytes, save_timeout_s=0.05)
+    pin = PinnedWriter(store)
+    store.put(make_block(0, seed=30))  # held by the writer: it still holds its host copy
+    assert pin.entered.wait(10)
+    store.put(make_block(1, seed=30))  # queued: two blocks' worth of host memory now
+    assert store.pending_bytes() == 2 * block_bytes
+    before = store.stats()
+    store.put(make_block(2, seed=30))  # over queue_bytes: dropped before any copy
+    assert store.stats()["drops"] == before["drops"] + 1
+    assert not store.contains(make_block(2, seed=30).block_hash)
+    assert store.pending_bytes() == 2 * block_bytes
+    pin.release.set()
+    assert store.flush(10) and store.pending_bytes() == 0
+    store.close()
+
+    # A block larger than queue_bytes is still saved when nothing else is queued.
+    large = make_block(5, seed=31)
+    small_queue = make_store(tmp_path / "small", queue_bytes=large.nbytes // 3)
+    small_queue.put(large)
+    assert small_queue.flush(10) and small_queue.stats()["saves_persisted"] == 1
+    small_queue.close()
+
+
+def test_dropping_pending_writes_frees_their_host_copies_newest_first(tmp_path):
+    store = make_store(tmp_path, queue_size=64)
+    pin = PinnedWriter(store)
+    blocks = [make_block(i, seed=32) for i in range(4)]
+    store.put(blocks[0])
+    assert pin.entered.wait(10)
+    for block in blocks[1:]:
+        store.put(block)
+    one = blocks[0].nbytes
+    assert store.pending_bytes() == 4 * one
+    assert store.drop_pending(one + 1) == 2 * one  # whole blocks, the newest two
+    assert [store.contains(b.block_hash) for b in blocks] == [True, True, False, False]
+    assert store.pending_bytes() == 2 * one
+    assert store.stats()["drops"] == 2
+    assert store.drop_pending(10 * one) == one  # the held write cannot be dropped
+    pin.release.set()
+    assert store.flush(10)
+    assert store.stats()["saves_persisted"] == 1 and store.pending_bytes() == 0
+    store.close()
+
+
+def test_the_prefix_cache_counts_queued_writes_as_memory_it_can_give_back(tmp_path):
+    store = make_store(tmp_path, queue_size=64)
+    memory = PrefixCache(BLOCK, 1 << 20, "m")
+    memory.attach_lower(store)
+    pin = PinnedWriter(store)
+    tokens = list(range(3 * BLOCK))
+    hashes = memory.hashes(tokens)
+    blocks = [CachedBlock(h, hashes[i - 1] if i else memory.root, i, BLOCK, make_block(i).kv, None,
+                          True, make_block(i).nbytes, tokens=tuple(tokens[i * BLOCK:(i + 1) * BLOCK]))
+              for i, h in enumerate(hashes)]
+    memory.insert(blocks)
+    assert pin.entered.wait(10)
+    one = blocks[0].nbytes
+    assert memory.reclaimable_bytes() == memory.nbytes + 3 * one == 6 * one
+    # Queued writes go first: the blocks in memory keep serving.
+    assert memory.release(one) == one
+    assert memory.peek(hashes) == 3 and store.pending_bytes() == 2 * one
+    # Then blocks, and none is copied for the store: that would take the room back.
+    assert memory.release(2 * one) == 2 * one
+    assert memory.peek(hashes) == 2 and store.pending_bytes() == one  # the held write only
+    pin.release.set()
+    assert store.flush(10)
+    # Only the write the writer held when the memory was needed reached the disk.
+    assert [store.contains(h) for h in hashes] == [True, False, False]
+    store.close()
+
+
+# -- reuse in part after a restart ----------------------------------------------------------------
+
+
+def test_a_restarted_cache_reuses_part_of_a_block_only_the_disk_holds(tmp_path):
+    store = make_store(tmp_path)
+    memory = PrefixCache(BLOCK, 1 << 20, "m")
+    memory.attach_lower(store)
+    tokens = list(range(100, 100 + 3 * BLOCK))
+    hashes = memory.hashes(tokens)
+    blocks = [CachedBlock(h, hashes[i - 1] if i else memory.root, i, BLOCK, make_block(i, seed=33).kv,
+                          None, True, make_block(i, seed=33).nbytes,
+                          tokens=tuple(tokens[i * BLOCK:(i + 1) * BLOCK]))
+              for i, h in enumerate(hashes)]
+    memory.insert(blocks)
+    assert store.flush(10)
+    store.close()
+
+    restarted = make_store(tmp_path)  # a new process: the index is rebuilt from the files
+    fresh = PrefixCache(BLOCK, 1 << 20, "m")
+    fresh.attach_lower(restarted)
+    # Same first block, then the second block's first 3 tokens, then something new.
+    prompt = tokens[:BLOCK] + tokens[BLOCK:BLOCK + 3] + [7, 7, 7, 7, 7, 7]
+    found, tail, shared = fresh.lookup_prefix(fresh.hashes(prompt), prompt)
+    assert [b.index for b in found] == [0]
+    assert shared == 3 and tail is not None and tail.tokens == tuple(tokens[BLOCK:2 * BLOCK])
+    assert tail.parent_hash == hashes[0]
+    # The keys and values are the block's own, read back from disk.
+    assert np.array_equal(np.array(tail.kv[0][1]), np.array(blocks[1].kv[0][1]))
+    assert restarted.stats()["loads"] == 2
+    # A prompt sharing no token of a continuation reads nothing more.
+    other = tokens[:BLOCK] + [9] * (BLOCK + 1)
+    found, tail, shared = fresh.lookup_prefix(fresh.hashes(other), other)
+    assert [b.index for b in found] == [0] and shared == 0
+    assert restarted.stats()["loads"] == 2
+    restarted.close()
+
+
+def test_blocks_without_their_tokens_are_never_offered_in_part(tmp_path):
+    store = make_store(tmp_path)
+    parent = b"\1" * 16
+    store.put(make_block(0, seed=34, parent=parent))  # no tokens stored with it
+    hybrid = make_block(1, seed=34, parent=parent, boundary=True)
+    store.put(CachedBlock(hybrid.block_hash, parent, 1, BLOCK, hybrid.kv, hybrid.boundary, True,
+                          hybrid.nbytes, tokens=(1, 2, 3, 4)))  # a layer not cut by token
+    assert store.flush(10)
+    assert store.continuations(parent) == []
+    store.close()
+    assert make_store(tmp_path).continuations(parent) == []

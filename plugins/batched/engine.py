@@ -279,7 +279,7 @@ class BatchedEngine(GuardedEngine):
                            decode_batch_padded=True)
 
     def reclaimable_bytes(self) -> int:
-        return self.prefix_cache.nbytes
+        return self.prefix_cache.reclaimable_bytes()
 
     def reclaim(self, nbytes: int) -> int:
         # Evicted blocks go to a lower tier (a host copy), which is MLX-thread work.

@@ -288,12 +288,43 @@ class PrefixCache:
                       ) -> tuple[list[CachedBlock], CachedTail | None, int]:
         """The longest reusable cached prefix of ``tokens`` (``hashes``: the chain of
         their full blocks): its blocks (:meth:`lookup`), then the tail under the last of
-        them sharing the most of the tokens after them, and how many it shares."""
+        them sharing the most of the tokens after them, and how many it shares. A block
+        of the lower tier that shares more of them than anything in memory is read back
+        and promoted first (after a restart, only the lower tier has them)."""
         blocks = self.lookup(hashes)
         start = len(blocks) * self.block_size
         parent = blocks[-1].block_hash if blocks else self.root
+        self._promote_lower_continuation(parent, tokens[start:])
         tail, shared = self.lookup_tail(parent, tokens[start:])
         return blocks, tail, shared
+
+    def _promote_lower_continuation(self, parent_hash: bytes, tokens: Sequence[int]) -> None:
+        """Read back the lower tier's block under ``parent_hash`` that shares the most
+        leading ``tokens``, if it shares more than the memory's best continuation."""
+        if not self.enabled or not tokens:
+            return
+        with self._lock:
+            lower = self._lower
+            in_memory = self._best_continuation_locked(parent_hash, tokens)[1]
+        continuations = getattr(lower, "continuations", None)
+        if continuations is None:
+            return
+        best_hash, best = None, in_memory
+        for block_hash, block_tokens in continuations(parent_hash):
+            n = common_prefix_length(block_tokens, tokens)
+            if n > best:
+                best_hash, best = block_hash, n
+        if best_hash is None or self.get(best_hash) is not None:
+            return
+        block = lower.get(best_hash)
+        if block is None or not block.partially_reusable:
+            return
+        with self._lock:
+            if self._blocks.get(block.block_hash) is None:
+                self._add_locked(block)
+            self._touch_above_locked(block.block_hash)
+            evicted = self._evict_locked()
+        self._offer(lower, evicted)
 
     def peek_prefix(self, hashes: Sequence[bytes], tokens: Sequence[int]) -> int:
         """How many of ``tokens`` :meth:`lookup_prefix` would reuse now from memory;
@@ -363,16 +394,29 @@ class PrefixCache:
             self._use_locked(self._blocks, block.block_hash)
             block = self._blocks.get(block.parent_hash)
 
+    def reclaimable_bytes(self) -> int:
+        """Memory :meth:`release` can give back: the blocks and tails held here, and the
+        host copies the lower tier still holds for writes not done yet."""
+        with self._lock:
+            lower = self._lower
+            held = self.nbytes
+        pending = getattr(lower, "pending_bytes", None)
+        return held + (pending() if pending is not None else 0)
+
     def release(self, nbytes: int) -> int:
-        """Evict the least recently used blocks and tails until ``nbytes`` are freed or
-        nothing is left (the memory guard reclaiming room); returns the bytes freed.
-        Evicted blocks are offered to the lower tier, as on any eviction."""
+        """Free ``nbytes`` or everything there is (the memory guard reclaiming room);
+        returns the bytes freed. Writes the lower tier has queued go first (their blocks
+        stay served from here, and are offered again if evicted by the budget later),
+        then the least recently used blocks and tails. Unlike a budget eviction, this one
+        offers nothing to the lower tier: a host copy would take the memory being freed."""
+        with self._lock:
+            lower = self._lower
+        drop_pending = getattr(lower, "drop_pending", None)
+        freed = drop_pending(nbytes) if drop_pending is not None and nbytes > 0 else 0
         with self._lock:
             before = self.nbytes
-            evicted = self._evict_locked(limit=max(0, before - max(0, nbytes)))
-            freed = before - self.nbytes
-            lower = self._lower
-        self._offer(lower, evicted)
+            self._evict_locked(limit=max(0, before - max(0, nbytes - freed)))
+            freed += before - self.nbytes
         return freed
 
     def _evict_locked(self, limit: int | None = None) -> list[CachedBlock]:

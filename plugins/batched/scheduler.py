@@ -198,6 +198,11 @@ class Scheduler(MemoryReceiver):
         self._wake = wake
         self._gate: ForwardGate | None = None
         self._limits: LimitSnapshot | None = None
+        #: the snapshot :attr:`_host_freed` counts from
+        self._host_freed_snapshot: LimitSnapshot | None = None
+        #: bytes given back since that snapshot beyond what mlx reports (host copies of
+        #: queued lower-tier writes): the snapshot's process reading still holds them
+        self._host_freed = 0
 
         self._inbox: deque[SequenceState] = deque()
         self._abort_inbox: deque[str] = deque()
@@ -322,24 +327,31 @@ class Scheduler(MemoryReceiver):
         self.model = self.layout = None  # type: ignore[assignment]
 
     def _fit_prefix_cache(self) -> None:
-        """Give back prefix-cache blocks that would take the process over its limit.
+        """Give back cached memory (the lower tier's queued host copies, then prefix-cache
+        blocks) that would take the process over its limit.
 
         Cached blocks count as available memory: a prefill's forward gate reclaims them
         before a chunk that needs the room. Decode steps ask no gate, so while requests
         decode the blocks also leave free the margin (the step's transients) and room
         for one copy of the decode batch's KV (a cache that grows copies itself). Use is
         read cheaply between polls: what mlx holds now, the rest of the process as of
-        the last poll (:meth:`~omlx_core.memory.types.LimitSnapshot.over_by`).
+        the last poll (:meth:`~omlx_core.memory.types.LimitSnapshot.over_by`). That
+        reading still holds host copies dropped since the poll, so they are subtracted.
         """
         limits = self._limits
-        if limits is None or not self.prefix_cache.nbytes:
+        if limits is None or not self.prefix_cache.reclaimable_bytes():
             return
         keep_free = 0
         if self._decoding:
             keep_free = limits.margin_bytes + int(self._generator.prompt_cache_nbytes)
+        if self._host_freed_snapshot is not limits:
+            self._host_freed_snapshot, self._host_freed = limits, 0
         over = limits.over_by(int(mx.get_active_memory() + mx.get_cache_memory()), keep_free)
+        over -= self._host_freed
         if over > 0:
-            self.prefix_cache.release(over)
+            held = self.prefix_cache.nbytes
+            freed = self.prefix_cache.release(over)
+            self._host_freed += max(0, freed - (held - self.prefix_cache.nbytes))
             # Buffers freed by mlx can sit in the heap's free pages: hand them back too.
             trim_heap()
 

@@ -85,6 +85,9 @@ class _Entry:
     size: int
     persisted: bool = False
     has_boundary: bool = False
+    #: the block's parent in its chain, when the block's tokens are stored with it (a
+    #: block a prompt may reuse in part); empty otherwise
+    parent: bytes = b""
 
 
 @dataclass(eq=False)
@@ -104,6 +107,12 @@ class _Item:
 
 
 STOP = _Item("stop")
+
+
+def host_bytes(item: _Item) -> int:
+    """Host memory an item holds until the writer is done with it."""
+    return sum(p.tensor_bytes for p in (item.payload, item.boundary) if p is not None)
+
 COUNTERS = ("saves", "saves_persisted", "loads", "hits", "misses", "evictions", "drops",
             "declined", "errors", "snapshots", "snapshots_persisted")
 
@@ -128,7 +137,8 @@ class PagedSSDStore:
     """Blocks of one model on disk: a :class:`~omlx_core.kvblocks.BlockStore`."""
 
     def __init__(self, directory: Path, *, identity: str, budget: int | None = None,
-                 auto_share: float = 0.5, queue_size: int = 64, save_timeout_s: float = 0.25,
+                 auto_share: float = 0.5, queue_size: int = 64, queue_bytes: int | None = None,
+                 save_timeout_s: float = 0.25,
                  eviction_burst: int = 32, disk_usage_ttl_s: float = 30.0,
                  cleanup_all_timeout_s: float = 5.0, cleanup_request_timeout_s: float = 2.0,
                  flush_timeout_s: float = 10.0) -> None:
@@ -153,7 +163,9 @@ class PagedSSDStore:
         self._saturated = False
         #: block hash -> (request id, host copy) of a snapshot saved and not yet claimed
         self._snapshots: dict[bytes, tuple[str, Payload]] = {}
-        self._queue: WorkQueue[_Item] = WorkQueue(queue_size)
+        self._queue: WorkQueue[_Item] = WorkQueue(queue_size, queue_bytes, weight=host_bytes)
+        #: parent hash -> hashes of indexed blocks stored with their tokens (see ``continuations``)
+        self._children: dict[bytes, set[bytes]] = {}
         self._writer_busy = threading.Lock()
         #: request id -> cancelled items the writer holds and has not retired (queue lock)
         self._cancelled: dict[str, int] = {}
@@ -267,6 +279,39 @@ class PagedSSDStore:
             except OSError:
                 pass  # not written yet, or just evicted
 
+    def continuations(self, parent_hash: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
+        """The persisted blocks that follow ``parent_hash`` and may be reused in part, with
+        their tokens (read from the files' headers, not their tensors)."""
+        with self._lock:
+            hashes = [h for h in self._children.get(parent_hash, ())
+                      if self._index[h].persisted]
+        found = []
+        for block_hash in hashes:
+            try:
+                metadata = read_metadata(block_path(self.blocks_dir, block_hash))
+                tokens = tuple(int(t) for t in json.loads(metadata.get("tokens", "[]")))
+            except (BlockFileError, OSError, ValueError):
+                continue  # evicted meanwhile, or damaged: get() would refuse it too
+            if tokens:
+                found.append((block_hash, tokens))
+        return found
+
+    def pending_bytes(self) -> int:
+        """Host memory held by writes not done yet (the one being written included)."""
+        return self._queue.nbytes
+
+    def drop_pending(self, nbytes: int) -> int:
+        """Give up queued block writes, newest first, until ``nbytes`` of host memory are
+        freed (the memory guard needs the room); returns the bytes freed. Their blocks are
+        not persisted (and are offered again if the prefix cache evicts them later)."""
+        dropped = self._queue.withdraw_newest(lambda item: item.kind in ("block", "boundary"), nbytes)
+        for item in dropped:
+            self._release(item)
+        if dropped:
+            with self._lock:
+                self._counts["drops"] += len(dropped)
+        return sum(host_bytes(item) for item in dropped)
+
     def put(self, block: CachedBlock) -> None:
         """Save ``block`` unless it is already on disk as well as it can be; may decline
         (quota) or drop (writer backlog)."""
@@ -280,7 +325,7 @@ class PagedSSDStore:
             kind = "block" if existing is None else "boundary"
         # A save the writer has no room for is dropped now, before it evicts persisted
         # blocks to make room on disk or copies anything to host memory for nothing.
-        if not self._room_in_queue():
+        if not self._room_in_queue(block.nbytes):
             return
         with self._lock:
             staged = self._snapshots.pop(block_hash, None)
@@ -302,6 +347,12 @@ class PagedSSDStore:
         _unlink_blocks(self.blocks_dir, victims)
         if not admitted:
             return
+        if kind == "block" and block.partially_reusable:
+            with self._lock:
+                entry = self._index.get(block_hash)
+                if entry is not None:
+                    entry.parent = block.parent_hash
+                    self._children.setdefault(block.parent_hash, set()).add(block_hash)
         for part in (payload, boundary):
             if part is not None:
                 part.to_host()
@@ -329,7 +380,7 @@ class PagedSSDStore:
                         victims.append(victim_hash)
                         freed += victim.size
                 for victim_hash in victims:
-                    self._used -= self._index.pop(victim_hash).size
+                    self._forget_locked(victim_hash)
                 self._counts["evictions"] += len(victims)
             if self._used + size > limit:
                 # Over budget still: a block larger than the budget, or an eviction burst
@@ -343,6 +394,18 @@ class PagedSSDStore:
             self._used += size
             return True, victims
 
+    def _forget_locked(self, block_hash: bytes) -> None:
+        """Drop ``block_hash`` from the index (its files are the caller's business)."""
+        entry = self._index.pop(block_hash, None)
+        if entry is None:
+            return
+        self._used -= entry.size
+        siblings = self._children.get(entry.parent)
+        if siblings is not None:
+            siblings.discard(block_hash)
+            if not siblings:
+                del self._children[entry.parent]
+
     def _release(self, item: _Item) -> None:
         """Give back what a dropped or failed item reserved; a new block is forgotten."""
         with self._lock:
@@ -350,16 +413,15 @@ class PagedSSDStore:
             if entry is None:
                 return
             if item.kind == "block" and not entry.persisted:
-                del self._index[item.block_hash]
-                self._used -= entry.size
+                self._forget_locked(item.block_hash)
             elif item.kind == "boundary":
                 entry.size -= item.reserved
                 self._used -= item.reserved
 
-    def _room_in_queue(self) -> bool:
-        """Whether the writer queue has room for one more save, waiting up to the save
-        timeout for it (not at all within a saturation episode); counts a drop if not."""
-        if self._queue.wait_for_room(0.0 if self._saturated else self.save_timeout_s):
+    def _room_in_queue(self, nbytes: int) -> bool:
+        """Whether the writer queue has room for a save of ``nbytes``, waiting up to the
+        save timeout for it (not at all within a saturation episode); counts a drop if not."""
+        if self._queue.wait_for_room(0.0 if self._saturated else self.save_timeout_s, nbytes):
             return True
         self._saturated = True
         with self._lock:
@@ -696,18 +758,24 @@ class PagedSSDStore:
                         log.warning("SSD cache: removing %s: %s", side.name, exc)
                         removed += _unlink(side)
                 depth = int(metadata.get("index", 0))
+                parent = b""
+                if (json.loads(metadata.get("tokens", "[]"))
+                        and all(t == "KVCache" for t in json.loads(metadata.get("layer_types", "[]")))):
+                    parent = bytes.fromhex(metadata.get("parent_hash", ""))
             except (BlockFileError, OSError, ValueError) as exc:
                 log.warning("SSD cache: removing %s: %s", name, exc)
                 removed += _unlink(path)
                 _unlink(boundary_path(self.blocks_dir, block_hash))
                 continue
-            found.append((stat.st_mtime_ns, -depth, block_hash, _Entry(size, True, has_boundary)))
+            found.append((stat.st_mtime_ns, -depth, block_hash, _Entry(size, True, has_boundary, parent)))
         if progress is not None:
             progress.close()
         # Oldest first; among equally old blocks, the deeper ones (leaves) first.
         for _, _, block_hash, entry in sorted(found, key=lambda f: (f[0], f[1])):
             self._index[block_hash] = entry
             self._used += entry.size
+            if entry.parent:
+                self._children.setdefault(entry.parent, set()).add(block_hash)
         if found or removed:
             log.info("SSD cache %s: %d blocks (%s) from earlier runs, %d unusable files removed",
                      self.directory, len(found), format_size(self._used), removed)
@@ -742,9 +810,7 @@ class PagedSSDStore:
     def _discard(self, block_hash: bytes, message: str) -> None:
         log.warning("SSD cache: %s", message)
         with self._lock:
-            entry = self._index.pop(block_hash, None)
-            if entry is not None:
-                self._used -= entry.size
+            self._forget_locked(block_hash)
             self._counts["errors"] += 1
         _unlink_blocks(self.blocks_dir, [block_hash])
 
