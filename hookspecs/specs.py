@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from omlx_core.engine import Engine
     from omlx_core.memory.gate import MemoryReceiver
     from omlx_core.memory.types import BoundarySnapshot, PeakQuery, PreflightRequest, Rejection
+    from omlx_core.platform.doctor import DoctorCheck
     from omlx_core.server_context import ServerContext
     from omlx_core.settings import Setting
 
@@ -79,6 +80,18 @@ def shutdown(context: ServerContext) -> None:
     :param context: the same object :func:`startup` received.
     :returns: nothing; results are ignored. Exceptions are logged, never raised, so
         every plugin gets its turn.
+    """
+
+
+@hookspec
+def doctor_checks(config: Config) -> list[DoctorCheck] | None:
+    """Report what this plugin needs of the machine, as lines of ``omlx-core doctor``.
+
+    :param config: the effective configuration of the tier the doctor inspects.
+    :returns: a list of :class:`~omlx_core.platform.doctor.DoctorCheck` (name, status
+        ``ok``/``warn``/``fail``, detail, and a fix for a problem), or ``None``. Every
+        plugin's lines are shown after the core checks; a plugin whose check raises is
+        shown as a failed line.
     """
 
 

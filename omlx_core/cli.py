@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="weights dtype; float32 decodes fastest on CPU (default)")
     model_commands.add_parser("default", help="convert the embedded default model and print its path")
 
-    doctor = commands.add_parser("doctor", help="check backend, BLAS, memory and the default model")
+    doctor = commands.add_parser("doctor", help="check backend, BLAS, memory, the default model "
+                                                "and what each plugin needs")
+    _config_arguments(doctor)
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
     from omlx_core.bench.serving import add_arguments as add_bench_arguments
@@ -311,9 +313,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from omlx_core.bootstrap import load_setup
     from omlx_core.platform.doctor import format_report, run_doctor
 
-    report = run_doctor()
+    setup = load_setup(args.tier, args.config, _overrides(args))
+    report = run_doctor(plugins=setup.plugins, config=setup.config)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:

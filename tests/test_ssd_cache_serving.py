@@ -83,7 +83,9 @@ def test_restarted_engine_resumes_from_blocks_on_disk(tiny_model_path, tmp_path,
     try:
         tokens, last = second.run(prompt)
         if family == "llama":
-            resume_at = target // BLOCK * BLOCK
+            # To the token: the block the first answer continued into is on disk with its
+            # tokens, and its first ones are reused.
+            resume_at = target
         else:
             # Non-cuttable layers resume only where prefill captured a boundary state:
             # at the end of a chunk that ended on a block boundary.
@@ -92,7 +94,7 @@ def test_restarted_engine_resumes_from_blocks_on_disk(tiny_model_path, tmp_path,
         # Prefill started at the boundary: only the rest of the prompt was computed.
         assert second.engine.stats()["prompt_tokens_prefilled"] == target - resume_at
         assert tokens == expected
-        assert second.store.stats()["loads"] == resume_at // BLOCK
+        assert second.store.stats()["loads"] == -(-resume_at // BLOCK)
     finally:
         second.stop()
 
@@ -242,3 +244,63 @@ def _metric(port: int, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics:\n{body}")
+
+
+# -- on by default ----------------------------------------------------------------------------------
+
+
+def test_every_shipped_tier_keeps_the_ssd_cache_under_the_cache_root(monkeypatch, tmp_path):
+    from omlx_core.config.loader import tier_names
+
+    monkeypatch.setenv("OMLX_CACHE_DIR", str(tmp_path))
+    for tier in tier_names():
+        config = load_config(tier, plugin_settings=build_plugin_manager().settings(), env={})
+        assert config["plugin.ssd_cache.dir"] == "auto", tier
+        assert ssd_cache.ssd_directory(config) == tmp_path / "ssd", tier
+    off = load_config("cpu-small", overrides=[("plugin.ssd_cache.dir", "", "test")],
+                      plugin_settings=build_plugin_manager().settings(), env={})
+    assert ssd_cache.ssd_directory(off) is None
+
+
+def test_a_default_directory_another_server_holds_turns_the_tier_off_not_the_server(
+        tiny_model_path, tmp_path, monkeypatch, caplog):
+    from omlx_core.plugins.ssd_cache.store import DirectoryInUseError, PagedSSDStore
+
+    monkeypatch.setenv("OMLX_CACHE_DIR", str(tmp_path))
+    path = tiny_model_path("llama")
+    spec = spec_for_path(path)
+    identity = ssd_cache.model_identity(path)
+    import re
+    held = tmp_path / "ssd" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', spec.id)}-{identity[:16]}"
+    other_server = PagedSSDStore(held, identity=identity)  # not this process's store registry
+    try:
+        with caplog.at_level("WARNING"):
+            served = Served(path, "auto")
+        try:
+            assert served.store is None and served.engine.prefix_cache._lower is None
+            assert "serving without the SSD cache" in caplog.text
+            tokens, last = served.run(prompt_for(served.engine, 20))
+            assert last.finish_reason == "length" and tokens
+        finally:
+            served.stop()
+        # A directory the operator named is theirs to fix: the server does not start.
+        config = load_config("base", overrides=[("plugin.ssd_cache.dir", str(tmp_path / "ssd"), "test")],
+                             plugin_settings=build_plugin_manager().settings(), env={})
+        with pytest.raises(DirectoryInUseError, match="give each server its own"):
+            ssd_cache.create_store(spec, config)
+    finally:
+        other_server.close()
+
+
+def test_doctor_shows_the_ssd_cache(tmp_path, monkeypatch):
+    from omlx_core.bootstrap import load_setup
+    from omlx_core.platform.doctor import run_doctor
+
+    monkeypatch.setenv("OMLX_CACHE_DIR", str(tmp_path))
+    setup = load_setup("cpu-small")
+    check = run_doctor(benchmark=False, plugins=setup.plugins, config=setup.config).check("ssd cache")
+    assert check.status == "ok" and check.data["dir"] == str(tmp_path / "ssd")
+    assert "budget auto" in check.detail and "free disk" in check.detail
+    off = load_setup("cpu-small", overrides=[("plugin.ssd_cache.dir", "", "test")])
+    check = run_doctor(benchmark=False, plugins=off.plugins, config=off.config).check("ssd cache")
+    assert check.detail.startswith("off") and check.data == {"enabled": False}

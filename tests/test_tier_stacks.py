@@ -31,7 +31,7 @@ def plugins_listed(tier: Path) -> dict[str, str]:
 
 def test_a_tier_that_disables_the_ssd_cache_loads_the_server_without_it(tmp_path) -> None:
     model_dir = cached_model("llama", 0, cache_dir=tmp_path / "models")
-    # The workstation tier sets [plugin.ssd_cache] dir: the disabled plugin's table is ignored.
+    # Every tier inherits [plugin.ssd_cache] from base.toml: the disabled plugin's table is ignored.
     tier = tier_file(tmp_path, 'base = ["workstation-128gb"]\n[plugins]\ndisabled = ["ssd_cache"]\n',
                      model_dir)
     assert plugins_listed(tier)["ssd_cache"] == "disabled"
@@ -44,6 +44,12 @@ def test_a_tier_that_disables_the_ssd_cache_loads_the_server_without_it(tmp_path
         stop_engines(context)
     # The shipped tier itself loads it and puts the SSD tier behind the prefix cache.
     assert plugins_listed(Path("workstation-128gb"))["ssd_cache"] == "loaded"
+    context = start_engines(load_setup(str(tier_file(tmp_path, 'base = ["workstation-128gb"]\n',
+                                                     model_dir))), progress=False)
+    try:
+        assert context.engines["tiny"].prefix_cache._lower is not None
+    finally:
+        stop_engines(context)
 
 
 class FlatEstimate:

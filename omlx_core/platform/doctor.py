@@ -259,8 +259,9 @@ _CHECKS: tuple[tuple[str, Callable[[_Context], DoctorCheck]], ...] = (
 )
 
 
-def run_doctor(benchmark: bool = True) -> DoctorReport:
-    """Run every check in order; a check that crashes becomes a ``fail`` line, never an
+def run_doctor(benchmark: bool = True, plugins: Any = None, config: Any = None) -> DoctorReport:
+    """Run every check in order, then the ``doctor_checks`` of ``plugins`` (a plugin
+    manager) for ``config``; a check that crashes becomes a ``fail`` line, never an
     exception. ``benchmark=False`` skips the matmul timing (~0.5 s on the reference BLAS)."""
     context = _Context(benchmark=benchmark)
     results = []
@@ -269,6 +270,14 @@ def run_doctor(benchmark: bool = True) -> DoctorReport:
             results.append(check(context))
         except Exception as error:
             results.append(DoctorCheck(name, "fail", f"check crashed: {type(error).__name__}: {error}"))
+    if plugins is not None:
+        for impl in plugins.hook.doctor_checks.get_hookimpls():
+            try:
+                kwargs = {"config": config} if "config" in impl.argnames else {}
+                results.extend(impl.function(**kwargs) or ())
+            except Exception as error:
+                results.append(DoctorCheck(impl.plugin_name, "fail",
+                                           f"check crashed: {type(error).__name__}: {error}"))
     return DoctorReport(tuple(results))
 
 

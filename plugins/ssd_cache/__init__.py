@@ -1,7 +1,12 @@
 """The built-in ``ssd_cache`` plugin: a paged SSD tier behind the in-memory prefix cache.
 
-Turned on by ``plugin.ssd_cache.dir`` (empty = off) with ``plugin.ssd_cache.budget`` bytes at most
-(``"auto"``: ``plugin.ssd_cache.auto_share`` of the free disk). Through the public hooks:
+On by default: ``plugin.ssd_cache.dir = "auto"`` keeps the blocks under omlx-core's cache
+root (``~/.cache/omlx-core/ssd``, or ``$OMLX_CACHE_DIR/ssd``), a path puts them there, and
+``""`` turns the tier off. It uses ``plugin.ssd_cache.budget`` bytes at most (``"auto"``:
+``plugin.ssd_cache.auto_share`` of the free disk, re-read as the disk fills). Blocks waiting
+for the writer are host copies, bounded by ``plugin.ssd_cache.queue_bytes`` and counted
+by the engine as memory it can give back (the memory guard drops them before it refuses
+work). Through the public hooks:
 
 - ``register_caches``: ``"ssd"`` -> a :class:`~.store.PagedSSDStore` per model, which the
   batched engine puts behind its prefix cache: every block the prefix cache stores is
@@ -24,19 +29,24 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
+import shutil
 import threading
 from pathlib import Path
 from typing import Any, Callable
 
 from omlx_core.hookspecs import hookimpl
-from omlx_core.plugins.ssd_cache.store import PagedSSDStore
+from omlx_core.models.default import model_cache_dir
+from omlx_core.plugins.ssd_cache.store import DirectoryInUseError, PagedSSDStore
 from omlx_core.settings import Setting
 
 log = logging.getLogger(__name__)
 
 CACHE_NAME = "ssd"
 PLUGIN = "ssd_cache"
+#: ``plugin.ssd_cache.dir`` value that places the cache under omlx-core's cache root
+AUTO_DIR = "auto"
 
 _lock = threading.Lock()
 #: open stores, by directory (one writer per directory) and by model id (hook routing)
@@ -65,13 +75,16 @@ def _plugin_settings(config: Any) -> dict[str, Any]:
 
 
 SETTINGS = (
-    Setting("dir", "str", "directory of the paged SSD KV cache (\"\" turns it off)", default=""),
+    Setting("dir", "str", "directory of the paged SSD KV cache: \"auto\" (omlx-core's cache root, "
+            "~/.cache/omlx-core/ssd), a path, or \"\" to turn it off", default=AUTO_DIR),
     Setting("budget", "size", "bytes the SSD cache may use; \"auto\": auto_share of the free "
             "disk", allow=("auto",), default="auto"),
     Setting("auto_share", "float", 'share of the free disk an "auto" plugin.ssd_cache.budget may use',
             minimum=0.01, maximum=0.95, default=0.5),
     Setting("queue_size", "int", "block writes the writer thread may have queued",
             minimum=1, maximum=65536, default=64),
+    Setting("queue_bytes", "size", "host memory the queued block writes may hold (counted as "
+            "memory the engine can give back)", minimum=1 << 20, default=64 << 20),
     Setting("save_timeout_s", "float", "how long a save waits for room in a full write queue "
             "before the block is dropped", minimum=0.0, maximum=10.0, default=0.25),
     Setting("eviction_burst", "int", "files one save may unlink to make room; the rest are "
@@ -85,14 +98,30 @@ def register_settings(register: Callable[[Setting], None]) -> None:
         register(setting)
 
 
-def create_store(model: Any, config: Any) -> PagedSSDStore | None:
-    """The ``register_caches`` factory: the model's store, or ``None`` when ``plugin.ssd_cache.dir`` is empty."""
+def ssd_directory(config: Any) -> Path | None:
+    """Where the SSD cache lives under this configuration; ``None`` when it is off."""
     directory = str(config["plugin.ssd_cache.dir"] or "").strip()
     if not directory:
         return None
+    if directory == AUTO_DIR:
+        return model_cache_dir() / "ssd"
+    return Path(directory).expanduser()
+
+
+def create_store(model: Any, config: Any) -> PagedSSDStore | None:
+    """The ``register_caches`` factory: the model's store, or ``None`` when the tier is off.
+
+    With ``dir = "auto"`` a directory that cannot be used (another server holds it, or
+    it is not writable) turns the tier off for this model with a warning: the default
+    must never stop a server from starting. A directory the operator named is an error.
+    """
+    directory = ssd_directory(config)
+    if directory is None:
+        return None
+    automatic = str(config["plugin.ssd_cache.dir"]).strip() == AUTO_DIR
     identity = model_identity(Path(model.path))
     safe_id = re.sub(r"[^A-Za-z0-9._-]", "_", model.id)
-    root = (Path(directory).expanduser() / f"{safe_id}-{identity[:16]}").resolve()
+    root = (directory / f"{safe_id}-{identity[:16]}").resolve()
     budget = config["plugin.ssd_cache.budget"]
     settings = _plugin_settings(config)
     with _lock:
@@ -103,16 +132,64 @@ def create_store(model: Any, config: Any) -> PagedSSDStore | None:
                                       budget=None if budget == "auto" else int(budget),
                                       auto_share=float(settings["auto_share"]),
                                       queue_size=int(settings["queue_size"]),
+                                      queue_bytes=int(settings["queue_bytes"]),
                                       save_timeout_s=float(settings["save_timeout_s"]),
                                       eviction_burst=int(settings["eviction_burst"]))
-            except OSError as exc:
-                raise RuntimeError(f"plugin.ssd_cache.dir {directory!r}: cannot use {root} for model "
+            except (OSError, DirectoryInUseError) as exc:
+                if automatic:
+                    log.warning("model %r: serving without the SSD cache: %s (set plugin.ssd_cache.dir "
+                                "to a directory of this server's own to keep it)", model.id, exc)
+                    return None
+                if isinstance(exc, DirectoryInUseError):
+                    raise
+                raise RuntimeError(f"plugin.ssd_cache.dir {str(directory)!r}: cannot use {root} for model "
                                    f"{model.id!r}: {exc}; set plugin.ssd_cache.dir to a writable "
                                    "directory, or to \"\" to turn the SSD cache off") from None
             _by_directory[root] = store
         _by_model[model.id] = store
     log.info("model %r: SSD cache in %s, limit %d bytes now", model.id, root, store.limit_bytes())
     return store
+
+
+@hookimpl
+def doctor_checks(config: Any) -> list[Any]:
+    """Where the SSD cache lives, what it holds, and whether it can write there."""
+    from omlx_core.platform.doctor import DoctorCheck
+    from omlx_core.settings import format_size
+
+    directory = ssd_directory(config)
+    if directory is None:
+        return [DoctorCheck("ssd cache", "ok", 'off (plugin.ssd_cache.dir = ""): a restarted server '
+                            "recomputes every prompt", data={"enabled": False})]
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError as exc:
+        return [DoctorCheck("ssd cache", "warn", f"{directory}: cannot read the free space: {exc}",
+                            "set plugin.ssd_cache.dir to a directory on a working disk")]
+    files = [f for f in directory.glob("*/blocks/*.safetensors")] if directory.is_dir() else []
+    held = sum(f.stat().st_size for f in files if f.is_file())
+    budget = config["plugin.ssd_cache.budget"]
+    share = float(_plugin_settings(config)["auto_share"])
+    limit = (f"auto: {share:.0%} of the free disk and what it holds, {format_size(int(share * (free + held)))} now"
+             if budget == "auto" else f"{format_size(int(budget))}")
+    data = {"enabled": True, "dir": str(directory), "budget": budget, "free_bytes": free,
+            "held_bytes": held, "block_files": len(files)}
+    detail = (f"{_shown(directory)}: {len(files)} block files ({format_size(held)}), budget {limit}; "
+              f"free disk {format_size(free)}")
+    if not os.access(existing, os.W_OK):
+        return [DoctorCheck("ssd cache", "warn", detail + "; not writable",
+                            "set plugin.ssd_cache.dir to a writable directory, or \"\" to turn the tier off",
+                            data)]
+    return [DoctorCheck("ssd cache", "ok", detail, data=data)]
+
+
+def _shown(path: Path) -> str:
+    """``path`` with the home directory written as ``~``."""
+    home = Path.home()
+    return f"~/{path.relative_to(home)}" if path.is_relative_to(home) else str(path)
 
 
 @hookimpl
@@ -157,4 +234,5 @@ def shutdown(context: Any) -> None:
         store.close(cleanup=True)
 
 
-__all__ = ["CACHE_NAME", "PagedSSDStore", "create_store", "model_identity", "store_for"]
+__all__ = ["AUTO_DIR", "CACHE_NAME", "PagedSSDStore", "create_store", "model_identity", "ssd_directory",
+           "store_for"]
