@@ -48,6 +48,8 @@ class ServerSpec:
     model_id: str
     #: settings this server has no equivalent for, said in the report
     lacks: tuple[str, ...] = ()
+    #: environment variables set for this server only (a benchmark prints them)
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def free_port() -> int:
@@ -57,10 +59,24 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def fresh_cache_root() -> Path:
+    """A new, empty omlx-core cache root (for ``OMLX_CACHE_DIR``) whose ``models/`` is the
+    user's: a server started on it converts no model again, and its SSD cache starts
+    empty, as on a first start, whatever earlier runs left in the user's cache."""
+    from omlx_core.models.default import model_cache_dir
+
+    root = Path(tempfile.mkdtemp(prefix="omlx-bench-cache-"))
+    models = model_cache_dir() / "models"
+    if models.is_dir():
+        (root / "models").symlink_to(models, target_is_directory=True)
+    return root
+
+
 def omlx_spec(model_dir: Path | None, port: int, settings: ServerSettings,
-              model_id: str | None = None) -> ServerSpec:
+              model_id: str | None = None, cache_root: Path | None = None) -> ServerSpec:
     """``omlx-core serve`` as the README starts it: no flag beyond the address, the
-    model (only when one is named) and the overrides the benchmark was given."""
+    model (only when one is named) and the overrides the benchmark was given; with
+    ``cache_root``, that directory as ``OMLX_CACHE_DIR``."""
     argv = [sys.executable, "-m", "omlx_core", "--log-level", "WARNING", "serve",
             "--host", "127.0.0.1", "--port", str(port)]
     if settings.tier_given:
@@ -70,7 +86,8 @@ def omlx_spec(model_dir: Path | None, port: int, settings: ServerSettings,
     for override in settings.overrides:
         argv += ["--set", override]
     served = model_id or (Path(model_dir).resolve().name if model_dir is not None else "")
-    return ServerSpec(OMLX, f"omlx-core serve (tier {settings.tier})", argv, model_id=served)
+    env = (("OMLX_CACHE_DIR", str(cache_root)),) if cache_root is not None else ()
+    return ServerSpec(OMLX, f"omlx-core serve (tier {settings.tier})", argv, model_id=served, env=env)
 
 
 def mlx_lm_spec(model_dir: Path, port: int, settings: ServerSettings) -> ServerSpec:
@@ -124,7 +141,8 @@ class ServerProcess:
 
     def __enter__(self) -> "ServerProcess":
         self.process = subprocess.Popen(self.spec.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=preload_env())
+                                        stdin=subprocess.DEVNULL,
+                                        env=preload_env() | dict(self.spec.env))
         try:
             self._wait_ready()
         except BaseException:

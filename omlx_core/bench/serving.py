@@ -27,6 +27,7 @@ import datetime
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import threading
@@ -40,7 +41,8 @@ from omlx_core.bench.client import (StreamRecord, chat_body, run_concurrently, s
                                     stream_chat)
 from omlx_core.bench.prompts import text_of_tokens
 from omlx_core.bench.servers import (MLX_LM, OMLX, ServerProcess, ServerSettings, ServerSpec,
-                                     blas_of, free_port, mlx_lm_spec, omlx_spec)
+                                     blas_of, free_port, fresh_cache_root, mlx_lm_spec,
+                                     omlx_spec)
 
 DEFAULT_OUT = Path("docs/bench-serving.md")
 TOPICS = ("a lighthouse keeper", "a clockmaker", "a river", "a mountain village", "a robot",
@@ -413,7 +415,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --quick, nothing is written unless --out is given)")
 
 
-def settings_for(tier: str | None, overrides: Sequence[str], plan: Plan) -> ServerSettings:
+def settings_for(tier: str | None, overrides: Sequence[str]) -> ServerSettings:
     """omlx-core's effective settings for this run: the tier ``serve`` would pick (or the
     one given) and the given overrides, nothing else."""
     from omlx_core.bootstrap import load_setup
@@ -445,12 +447,15 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(model_dir).expanduser().resolve()
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"{model_dir} is not an mlx-lm model directory (no config.json)")
-    settings = settings_for(args.tier, args.set, plan)
+    settings = settings_for(args.tier, args.set)
     banned = special_token_ids(model_dir)
+    # Prompts repeat from run to run: blocks an earlier run left in the SSD cache would
+    # turn this run's cold prefills into hits.
+    cache_root = fresh_cache_root()
     specs = []
     if args.only in (None, OMLX):
         specs.append(lambda port: omlx_spec(None if served_id else model_dir, port, settings,
-                                            served_id))
+                                            served_id, cache_root))
     if args.only in (None, MLX_LM):
         specs.append(lambda port: mlx_lm_spec(model_dir, port, settings))
     header = [
@@ -462,7 +467,9 @@ def run(args: argparse.Namespace) -> int:
         f"- omlx-core started as `./setup.sh serve` starts it: tier `{settings.tier}` "
         f"({'given' if settings.tier_given else 'picked for this machine'}), "
         f"{settings.http_threads} HTTP threads; overrides: "
-        f"{', '.join(f'`{o}`' for o in settings.overrides) or 'none'}",
+        f"{', '.join(f'`{o}`' for o in settings.overrides) or 'none'}; `OMLX_CACHE_DIR` a "
+        f"new directory (its `models/` linked to the user's), so the SSD cache starts empty "
+        f"as on a first start",
         f"- both servers: max batch {settings.max_batch_size}, prefill step "
         f"{settings.prefill_step_size} (mlx_lm.server given omlx-core's values)",
         f"- requests: streaming chat completions, greedy, special tokens banned by logit_bias "
@@ -481,6 +488,7 @@ def run(args: argparse.Namespace) -> int:
         results.append(measure(make_spec(port), port, model_dir, plan, banned))
     report = render(results, header)
     publish_report(report, args.out if args.out is not None else (None if args.quick else DEFAULT_OUT))
+    shutil.rmtree(cache_root, ignore_errors=True)
     return 0
 
 
