@@ -423,6 +423,28 @@ def test_an_open_batch_window_leaves_the_mlx_thread_free(windowed):
     assert last.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
 
 
+def test_a_window_that_closes_between_the_threads_two_questions_still_wakes_it(windowed):
+    """The MLX thread asks has_work() and then wake_at() before it sleeps: a window that
+    closed in between must still give a wake-up time, or the request waits forever."""
+    scheduler = windowed.scheduler
+    closed_between = []
+
+    def run_on_mlx_thread():
+        handle = submit(windowed, prompt_of(windowed, 5, 3))
+        with scheduler._lock:
+            sequence = scheduler._inbox[0]
+        sequence.arrived = time.monotonic() - 0.5  # the window is still open...
+        closed_between.append(not scheduler.has_work())
+        sequence.arrived -= 1.0  # ...and closes before the thread asks when to wake
+        closed_between.append(scheduler.wake_at() is not None and scheduler.has_work())
+        return handle
+
+    handle = mlx_thread().run(run_on_mlx_thread)
+    assert closed_between == [True, True]
+    tokens, last = collect(handle)
+    assert last.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
+
+
 def test_requests_sent_within_the_window_share_one_forward(windowed):
     prompts = [prompt_of(windowed, 5 + salt % 2, salt) for salt in range(3)]
     solo = run_alone(windowed, prompts)

@@ -284,14 +284,19 @@ class Scheduler(MemoryReceiver):
         if self._abort_inbox or self._prefilling or self._decoding:
             return True
         if self._inbox:
-            return self._window_closes() is None
+            closes = self._window_closes()
+            return closes is None or time.monotonic() >= closes
         if self._resume_at is not None and time.monotonic() < self._resume_at:
             return False
         return bool(self._waiting and self._free_slots() > 0)
 
     def wake_at(self) -> float | None:
-        """When the open batch window closes, or a preempted request at the head of the
-        queue asks again whether it may resume (a ``time.monotonic()`` time), or ``None``."""
+        """When the batch window closes, or a preempted request at the head of the queue
+        asks again whether it may resume (a ``time.monotonic()`` time), or ``None``.
+
+        A window that closed since :meth:`has_work` said no still answers its (past)
+        time: the MLX thread asks the two one after the other, and a ``None`` here would
+        leave it asleep with a request waiting."""
         return self._window_closes() or self._resume_at
 
     def step(self) -> None:
@@ -358,7 +363,8 @@ class Scheduler(MemoryReceiver):
     # -- inbox and admission ---------------------------------------------------------
 
     def _window_closes(self) -> float | None:
-        """When the open batch window closes, or ``None`` when none is open.
+        """When the batch window over the inbox closes (closed already, perhaps), or
+        ``None`` when the inbox waits for no window.
 
         On an idle engine, new requests wait ``batch_window_s`` after the first of them
         arrived: requests sent together reach the server a few milliseconds apart, and
@@ -372,8 +378,7 @@ class Scheduler(MemoryReceiver):
                 or len(inbox) + len(self._waiting) >= self._free_slots()):
             return None
         # Only the MLX thread (which asks this) takes requests out of the inbox.
-        closes = inbox[0].arrived + self.batch_window_s
-        return closes if time.monotonic() < closes else None
+        return inbox[0].arrived + self.batch_window_s
 
     def _drain_inbox(self) -> None:
         while self._inbox:
