@@ -57,8 +57,9 @@ import re
 import shutil
 import threading
 import time
+from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -85,9 +86,10 @@ class _Entry:
     size: int
     persisted: bool = False
     has_boundary: bool = False
-    #: the block's parent in its chain, when the block's tokens are stored with it (a
-    #: block a prompt may reuse in part); empty otherwise
+    #: the block's parent in its chain and its token ids, for a block a prompt may reuse
+    #: in part (its tokens stored with it, every layer cut by token); empty otherwise
     parent: bytes = b""
+    tokens: array = field(default_factory=lambda: array("i"))
 
 
 @dataclass(eq=False)
@@ -279,22 +281,12 @@ class PagedSSDStore:
             except OSError:
                 pass  # not written yet, or just evicted
 
-    def continuations(self, parent_hash: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
+    def continuations(self, parent_hash: bytes) -> list[tuple[bytes, Sequence[int]]]:
         """The persisted blocks that follow ``parent_hash`` and may be reused in part, with
-        their tokens (read from the files' headers, not their tensors)."""
+        their token ids (kept in the index: a lookup reads no file until it picks one)."""
         with self._lock:
-            hashes = [h for h in self._children.get(parent_hash, ())
-                      if self._index[h].persisted]
-        found = []
-        for block_hash in hashes:
-            try:
-                metadata = read_metadata(block_path(self.blocks_dir, block_hash))
-                tokens = tuple(int(t) for t in json.loads(metadata.get("tokens", "[]")))
-            except (BlockFileError, OSError, ValueError):
-                continue  # evicted meanwhile, or damaged: get() would refuse it too
-            if tokens:
-                found.append((block_hash, tokens))
-        return found
+            return [(h, self._index[h].tokens) for h in self._children.get(parent_hash, ())
+                    if self._index[h].persisted]
 
     def pending_bytes(self) -> int:
         """Host memory held by writes not done yet (the one being written included)."""
@@ -351,7 +343,7 @@ class PagedSSDStore:
             with self._lock:
                 entry = self._index.get(block_hash)
                 if entry is not None:
-                    entry.parent = block.parent_hash
+                    entry.parent, entry.tokens = block.parent_hash, array("i", block.tokens)
                     self._children.setdefault(block.parent_hash, set()).add(block_hash)
         for part in (payload, boundary):
             if part is not None:
@@ -758,16 +750,17 @@ class PagedSSDStore:
                         log.warning("SSD cache: removing %s: %s", side.name, exc)
                         removed += _unlink(side)
                 depth = int(metadata.get("index", 0))
-                parent = b""
-                if (json.loads(metadata.get("tokens", "[]"))
-                        and all(t == "KVCache" for t in json.loads(metadata.get("layer_types", "[]")))):
+                parent, tokens = b"", array("i", json.loads(metadata.get("tokens", "[]")))
+                if tokens and all(t == "KVCache" for t in json.loads(metadata.get("layer_types", "[]"))):
                     parent = bytes.fromhex(metadata.get("parent_hash", ""))
+                else:
+                    tokens = array("i")
             except (BlockFileError, OSError, ValueError) as exc:
                 log.warning("SSD cache: removing %s: %s", name, exc)
                 removed += _unlink(path)
                 _unlink(boundary_path(self.blocks_dir, block_hash))
                 continue
-            found.append((stat.st_mtime_ns, -depth, block_hash, _Entry(size, True, has_boundary, parent)))
+            found.append((stat.st_mtime_ns, -depth, block_hash, _Entry(size, True, has_boundary, parent, tokens)))
         if progress is not None:
             progress.close()
         # Oldest first; among equally old blocks, the deeper ones (leaves) first.
