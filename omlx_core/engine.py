@@ -35,8 +35,9 @@ the conservative :func:`assumed_hints`, but no forward gate.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Mapping, Sequence
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import RequestRejected
@@ -290,6 +291,15 @@ class Engine(abc.ABC):
     def cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """Prompt tokens whose KV is already resident and would not be prefilled again."""
         return 0
+
+    def expecting(self) -> ContextManager[None]:
+        """Held by the pipeline from a request's arrival until it is submitted or refused.
+
+        Requests sent together reach :meth:`submit` tens of milliseconds apart (each is
+        tokenized and checked first); an engine that gathers requests into one prefill
+        forward can wait for those on their way instead of guessing with a fixed window.
+        """
+        return contextlib.nullcontext()
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and ``/health``; include ``queue_depth`` (requests

@@ -460,6 +460,39 @@ def test_requests_sent_within_the_window_share_one_forward(windowed):
     assert (after[0] - before[0], after[1] - before[1]) == (1, 3)
 
 
+def test_the_window_waits_for_requests_the_pipeline_is_still_preparing(tiny_model_path):
+    engine = start_engine(tiny_model_path("llama"), **{"plugin.batched.batch_window_s": 0.001,
+                                                       "plugin.batched.batch_window_max_s": 2.0})
+    try:
+        prompts = [prompt_of(engine, 5, 1), prompt_of(engine, 6, 2)]
+        solo = run_alone(engine, prompts)
+        before = counters(engine)
+        with engine.expecting():  # the second request, still being tokenized
+            with engine.expecting():
+                first = submit(engine, prompts[0])
+            time.sleep(0.3)  # far past batch_window_s: the first waits for the second
+            assert counters(engine) == before and engine.stats()["queue_depth"] == 1
+            second = submit(engine, prompts[1])
+        results = [collect(first), collect(second)]
+        after = counters(engine)
+        assert [tokens for tokens, _ in results] == solo
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 2)
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_that_never_comes_holds_the_window_only_up_to_its_maximum(tiny_model_path):
+    engine = start_engine(tiny_model_path("llama"), **{"plugin.batched.batch_window_s": 0.001,
+                                                       "plugin.batched.batch_window_max_s": 0.2})
+    try:
+        with engine.expecting():  # refused before submit (a 400, a 413): never arrives
+            handle = submit(engine, prompt_of(engine, 5, 1))
+            tokens, last = collect(handle)  # within the block: the window closed on its own
+        assert last.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
+    finally:
+        engine.shutdown()
+
+
 # -- the real default model -----------------------------------------------------------
 
 

@@ -342,30 +342,33 @@ class ServingPipeline:
         """
         arrived = time.monotonic()
         engine = self.engine(job.model_id)
-        limits = engine.limits()
-        job, tool_turn = self._with_tools(engine, job)
-        self._check_supported(engine, job)
-        tokens = self._tokenize(engine, job, limits)
-        sampling = self._settle_max_tokens(job, limits, len(tokens))
-        self._check_token_ids(sampling, limits)
-        request_id = job.id_prefix + uuid.uuid4().hex
-        release = self._reserve(engine, request_id, tokens, sampling.max_tokens)
-        try:
-            handle = engine.submit(GenerationRequest(request_id, tokens, sampling))
-        except GrammarError as exc:
-            release()
-            raise InvalidRequest(str(exc), exc.field, "invalid_grammar") from None
-        except ValueError as exc:  # the engine's own check of an unservable request
-            release()
-            raise InvalidRequest(f"the engine cannot serve this request: {exc}") from None
-        except Exception as exc:
-            release()
-            log.error("engine of %s failed to take a request", job.model_id, exc_info=exc)
-            raise EngineFailed(f"the engine failed to take the request: "
-                               f"{type(exc).__name__}: {exc}") from exc
-        except BaseException:
-            release()
-            raise
+        # The engine may hold a batch window open for this request until it is
+        # submitted: requests sent together then share one prefill forward.
+        with engine.expecting():
+            limits = engine.limits()
+            job, tool_turn = self._with_tools(engine, job)
+            self._check_supported(engine, job)
+            tokens = self._tokenize(engine, job, limits)
+            sampling = self._settle_max_tokens(job, limits, len(tokens))
+            self._check_token_ids(sampling, limits)
+            request_id = job.id_prefix + uuid.uuid4().hex
+            release = self._reserve(engine, request_id, tokens, sampling.max_tokens)
+            try:
+                handle = engine.submit(GenerationRequest(request_id, tokens, sampling))
+            except GrammarError as exc:
+                release()
+                raise InvalidRequest(str(exc), exc.field, "invalid_grammar") from None
+            except ValueError as exc:  # the engine's own check of an unservable request
+                release()
+                raise InvalidRequest(f"the engine cannot serve this request: {exc}") from None
+            except Exception as exc:
+                release()
+                log.error("engine of %s failed to take a request", job.model_id, exc_info=exc)
+                raise EngineFailed(f"the engine failed to take the request: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            except BaseException:
+                release()
+                raise
         first = self._first_output(request_id, handle, client_gone, release, job,
                                    first_output_wait_s)
         if first is not None:

@@ -52,6 +52,9 @@ SETTINGS = (
             minimum=16, maximum=65536, default=512),
     Setting("batch_window_s", "float", "how long an idle engine waits after a request arrives "
             "for others to prefill together with it", minimum=0.0, maximum=1.0, default=0.01),
+    Setting("batch_window_max_s", "float", "how long that window may stay open while more "
+            "requests are still being tokenized and checked on their way to the engine",
+            minimum=0.0, maximum=2.0, default=0.1),
     Setting("block_size", "int", "tokens per prefix-cache block", minimum=1, maximum=65536,
             default=64),
     Setting("prefix_cache_budget", "size", "bytes the in-memory prefix cache may hold "

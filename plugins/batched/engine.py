@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -9,7 +10,7 @@ import platform
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 from omlx_core.engine import (
     OPTIONAL_SAMPLING,
@@ -44,6 +45,7 @@ class EngineSettings:
     block_size: int = 64
     cache_budget: int = 1 << 30
     batch_window_s: float = 0.01
+    batch_window_max_s: float = 0.1
 
     @classmethod
     def from_config(cls, config: Any) -> "EngineSettings":
@@ -53,6 +55,7 @@ class EngineSettings:
             block_size=int(config["plugin.batched.block_size"]),
             cache_budget=int(config["plugin.batched.prefix_cache_budget"]),
             batch_window_s=float(config["plugin.batched.batch_window_s"]),
+            batch_window_max_s=float(config["plugin.batched.batch_window_max_s"]),
         )
 
 
@@ -196,6 +199,7 @@ class BatchedEngine(GuardedEngine):
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
             prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,
             batch_window_s=self.settings.batch_window_s,
+            batch_window_max_s=self.settings.batch_window_max_s,
             wake=self._thread.wake, boundary_listener=self._on_boundary,
             finish_listener=self._on_finished,
         )
@@ -342,6 +346,10 @@ class BatchedEngine(GuardedEngine):
         scheduler = self.scheduler
         if scheduler is not None:
             scheduler.abort(request_id)
+
+    def expecting(self) -> ContextManager[None]:
+        scheduler = self.scheduler
+        return scheduler.expecting() if scheduler is not None else contextlib.nullcontext()
 
     def cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         if not self.prefix_cache.enabled or len(prompt_tokens) < 2:

@@ -61,6 +61,7 @@ it): :meth:`Scheduler.apply_memory_limits` stores the enforcer's latest immutabl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import secrets
@@ -68,7 +69,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
@@ -181,7 +182,7 @@ class Scheduler(MemoryReceiver):
                  wake: Callable[[], None],
                  boundary_listener: Callable[[BoundarySnapshot], None] | None = None,
                  finish_listener: Callable[[str, str], None] | None = None,
-                 batch_window_s: float = 0.0) -> None:
+                 batch_window_s: float = 0.0, batch_window_max_s: float = 0.0) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -190,6 +191,9 @@ class Scheduler(MemoryReceiver):
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
         self.batch_window_s = batch_window_s
+        self.batch_window_max_s = max(batch_window_s, batch_window_max_s)
+        #: requests the pipeline is preparing for this engine (:meth:`expecting`)
+        self._expected = 0
         self.prefix_cache = prefix_cache
         self.layout = CacheLayout(model)
         self.boundary_listener = boundary_listener
@@ -238,6 +242,19 @@ class Scheduler(MemoryReceiver):
     def abort(self, request_id: str) -> None:
         self._abort_inbox.append(request_id)
         self._wake()
+
+    @contextlib.contextmanager
+    def expecting(self) -> Iterator[None]:
+        """Count a request on its way here (tokenized and checked by the pipeline) while
+        the block runs: an open batch window waits for it (:meth:`_window_closes`)."""
+        with self._lock:
+            self._expected += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._expected -= 1
+            self._wake()
 
     def apply_memory_limits(self, snapshot: LimitSnapshot | None) -> None:
         """Keep the enforcer's latest limit snapshot; the next decision reads it."""
@@ -369,8 +386,10 @@ class Scheduler(MemoryReceiver):
         On an idle engine, new requests wait ``batch_window_s`` after the first of them
         arrived: requests sent together reach the server a few milliseconds apart, and
         those that arrive in the window are prefilled in one forward instead of waiting
-        for the first one's whole step. The window closes early once the new requests
-        fill the free slots. Nothing sleeps: :meth:`has_work` says no until then and the
+        for the first one's whole step. While more requests are on their way (the
+        pipeline tokenizes and checks each first: tens of milliseconds apart when sent
+        together), the window stays open for them, up to ``batch_window_max_s``. It
+        closes early once the new requests fill the free slots. Nothing sleeps: :meth:`has_work` says no until then and the
         MLX thread wakes at :meth:`wake_at`, free for other engines and tasks meanwhile.
         """
         inbox = self._inbox
@@ -378,7 +397,10 @@ class Scheduler(MemoryReceiver):
                 or len(inbox) + len(self._waiting) >= self._free_slots()):
             return None
         # Only the MLX thread (which asks this) takes requests out of the inbox.
-        return inbox[0].arrived + self.batch_window_s
+        # A request submitted stays counted until its expecting() block ends, a moment
+        # later: that end wakes the MLX thread, which then finds the window closed.
+        longest = self.batch_window_max_s if self._expected else self.batch_window_s
+        return inbox[0].arrived + longest
 
     def _drain_inbox(self) -> None:
         while self._inbox:
