@@ -701,3 +701,32 @@ def test_blocks_without_their_tokens_are_never_offered_in_part(tmp_path):
     assert store.continuations(parent) == []
     store.close()
     assert make_store(tmp_path).continuations(parent) == []
+
+
+def test_a_tail_reaches_the_disk_and_is_reused_to_the_token_after_a_restart(tmp_path):
+    from omlx_core.kvblocks import CachedTail
+
+    store = make_store(tmp_path)
+    memory = PrefixCache(BLOCK, 1 << 20, "m")
+    memory.attach_lower(store)
+    tokens = list(range(200, 200 + 2 * BLOCK + 3))  # two blocks and a 3-token tail
+    hashes = memory.hashes(tokens)
+    blocks = [CachedBlock(h, hashes[i - 1] if i else memory.root, i, BLOCK, make_block(i, seed=35).kv,
+                          None, True, make_block(i, seed=35).nbytes,
+                          tokens=tuple(tokens[i * BLOCK:(i + 1) * BLOCK]))
+              for i, h in enumerate(hashes)]
+    memory.insert(blocks)
+    tail_kv = tuple((k[..., :3, :], v[..., :3, :]) for k, v in make_block(9, seed=35).kv)
+    memory.insert_tail(CachedTail(hashes[1], tuple(tokens[2 * BLOCK:]), tail_kv,
+                                  sum(a.nbytes for pair in tail_kv for a in pair)))
+    assert store.flush(10) and store.stats()["saves_persisted"] == 3
+    store.close()
+
+    restarted = make_store(tmp_path)
+    fresh = PrefixCache(BLOCK, 1 << 20, "m")
+    fresh.attach_lower(restarted)
+    prompt = tokens + [5, 5]  # the whole earlier sequence, then something new
+    found, tail, shared = fresh.lookup_prefix(fresh.hashes(prompt), prompt)
+    assert [b.index for b in found] == [0, 1] and shared == 3
+    assert np.array_equal(np.array(tail.kv[0][0][..., :3, :]), np.array(tail_kv[0][0]))
+    restarted.close()

@@ -33,8 +33,10 @@ whose first k tokens match is cut to those k (its keys and values are sliced at
 restore). So a repeated prompt, the next turn of a chat, the same system prompt with a
 new question, or a prompt edited in the middle recompute only what is new, never up to
 a block of shared tokens. Tails share the byte
-budget and the LRU order with blocks, stay in memory (no lower tier), and at most
-:data:`TAILS_PER_PREFIX` are kept per prefix (the least recently used goes).
+budget and the LRU order with blocks, and at most :data:`TAILS_PER_PREFIX` are kept per
+prefix (the least recently used goes). A lower tier receives each tail as a *partial
+block* (fewer tokens than a block, named by :func:`partial_hash`), and offers it back,
+like any block it holds, as a continuation of its parent.
 
 Eviction is LRU by bytes, over blocks and tails alike (one use counter orders both).
 Each lookup and store refreshes a chain from its deepest block up to its root, and a
@@ -72,6 +74,14 @@ def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes) -> list[
         parent = digest.digest()
         hashes.append(parent)
     return hashes
+
+
+def partial_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The hash of fewer than a block's tokens after ``parent``: it names a tail kept in
+    a lower tier, and never equals a full block's hash (its tokens are fewer)."""
+    digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -222,9 +232,12 @@ class PrefixCache:
     # -- tails -------------------------------------------------------------------------
 
     def insert_tail(self, tail: CachedTail) -> None:
-        """Keep ``tail`` unless a tail already kept under its prefix starts with all of it."""
+        """Keep ``tail`` unless a tail already kept under its prefix starts with all of it,
+        and offer it to the lower tier as a partial block (so a restarted server reuses a
+        repeated prompt to the token)."""
         if not self.enabled or not tail.tokens or tail.nbytes > self.budget_bytes:
             return
+        self._offer_tail(tail)
         with self._lock:
             for key in list(self._tails_of.get(tail.parent_hash, ())):
                 kept = key[1]
@@ -244,6 +257,22 @@ class PrefixCache:
             evicted = self._evict_locked()
             lower = self._lower
         self._offer(lower, evicted)
+
+    def _offer_tail(self, tail: CachedTail) -> None:
+        """Hand ``tail`` to the lower tier as a block of its own, under its parent: the
+        lower tier offers it back as a continuation of that parent (:meth:`lookup_prefix`)."""
+        with self._lock:
+            lower = self._lower
+            parent = self._blocks.get(tail.parent_hash)
+        if lower is None or len(tail.tokens) >= self.block_size:
+            return
+        if parent is None and tail.parent_hash != self.root:
+            return  # evicted meanwhile: a tail whose chain the lower tier may lack
+        index = parent.index + 1 if parent is not None else 0
+        lower.put(CachedBlock(block_hash=partial_hash(tail.parent_hash, tail.tokens),
+                              parent_hash=tail.parent_hash, index=index, block_size=self.block_size,
+                              kv=tail.kv, boundary=None, reusable_end=False, nbytes=tail.nbytes,
+                              tokens=tail.tokens))
 
     def lookup_tail(self, parent_hash: bytes, tokens: Sequence[int]) -> tuple[CachedTail | None, int]:
         """The kept tail or cached block under ``parent_hash`` sharing the most leading
