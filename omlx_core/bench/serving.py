@@ -94,8 +94,8 @@ class Metric:
 
 
 METRICS = (
-    Metric("tps_1", "aggregate tokens/s, 1 stream", True, digits=1),
-    Metric("tps_8", "aggregate tokens/s, 8 streams", True, digits=1),
+    Metric("tps_1", "aggregate tokens/s, 1 stream", True, target=1.0, digits=1),
+    Metric("tps_8", "aggregate tokens/s, 8 streams", True, target=1.1, digits=1),
     Metric("tps_16", "aggregate tokens/s, 16 streams", True, target=1.3, digits=1),
     Metric("ttft_1_p50", "TTFT p50, single request (s)", False, digits=3),
     Metric("ttft_1_p95", "TTFT p95, single request (s)", False, digits=3),
