@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from omlx_core.hookspecs import hookimpl
 from omlx_core.models.default import model_cache_dir
-from omlx_core.plugins.ssd_cache.store import DirectoryInUseError, PagedSSDStore
+from omlx_core.plugins.ssd_cache.store import DEFAULT_QUEUE_BYTES, DirectoryInUseError, PagedSSDStore
 from omlx_core.settings import Setting
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ SETTINGS = (
     Setting("queue_size", "int", "block writes the writer thread may have queued",
             minimum=1, maximum=65536, default=64),
     Setting("queue_bytes", "size", "host memory the queued block writes may hold (counted as "
-            "memory the engine can give back)", minimum=1 << 20, default=64 << 20),
+            "memory the engine can give back)", minimum=1 << 20, default=DEFAULT_QUEUE_BYTES),
     Setting("save_timeout_s", "float", "how long a save waits for room in a full write queue "
             "before the block is dropped", minimum=0.0, maximum=10.0, default=0.25),
     Setting("eviction_burst", "int", "files one save may unlink to make room; the rest are "

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from omlx_core.plugins.ssd_cache.store import DEFAULT_QUEUE_BYTES
+
 DEFAULT_OUT = Path("docs/ssd-cache-bench.md")
 
 
@@ -161,6 +163,8 @@ def render(ttft: list[TTFTRow], writes: list[WriteRow], header: list[str]) -> st
                       f"{ours.new_question:.2f} s vs {peer.new_question:.2f} s "
                       f"(**{ours.new_question / peer.new_question:.3f}×**)."]
     lines += ["", "## Write throughput under a sustained save burst", "",
+              "Host copies waiting for the writer are bounded at "
+              f"{DEFAULT_QUEUE_BYTES >> 20} MiB (`plugin.ssd_cache.queue_bytes`, the default).", "",
               "| write queue | blocks offered | saves (passed the gate) | persisted | dropped | "
               "declined (quota) | seconds | MB persisted | MB/s | put() p50 ms | put() max ms |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

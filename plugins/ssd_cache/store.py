@@ -75,6 +75,8 @@ log = logging.getLogger(__name__)
 
 #: a model directory with more block files than this shows a progress bar while indexing
 PROGRESS_FROM_FILES = 512
+#: host memory queued block writes may hold (``plugin.ssd_cache.queue_bytes``)
+DEFAULT_QUEUE_BYTES = 64 << 20
 _HEX_NAME = re.compile(r"^[0-9a-f]{32}$")
 _SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
 
@@ -139,7 +141,7 @@ class PagedSSDStore:
     """Blocks of one model on disk: a :class:`~omlx_core.kvblocks.BlockStore`."""
 
     def __init__(self, directory: Path, *, identity: str, budget: int | None = None,
-                 auto_share: float = 0.5, queue_size: int = 64, queue_bytes: int | None = None,
+                 auto_share: float = 0.5, queue_size: int = 64, queue_bytes: int | None = DEFAULT_QUEUE_BYTES,
                  save_timeout_s: float = 0.25,
                  eviction_burst: int = 32, disk_usage_ttl_s: float = 30.0,
                  cleanup_all_timeout_s: float = 5.0, cleanup_request_timeout_s: float = 2.0,
