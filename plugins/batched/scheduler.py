@@ -86,6 +86,7 @@ from omlx_core.memory.gate import (
 from omlx_core.memory.usage import trim_heap
 from omlx_core.plugins.batched.batch_prefill import PrefillRow, can_batch, group_spans, prefill_together
 from omlx_core.plugins.batched.cache_layout import CacheLayout
+from omlx_core.plugins.batched.decode_step import fuse_sampling
 from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
 from omlx_core.plugins.batched.sampling import make_logits_processors, make_sampler, token_logprob
 from omlx_core.text import TextAssembler
@@ -215,9 +216,15 @@ class Scheduler(MemoryReceiver):
         self._generator = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(self.model, completion_batch_size=self.max_batch_size,
-                              prefill_batch_size=self.max_batch_size,
-                              prefill_step_size=self.prefill_step_size)
+        generator = BatchGenerator(self.model, completion_batch_size=self.max_batch_size,
+                                   prefill_batch_size=self.max_batch_size,
+                                   prefill_step_size=self.prefill_step_size)
+        fuse_sampling(generator, self._wants_logprobs)
+        return generator
+
+    def _wants_logprobs(self, uid: int) -> bool:
+        sequence = self._decoding.get(uid)
+        return sequence is None or sequence.request.sampling.logprobs is not None
 
     # -- called from any thread ------------------------------------------------------
 
