@@ -134,7 +134,10 @@ def test_rows_that_do_not_report_logprobs_get_none():
     assert all(lp is not None and lp.shape == (vocab,) for lp in seen[1])
 
 
-def test_the_batched_engine_decodes_with_the_fused_step(tmp_path):
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_batched_engine_decodes_with_the_step_its_setting_names(fused):
+    from mlx_lm.generate import GenerationBatch
+
     from omlx_core.plugins.batched.prefix_cache import PrefixCache
     from omlx_core.plugins.batched.scheduler import Scheduler
 
@@ -144,10 +147,17 @@ def test_the_batched_engine_decodes_with_the_fused_step(tmp_path):
                               vocab_size=model.args.vocab_size, max_batch_size=4,
                               prefill_step_size=64,
                               prefix_cache=PrefixCache(block_size=16, budget_bytes=1 << 20),
-                              wake=lambda: None)
+                              wake=lambda: None, fused_sampling=fused)
         return type(scheduler._generator._generation_batch)
 
-    assert mlx_thread().run(build) is FusedSamplingBatch
+    assert mlx_thread().run(build) is (FusedSamplingBatch if fused else GenerationBatch)
+
+
+def test_the_setting_is_on_by_default():
+    from omlx_core.config import load_config
+    from omlx_core.plugins.batched.engine import EngineSettings
+
+    assert EngineSettings.from_config(load_config(None)).fused_sampling is True
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ class EngineSettings:
     block_size: int = 64
     cache_budget: int = 1 << 30
     batch_window_s: float = 0.01
+    fused_sampling: bool = True
 
     @classmethod
     def from_config(cls, config: Any) -> "EngineSettings":
@@ -53,6 +54,7 @@ class EngineSettings:
             block_size=int(config["plugin.batched.block_size"]),
             cache_budget=int(config["plugin.batched.prefix_cache_budget"]),
             batch_window_s=float(config["plugin.batched.batch_window_s"]),
+            fused_sampling=bool(config["plugin.batched.fused_sampling"]),
         )
 
 
@@ -196,6 +198,7 @@ class BatchedEngine(GuardedEngine):
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
             prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,
             batch_window_s=self.settings.batch_window_s,
+            fused_sampling=self.settings.fused_sampling,
             wake=self._thread.wake, boundary_listener=self._on_boundary,
             finish_listener=self._on_finished,
         )

@@ -182,7 +182,7 @@ class Scheduler(MemoryReceiver):
                  wake: Callable[[], None],
                  boundary_listener: Callable[[BoundarySnapshot], None] | None = None,
                  finish_listener: Callable[[str, str], None] | None = None,
-                 batch_window_s: float = 0.0) -> None:
+                 batch_window_s: float = 0.0, fused_sampling: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -191,6 +191,7 @@ class Scheduler(MemoryReceiver):
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
         self.batch_window_s = batch_window_s
+        self.fused_sampling = fused_sampling
         self.prefix_cache = prefix_cache
         self.layout = CacheLayout(model)
         self.boundary_listener = boundary_listener
@@ -219,7 +220,8 @@ class Scheduler(MemoryReceiver):
         generator = BatchGenerator(self.model, completion_batch_size=self.max_batch_size,
                                    prefill_batch_size=self.max_batch_size,
                                    prefill_step_size=self.prefill_step_size)
-        fuse_sampling(generator, self._wants_logprobs)
+        if self.fused_sampling:
+            fuse_sampling(generator, self._wants_logprobs)
         return generator
 
     def _wants_logprobs(self, uid: int) -> bool:
