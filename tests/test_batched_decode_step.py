@@ -115,6 +115,20 @@ def test_fused_step_gives_mlx_lm_tokens_and_logprobs(family):
     mlx_thread().run(compare)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fused_step_gives_mlx_lm_tokens_with_low_precision_logits(tmp_path, dtype):
+    from omlx_core.testing.models import build_model
+
+    def compare():
+        model, _tokenizer = load_model(build_model("llama", tmp_path / dtype, dtype=dtype))
+        vocab = model.args.vocab_size
+        rows = schedule(vocab)
+        assert_same(run_schedule(model, rows, fused=False, vocab=vocab),
+                    run_schedule(model, rows, fused=True, vocab=vocab))
+
+    mlx_thread().run(compare)
+
+
 def test_rows_that_do_not_report_logprobs_get_none():
     def run():
         model, _tokenizer = load_model(cached_model("llama"))
@@ -177,3 +191,24 @@ def test_default_model_fused_step_gives_mlx_lm_tokens():
         assert_same(stock, fused)
 
     mlx_thread().run(compare)
+
+
+def test_low_precision_greedy_picks_from_the_log_softmax_like_mlx_lm():
+    """Two bfloat16 logits one step apart round to one log-softmax value: mlx-lm picks the
+    lower id, and so must the fused step (the argmax of the logits is the other one)."""
+    from mlx_lm.sample_utils import greedy_sampler
+
+    def pick():
+        row = [0.9] * 1000
+        row[3], row[7] = 1.0, 1.0078125  # one bfloat16 step apart
+        logits = mx.array([row], dtype=mx.bfloat16)
+        batch = FusedSamplingBatch.empty(None, greedy_sampler)
+        batch.uids, batch.samplers = [0], [None]
+        batch.wants_logprobs = lambda _uid: False
+        fused, _logprobs = batch._sample(logits)
+        stock = greedy_sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        return fused.item(), stock.item(), mx.argmax(logits, axis=-1).item()
+
+    fused, stock, of_logits = mlx_thread().run(pick)
+    assert (stock, of_logits) == (3, 7), "the case no longer rounds the two logits together"
+    assert fused == stock

@@ -15,11 +15,14 @@ the host reads the current ones), and differs only in how it turns logits into t
 - the greedy rows' tokens come from one ``argmax`` over the batch's logits;
 - the log-softmax is computed only for rows that sample or report logprobs.
 
-A greedy token is the argmax of the processed logits, where mlx-lm takes the argmax of
-their log-softmax. Subtracting the log-sum-exp is monotone, so the two are the same
-token unless the rounding of that subtraction makes the two largest logits equal (they
-differ by about a float32 step), where mlx-lm's pick is the lower token id and ours the
-larger logit. The token does not depend on whether a request asks for logprobs.
+With float32 logits a greedy token is the argmax of the processed logits, where mlx-lm
+takes the argmax of their log-softmax. Subtracting the log-sum-exp is monotone, so the
+two are the same token unless its rounding makes the two largest logits equal (they
+differ by less than a float32 step at the log-softmax's magnitude, ~1e-6), where
+mlx-lm's pick is the lower token id and ours the larger logit. Lower-precision logits
+(bfloat16, float16) round that subtraction coarsely, so there greedy rows still pick
+from the log-softmax, as mlx-lm does. Either way the token does not depend on whether
+the request asks for logprobs.
 """
 
 from __future__ import annotations
@@ -114,18 +117,25 @@ class FusedSamplingBatch(GenerationBatch):
         samplers = [self.fallback_sampler if s is None else s
                     for s in (self.samplers or [None] * rows)]
         greedy = [s is greedy_sampler for s in samplers]
-        wanted = [not g or self.wants_logprobs(uid) for g, uid in zip(greedy, self.uids)]
+        # Below float32 a rounding step of the log-softmax is coarse enough to tie logits
+        # that differ, so greedy rows pick from the log-softmax there, as mlx-lm does.
+        from_logits = logits.dtype == mx.float32
+        wanted = [not g or not from_logits or self.wants_logprobs(uid)
+                  for g, uid in zip(greedy, self.uids)]
         logprobs: list[mx.array | None] = [None] * rows
+        batch_logprobs = None
         if all(wanted):
-            logprobs = list(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            batch_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            logprobs = list(batch_logprobs)
         elif any(wanted):
             chosen = [row for row in range(rows) if wanted[row]]
             subset = logits[mx.array(chosen)]
             for row, row_logprobs in zip(chosen, subset - mx.logsumexp(subset, axis=-1, keepdims=True)):
                 logprobs[row] = row_logprobs
+        picked_from = logits if from_logits else batch_logprobs
         if all(greedy):
-            return mx.argmax(logits, axis=-1), logprobs
-        argmax = mx.argmax(logits, axis=-1) if any(greedy) else None
+            return mx.argmax(picked_from, axis=-1), logprobs
+        argmax = mx.argmax(picked_from, axis=-1) if any(greedy) else None
         tokens = [argmax[row:row + 1] if greedy[row] else samplers[row](logprobs[row][None])
                   for row in range(rows)]
         return mx.concatenate(tokens, axis=0), logprobs
