@@ -12,8 +12,10 @@ first (the machine's load drifts):
 
 Each is started, warmed up, measured at 1, 8 and 16 streams with ``omlx-core bench``'s
 requests (greedy streaming chat, special tokens banned by ``logit_bias`` so every
-stream runs to ``--max-tokens``), and stopped. Figures are the medians over rounds of
-aggregate tokens/s; ratios are the medians of the per-round ratios.
+stream runs to ``--max-tokens``), and stopped. Figures are the medians over rounds of aggregate tokens/s and of the server
+process's CPU time per completion token (all its threads; on a shared machine CPU time
+moves less with the load than wall time does); ratios are the medians of the per-round
+ratios.
 """
 
 from __future__ import annotations
@@ -44,22 +46,33 @@ def _load_average() -> str:
     return f"{one:.2f}, {five:.2f}, {fifteen:.2f}"
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure_once(spec: ServerSpec, port: int, model_dir: Path, max_tokens: int,
-                 banned: Sequence[int]) -> dict[int, float]:
-    """Aggregate tokens/s of one started server at each of :data:`STREAMS`."""
+                 banned: Sequence[int]) -> dict[int, tuple[float, float]]:
+    """Per stream count of :data:`STREAMS`: aggregate tokens/s of one started server, and
+    the server's CPU milliseconds per completion token (less sensitive than wall time to
+    what else the machine runs)."""
     from tqdm import tqdm
 
     plan = replace(FULL, max_tokens=max_tokens, single_requests=2, rounds=1)
-    rates: dict[int, float] = {}
+    figures: dict[int, tuple[float, float]] = {}
     with ServerProcess(spec, port) as server, tqdm(total=5 + sum(STREAMS), unit="req",
                                                    desc=spec.label, file=sys.stderr) as progress:
         bench = Bench(server, model_dir, plan, banned, progress)
         bench.warm_up()
         for streams in STREAMS:
+            cpu_before = cpu_seconds(server.pid)
             batch, seconds = bench.concurrent(
                 [bench.story(f"ab{streams}", i) for i in range(streams)], max_tokens)
-            rates[streams] = sum(r.completion_tokens for r in batch) / seconds
-    return rates
+            tokens = sum(r.completion_tokens for r in batch)
+            figures[streams] = (tokens / seconds,
+                                1000 * (cpu_seconds(server.pid) - cpu_before) / tokens)
+    return figures
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         PEER: lambda port: mlx_lm_spec(model_dir, port, defaults),
     }
     names = list(makers)
-    per_round: list[dict[str, dict[int, float]]] = []
+    per_round: list[dict[str, dict[int, tuple[float, float]]]] = []
     loads = [_load_average()]
     for round_index in range(args.rounds):
         order = names[round_index % 3:] + names[:round_index % 3]
@@ -103,27 +116,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(per_round: Sequence[dict[str, dict[int, float]]], header: Sequence[str]) -> str:
-    def median(name: str, streams: int) -> float:
-        return statistics.median(r[name][streams] for r in per_round)
+def render(per_round: Sequence[dict[str, dict[int, tuple[float, float]]]],
+           header: Sequence[str]) -> str:
+    def median(name: str, streams: int, which: int) -> float:
+        return statistics.median(r[name][streams][which] for r in per_round)
 
-    def ratio(a: str, b: str, streams: int) -> float:
-        return statistics.median(r[a][streams] / r[b][streams] for r in per_round)
+    def ratio(a: str, b: str, streams: int, which: int) -> float:
+        return statistics.median(r[a][streams][which] / r[b][streams][which] for r in per_round)
 
     lines = ["## Served decode throughput: fused sampling step vs mlx-lm's step vs mlx_lm.server",
-             "", *header, "",
-             f"| streams | {FUSED} | {UNFUSED} | {PEER} | fused / mlx-lm's step | "
-             f"fused / {PEER} | mlx-lm's step / {PEER} |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for streams in STREAMS:
-        lines.append(
-            f"| {streams} | {median(FUSED, streams):.1f} tok/s | {median(UNFUSED, streams):.1f} tok/s | "
-            f"{median(PEER, streams):.1f} tok/s | {ratio(FUSED, UNFUSED, streams):.3f}x | "
-            f"{ratio(FUSED, PEER, streams):.3f}x | {ratio(UNFUSED, PEER, streams):.3f}x |")
-    lines += ["", "Per round (tokens/s at 1 / 8 / 16 streams):", ""]
+             "", *header, ""]
+    for which, title, unit in ((0, "aggregate tokens/s (higher is better)", "tok/s"),
+                               (1, "server CPU ms per completion token (lower is better)", "ms")):
+        lines += [f"### {title}", "",
+                  f"| streams | {FUSED} | {UNFUSED} | {PEER} | fused / mlx-lm's step | "
+                  f"fused / {PEER} | mlx-lm's step / {PEER} |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for streams in STREAMS:
+            lines.append(
+                f"| {streams} | {median(FUSED, streams, which):.1f} {unit} | "
+                f"{median(UNFUSED, streams, which):.1f} {unit} | {median(PEER, streams, which):.1f} {unit} | "
+                f"{ratio(FUSED, UNFUSED, streams, which):.3f}x | {ratio(FUSED, PEER, streams, which):.3f}x | "
+                f"{ratio(UNFUSED, PEER, streams, which):.3f}x |")
+        lines.append("")
+    lines += ["Per round (tokens/s at 1 / 8 / 16 streams; CPU ms per token in brackets):", ""]
     for index, figures in enumerate(per_round):
         lines.append(f"- round {index + 1}: " + "; ".join(
-            f"{name} {' / '.join(f'{figures[name][s]:.1f}' for s in STREAMS)}" for name in figures))
+            f"{name} " + " / ".join(f"{figures[name][s][0]:.1f} ({figures[name][s][1]:.0f})"
+                                    for s in STREAMS) for name in figures))
     return "\n".join(lines) + "\n"
 
 
