@@ -1,6 +1,6 @@
 """Where a batched decode step spends its time on this machine (issue 12, item 5).
 
-    python -m omlx_core.bench.decode_step [--rows 16] [--context 512] [--steps 40]
+    python -m omlx_core.bench.decode_step [--rows 16] [--context 512] [--steps 40] [--ab]
 
 Runs mlx-lm's ``BatchGenerator`` (what the batched engine and ``mlx_lm.server`` both
 decode with) on the default model with ``--rows`` sequences of ``--context`` tokens
@@ -11,6 +11,10 @@ same shapes, each evaluated on its own:
 - attention over the cache (``scaled_dot_product_attention``, one query per row);
 - the rest of a layer's arithmetic: norms, rotary embedding, the MLP's gating;
 - the sampling and bookkeeping around the forward (what is left of the step).
+
+Then (alone with ``--ab``) a paired A/B of mlx-lm's decode step against the batched
+engine's fused sampling step (:mod:`omlx_core.plugins.batched.decode_step`): two
+generators over the same prompts, stepped alternately, the median of per-pair ratios.
 
 The forward alone (one graph over the batch's own cache) against the whole step tells
 what sampling and bookkeeping cost. The parts, each evaluated alone, pay their own
@@ -105,15 +109,24 @@ def measure(rows: int, context: int, steps: int) -> list[tuple[str, float]]:
     sdpa = _median_ms(lambda: mx.fast.scaled_dot_product_attention(
         q, k, v, scale=head_dim ** -0.5), repeats) * layers
 
+    import mlx.nn as nn
+
+    gate = mx.random.normal((rows, 1, inter)).astype(dtype)
+    up = mx.random.normal((rows, 1, inter)).astype(dtype)
+    offsets = mx.full((rows,), context, dtype=mx.int32)
+    mx.eval(gate, up)
+
     def elementwise():
         h = layer.input_layernorm(x)
         g = layer.post_attention_layernorm(h)
-        r = attention.rope(q)
-        import mlx.nn as nn
-        a = nn.silu(mx.random.normal((rows, 1, inter)).astype(dtype)) * mx.ones((rows, 1, inter), dtype)
+        r = attention.rope(q, offset=offsets)
+        a = nn.silu(gate) * up
         return [h, g, r, a]
 
     rest = _median_ms(elementwise, repeats) * layers
+    logits = mx.random.normal((rows, vocab)).astype(dtype)
+    mx.eval(logits)
+    log_softmax = _median_ms(lambda: logits - mx.logsumexp(logits, axis=-1, keepdims=True), repeats)
     return [
         ("decode step, whole (BatchGenerator.next)", step),
         ("the model's forward alone, one graph", forward_alone),
@@ -122,7 +135,94 @@ def measure(rows: int, context: int, steps: int) -> list[tuple[str, float]]:
         ("... output head", head),
         (f"... attention over {context} cached tokens, {layers} layers", sdpa),
         (f"... norms, rotary, MLP gating, {layers} layers", rest),
+        (f"log-softmax of the step's logits ({rows} x {vocab})", log_softmax),
     ]
+
+
+def _decoding_generator(model: Any, prompts: list[list[int]], processors: list[tuple[Any, ...]],
+                        steps: int, *, fused: bool) -> Any:
+    """A ``BatchGenerator`` whose rows (greedy, no logprobs) have all started decoding."""
+    from mlx_lm.generate import BatchGenerator
+
+    from omlx_core.plugins.batched.decode_step import fuse_sampling
+
+    rows = len(prompts)
+    generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows,
+                               prefill_step_size=512)
+    if fused:
+        fuse_sampling(generator, lambda _uid: False)
+    generator.insert(prompts, max_tokens=[2 * steps + 8] * rows,
+                     logits_processors=[list(p) for p in processors])
+    while len(generator.next()[1]) < rows:
+        pass
+    return generator
+
+
+def measure_pairs(rows: int, context: int, steps: int) -> list[tuple[str, float, float, float]]:
+    """mlx-lm's decode step against the fused sampling step, alternating, same process.
+
+    Rows are greedy without logprobs; "biased" rows each carry a ``logit_bias`` banning
+    the special tokens, as every request of ``omlx-core bench`` does. Returns, per case,
+    (case, median ms of mlx-lm's step, median ms of the fused step, median pair ratio),
+    in wall time and in the process's CPU time (all threads; it moves less with the load
+    of a shared machine).
+    """
+    import time
+
+    from tqdm import tqdm
+
+    from omlx_core.bench.client import special_token_ids
+    from omlx_core.models.default import ensure_default_model
+    from omlx_core.models.loader import load_model
+    from omlx_core.plugins.batched.sampling import LogitBias
+
+    model_dir = ensure_default_model(progress=True)
+    model, _tokenizer = load_model(model_dir)
+    vocab = model.args.vocab_size
+    prompts = [[(97 * r + 31 * i) % (vocab - 10) + 5 for i in range(context)] for r in range(rows)]
+    banned = {t: -100.0 for t in special_token_ids(model_dir)}
+    results = []
+    for case, processors in (("greedy, logit_bias on every row", [(LogitBias(banned),)] * rows),
+                             ("greedy, no processors", [()] * rows)):
+        stock = _decoding_generator(model, prompts, processors, steps, fused=False)
+        fused = _decoding_generator(model, prompts, processors, steps, fused=True)
+        times: dict[str, list[float]] = {"stock": [], "fused": []}
+        cpu: dict[str, list[float]] = {"stock": [], "fused": []}
+        for step in tqdm(range(steps + 2), desc=f"pairs: {case}", unit="pair"):
+            order = (("stock", stock), ("fused", fused)) if step % 2 else (("fused", fused), ("stock", stock))
+            for name, generator in order:
+                begin, begin_cpu = time.perf_counter(), time.process_time()
+                generator.next()
+                if step >= 2:  # the first pairs warm up
+                    times[name].append((time.perf_counter() - begin) * 1000)
+                    cpu[name].append((time.process_time() - begin_cpu) * 1000)
+        stock.close()
+        fused.close()
+        for what, figures in (("wall", times), ("CPU", cpu)):
+            ratios = [a / b for a, b in zip(figures["stock"], figures["fused"])]
+            results.append((f"{case}: {what} ms", statistics.median(figures["stock"]),
+                            statistics.median(figures["fused"]), statistics.median(ratios)))
+    return results
+
+
+def render_pairs(rows: int, context: int, steps: int,
+                 results: Sequence[tuple[str, float, float, float]]) -> str:
+    lines = [f"## Decode step A/B: {rows} rows x {context} cached tokens, {steps} alternating pairs",
+             "", f"- load average at the end: {_load_average()}", "",
+             "| rows: time per step | mlx-lm's step | fused sampling step | mlx-lm / fused (median of pairs) |",
+             "|---|---:|---:|---:|"]
+    for case, stock, fused, ratio in results:
+        lines.append(f"| {case} | {stock:.1f} | {fused:.1f} | {ratio:.3f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _load_average() -> str:
+    import os
+
+    try:
+        return " / ".join(f"{v:.2f}" for v in os.getloadavg()) + " (1 / 5 / 15 min)"
+    except OSError:  # pragma: no cover - not every platform has one
+        return "unknown"
 
 
 def render(rows: int, context: int, steps: int, figures: Sequence[tuple[str, float]]) -> str:
@@ -131,7 +231,8 @@ def render(rows: int, context: int, steps: int, figures: Sequence[tuple[str, flo
 
     step = figures[0][1]
     lines = [f"# Decode step profile: {rows} rows x {context} cached tokens", "",
-             f"- {platform.machine()}, {os.cpu_count()} CPUs; default model; median of {steps} steps",
+             f"- {platform.machine()}, {os.cpu_count()} CPUs; default model; median of {steps} steps; "
+             f"load average at the end: {_load_average()}",
              "", "| part | ms per step | share of the step |", "|---|---:|---:|"]
     for name, ms in figures:
         lines.append(f"| {name} | {ms:.1f} | {100 * ms / step:.0f} % |")
@@ -147,9 +248,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--ab", action="store_true",
+                        help="only the A/B of mlx-lm's step against the fused sampling step")
     args = parser.parse_args(argv)
-    print("\n" + render(args.rows, args.context, args.steps,
-                        measure(args.rows, args.context, args.steps)))
+    if not args.ab:
+        print("\n" + render(args.rows, args.context, args.steps,
+                            measure(args.rows, args.context, args.steps)))
+    print("\n" + render_pairs(args.rows, args.context, args.steps,
+                              measure_pairs(args.rows, args.context, args.steps)))
     return 0
 
 

@@ -59,6 +59,9 @@ SETTINGS = (
             default=64),
     Setting("prefix_cache_budget", "size", "bytes the in-memory prefix cache may hold "
             "(0 turns it off)", default=1 << 30),
+    Setting("fused_sampling", "bool", "sample a decode step's rows together (one scatter for "
+            "their logit biases, one argmax for greedy rows, log-softmax only where read); "
+            "false: mlx-lm's row-by-row step", default=True),
 )
 
 

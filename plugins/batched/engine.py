@@ -46,6 +46,7 @@ class EngineSettings:
     cache_budget: int = 1 << 30
     batch_window_s: float = 0.01
     batch_window_max_s: float = 0.1
+    fused_sampling: bool = True
 
     @classmethod
     def from_config(cls, config: Any) -> "EngineSettings":
@@ -56,6 +57,7 @@ class EngineSettings:
             cache_budget=int(config["plugin.batched.prefix_cache_budget"]),
             batch_window_s=float(config["plugin.batched.batch_window_s"]),
             batch_window_max_s=float(config["plugin.batched.batch_window_max_s"]),
+            fused_sampling=bool(config["plugin.batched.fused_sampling"]),
         )
 
 
@@ -200,6 +202,7 @@ class BatchedEngine(GuardedEngine):
             prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,
             batch_window_s=self.settings.batch_window_s,
             batch_window_max_s=self.settings.batch_window_max_s,
+            fused_sampling=self.settings.fused_sampling,
             wake=self._thread.wake, boundary_listener=self._on_boundary,
             finish_listener=self._on_finished,
         )

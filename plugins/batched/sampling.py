@@ -70,14 +70,18 @@ def make_sampler(params: SamplingParams, seed: int, vocab_size: int) -> Sampler 
     return SeededSampler(params, seed, vocab_size)
 
 
-def _logit_bias_processor(bias: dict[int, float]) -> LogitsProcessor:
-    indices = mx.array(list(bias.keys()), dtype=mx.int32)
-    values = mx.array(list(bias.values()), dtype=mx.float32)
+class LogitBias:
+    """A request's ``logit_bias`` as a logits processor: added to its row's logits.
 
-    def apply_logit_bias(_context: mx.array, logits: mx.array) -> mx.array:
-        return logits.at[:, indices].add(values.astype(logits.dtype))
+    A class rather than a closure so the decode step can tell biases apart from other
+    processors and add the whole batch's in one scatter (:mod:`.decode_step`)."""
 
-    return apply_logit_bias
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.indices = mx.array(list(bias.keys()), dtype=mx.int32)
+        self.values = mx.array(list(bias.values()), dtype=mx.float32)
+
+    def __call__(self, _context: mx.array, logits: mx.array) -> mx.array:
+        return logits.at[:, self.indices].add(self.values.astype(logits.dtype))
 
 
 def _repetition_processor(penalty: float) -> LogitsProcessor:
@@ -121,7 +125,7 @@ def make_logits_processors(params: SamplingParams, prompt_length: int) -> tuple[
     """
     processors: list[LogitsProcessor] = []
     if params.logit_bias:
-        processors.append(_logit_bias_processor({int(k): float(v) for k, v in params.logit_bias.items()}))
+        processors.append(LogitBias({int(k): float(v) for k, v in params.logit_bias.items()}))
     if params.repetition_penalty != 1.0:
         processors.append(_repetition_processor(params.repetition_penalty))
     if params.presence_penalty:
@@ -166,6 +170,6 @@ def check_sampling(params: SamplingParams) -> None:
 
 
 __all__ = [
-    "LogitsProcessor", "Sampler", "SeededSampler", "check_sampling", "greedy_sampler",
+    "LogitBias", "LogitsProcessor", "Sampler", "SeededSampler", "check_sampling", "greedy_sampler",
     "make_logits_processors", "make_sampler", "token_logprob",
 ]

@@ -87,6 +87,7 @@ from omlx_core.memory.gate import (
 from omlx_core.memory.usage import trim_heap
 from omlx_core.plugins.batched.batch_prefill import PrefillRow, can_batch, group_spans, prefill_together
 from omlx_core.plugins.batched.cache_layout import CacheLayout
+from omlx_core.plugins.batched.decode_step import fuse_sampling
 from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
 from omlx_core.plugins.batched.sampling import make_logits_processors, make_sampler, token_logprob
 from omlx_core.text import TextAssembler
@@ -182,7 +183,8 @@ class Scheduler(MemoryReceiver):
                  wake: Callable[[], None],
                  boundary_listener: Callable[[BoundarySnapshot], None] | None = None,
                  finish_listener: Callable[[str, str], None] | None = None,
-                 batch_window_s: float = 0.0, batch_window_max_s: float = 0.0) -> None:
+                 batch_window_s: float = 0.0, batch_window_max_s: float = 0.0,
+                 fused_sampling: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -194,6 +196,7 @@ class Scheduler(MemoryReceiver):
         self.batch_window_max_s = max(batch_window_s, batch_window_max_s)
         #: requests the pipeline is preparing for this engine (:meth:`expecting`)
         self._expected = 0
+        self.fused_sampling = fused_sampling
         self.prefix_cache = prefix_cache
         self.layout = CacheLayout(model)
         self.boundary_listener = boundary_listener
@@ -224,9 +227,16 @@ class Scheduler(MemoryReceiver):
         self._generator = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(self.model, completion_batch_size=self.max_batch_size,
-                              prefill_batch_size=self.max_batch_size,
-                              prefill_step_size=self.prefill_step_size)
+        generator = BatchGenerator(self.model, completion_batch_size=self.max_batch_size,
+                                   prefill_batch_size=self.max_batch_size,
+                                   prefill_step_size=self.prefill_step_size)
+        if self.fused_sampling:
+            fuse_sampling(generator, self._wants_logprobs)
+        return generator
+
+    def _wants_logprobs(self, uid: int) -> bool:
+        sequence = self._decoding.get(uid)
+        return sequence is None or sequence.request.sampling.logprobs is not None
 
     # -- called from any thread ------------------------------------------------------
 
