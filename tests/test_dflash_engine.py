@@ -21,7 +21,8 @@ from omlx_core.models.loader import load_model
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.dflash import DFlashEngine
 from omlx_core.plugins.dflash.acceptance import KeyStream, accept_greedy, accept_sampled, target_log_probs
-from omlx_core.plugins.dflash.drafters import Draft, Drafter, ModelDrafter, NgramDrafter
+from omlx_core.plugins.dflash.drafters import (Draft, Drafter, ModelDrafter, NgramDrafter,
+                                              best_draft_length)
 from omlx_core.testing.conformance import EngineConformance
 from omlx_core.testing.models import build_model
 
@@ -162,12 +163,35 @@ def test_unknown_drafter_and_missing_draft_path_are_named(targets):
 
 
 def test_ngram_drafter_proposes_the_latest_continuation_of_the_longest_match():
-    drafter = NgramDrafter(block_size=8, ngram_min=1, ngram_max=3)
+    drafter = NgramDrafter(block_size=8, ngram_min=1, ngram_max=3, token_cost=0.0)
     history = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
     state = drafter.begin(history)
     # the 2-gram (2, 3) last continued with 4, 5, ...; the 3-gram (7, 2, 3) never occurred
     assert drafter.propose(state, history, 3, GREEDY, None).tokens == [4, 5, 7]
     assert drafter.propose(state, history + [8], 3, GREEDY, None).tokens == []
+
+
+def test_draft_length_follows_acceptance_and_verify_cost():
+    assert best_draft_length(0.9, 7, 0.1) == 7
+    assert 1 <= best_draft_length(0.5, 7, 0.1) < 7
+    assert best_draft_length(0.05, 7, 0.1) == 0  # drafts that miss are not worth a wider forward
+    assert best_draft_length(0.5, 7, 2.0) == 0
+
+
+def test_ngram_drafter_stops_drafting_where_drafts_miss_and_tries_again_later():
+    drafter = NgramDrafter(block_size=8, ngram_min=1, ngram_max=1)
+    history = [1, 2, 3, 1, 2, 3, 1]
+    state = drafter.begin(history)
+    proposals = []
+    for _ in range(40):
+        draft = drafter.propose(state, history, 7, GREEDY, None)
+        proposals.append(len(draft.tokens))
+        # every draft is rejected at its first token
+        drafter.commit(state, [history[-1]] + draft.tokens, 1, None)
+    assert proposals[0] > 0
+    assert 0 in proposals  # it stopped
+    stopped = proposals.index(0)
+    assert any(proposals[stopped:]), "it never tried again"
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ(targets):

@@ -41,6 +41,9 @@ SETTINGS = (
     Setting("block_size", "int", "tokens one verify forward checks (the anchor and up to "
             "block_size - 1 drafts); 0: the drafter's own (ngram 8, model 5, dflash: its config)",
             minimum=0, maximum=64, default=0),
+    Setting("draft_token_cost", "float", "what one more drafted position in a verify forward "
+            "costs, as a share of a one-token forward: the ngram drafter drafts only as many "
+            "tokens as its acceptance so far pays for", minimum=0.0, maximum=10.0, default=0.1),
     Setting("ngram_min", "int", "shortest suffix the ngram drafter looks up", minimum=1,
             maximum=16, default=1),
     Setting("ngram_max", "int", "longest suffix the ngram drafter looks up (tried first)",

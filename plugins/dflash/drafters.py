@@ -99,52 +99,119 @@ class Drafter(abc.ABC):
         return DraftFootprint()
 
 
+#: acceptance assumed for a prompt-lookup draft before a request has shown its own, by
+#: the length of the suffix that matched (longer matches copy more reliably)
+NGRAM_PRIOR_ACCEPTANCE = {1: 0.3, 2: 0.5, 3: 0.65, 4: 0.75}
+
+
+def best_draft_length(acceptance: float, most: int, token_cost: float) -> int:
+    """The draft length that maximizes expected tokens per unit of verify cost.
+
+    Drafts ``1..k`` are accepted with probability ``acceptance ** i`` each (a prefix), so
+    a cycle emits ``1 + sum(acceptance ** i)`` tokens and costs ``1 + token_cost * k``
+    one-token forwards. ``0`` (a plain decode step) unless drafting beats it.
+    """
+    best, best_rate = 0, 1.0
+    expected, power = 1.0, 1.0
+    for k in range(1, most + 1):
+        power *= acceptance
+        expected += power
+        rate = expected / (1.0 + token_cost * k)
+        if rate > best_rate * 1.02:
+            best, best_rate = k, rate
+    return best
+
+
 class NgramDrafter(Drafter):
     """Prompt lookup: the longest ``n`` in ``[ngram_min, ngram_max]`` whose last
-    ``n``-gram occurred earlier gives the continuation after its latest occurrence."""
+    ``n``-gram occurred earlier gives the continuation after its latest occurrence.
+
+    How many of its tokens to draft follows the request's own record: the acceptance
+    of earlier drafts from matches of the same length (starting from
+    :data:`NGRAM_PRIOR_ACCEPTANCE`) against ``token_cost``, what one more verified
+    position costs relative to a one-token forward. Where drafts keep missing (open-
+    ended text) it stops drafting, so a miss costs nothing; the estimate drifts back
+    toward the prior while it does not draft, so it tries again later.
+    """
 
     name = "ngram"
 
-    def __init__(self, *, block_size: int = 8, ngram_min: int = 1, ngram_max: int = 4) -> None:
+    def __init__(self, *, block_size: int = 8, ngram_min: int = 1, ngram_max: int = 4,
+                 token_cost: float = 0.1) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"ngram_min ({ngram_min}) must be >= 1 and <= ngram_max ({ngram_max})")
         self.block_size = block_size
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
+        self.token_cost = token_cost
+
+    def prior(self, n: int) -> float:
+        return NGRAM_PRIOR_ACCEPTANCE[min(n, max(NGRAM_PRIOR_ACCEPTANCE))]
 
     def begin(self, prompt: Sequence[int]) -> DraftState:
         # index[n][gram] = where the continuation of gram's latest occurrence starts
-        state = DraftState(extra=({n: {} for n in range(self.ngram_min, self.ngram_max + 1)}, []))
-        self._extend(state, prompt)
+        lengths = range(self.ngram_min, self.ngram_max + 1)
+        state = DraftState(extra=_NgramState({n: {} for n in lengths}, [],
+                                             {n: self.prior(n) for n in lengths}))
+        self._extend(state.extra, prompt)
         return state
 
-    def _extend(self, state: DraftState, tokens: Sequence[int]) -> None:
-        index, seen = state.extra
+    @staticmethod
+    def _extend(lookup: "_NgramState", tokens: Sequence[int]) -> None:
+        seen = lookup.seen
         for token in tokens:
             length = len(seen)
-            for n, grams in index.items():
+            for n, grams in lookup.index.items():
                 if length >= n:
                     grams[tuple(seen[length - n:])] = length
             seen.append(int(token))
 
     def propose(self, state: DraftState, history: Sequence[int], limit: int,
                 sampling: SamplingParams, keys: KeyStream | None) -> Draft:
-        index, seen = state.extra
+        lookup: _NgramState = state.extra
+        seen = lookup.seen
         if len(history) > len(seen):
-            self._extend(state, history[len(seen):])
+            self._extend(lookup, history[len(seen):])
+        lookup.last = None
         if limit <= 0:
             return Draft([])
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
             if len(seen) < n:
                 continue
-            start = index[n].get(tuple(seen[-n:]))
-            if start is not None:
-                return Draft(list(seen[start:start + limit]))
+            start = lookup.index[n].get(tuple(seen[-n:]))
+            if start is None:
+                continue
+            continuation = seen[start:start + limit]
+            k = best_draft_length(lookup.acceptance[n], len(continuation), self.token_cost)
+            if k == 0:
+                # Not worth a wider forward now; drift back toward the prior.
+                lookup.acceptance[n] += 0.05 * (self.prior(n) - lookup.acceptance[n])
+                return Draft([])
+            lookup.last = n
+            return Draft(list(continuation[:k]))
         return Draft([])
 
     def commit(self, state: DraftState, fed: Sequence[int], kept: int,
                hidden: mx.array | None) -> None:
-        """Nothing to fold in: ``propose`` reads the history it is given."""
+        lookup: _NgramState = state.extra
+        n, lookup.last = lookup.last, None
+        drafted = len(fed) - 1
+        if n is None or drafted == 0:
+            return
+        accepted = kept - 1
+        trials = accepted + (1 if accepted < drafted else 0)
+        observed = accepted / trials
+        lookup.acceptance[n] = 0.7 * lookup.acceptance[n] + 0.3 * observed
+
+
+@dataclass
+class _NgramState:
+    index: dict[int, dict[tuple[int, ...], int]]
+    seen: list[int]
+    #: acceptance per drafted position, by matched suffix length
+    acceptance: dict[int, float]
+    #: the matched length of the draft being verified
+    last: int | None = None
 
 
 class ModelDrafter(Drafter):

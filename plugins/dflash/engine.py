@@ -52,6 +52,7 @@ class DFlashSettings:
     block_size: int = 0
     ngram_min: int = 1
     ngram_max: int = 4
+    draft_token_cost: float = 0.1
 
     @classmethod
     def for_model(cls, model: ModelSpec, config: Any) -> "DFlashSettings":
@@ -63,12 +64,13 @@ class DFlashSettings:
         return cls(drafter=str(value("drafter")), draft_path=str(value("draft_path") or ""),
                    block_size=int(config["plugin.dflash.block_size"]),
                    ngram_min=int(config["plugin.dflash.ngram_min"]),
-                   ngram_max=int(config["plugin.dflash.ngram_max"]))
+                   ngram_max=int(config["plugin.dflash.ngram_max"]),
+                   draft_token_cost=float(config["plugin.dflash.draft_token_cost"]))
 
     def make_drafter(self, model: ModelSpec) -> Drafter:
         if self.drafter == "ngram":
             return NgramDrafter(block_size=self.block_size or 8, ngram_min=self.ngram_min,
-                                ngram_max=self.ngram_max)
+                                ngram_max=self.ngram_max, token_cost=self.draft_token_cost)
         if self.drafter not in DRAFTERS:
             raise ValueError(f"model {model.id!r}: unknown drafter {self.drafter!r}; use one of "
                              + ", ".join(DRAFTERS))
