@@ -307,3 +307,70 @@ class TestDFlashEngineHybrid(EngineConformance):
         engine.start()
         yield engine
         engine.shutdown()
+
+
+# -- the DFlash block-diffusion drafter (z-lab's dflash.model_mlx) -----------------------------
+
+
+def build_dflash_draft(out_dir, target_dir, layer_ids, *, seed=0, block_size=4):
+    """A random-weight DFlash draft for the tiny target at ``target_dir``, saved the way
+    DFlash drafts are published (``config.json`` with ``dflash_config``, safetensors)."""
+    import json
+
+    from dflash.model_mlx import DFlashConfig, DFlashDraftModel
+    from mlx.utils import tree_flatten
+
+    target = json.loads((target_dir / "config.json").read_text())
+    raw = {
+        "architectures": ["DFlashDraftModel"], "hidden_size": target["hidden_size"],
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "intermediate_size": 128, "vocab_size": target["vocab_size"],
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+        "num_target_layers": target["num_hidden_layers"],
+        "dflash_config": {"block_size": block_size, "target_layer_ids": list(layer_ids),
+                          "mask_token_id": 3},
+    }
+    config = DFlashConfig(
+        hidden_size=raw["hidden_size"], num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=raw["vocab_size"],
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+        block_size=block_size, target_layer_ids=tuple(layer_ids),
+        num_target_layers=raw["num_target_layers"], mask_token_id=3)
+    mx.random.seed(seed)
+    model = DFlashDraftModel(config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out_dir / "config.json").write_text(json.dumps(raw))
+    return out_dir
+
+
+DFLASH_LAYERS = {"llama": (0, 1), "qwen3_next": (1, 3)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dflash_drafter_greedy_output_is_the_targets_own(targets, references, tmp_path, family):
+    from omlx_core.plugins.dflash.block_diffusion import DFlashDrafter
+
+    draft_dir = mlx_thread().run(build_dflash_draft, tmp_path / "draft", targets[family],
+                                 DFLASH_LAYERS[family])
+    engine = start(targets[family], DFlashDrafter(draft_dir))
+    try:
+        tokens, last = generate(engine, PROMPT, GREEDY)
+        assert tokens == references[family]
+        # one block forward per cycle: block_size - 1 drafts each (fewer near max_tokens)
+        assert last.usage.draft_tokens >= 3 * (len(tokens) // 4)
+        sampled = [generate(engine, PROMPT, SamplingParams(temperature=0.8, seed=7, max_tokens=16))[0]
+                   for _ in range(2)]
+        assert sampled[0] == sampled[1]
+    finally:
+        engine.shutdown()
+
+
+def test_dflash_draft_for_another_model_is_refused(targets, tmp_path):
+    from omlx_core.plugins.dflash.block_diffusion import DFlashDrafter
+
+    draft_dir = mlx_thread().run(build_dflash_draft, tmp_path / "draft", targets["llama"], (0, 5))
+    engine = DFlashEngine(spec_for_path(targets["llama"]), make_config(),
+                          drafter=DFlashDrafter(draft_dir))
+    with pytest.raises(ValueError, match="target layers"):
+        engine.start()

@@ -77,8 +77,12 @@ class DFlashSettings:
         path = _draft_dir(model, self.drafter, self.draft_path)
         if self.drafter == "model":
             return ModelDrafter(path, block_size=self.block_size or 5)
-        from omlx_core.plugins.dflash.block_diffusion import DFlashDrafter
-
+        try:
+            from omlx_core.plugins.dflash.block_diffusion import DFlashDrafter
+        except ImportError as exc:
+            raise ValueError(f"model {model.id!r}: the 'dflash' drafter needs z-lab's dflash "
+                             f"package ({exc}); install it with "
+                             "`pip install --no-deps dflash==0.1.0` (setup.sh does)") from None
         return DFlashDrafter(path, block_size=self.block_size or None)
 
 
