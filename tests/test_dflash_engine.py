@@ -17,6 +17,7 @@ from mlx_lm.generate import generate_step
 from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.mlx_thread import mlx_thread
+from omlx_core.models.errors import ModelError
 from omlx_core.models.loader import load_model
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.dflash import DFlashEngine
@@ -153,12 +154,12 @@ def test_model_drafter_with_another_vocabulary_is_refused(targets, tmp_path):
     other = build_model("llama", tmp_path / "wide", seed=1, overrides={"vocab_size": 640})
     engine = DFlashEngine(spec_for_path(targets["llama"]), make_config(),
                           drafter=ModelDrafter(other))
-    with pytest.raises(ValueError, match="vocabulary"):
+    with pytest.raises(ModelError, match="vocabulary"):
         engine.start()
 
 
 def test_unknown_drafter_and_missing_draft_path_are_named(targets):
-    with pytest.raises(ValueError, match="draft_path"):
+    with pytest.raises(ModelError, match="draft_path"):
         DFlashEngine(spec_for_path(targets["llama"]), make_config(**{"plugin.dflash.drafter": "model"}))
 
 
@@ -372,5 +373,26 @@ def test_dflash_draft_for_another_model_is_refused(targets, tmp_path):
     draft_dir = mlx_thread().run(build_dflash_draft, tmp_path / "draft", targets["llama"], (0, 5))
     engine = DFlashEngine(spec_for_path(targets["llama"]), make_config(),
                           drafter=DFlashDrafter(draft_dir))
-    with pytest.raises(ValueError, match="target layers"):
+    with pytest.raises(ModelError, match="target layers"):
         engine.start()
+
+
+def test_the_drafter_is_chosen_per_model_in_toml(targets, draft_llama, tmp_path):
+    from omlx_core.bootstrap import load_setup, start_engines, stop_engines
+
+    config = tmp_path / "omlx.toml"
+    config.write_text(
+        '[server]\nmodels = ["drafted", "lookup"]\n\n'
+        f'[models.drafted]\npath = "{targets["llama"]}"\nengine = "dflash"\n'
+        f'drafter = "model"\ndraft_path = "{draft_llama}"\n\n'
+        f'[models.lookup]\npath = "{targets["llama"]}"\nengine = "dflash"\n')
+    context = start_engines(load_setup("cpu-small", [config]), progress=False)
+    try:
+        assert context.engines["drafted"].drafter.name == "model"
+        assert context.engines["lookup"].drafter.name == "ngram"
+    finally:
+        stop_engines(context)
+    config.write_text(f'[models.bad]\npath = "{targets["llama"]}"\nengine = "dflash"\n'
+                      'drafter = "medusa"\n')
+    with pytest.raises(ModelError, match="unknown drafter 'medusa'"):
+        start_engines(load_setup("cpu-small", [config]), ["bad"], progress=False)

@@ -26,6 +26,7 @@ from omlx_core.engine import (
     RequestHandle,
 )
 from omlx_core.mlx_thread import MLXThread, mlx_thread
+from omlx_core.models.errors import ModelError
 from omlx_core.plugins.batched import BatchedEngine, BatchedRequestHandle
 from omlx_core.plugins.batched.sampling import check_sampling
 from omlx_core.plugins.dflash.drafters import Drafter, ModelDrafter, NgramDrafter
@@ -72,7 +73,7 @@ class DFlashSettings:
             return NgramDrafter(block_size=self.block_size or 8, ngram_min=self.ngram_min,
                                 ngram_max=self.ngram_max, token_cost=self.draft_token_cost)
         if self.drafter not in DRAFTERS:
-            raise ValueError(f"model {model.id!r}: unknown drafter {self.drafter!r}; use one of "
+            raise ModelError(f"model {model.id!r}: unknown drafter {self.drafter!r}; use one of "
                              + ", ".join(DRAFTERS))
         path = _draft_dir(model, self.drafter, self.draft_path)
         if self.drafter == "model":
@@ -80,7 +81,7 @@ class DFlashSettings:
         try:
             from omlx_core.plugins.dflash.block_diffusion import DFlashDrafter
         except ImportError as exc:
-            raise ValueError(f"model {model.id!r}: the 'dflash' drafter needs z-lab's dflash "
+            raise ModelError(f"model {model.id!r}: the 'dflash' drafter needs z-lab's dflash "
                              f"package ({exc}); install it with "
                              "`pip install --no-deps dflash==0.1.0` (setup.sh does)") from None
         return DFlashDrafter(path, block_size=self.block_size or None)
@@ -88,7 +89,7 @@ class DFlashSettings:
 
 def _draft_dir(model: ModelSpec, drafter: str, draft_path: str) -> Path:
     if not draft_path:
-        raise ValueError(f"model {model.id!r}: the {drafter!r} drafter needs draft weights; set "
+        raise ModelError(f"model {model.id!r}: the {drafter!r} drafter needs draft weights; set "
                          f"draft_path in [models.{model.id}] or plugin.dflash.draft_path to a local "
                          "directory, or a Hugging Face repo id already in the local cache")
     path = Path(draft_path).expanduser()
@@ -99,7 +100,7 @@ def _draft_dir(model: ModelSpec, drafter: str, draft_path: str) -> Path:
 
         return Path(snapshot_download(draft_path, local_files_only=True))
     except Exception:
-        raise ValueError(f"model {model.id!r}: draft_path {draft_path!r} is neither a local "
+        raise ModelError(f"model {model.id!r}: draft_path {draft_path!r} is neither a local "
                          "directory nor a repo in the local Hugging Face cache (drafts are never "
                          "downloaded); download it first or point draft_path at a directory"
                          ) from None
@@ -174,7 +175,10 @@ class DFlashEngine(GuardedEngine):
             log.warning("model %r: speculative decoding is off because %s; every request is "
                         "served by the batched fallback", self.model.id, self.speculation_off)
         else:
-            self.drafter.load(lm)
+            try:
+                self.drafter.load(lm)
+            except ValueError as exc:  # a draft that does not fit this target
+                raise ModelError(f"model {self.model.id!r}: {exc}") from None
         return lm, tokenizer
 
     def shutdown(self) -> None:
