@@ -216,8 +216,9 @@ class PrimaryPath:
     def _speculate(self, current: _Request) -> None:
         sampling = current.request.sampling
         remaining = int(sampling.max_tokens) - current.completion
-        # The target always adds one token after the accepted drafts.
-        limit = min(self.drafter.block_size - 1, remaining - 1)
+        # The target always adds one token after the accepted drafts. The first token
+        # comes from a plain one-token forward, so it streams as soon as prefill ends.
+        limit = min(self.drafter.block_size - 1, remaining - 1) if current.completion else 0
         draft = self.drafter.propose(current.draft, current.history, limit, sampling, current.keys)
         drafts = draft.tokens[:max(0, limit)]
         fed = [current.history[-1]] + drafts
