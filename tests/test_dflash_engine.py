@@ -396,3 +396,31 @@ def test_the_drafter_is_chosen_per_model_in_toml(targets, draft_llama, tmp_path)
                       'drafter = "medusa"\n')
     with pytest.raises(ModelError, match="unknown drafter 'medusa'"):
         start_engines(load_setup("cpu-small", [config]), ["bad"], progress=False)
+
+
+def test_a_model_whose_cache_cannot_roll_back_is_served_by_the_fallback(tmp_path):
+    # gemma3's sliding-window layers keep a rotating cache that cannot be cut back.
+    path = build_model("gemma3", tmp_path / "gemma3", seed=1)
+    engine = start(path)
+    try:
+        assert "RotatingKVCache" in engine.speculation_off
+        tokens, last = generate(engine, PROMPT, SamplingParams(temperature=0.0, max_tokens=12))
+        assert tokens == reference_greedy(path, PROMPT, 12)
+        assert engine.stats()["speculative"]["fallback_requests"] == 1
+    finally:
+        engine.shutdown()
+
+
+def test_omlx_core_plugins_lists_the_dflash_engine_as_guarded():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "omlx_core", "plugins", "--json", "--tier",
+                             "cpu-small"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMLX_NO_BLAS_REEXEC": "1"})
+    listed = {p["name"]: p for p in json.loads(result.stdout)}
+    assert listed["dflash"]["source"] == "built-in" and listed["dflash"]["status"] == "loaded"
+    assert listed["dflash"]["engines"] == {"dflash": "guarded"}
+    assert {"resolve_scheduler", "estimate_peak"} <= set(listed["dflash"]["hooks"])

@@ -229,3 +229,27 @@ def test_in_fallback_mode_the_batched_engines_gate_guards_the_request(tiny_dir):
     finally:
         engine.receiver.set_forward_gate(None)
         engine.shutdown()
+
+
+def test_usage_and_metrics_report_drafted_and_accepted_tokens(guarded):
+    from test_http_api import sample, scrape
+
+    engine = guarded.engines[MODEL]
+    prompt = [11, 12, 13, 14] * 12
+    with HTTPServer(guarded, port=0) as server:
+        status, _, body = post(server, "/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0})
+        assert status == 200, body
+        usage = body["usage"]
+        speculative = usage["speculative"]
+        assert speculative["drafted_tokens"] > 0
+        assert speculative["acceptance_rate"] == round(
+            speculative["accepted_tokens"] / speculative["drafted_tokens"], 4)
+        assert usage["completion_tokens_details"]["rejected_prediction_tokens"] == \
+            speculative["drafted_tokens"] - speculative["accepted_tokens"]
+        metrics = scrape(server)
+    stats = engine.stats()["speculative"]
+    assert sample(metrics, "omlx_engine_speculative_drafted_tokens", model=MODEL) == \
+        stats["drafted_tokens"] > 0
+    assert sample(metrics, "omlx_engine_speculative_acceptance_rate", model=MODEL) == \
+        stats["acceptance_rate"]

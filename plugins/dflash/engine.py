@@ -27,12 +27,12 @@ from omlx_core.engine import (
 )
 from omlx_core.mlx_thread import MLXThread, mlx_thread
 from omlx_core.models.errors import ModelError
-from omlx_core.plugins.batched import BatchedEngine, BatchedRequestHandle
+from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.plugins.batched.sampling import check_sampling
 from omlx_core.plugins.dflash.drafters import Drafter, ModelDrafter, NgramDrafter
 from omlx_core.plugins.dflash.memory import BothPaths, PrimaryPathGuard, speculative_extra_bytes
 from omlx_core.plugins.dflash.rollback import unsupported_layers
-from omlx_core.plugins.dflash.speculative import PrimaryPath
+from omlx_core.plugins.dflash.speculative import PrimaryPath, SpeculativeRequestHandle
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import PeakQuery
@@ -292,7 +292,7 @@ class DFlashEngine(GuardedEngine):
             outputs: queue.SimpleQueue = queue.SimpleQueue()
             if primary.try_claim(request, outputs):
                 self._thread.wake()
-                return BatchedRequestHandle(request.request_id, outputs, self.abort)
+                return SpeculativeRequestHandle(request.request_id, outputs, self.abort)
         self.fallback_requests += 1
         return fallback.submit(request)
 
