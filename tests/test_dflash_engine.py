@@ -424,3 +424,30 @@ def test_omlx_core_plugins_lists_the_dflash_engine_as_guarded():
     assert listed["dflash"]["source"] == "built-in" and listed["dflash"]["status"] == "loaded"
     assert listed["dflash"]["engines"] == {"dflash": "guarded"}
     assert {"resolve_scheduler", "estimate_peak"} <= set(listed["dflash"]["hooks"])
+
+
+class BrokenDrafter(NgramDrafter):
+    """Fails on its first request only."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = False
+
+    def begin(self, prompt):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("draft state could not be built")
+        return super().begin(prompt)
+
+
+def test_a_drafter_failure_ends_that_request_and_frees_the_primary_path(targets, references):
+    engine = start(targets["llama"], BrokenDrafter())
+    try:
+        tokens, last = generate(engine, PROMPT, GREEDY)
+        assert last.finish_reason == "error" and last.error_type == "internal"
+        assert "draft state could not be built" in last.error
+        tokens, last = generate(engine, PROMPT, GREEDY)
+        assert tokens == references["llama"]
+        assert engine.stats()["speculative"]["fallback_requests"] == 0
+    finally:
+        engine.shutdown()

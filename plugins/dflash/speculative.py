@@ -172,7 +172,16 @@ class PrimaryPath:
                 if not self._waiting:
                     return
                 request, outputs = self._waiting.popleft()
-            self._current = self._begin(request, outputs)
+            try:
+                self._current = self._begin(request, outputs)
+            except Exception as exc:
+                log.exception("starting speculative request %s failed", request.request_id)
+                outputs.put(GenerationOutput(
+                    request.request_id, finish_reason="error", error=f"{type(exc).__name__}: {exc}",
+                    error_type="internal", usage=Usage(len(request.prompt_tokens), 0)))
+                with self._lock:
+                    self._claimed = None
+                return
         current = self._current
         with self._lock:
             aborted = current.request_id in self._aborted
