@@ -253,3 +253,18 @@ def test_usage_and_metrics_report_drafted_and_accepted_tokens(guarded):
         stats["drafted_tokens"] > 0
     assert sample(metrics, "omlx_engine_speculative_acceptance_rate", model=MODEL) == \
         stats["acceptance_rate"]
+
+
+def test_the_post_forward_backstop_stops_a_primary_path_request(tiny_dir):
+    engine = make_engine(tiny_dir)
+    try:
+        engine.receiver.set_forward_gate(ScriptedGate(
+            after=lambda step: {"victim": "over the limit after the forward"}))
+        outputs = list(engine.submit(GenerationRequest("victim", PROMPT, SamplingParams(
+            temperature=0.0, max_tokens=8))))
+        assert outputs[-1].finish_reason == "error"
+        assert "over the limit after the forward" in outputs[-1].error
+        assert engine.stats()["speculative"]["running"] == 0
+    finally:
+        engine.receiver.set_forward_gate(None)
+        engine.shutdown()

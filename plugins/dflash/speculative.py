@@ -24,6 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+import mlx.core as mx
+
 from omlx_core.engine import GenerationOutput, GenerationRequest, RequestHandle, Usage
 from omlx_core.memory.gate import PrefillChunk, PrefillStep
 from omlx_core.plugins.dflash.acceptance import KeyStream, accept_greedy, accept_sampled
@@ -247,7 +249,17 @@ class PrimaryPath:
             current.cache.forward(tokens, logits=False)
         self.drafter.prefill(current.draft, tokens, capture.hidden())
         current.prefilled = end
-        after = gate.check_after_prefill(step) if gate is not None else {}
+        if gate is None:
+            return
+        # The forward's transient sits in mlx's buffer cache until emptied; a reading
+        # that included it would count memory already free.
+        mx.clear_cache()
+        try:
+            after = gate.check_after_prefill(step)
+        except Exception:
+            log.exception("post-forward memory check failed; request %s goes on",
+                          current.request_id)
+            return
         if current.request_id in after:
             self._refuse(current, after[current.request_id])
 
