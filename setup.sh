@@ -49,6 +49,10 @@ echo "== installing omlx-core $spec"
 # come with the grammar extra above. Pinned: the stub is tested against this release.
 # pip then reports "xgrammar requires torch, which is not installed": expected.
 "${PIP[@]}" install --no-deps "xgrammar==0.2.8"
+# The dflash engine's block-diffusion drafter is z-lab's reference MLX draft model; its
+# metadata pins a training and benchmark stack (datasets, torch, transformers) that
+# dflash.model_mlx does not import. Pinned: the drafter is tested against this release.
+"${PIP[@]}" install --no-deps "dflash==0.1.0"
 
 if [ "$mode" = serve ]; then
   exec "$VENV/bin/omlx-core" serve "$@"

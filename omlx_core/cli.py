@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model id from the configuration, or an mlx-lm directory (repeatable)")
     serve.add_argument("--memory-ceiling", metavar="SIZE",
                        help='pin the memory ceiling, e.g. "1.5GiB" (sets memory tier custom)')
+    serve.add_argument("--engine", metavar="NAME",
+                       help="serve every model with this engine (e.g. dflash), whatever its "
+                            "configuration names; `omlx-core plugins` lists the engines")
 
     plugins = commands.add_parser("plugins", help="list installed plugins and their hooks")
     _config_arguments(plugins)
@@ -132,6 +135,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for warning in setup.warnings:
         logging.getLogger("omlx_core").warning(warning)
     model_ids = _served_models(setup, args.model)
+    if args.engine:
+        _override_engine(setup, model_ids, args.engine)
     context = start_engines(setup, model_ids)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -143,6 +148,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         stop_engines(context)
     return 0
+
+
+def _override_engine(setup: Any, model_ids: list[str] | None, engine: str) -> None:
+    """Serve each of ``model_ids`` (default: ``server.models``) with ``engine``."""
+    from omlx_core.config import ModelEntry, Sourced
+
+    for model_id in model_ids or setup.config["server.models"]:
+        entry = setup.config.models[model_id]
+        setup.config.models[model_id] = ModelEntry(
+            model_id, {**entry.fields, "engine": Sourced(engine, "cli --engine")})
 
 
 def _served_models(setup: Any, requested: list[str]) -> list[str] | None:

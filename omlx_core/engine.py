@@ -114,6 +114,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    #: a speculative engine's drafted tokens for this request, and how many of them the
+    #: target accepted (both 0 for an engine that does not speculate)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

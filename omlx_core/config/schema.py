@@ -81,4 +81,10 @@ MODEL_SETTINGS: list[Setting] = [
     Setting("engine", "str", "engine plugin that serves this model"),
     Setting("dtype", "choice", "weights dtype after GGUF conversion",
             choices=("float32", "float16", "bfloat16", "keep")),
+    # Read by speculative engines (the built-in dflash): a model's own choice over the
+    # engine's [plugin.<name>] default.
+    Setting("drafter", "str", "what drafts tokens for a speculative engine (dflash: ngram, "
+            "model or dflash)"),
+    Setting("draft_path", "str", "the draft's weights for a speculative engine: a local "
+            "directory or a repo id already in the local hub cache"),
 ]

@@ -132,12 +132,21 @@ def completion_job(body: Mapping[str, Any]) -> Job:
 
 
 def usage_of(generation: Generation) -> dict[str, Any]:
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": generation.prompt_tokens,
         "completion_tokens": generation.completion_tokens,
         "total_tokens": generation.prompt_tokens + generation.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
     }
+    drafted, accepted = generation.draft_tokens, generation.accepted_draft_tokens
+    if drafted:
+        # OpenAI's names for predicted tokens the model kept or threw away, and the
+        # speculative engine's own summary beside them.
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": drafted - accepted}
+        usage["speculative"] = {"drafted_tokens": drafted, "accepted_tokens": accepted,
+                                "acceptance_rate": round(accepted / drafted, 4)}
+    return usage
 
 
 def _finish_reason(generation: Generation) -> str:

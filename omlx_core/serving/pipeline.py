@@ -168,6 +168,9 @@ class Generation:
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0
         self.completion_tokens = 0
+        #: a speculative engine's drafted tokens and how many the target accepted
+        self.draft_tokens = 0
+        self.accepted_draft_tokens = 0
         self.sampling = sampling
         #: ``"stop"`` or ``"length"`` for a completed request, ``"error"`` otherwise
         self.finish_reason: str | None = None
@@ -224,6 +227,8 @@ class Generation:
             if usage is not None:
                 self.completion_tokens = usage.completion_tokens
                 self.cached_tokens = usage.cached_tokens
+                self.draft_tokens = usage.draft_tokens
+                self.accepted_draft_tokens = usage.accepted_draft_tokens
             self._events.finished(self.model_id, self.completion_tokens, self.cached_tokens)
 
     def _delta(self, output: GenerationOutput) -> Delta:

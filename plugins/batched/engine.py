@@ -160,8 +160,12 @@ class BatchedEngine(GuardedEngine):
 
     supported_sampling = OPTIONAL_SAMPLING
 
-    def __init__(self, model: ModelSpec, config: Any, *, thread: MLXThread | None = None) -> None:
+    def __init__(self, model: ModelSpec, config: Any, *, thread: MLXThread | None = None,
+                 loaded: tuple[Any, Any] | None = None) -> None:
         self.model = model
+        #: ``(model, tokenizer)`` another engine already loaded: served without a second
+        #: copy of the weights (a speculative engine's fallback path)
+        self._preloaded = loaded
         self.config = config
         self.settings = EngineSettings.from_config(config)
         self.prefix_cache = create_prefix_cache(model, config)
@@ -190,7 +194,7 @@ class BatchedEngine(GuardedEngine):
         from omlx_core.models.loader import activation_dtype_bytes
         from omlx_core.models.loader import load_model
 
-        lm, tokenizer = load_model(self.model.path)
+        lm, tokenizer = self._preloaded or load_model(self.model.path)
         self._lm, self.tokenizer = lm, tokenizer
         self.activation_dtype_bytes = activation_dtype_bytes(lm)
         args = getattr(lm, "args", None)
@@ -223,6 +227,7 @@ class BatchedEngine(GuardedEngine):
         import mlx.core as mx
 
         self._lm = None
+        self._preloaded = None
         self.prefix_cache.clear()
         # Freed buffers go to mlx's buffer cache, which still counts in the process's
         # resident memory: collect the last references first, then empty that cache.
