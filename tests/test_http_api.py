@@ -589,10 +589,13 @@ def test_memory_shortage_at_the_forward_gate_is_503_before_the_first_byte(
     monkeypatch.setattr(gate, "_usage", MemoryUsage(read_active=lambda: hard + MIB,
                                                     read_footprint=lambda: 0))
     refused_before = gate.refused_total
+    # Prompts no server has seen: a prefix-cache hit (in memory, or on disk from an
+    # earlier server of the same model) prefills nothing and meets no gate.
+    fresh = [[{"role": "user", "content": f"Say something about the number {n}."}] for n in range(4)]
     with HTTPServer(context, port=0) as server:
         for stream in (False, True):
             status, headers, body = post(server, "/v1/chat/completions", {
-                "model": MODEL, "messages": CHAT, "max_tokens": 3, "stream": stream})
+                "model": MODEL, "messages": fresh.pop(), "max_tokens": 3, "stream": stream})
             assert status == 503, body
             assert int(headers["retry-after"]) >= 1
             error = error_of(body)
@@ -600,7 +603,7 @@ def test_memory_shortage_at_the_forward_gate_is_503_before_the_first_byte(
             assert "memory ran short during prefill" in error["reason"]
             assert error["stage"] == "forward" and error["advice"]
             status, headers, body = post(server, "/v1/messages", {
-                "model": MODEL, "messages": CHAT, "max_tokens": 3, "stream": stream})
+                "model": MODEL, "messages": fresh.pop(), "max_tokens": 3, "stream": stream})
             assert status == 503, body
             assert int(headers["retry-after"]) >= 1
             assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
@@ -612,7 +615,8 @@ def test_memory_shortage_at_the_forward_gate_is_503_before_the_first_byte(
         # A genuine engine failure before the first token stays a 500.
         monkeypatch.setattr(gate, "check_prefill", lambda step: 1 / 0)
         status, _, body = post(server, "/v1/chat/completions",
-                               {"model": MODEL, "messages": CHAT, "max_tokens": 3})
+                               {"model": MODEL, "max_tokens": 3,
+                                "messages": [{"role": "user", "content": "Name a new colour."}]})
         assert status == 500 and error_of(body)["code"] == "engine_error", body
         monkeypatch.undo()
         status, _, body = post(server, "/v1/chat/completions",

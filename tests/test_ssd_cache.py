@@ -731,3 +731,23 @@ def test_a_tail_reaches_the_disk_and_is_reused_to_the_token_after_a_restart(tmp_
     assert [b.index for b in found] == [0, 1] and shared == 3
     assert np.array_equal(np.array(tail.kv[0][0][..., :3, :]), np.array(tail_kv[0][0]))
     restarted.close()
+
+
+def test_keys_past_the_vocabulary_are_indexed_as_they_are(tmp_path):
+    """Engines key image tokens far past any vocabulary (a digest): the index takes them."""
+    store = make_store(tmp_path)
+    memory = PrefixCache(BLOCK, 1 << 20, "m")
+    memory.attach_lower(store)
+    tokens = [2 ** 56 + i for i in range(BLOCK)] + [1, 2, 3, 4]
+    hashes = memory.hashes(tokens)
+    blocks = [CachedBlock(h, hashes[i - 1] if i else memory.root, i, BLOCK, make_block(i, seed=36).kv,
+                          None, True, make_block(i, seed=36).nbytes,
+                          tokens=tuple(tokens[i * BLOCK:(i + 1) * BLOCK]))
+              for i, h in enumerate(hashes)]
+    memory.insert(blocks)
+    assert store.flush(10)
+    store.close()
+    restarted = make_store(tmp_path)
+    found = [(h, tuple(t)) for h, t in restarted.continuations(memory.root)]
+    assert found == [(hashes[0], tuple(tokens[:BLOCK]))]
+    restarted.close()

@@ -91,7 +91,7 @@ class _Entry:
     #: the block's parent in its chain and its token ids, for a block a prompt may reuse
     #: in part (its tokens stored with it, every layer cut by token); empty otherwise
     parent: bytes = b""
-    tokens: array = field(default_factory=lambda: array("i"))
+    tokens: array = field(default_factory=lambda: array("q"))
 
 
 @dataclass(eq=False)
@@ -345,7 +345,7 @@ class PagedSSDStore:
             with self._lock:
                 entry = self._index.get(block_hash)
                 if entry is not None:
-                    entry.parent, entry.tokens = block.parent_hash, array("i", block.tokens)
+                    entry.parent, entry.tokens = block.parent_hash, array("q", block.tokens)
                     self._children.setdefault(block.parent_hash, set()).add(block_hash)
         for part in (payload, boundary):
             if part is not None:
@@ -752,11 +752,11 @@ class PagedSSDStore:
                         log.warning("SSD cache: removing %s: %s", side.name, exc)
                         removed += _unlink(side)
                 depth = int(metadata.get("index", 0))
-                parent, tokens = b"", array("i", json.loads(metadata.get("tokens", "[]")))
+                parent, tokens = b"", array("q", json.loads(metadata.get("tokens", "[]")))
                 if tokens and all(t == "KVCache" for t in json.loads(metadata.get("layer_types", "[]"))):
                     parent = bytes.fromhex(metadata.get("parent_hash", ""))
                 else:
-                    tokens = array("i")
+                    tokens = array("q")
             except (BlockFileError, OSError, ValueError) as exc:
                 log.warning("SSD cache: removing %s: %s", name, exc)
                 removed += _unlink(path)
