@@ -125,9 +125,9 @@ class VLMEngine(BatchedEngine):
         images = tuple(request.images or ())
         layout = self.layout
         assert layout is not None
-        spans = image_spans(base.prompt, layout.image_token_id)
+        spans = image_spans(base.prompt, layout.image_token_id, layout.tokens_per_image)
         if len(spans) != len(images) or any(e - s != layout.tokens_per_image for s, e in spans):
-            raise ValueError(f"the prompt holds {len(spans)} runs of image tokens for {len(images)} "
+            raise ValueError(f"the prompt holds {len(spans)} images' tokens for {len(images)} "
                              f"images of {layout.tokens_per_image} tokens each; tokenize it with "
                              "this engine's tokenize_chat and the same images")
         key = keyed_prompt(base.prompt, spans, [image.digest for image in images], self.vocab_size) \

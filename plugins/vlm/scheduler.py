@@ -44,19 +44,27 @@ class VLMSequence(SequenceState):
     embeddings: Any = None
 
 
-def image_spans(prompt: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of every run of ``image_token_id`` in ``prompt``."""
-    spans: list[tuple[int, int]] = []
+def image_spans(prompt: Sequence[int], image_token_id: int, tokens_per_image: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of every image's tokens in ``prompt``: runs of ``image_token_id``,
+    a run of adjacent images cut every ``tokens_per_image``; a run of any other length
+    is left whole (and then matches no image)."""
+    runs: list[tuple[int, int]] = []
     start = None
     for position, token in enumerate(prompt):
         if token == image_token_id:
             if start is None:
                 start = position
         elif start is not None:
-            spans.append((start, position))
+            runs.append((start, position))
             start = None
     if start is not None:
-        spans.append((start, len(prompt)))
+        runs.append((start, len(prompt)))
+    spans: list[tuple[int, int]] = []
+    for start, end in runs:
+        if (end - start) % tokens_per_image:
+            spans.append((start, end))
+        else:
+            spans.extend((s, s + tokens_per_image) for s in range(start, end, tokens_per_image))
     return spans
 
 
