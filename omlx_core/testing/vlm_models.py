@@ -177,14 +177,18 @@ def _tokenizer_files(image_tokens: list[str], placeholder: str) -> tuple[str, di
     return tokenizer.to_str(), config
 
 
-def vlm_family_config(family: str) -> dict[str, Any]:
-    """The ``config.json`` contents of ``family`` (image token ids filled in)."""
+def vlm_family_config(family: str, image_size: int = IMAGE_SIZE) -> dict[str, Any]:
+    """The ``config.json`` contents of ``family`` (image token ids filled in), its
+    vision tower taking ``image_size``-pixel images (a multiple of the patch size)."""
     if family not in VLM_FAMILIES:
         raise ValueError(f"unknown test VLM family {family!r}; known families: "
                          f"{', '.join(sorted(VLM_FAMILIES))}")
     spec = VLM_FAMILIES[family]
     config = copy.deepcopy(spec["config"])
     ids = {token: VOCAB_SIZE + i for i, token in enumerate(spec["image_tokens"])}
+    if image_size % PATCH_SIZE:
+        raise ValueError(f"image_size must be a multiple of the patch size {PATCH_SIZE}, not {image_size}")
+    config["vision_config"]["image_size"] = image_size
     config["text_config"]["vocab_size"] = VLM_VOCAB_SIZE
     config["vocab_size"] = VLM_VOCAB_SIZE
     config["eos_token_id"] = special_token_id(IM_END)
@@ -209,13 +213,25 @@ def _model_of(config: dict[str, Any]) -> Any:
     return module.Model(model_config)
 
 
-def build_vlm_weights(family: str, *, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+def preprocessor_config(family: str, image_size: int = IMAGE_SIZE) -> dict[str, Any]:
+    """The ``preprocessor_config.json`` contents of ``family`` at ``image_size``."""
+    config = copy.deepcopy(VLM_FAMILIES[family]["preprocessor"])
+    if "crop_size" in config:
+        config["size"] = {"shortest_edge": image_size}
+        config["crop_size"] = {"height": image_size, "width": image_size}
+    else:
+        config["size"] = {"height": image_size, "width": image_size}
+    return config
+
+
+def build_vlm_weights(family: str, *, seed: int = 0,
+                      image_size: int = IMAGE_SIZE) -> tuple[dict[str, Any], dict[str, Any]]:
     """The (weights, config) of a tiny ``family`` VLM, weights named as mlx-vlm loads them."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    config = vlm_family_config(family)
+    config = vlm_family_config(family, image_size)
     family_seed = zlib.crc32(f"vlm-{family}/{seed}".encode())
     mx.random.seed(family_seed)
     model = _model_of(config)
@@ -238,18 +254,18 @@ def build_vlm_weights(family: str, *, seed: int = 0) -> tuple[dict[str, Any], di
     return weights, config
 
 
-def build_vlm_model(family: str, out_dir: Path, *, seed: int = 0) -> Path:
+def build_vlm_model(family: str, out_dir: Path, *, seed: int = 0, image_size: int = IMAGE_SIZE) -> Path:
     """Build a tiny ``family`` VLM into ``out_dir`` (created) and return ``out_dir``."""
     import mlx.core as mx
 
-    weights, config = build_vlm_weights(family, seed=seed)
+    weights, config = build_vlm_weights(family, seed=seed, image_size=image_size)
     spec = VLM_FAMILIES[family]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out_dir / "preprocessor_config.json").write_text(
-        json.dumps(spec["preprocessor"], indent=2, sort_keys=True) + "\n")
+        json.dumps(preprocessor_config(family, image_size), indent=2, sort_keys=True) + "\n")
     tokenizer_json, tok_config = _tokenizer_files(spec["image_tokens"], spec["placeholder"])
     (out_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     (out_dir / "tokenizer_config.json").write_text(

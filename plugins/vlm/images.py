@@ -113,9 +113,9 @@ def decode(part: ImagePart, data: bytes, limits: ImageLimits) -> Any:
         except (UnidentifiedImageError, Image.DecompressionBombError,
                 Image.DecompressionBombWarning, OSError, SyntaxError, ValueError) as exc:
             if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
-                raise ValueError(f"{part.param}: the image declares more pixels than this server "
-                                 f"decodes ({limits.max_image_pixels} per image, "
-                                 "plugin.vlm.max_image_pixels)") from None
+                raise ValueError(f"{part.param}: the image is over the {limits.max_image_pixels} "
+                                 "limit per image (plugin.vlm.max_image_pixels), a possible "
+                                 f"decompression bomb ({exc}); send a smaller image") from None
             raise ValueError(f"{part.param}: not a decodable image ({type(exc).__name__}: {exc}); "
                              "send a PNG, JPEG, GIF or WebP file") from None
         if width <= 0 or height <= 0:

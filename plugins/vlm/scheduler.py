@@ -21,12 +21,13 @@ decode, preemption, the prefix cache. What images change:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from omlx_core.memory.gate import PrefillStep
 from omlx_core.plugins.batched.scheduler import PREFILLING, Scheduler, SequenceState
 
 
@@ -130,6 +131,24 @@ class VLMScheduler(Scheduler):
         groups += [[chunk] for chunk in alone]
         order = {id(chunk): index for index, chunk in enumerate(plan)}
         return sorted(groups, key=lambda group: order[id(group[0])])
+
+    def _prefill_step_of(self, plan: list[tuple[SequenceState, int, int]],
+                         groups: list[list[tuple[SequenceState, int, int]]] | None = None
+                         ) -> PrefillStep:
+        """The base step, with the images each chunk's forward encodes first: the gate
+        counts their vision-tower activations and the merged embeddings."""
+        step = super()._prefill_step_of(plan, groups)
+        ordered = [chunk for group in (groups if groups is not None else [[c] for c in plan])
+                   for chunk in group]
+        chunks = []
+        encoding: set[int] = set()
+        for (sequence, start, end), chunk in zip(ordered, step.chunks):
+            if (isinstance(sequence, VLMSequence) and sequence.embeddings is None
+                    and id(sequence) not in encoding and self._covers_image(sequence, start, end)):
+                encoding.add(id(sequence))
+                chunk = replace(chunk, images=len(sequence.images))
+            chunks.append(chunk)
+        return replace(step, chunks=tuple(chunks))
 
     def _prefill_chunk(self, sequence: SequenceState, start: int, end: int) -> None:
         if not self._covers_image(sequence, start, end):
