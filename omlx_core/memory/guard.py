@@ -180,7 +180,7 @@ class MemoryGuard:
             chunk_size=hints.prefill_step_size, dtype_bytes=hints.activation_dtype_bytes,
             full_logits=hints.prefill_full_logits, model_id=engine.model.id,
             cached_kv_resident=hints.cached_kv_resident, backend=self.backend,
-            images=images, embedded_tokens=len(prompt_tokens) if images else 0)
+            images=images)
 
     def estimate(self, query: PeakQuery) -> int | None:
         result = self.plugins.hook.estimate_peak(query=query)

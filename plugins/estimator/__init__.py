@@ -18,9 +18,8 @@ from omlx_core.memory.estimate import (
     EstimatorDisabledError,
     ModelDims,
     VisionDims,
-    combine_vision_peak,
     estimate_prefill_peak,
-    estimate_vision_peak,
+    estimate_with_images,
 )
 from omlx_core.memory.types import PeakQuery
 
@@ -62,12 +61,9 @@ def estimate_peak(query: PeakQuery) -> int | None:
                 _disabled[key] = reason
                 log.error("prefill memory estimator cannot cost images for model %r: %s", key, exc)
             return None
-        vision = estimate_vision_peak(vision_dims, dims.hidden_size, query.images,
-                                      query.embedded_tokens, query.dtype_bytes)
-        embeddings = query.embedded_tokens * dims.hidden_size * query.dtype_bytes
-        kv = dims.kv_bytes_per_token(query.dtype_bytes, query.kv_bits, query.kv_group_size) \
-            * len(dims.layer_kinds) * query.new_tokens
-        breakdown = combine_vision_peak(breakdown, vision, embeddings, kv)
+        breakdown = estimate_with_images(
+            dims, vision_dims, breakdown, images=query.images, new_tokens=query.new_tokens,
+            dtype_bytes=query.dtype_bytes, kv_bits=query.kv_bits, kv_group_size=query.kv_group_size)
     log.debug("prefill estimate for model %r: %s", key, breakdown.describe())
     return breakdown.total
 

@@ -74,7 +74,7 @@ class VLMEngine(BatchedEngine):
         self.activation_dtype_bytes = activation_dtype_bytes(lm)
         self.vocab_size = int(lm.args.vocab_size)
         return VLMScheduler(
-            vlm=vlm, family=self.family,
+            vlm=vlm, family=self.family, image_token_id=self.layout.image_token_id,
             model=lm, tokenizer=tokenizer, model_id=self.model.id, model_config=self.model.config,
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
             prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,

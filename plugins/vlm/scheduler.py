@@ -7,11 +7,12 @@ decode, preemption, the prefix cache. What images change:
 - **encoding**: a request's images go through the vision tower once, on the MLX
   thread, right before the first prefill chunk that reaches an image token (so a
   request whose images are all inside a reused prefix never encodes them). mlx-vlm's
-  own merge (``get_input_embeddings``) writes the image features over the image
-  tokens' embeddings, for the whole prompt; the embeddings are dropped once prefill
-  has passed the last image.
-- **prefill**: a chunk that covers image tokens feeds those embeddings
-  (``input_embeddings``) in place of token ids, and runs alone; every other chunk,
+  own merge (``get_input_embeddings``, run over the image tokens alone) gives one row
+  per image token, in the language model's input space; the rows are dropped once
+  prefill has passed the last image.
+- **prefill**: a chunk that covers image tokens feeds input embeddings (its tokens'
+  own, the image rows written over the image tokens') in place of token ids, and runs
+  alone; every other chunk,
   the first-token forward and decode feed tokens, as for text.
 - **prefix cache**: blocks are keyed by the prompt with every image token replaced by
   a value derived from the sha256 of that image's bytes
@@ -41,7 +42,7 @@ class VLMSequence(SequenceState):
     image_spans: tuple[tuple[int, int], ...] = ()
     #: the prompt as the prefix cache keys it (image tokens replaced by image keys)
     key_prompt: list[int] = field(default_factory=list)
-    #: the whole prompt's input embeddings, images merged in (while prefill needs them)
+    #: the images' features, one row per image token (while prefill needs them)
     embeddings: Any = None
 
 
@@ -83,10 +84,11 @@ def keyed_prompt(prompt: Sequence[int], spans: Sequence[tuple[int, int]],
 class VLMScheduler(Scheduler):
     """A :class:`Scheduler` whose requests' prompts may hold images (see the module)."""
 
-    def __init__(self, *, vlm: Any, family: str, **kwargs: Any) -> None:
+    def __init__(self, *, vlm: Any, family: str, image_token_id: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.vlm = vlm
         self.family = family
+        self.image_token_id = image_token_id
         #: requests whose images went through the vision tower
         self.images_encoded = 0
 
@@ -167,32 +169,38 @@ class VLMScheduler(Scheduler):
         self._chunk_done(sequence, start, end, self._check_after_forward([(sequence, start, end)]))
 
     def _embeddings(self, sequence: VLMSequence, start: int, end: int) -> mx.array:
-        """Input embeddings of context positions ``[start, end)``, images merged in."""
+        """Input embeddings of context positions ``[start, end)``: the tokens' own, with
+        the image features written over the image tokens'."""
         if sequence.embeddings is None:
             sequence.embeddings = self._encode(sequence)
-        prompt_end = min(end, len(sequence.prompt))
-        parts = [sequence.embeddings[start:prompt_end]] if start < prompt_end else []
-        if end > len(sequence.prompt):
-            # A resumed request also feeds the completion it had: plain tokens.
-            tail = mx.array(sequence.context[max(start, len(sequence.prompt)):end])
-            parts.append(self.model.model.embed_tokens(tail).astype(sequence.embeddings.dtype))
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        embeddings = self.model.model.embed_tokens(mx.array(sequence.context[start:end]))
+        local, rows = [], []
+        for index, (span_start, span_end) in enumerate(sequence.image_spans):
+            first, last = max(span_start, start), min(span_end, end)
+            if first < last:
+                local.extend(range(first - start, last - start))
+                base = index * (span_end - span_start) - span_start
+                rows.extend(range(base + first, base + last))
+        embeddings[mx.array(local)] = sequence.embeddings[mx.array(rows)].astype(embeddings.dtype)
+        return embeddings
 
     def _encode(self, sequence: VLMSequence) -> mx.array:
-        """The whole prompt's embeddings with the images' features merged in: the vision
-        tower and projector, then mlx-vlm's merge for the family."""
+        """The images' features as the language model takes them, one row per image
+        token: the vision tower and projector, then mlx-vlm's merge for the family run
+        over the image tokens alone (which writes each family's scaling in)."""
         import numpy as np
 
-        ids = mx.array(sequence.prompt)[None]
+        count = sum(end - start for start, end in sequence.image_spans)
+        ids = mx.array([[self.image_token_id] * count])
         pixels = mx.array(np.stack([image.pixel_values for image in sequence.images]))
         kwargs: dict[str, Any] = {}
         if self.family == "gemma3":
             # Its merge also builds a (never evaluated, so never allocated) 4-D mask.
             kwargs["mask"] = mx.ones(ids.shape)
-        embeddings = self.vlm.get_input_embeddings(ids, pixels, **kwargs).inputs_embeds[0]
-        mx.eval(embeddings)
+        features = self.vlm.get_input_embeddings(ids, pixels, **kwargs).inputs_embeds[0]
+        mx.eval(features)
         self.images_encoded += len(sequence.images)
-        return embeddings
+        return features
 
     def _finish(self, sequence: SequenceState, reason: str, **kwargs: Any) -> None:
         if isinstance(sequence, VLMSequence):
