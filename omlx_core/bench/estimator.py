@@ -355,7 +355,12 @@ def render_markdown(rows: Sequence[BenchRow], command: str, seconds: float) -> s
         "evaluated per chunk, last token through `BatchGenerator`). *estimate*: "
         "`estimate_prefill_peak` from the model's `config.json`. *ratio* = estimate / "
         f"measured; target {TARGET_MIN_RATIO:.2f} to {TARGET_MAX_RATIO:.2f} (⚠ marks a miss). "
-        "*dominant*: the estimate's largest component. Prompts are random token ids.",
+        "*dominant*: the estimate's largest component. Prompts are random token ids. The "
+        "second table's vision models (`vlm-*`, tiny mlx-vlm models with "
+        f"{VLM_IMAGE_SIZE}-pixel images) are prefilled as the `vlm` engine runs them: the "
+        "images encoded first (vision tower, projector, one feature row per image token), "
+        "chunks covering image tokens fed as input embeddings; their estimate adds "
+        "`estimate_vision_peak` and the held image features to the text prefill's.",
         "",
         f"Result: {verdict}.",
         "",

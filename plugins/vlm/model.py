@@ -99,12 +99,31 @@ def text_model_config(config: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
+#: how to install what the engine needs (mlx-vlm without its heavy optional dependencies)
+INSTALL_HINT = ("install them with: pip install 'omlx-core[vlm]' && pip install --no-deps "
+                "mlx-vlm==0.7.10 (setup.sh does both)")
+
+
+def require_vlm_dependencies() -> None:
+    """Raise :class:`ModelError` naming what is missing and how to install it."""
+    import importlib.util
+
+    missing = [name for name, module in (("mlx-vlm", "mlx_vlm"), ("transformers", "transformers"),
+                                         ("Pillow", "PIL"))
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ModelError(f"the vlm engine needs {', '.join(missing)}, which are not installed; "
+                         + INSTALL_HINT)
+
+
 def load_vlm(path: Path) -> tuple[Any, Any, dict[str, Any]]:
     """``(vlm, language_model, config)``: mlx-vlm's model and the mlx-lm model of its
     text side, holding the same weights."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
+
+    require_vlm_dependencies()
     from mlx_vlm.utils import load_model as load_vlm_model
 
     path = Path(path)
