@@ -48,7 +48,7 @@ def image_request(engine: VLMEngine, request_id: str, images: list[bytes], text:
 
 
 def start(path, **overrides) -> VLMEngine:
-    config = load_config("cpu-small", overrides=[("test", k, str(v)) for k, v in overrides.items()])
+    config = load_config("cpu-small", overrides=[(k, str(v), "test") for k, v in overrides.items()])
     engine = VLMEngine(spec_for_path(path, "vlm"), config)
     engine.start()
     return engine
@@ -188,3 +188,31 @@ def test_text_only_model_families_are_refused_at_load(tiny_model_path):
 
     with pytest.raises(ModelError, match="vlm engine serves model types llava, gemma3"):
         VLMEngine(spec_for_path(tiny_model_path("llama"), "vlm"), load_config("cpu-small"))
+
+
+@pytest.mark.parametrize("cache_budget", ["0", "64MiB"])
+def test_a_preempted_image_request_resumes_with_the_same_output(tiny_vlm_path, cache_budget) -> None:
+    """Taken out of the decode batch and resumed, an image request prefills its prompt
+    and completion again (re-encoding its image when the prefix cache does not hold it)
+    and goes on as if never paused."""
+    from tests.test_batched_preemption import PreemptingGate
+
+    engine = start(tiny_vlm_path("llava"), **{"plugin.batched.prefix_cache_budget": cache_budget})
+    try:
+        image = png((30, 60, 90), noise=11)
+        plain = tokens_of(collect(engine.submit(image_request(engine, "plain", [image], max_tokens=24))))
+        engine.prefix_cache.clear()
+        encoded = engine.stats()["images_encoded"]
+        gate = PreemptingGate("paused", at=3)
+        engine.scheduler.set_forward_gate(gate)
+        try:
+            outputs = collect(engine.submit(image_request(engine, "paused", [image], max_tokens=24)))
+        finally:
+            engine.scheduler.set_forward_gate(None)
+        assert gate.preempted == 1
+        assert outputs[-1].finish_reason == "length"
+        assert tokens_of(outputs) == plain
+        encodes = engine.stats()["images_encoded"] - encoded
+        assert encodes == (2 if cache_budget == "0" else 1)
+    finally:
+        engine.shutdown()
