@@ -66,13 +66,17 @@ def test_estimate_covers_a_real_prefill_with_images(family, tmp_path, capsys) ->
     from omlx_core.testing.vlm_models import build_vlm_model
 
     path = build_vlm_model(family.removeprefix("vlm-"), tmp_path / family, image_size=VLM_IMAGE_SIZE)
-    rows = run_vlm_model(family, path, QUICK_VLM_GRID)
-    with capsys.disabled():
-        for row in rows:
-            print(f"\n{family} {row.prompt_tokens} tokens, {row.images} image(s), chunk "
-                  f"{row.chunk_size}: ratio {row.ratio:.3f} ({row.estimate.dominant})", end="")
-    for row in rows:
-        assert 1.0 <= row.ratio <= 1.15, (row.images, row.measured, row.estimate.describe())
+    # The same prefill's measured peak varies by a few percent between runs (when
+    # temporaries are freed): the estimate must cover the highest of them.
+    runs = [run_vlm_model(family, path, QUICK_VLM_GRID) for _ in range(3)]
+    for rows in zip(*runs):
+        highest = max(row.measured.peak_bytes for row in rows)
+        ratio = rows[0].estimate.total / highest
+        with capsys.disabled():
+            print(f"\n{family} {rows[0].prompt_tokens} tokens, {rows[0].images} image(s), chunk "
+                  f"{rows[0].chunk_size}: ratio {ratio:.3f} ({rows[0].estimate.dominant})", end="")
+        assert all(row.ratio >= 1.0 for row in rows), [row.measured for row in rows]
+        assert ratio <= 1.15, (highest, rows[0].estimate.describe())
 
 
 def test_vision_phase_wins_when_it_is_larger() -> None:

@@ -43,7 +43,7 @@ class VLMSequence(SequenceState):
     #: the prompt as the prefix cache keys it (image tokens replaced by image keys)
     key_prompt: list[int] = field(default_factory=list)
     #: the images' features, one row per image token (while prefill needs them)
-    embeddings: Any = None
+    features: Any = None
 
 
 def image_spans(prompt: Sequence[int], image_token_id: int, tokens_per_image: int) -> list[tuple[int, int]]:
@@ -138,14 +138,14 @@ class VLMScheduler(Scheduler):
                          groups: list[list[tuple[SequenceState, int, int]]] | None = None
                          ) -> PrefillStep:
         """The base step, with the images each chunk's forward encodes first: the gate
-        counts their vision-tower activations and the merged embeddings."""
+        counts their vision-tower activations and features."""
         step = super()._prefill_step_of(plan, groups)
         ordered = [chunk for group in (groups if groups is not None else [[c] for c in plan])
                    for chunk in group]
         chunks = []
         encoding: set[int] = set()
         for (sequence, start, end), chunk in zip(ordered, step.chunks):
-            if (isinstance(sequence, VLMSequence) and sequence.embeddings is None
+            if (isinstance(sequence, VLMSequence) and sequence.features is None
                     and id(sequence) not in encoding and self._covers_image(sequence, start, end)):
                 encoding.add(id(sequence))
                 chunk = replace(chunk, images=len(sequence.images))
@@ -164,24 +164,25 @@ class VLMScheduler(Scheduler):
             mx.eval([layer.state for layer in sequence.cache])
         del embeddings
         if end >= sequence.image_spans[-1][1]:
-            sequence.embeddings = None
+            sequence.features = None
         self.counters.prefill_forwards += 1
         self._chunk_done(sequence, start, end, self._check_after_forward([(sequence, start, end)]))
 
     def _embeddings(self, sequence: VLMSequence, start: int, end: int) -> mx.array:
         """Input embeddings of context positions ``[start, end)``: the tokens' own, with
         the image features written over the image tokens'."""
-        if sequence.embeddings is None:
-            sequence.embeddings = self._encode(sequence)
+        if sequence.features is None:
+            sequence.features = self._encode(sequence)
         embeddings = self.model.model.embed_tokens(mx.array(sequence.context[start:end]))
         local, rows = [], []
-        for index, (span_start, span_end) in enumerate(sequence.image_spans):
+        row = 0  # the feature row of the span's first token
+        for span_start, span_end in sequence.image_spans:
             first, last = max(span_start, start), min(span_end, end)
             if first < last:
                 local.extend(range(first - start, last - start))
-                base = index * (span_end - span_start) - span_start
-                rows.extend(range(base + first, base + last))
-        embeddings[mx.array(local)] = sequence.embeddings[mx.array(rows)].astype(embeddings.dtype)
+                rows.extend(range(row + first - span_start, row + last - span_start))
+            row += span_end - span_start
+        embeddings[mx.array(local)] = sequence.features[mx.array(rows)].astype(embeddings.dtype)
         return embeddings
 
     def _encode(self, sequence: VLMSequence) -> mx.array:
@@ -204,13 +205,13 @@ class VLMScheduler(Scheduler):
 
     def _finish(self, sequence: SequenceState, reason: str, **kwargs: Any) -> None:
         if isinstance(sequence, VLMSequence):
-            sequence.embeddings = None
+            sequence.features = None
         super()._finish(sequence, reason, **kwargs)
 
     def _requeue(self, sequences: list[SequenceState], *, tell_gate: bool) -> None:
         for sequence in sequences:
             if isinstance(sequence, VLMSequence) and sequence.phase == PREFILLING:
-                sequence.embeddings = None
+                sequence.features = None
         super()._requeue(sequences, tell_gate=tell_gate)
 
 
