@@ -116,6 +116,8 @@ VLM_FAMILIES: dict[str, dict[str, Any]] = {
                 "rope_local_base_freq": 10000.0,
                 "sliding_window": 16,
                 "sliding_window_pattern": 2,
+                # as in Gemma 3 4B and up: global layers' RoPE scaled, sliding ones not
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                 "mm_tokens_per_image": 4,
                 "max_position_embeddings": 4096,
             },
