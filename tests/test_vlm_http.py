@@ -257,3 +257,11 @@ def test_text_only_model_refuses_images_clearly(client, claude) -> None:
 def test_bad_base64_is_400(client) -> None:
     body = bad_request(client, image_message("data:image/png;base64,@@@not-base64@@@"))
     assert "not valid base64" in body["message"]
+
+
+def test_images_with_tools(client) -> None:
+    tools = [{"type": "function", "function": {"name": "describe", "parameters": {
+        "type": "object", "properties": {"color": {"type": "string"}}}}}]
+    answer = chat(client, image_message(data_url(png_bytes(14))), tools=tools, max_tokens=8)
+    assert answer.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert answer.usage.prompt_tokens > 16
