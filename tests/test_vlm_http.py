@@ -265,3 +265,32 @@ def test_images_with_tools(client) -> None:
     answer = chat(client, image_message(data_url(png_bytes(14))), tools=tools, max_tokens=8)
     assert answer.choices[0].finish_reason in ("length", "stop", "tool_calls")
     assert answer.usage.prompt_tokens > 16
+
+
+def test_fuzzed_images_are_a_400_or_an_answer_never_a_500(client) -> None:
+    """Seeded mutations of real PNG, JPEG and GIF files (bytes flipped, cut short,
+    headers kept): each request is refused with a 400 naming the part or answered."""
+    from PIL import Image
+
+    rng = np.random.default_rng(2024)
+    originals = []
+    for fmt in ("PNG", "JPEG", "GIF"):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(buffer, fmt)
+        originals.append(buffer.getvalue())
+    outcomes = {"answered": 0, "refused": 0}
+    for case in range(24):
+        data = bytearray(originals[case % len(originals)])
+        if case % 2:
+            data = data[:int(rng.integers(8, len(data)))]
+        for _ in range(int(rng.integers(1, 6))):
+            position = int(rng.integers(8, len(data)))
+            data[position] = int(rng.integers(0, 256))
+        try:
+            chat(client, image_message(data_url(bytes(data))), max_tokens=1)
+            outcomes["answered"] += 1
+        except openai.BadRequestError as exc:
+            assert exc.body["param"].startswith("messages[0].content[0]"), exc.body
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 0
+    assert chat(client, image_message(data_url(png_bytes(15)))).choices[0].finish_reason == "length"

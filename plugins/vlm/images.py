@@ -102,7 +102,7 @@ def read_bytes(part: ImagePart, limits: ImageLimits) -> bytes:
 
 def decode(part: ImagePart, data: bytes, limits: ImageLimits) -> Any:
     """The RGB ``PIL.Image`` of ``data``; ``ValueError`` naming the part and the limit."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     with warnings.catch_warnings():
         # PIL's own bomb check: past its limit a warning, past twice that an error.
@@ -110,8 +110,7 @@ def decode(part: ImagePart, data: bytes, limits: ImageLimits) -> Any:
         try:
             image = Image.open(io.BytesIO(data))
             width, height = image.size
-        except (UnidentifiedImageError, Image.DecompressionBombError,
-                Image.DecompressionBombWarning, OSError, SyntaxError, ValueError) as exc:
+        except Exception as exc:  # hostile bytes raise all kinds (struct.error, EOFError, ...)
             if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
                 raise ValueError(f"{part.param}: the image is over the {limits.max_image_pixels} "
                                  "limit per image (plugin.vlm.max_image_pixels), a possible "
@@ -128,7 +127,7 @@ def decode(part: ImagePart, data: bytes, limits: ImageLimits) -> Any:
         try:
             image.load()
             return image.convert("RGB")
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as exc:
+        except Exception as exc:  # a decoder's error on broken data, whichever it is
             raise ValueError(f"{part.param}: the image data is broken or truncated "
                              f"({type(exc).__name__}: {exc}); send the whole file") from None
 
@@ -141,7 +140,11 @@ def prepare(parts: Sequence[ImagePart], limits: ImageLimits, processor: Any) -> 
     for part in parts:
         data = read_bytes(part, limits)
         image = decode(part, data, limits)
-        pixels = processor(images=[image], return_tensors="np")["pixel_values"]
+        try:
+            pixels = processor(images=[image], return_tensors="np")["pixel_values"]
+        except Exception as exc:  # e.g. an aspect ratio the processor refuses
+            raise ValueError(f"{part.param}: the model's image processor cannot take this "
+                             f"{image.width}x{image.height} image ({type(exc).__name__}: {exc})") from None
         pixels = np.asarray(pixels, dtype=np.float32)
         if pixels.ndim == 4:
             if pixels.shape[0] != 1:
