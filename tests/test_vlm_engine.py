@@ -216,3 +216,24 @@ def test_a_preempted_image_request_resumes_with_the_same_output(tiny_vlm_path, c
         assert encodes == (2 if cache_budget == "0" else 1)
     finally:
         engine.shutdown()
+
+
+def test_a_chat_template_kept_beside_the_processor_is_used(tiny_vlm_path, tmp_path) -> None:
+    """Many LLaVA conversions keep the template in chat_template.json, not in the
+    tokenizer's config: such a directory works unchanged."""
+    import json
+    import shutil
+
+    model = tmp_path / "llava-template-apart"
+    shutil.copytree(tiny_vlm_path("llava"), model)
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    template = tokenizer_config.pop("chat_template")
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (model / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    engine = start(model)
+    try:
+        request = image_request(engine, "apart", [png((7, 7, 7))])
+        assert request.prompt_tokens.count(engine.layout.image_token_id) == engine.layout.tokens_per_image
+        assert collect(engine.submit(request))[-1].finish_reason == "length"
+    finally:
+        engine.shutdown()

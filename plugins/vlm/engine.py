@@ -12,7 +12,13 @@ from omlx_core.plugins.batched.engine import BatchedEngine
 from omlx_core.plugins.batched.scheduler import new_sequence
 from omlx_core.plugins.vlm.bound import ImageTokenBound, image_token_bound, read_processor_config
 from omlx_core.plugins.vlm.images import ImageLimits, PreparedImage, check_parts, prepare
-from omlx_core.plugins.vlm.model import ImageLayout, family_of, image_layout, load_vlm
+from omlx_core.plugins.vlm.model import (
+    ImageLayout,
+    family_of,
+    image_layout,
+    load_vlm,
+    processor_chat_template,
+)
 from omlx_core.plugins.vlm.scheduler import VLMScheduler, VLMSequence, image_spans, keyed_prompt
 
 if TYPE_CHECKING:
@@ -61,6 +67,11 @@ class VLMEngine(BatchedEngine):
 
         vlm, lm, config = load_vlm(self.model.path)
         tokenizer = load_tokenizer(Path(self.model.path), eos_token_ids=config.get("eos_token_id"))
+        if getattr(tokenizer._tokenizer, "chat_template", None) is None:
+            template = processor_chat_template(self.model.path)
+            if template is not None:
+                tokenizer._tokenizer.chat_template = template
+                tokenizer.has_chat_template = True
         # The PIL backend: transformers' torchvision one needs torch, which is not installed.
         self.image_processor = AutoImageProcessor.from_pretrained(str(self.model.path), backend="pil")
         self.layout = image_layout(config, tokenizer)

@@ -43,6 +43,21 @@ class ImageLayout:
         return self.expansion.replace("{tokens}", self.image_token * self.tokens_per_image)
 
 
+def processor_chat_template(path: Path) -> str | None:
+    """The chat template a VLM directory keeps beside its processor
+    (``chat_template.jinja`` or ``chat_template.json``) rather than in its tokenizer's
+    config, as many LLaVA conversions do; ``None`` when it has neither."""
+    jinja = Path(path) / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    try:
+        template = json.loads((Path(path) / "chat_template.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = template.get("chat_template") if isinstance(template, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def read_config(path: Path) -> dict[str, Any]:
     try:
         return json.loads((Path(path) / "config.json").read_text())
