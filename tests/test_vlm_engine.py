@@ -237,3 +237,28 @@ def test_a_chat_template_kept_beside_the_processor_is_used(tiny_vlm_path, tmp_pa
         assert collect(engine.submit(request))[-1].finish_reason == "length"
     finally:
         engine.shutdown()
+
+
+def test_a_sparse_hf_text_config_is_completed_from_mlx_vlms_defaults(tiny_vlm_path, tmp_path) -> None:
+    """A LLaVA conversion's text_config may leave out what mlx-vlm defaults (here
+    rms_norm_eps, which mlx-lm's llama requires): the model loads, and the memory
+    estimate reads the completed dims."""
+    import json
+    import shutil
+
+    from omlx_core.memory.estimate import ModelDims
+
+    model = tmp_path / "llava-sparse"
+    shutil.copytree(tiny_vlm_path("llava"), model)
+    config = json.loads((model / "config.json").read_text())
+    for key in ("rms_norm_eps", "rope_theta", "max_position_embeddings"):
+        del config["text_config"][key]
+    (model / "config.json").write_text(json.dumps(config))
+    engine = start(model)
+    try:
+        assert engine.model.config["text_config"]["rms_norm_eps"] == 1e-6
+        assert ModelDims.from_config(engine.model.config).hidden_size == 64
+        request = image_request(engine, "sparse", [png((8, 8, 8))])
+        assert collect(engine.submit(request))[-1].finish_reason == "length"
+    finally:
+        engine.shutdown()

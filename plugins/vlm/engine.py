@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,8 @@ class VLMEngine(BatchedEngine):
         from omlx_core.models.loader import activation_dtype_bytes
 
         vlm, lm, config = load_vlm(self.model.path)
+        # The estimate reads the model's config: give it the dims the model was built with.
+        self.model = dataclasses.replace(self.model, config=config)
         tokenizer = load_tokenizer(Path(self.model.path), eos_token_ids=config.get("eos_token_id"))
         if getattr(tokenizer._tokenizer, "chat_template", None) is None:
             template = processor_chat_template(self.model.path)

@@ -131,9 +131,25 @@ def require_vlm_dependencies() -> None:
                          + INSTALL_HINT)
 
 
+def completed_config(vlm: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with its ``text_config`` and ``vision_config`` completed from the
+    defaults mlx-vlm built the model with: HF conversions often keep only what differs
+    from a base config (a LLaVA ``text_config`` may be little more than its
+    ``model_type``), which neither mlx-lm nor the memory estimate could build from."""
+    import dataclasses
+
+    completed = dict(config)
+    for key in ("text_config", "vision_config"):
+        built = getattr(vlm.config, key, None)
+        if dataclasses.is_dataclass(built):
+            defaults = {f.name: getattr(built, f.name) for f in dataclasses.fields(built)}
+            completed[key] = {**defaults, **(config.get(key) or {})}
+    return completed
+
+
 def load_vlm(path: Path) -> tuple[Any, Any, dict[str, Any]]:
-    """``(vlm, language_model, config)``: mlx-vlm's model and the mlx-lm model of its
-    text side, holding the same weights."""
+    """``(vlm, language_model, config)``: mlx-vlm's model, the mlx-lm model of its text
+    side holding the same weights, and the config completed with mlx-vlm's defaults."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -148,6 +164,7 @@ def load_vlm(path: Path) -> tuple[Any, Any, dict[str, Any]]:
         vlm = load_vlm_model(path)
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load VLM from {path}: {type(exc).__name__}: {exc}") from exc
+    config = completed_config(vlm, config)
     text_config = text_model_config(config)
     model_class, args_class = _get_classes(text_config)
     language_model = model_class(args_class.from_dict(text_config))
