@@ -262,3 +262,9 @@ def test_a_sparse_hf_text_config_is_completed_from_mlx_vlms_defaults(tiny_vlm_pa
         assert collect(engine.submit(request))[-1].finish_reason == "length"
     finally:
         engine.shutdown()
+
+
+def test_the_image_placeholder_typed_as_text_is_refused(vlm_engine) -> None:
+    placeholder = vlm_engine.layout.placeholder
+    with pytest.raises(ValueError, match="remove it from the text"):
+        vlm_engine.tokenize_chat([{"role": "user", "content": f"look: {placeholder}"}])

@@ -124,10 +124,14 @@ class VLMEngine(BatchedEngine):
             wanted = sum(1 for m in parts if isinstance(m.get("content"), list)
                          for p in m["content"] if p.get("type") == "image")
             written = text.count(layout.placeholder)
-            if written != wanted:
-                raise ValueError(f"the model's chat template wrote {written} image placeholders "
-                                 f"({layout.placeholder!r}) for {wanted} images; this model's "
-                                 "template cannot place these images")
+            if written > wanted:
+                raise ValueError(f"the messages' text holds this model's image placeholder "
+                                 f"{layout.placeholder!r} ({written - wanted} more than the images "
+                                 "sent); remove it from the text and send images as image parts")
+            if written < wanted:
+                raise ValueError(f"the model's chat template placed {written} of {wanted} images "
+                                 "(it renders images only in some messages); send the images in "
+                                 "user messages")
             text = text.replace(layout.placeholder, layout.expand())
             tokens = list(self.tokenizer.encode(text, add_special_tokens=False))
         if wanted and tokens and tokens[-1] == layout.image_token_id:
