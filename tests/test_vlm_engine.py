@@ -268,3 +268,17 @@ def test_the_image_placeholder_typed_as_text_is_refused(vlm_engine) -> None:
     placeholder = vlm_engine.layout.placeholder
     with pytest.raises(ValueError, match="remove it from the text"):
         vlm_engine.tokenize_chat([{"role": "user", "content": f"look: {placeholder}"}])
+
+
+def test_image_requests_honour_stop_strings_and_seeds(vlm_engine) -> None:
+    image = png((90, 20, 200), noise=12)
+    full = text_of(collect(vlm_engine.submit(image_request(vlm_engine, "full", [image], max_tokens=16))))
+    stop = next((full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip()), None)
+    if stop is None:
+        pytest.skip(f"the tiny model's answer {full!r} has no stop string to cut at")
+    cut = collect(vlm_engine.submit(image_request(vlm_engine, "cut", [image], max_tokens=16, stop=(stop,))))
+    assert cut[-1].finish_reason == "stop" and cut[-1].stop_sequence == stop
+    assert text_of(cut) == full[:full.index(stop)]
+    sampled = [tokens_of(collect(vlm_engine.submit(image_request(
+        vlm_engine, f"seeded{i}", [image], max_tokens=12, temperature=1.0, seed=7)))) for i in range(2)]
+    assert sampled[0] == sampled[1]
