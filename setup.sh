@@ -36,7 +36,7 @@ extras=()
 if [ "$(uname -s)" = Linux ]; then
   if command -v nvidia-smi >/dev/null 2>&1; then extras+=(cuda); else extras+=(cpu); fi
 fi
-extras+=(grammar)
+extras+=(grammar vlm)
 if [ "$mode" = test ]; then extras+=(test); fi
 spec="."
 if [ "${#extras[@]}" -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
@@ -53,6 +53,11 @@ echo "== installing omlx-core $spec"
 # metadata pins a training and benchmark stack (datasets, torch, transformers) that
 # dflash.model_mlx does not import. Pinned: the drafter is tested against this release.
 "${PIP[@]}" install --no-deps "dflash==0.1.0"
+# The vlm engine: mlx-vlm's metadata requires opencv, datasets, fastapi, mlx-audio and
+# more that the engine never imports; its real dependencies come with the vlm extra
+# above. Pinned: the engine reuses its models' get_input_embeddings merge and its
+# loader, tested against this release.
+"${PIP[@]}" install --no-deps "mlx-vlm==0.7.10"
 
 if [ "$mode" = serve ]; then
   exec "$VENV/bin/omlx-core" serve "$@"

@@ -103,8 +103,10 @@ def estimate_peak(query: PeakQuery) -> int | None:
     """Estimate the peak bytes a prefill will add on top of memory already in use.
 
     The query carries the model (dims from its config), ``new_tokens`` to prefill over
-    ``cached_tokens`` already resident, in chunks of ``chunk_size``. The estimate must
-    never undercount (that crashes machines) and should overcount by little.
+    ``cached_tokens`` already resident, in chunks of ``chunk_size``, and for a vision
+    model the ``images`` it encodes first (their vision-tower activations and features
+    are part of the peak). The estimate must never undercount (that crashes machines)
+    and should overcount by little.
 
     :param query: a :class:`~omlx_core.memory.types.PeakQuery`.
     :returns: peak bytes, or ``None`` to let the next implementation answer.

@@ -93,6 +93,38 @@ class SamplingParams:
         return {name for name in OPTIONAL_SAMPLING if getattr(self, name) != getattr(neutral, name)}
 
 
+@dataclass(frozen=True)
+class ImagePart:
+    """An image a chat message carries, as the client sent it: not decoded yet.
+
+    In ``messages`` it is the content part ``{"type": "image", "image": ImagePart}``
+    (chat templates render ``{"type": "image"}`` parts as the model's image
+    placeholder). Exactly one of ``data`` and ``path`` is set.
+    """
+
+    #: its position among the request's images, from 0
+    index: int
+    #: where the client put it, for error messages: ``"messages[0].content[1]"``
+    param: str
+    #: the encoded image (a data URL's or an Anthropic base64 block's bytes)
+    data: bytes | None = None
+    #: a local file the client named (``file://`` URL or path); an engine reads it only
+    #: inside a directory its operator allowed
+    path: str | None = None
+
+
+def images_of(messages: Sequence[Mapping[str, Any]] | None) -> list[ImagePart]:
+    """The :class:`ImagePart` items of ``messages``, in order."""
+    found: list[ImagePart] = []
+    for message in messages or ():
+        content = message.get("content")
+        if isinstance(content, (list, tuple)):
+            found.extend(part["image"] for part in content
+                         if isinstance(part, Mapping) and part.get("type") == "image"
+                         and isinstance(part.get("image"), ImagePart))
+    return found
+
+
 @dataclass
 class GenerationRequest:
     """A tokenized request, ready for an engine."""
@@ -100,6 +132,9 @@ class GenerationRequest:
     request_id: str
     prompt_tokens: Sequence[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    #: what the engine's :meth:`Engine.prepare_images` made of the request's images
+    #: (``None``: a text-only request)
+    images: Any = None
 
 
 @dataclass(frozen=True)
@@ -243,6 +278,9 @@ class Engine(abc.ABC):
     model: ModelSpec
     #: the :data:`OPTIONAL_SAMPLING` fields this engine honours
     supported_sampling: frozenset[str] = frozenset()
+    #: whether chat messages may carry images (:class:`ImagePart` content parts); the
+    #: pipeline refuses them with HTTP 400 for an engine that does not
+    accepts_images: bool = False
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -275,6 +313,23 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:
         """Stop a request within one engine step and free its cache. Unknown ids are ignored."""
+
+    def check_images(self, images: Sequence[ImagePart]) -> None:
+        """Refuse images that break the engine's limits without decoding any (their
+        count, their encoded size, where a local file lies): ``ValueError`` naming the
+        part (HTTP 400). Called only when :attr:`accepts_images`."""
+        raise ValueError(f"this engine takes no images ({images[0].param} is one)")
+
+    def prepare_images(self, images: Sequence[ImagePart]) -> Any:
+        """Decode and check ``images`` after preflight let the request through; what it
+        returns goes to :meth:`tokenize_chat` (``images=``) and
+        :attr:`GenerationRequest.images`. ``ValueError`` naming the part for an image
+        that is not one, is truncated, empty or too large (HTTP 400).
+
+        Until then, :meth:`tokenize_chat` without ``images`` counts every image at the
+        most tokens it can take, so preflight never undercounts a prompt it has not
+        decoded yet."""
+        raise ValueError(f"this engine takes no images ({images[0].param} is one)")
 
     def chat_template(self) -> str | None:
         """The model's chat template text, if it has one: the pipeline reads from it how

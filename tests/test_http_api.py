@@ -255,8 +255,15 @@ def error_of(body: dict[str, Any]) -> dict[str, Any]:
     ({"model": MODEL, "messages": CHAT, "max_tokens": 0}, "max_tokens", "at least 1"),
     ({"model": MODEL, "messages": [{"role": "user"}]}, "messages[0].content", "missing"),
     ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+     "messages[0].content[0].type", "content parts must be text or image_url"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content[0].type", "only text content parts"),
+     "messages[0].content[0].image_url", "image_url.url is missing"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]},
+     "messages[0].content[0]", "takes text only"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0].text", "text part needs its text"),
     ({"model": MODEL, "messages": CHAT, "tools": []}, "tools", "must not be empty"),
     ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "string"}}}]}, "tools[0].function.parameters",

@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from omlx_core.memory.estimate import ModelDims, PeakBreakdown, estimate_prefill_peak
+from omlx_core.memory.estimate import (
+    ModelDims,
+    PeakBreakdown,
+    VisionDims,
+    estimate_prefill_peak,
+    estimate_with_images,
+)
 from omlx_core.models.loader import activation_dtype_bytes
 
 #: estimate / measured must stay within these bounds
@@ -34,6 +40,11 @@ TARGET_MIN_RATIO = 1.00
 TARGET_MAX_RATIO = 1.15
 
 TINY_FAMILIES = ("llama", "qwen3", "gemma3", "qwen3_next", "qwen3_moe")
+#: tiny mlx-vlm models (:mod:`omlx_core.testing.vlm_models`), prefilled with images as
+#: the ``vlm`` engine does
+VLM_FAMILIES = ("vlm-llava", "vlm-gemma3")
+#: the image side of the VLM families' vision towers here (256 patches per image)
+VLM_IMAGE_SIZE = 224
 DEFAULT_MODEL = "default"
 
 # (prompt tokens, chunk size) per run; tiny models are cheap, so they go long.
@@ -44,6 +55,9 @@ FULL_TINY_GRID = tuple((n, c) for n in (64, 512, 2048, 8192) for c in (256, 512,
 FULL_DEFAULT_GRID = ((512, 256), (512, 512), (2048, 256), (2048, 512), (2048, 2048),
                      (4096, 256), (4096, 512), (4096, 4096), (8192, 2048))
 QUICK_TINY_GRID = ((128, 256), (1024, 256), (1024, 512))
+# (text tokens, images, chunk size) per VLM run
+FULL_VLM_GRID = tuple((n, i, c) for n in (512, 2048) for i in (1, 4) for c in (256, 512))
+QUICK_VLM_GRID = ((512, 1, 512), (512, 4, 512))
 QUICK_DEFAULT_GRID = ((512, 256), (1024, 512))
 
 
@@ -63,6 +77,8 @@ class BenchRow:
     chunk_size: int
     measured: PrefillMeasurement
     estimate: PeakBreakdown
+    #: images in the prompt (VLM families)
+    images: int = 0
 
     @property
     def ratio(self) -> float:
@@ -136,6 +152,107 @@ def measure_prefill_peak(model: Any, prompt: Sequence[int], chunk_size: int, *,
     return PrefillMeasurement(peak_bytes=peak, resident_bytes=resident, seconds=seconds)
 
 
+def measure_vlm_prefill_peak(vlm: Any, model: Any, prompt: Sequence[int], pixels: Any,
+                             image_token_id: int, chunk_size: int, *, family: str) -> PrefillMeasurement:
+    """Prefill a prompt with images the way the ``vlm`` engine does and measure its peak:
+    the pixels arrive, the vision tower and mlx-vlm's merge (over the image tokens
+    alone) make one feature row per image token, chunks covering image tokens are fed
+    as ``input_embeddings`` (their tokens' own with the image rows written over) until
+    the last image is passed, then the features are dropped and the last token joins a
+    ``BatchGenerator``."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import BatchGenerator, generation_stream
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = list(prompt)
+    image_positions = [i for i, t in enumerate(tokens) if t == image_token_id]
+    last_image = image_positions[-1] + 1
+    prompt_cache = make_prompt_cache(model)
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    started = time.perf_counter()
+    with mx.stream(generation_stream):
+        ids = mx.array([[image_token_id] * len(image_positions)])
+        kwargs = {"mask": mx.ones(ids.shape)} if family == "vlm-gemma3" else {}
+        features = vlm.get_input_embeddings(ids, mx.array(np.asarray(pixels)), **kwargs).inputs_embeds[0]
+        mx.eval(features)
+    del ids, kwargs
+    mx.clear_cache()
+    row_of = {position: row for row, position in enumerate(image_positions)}
+    start, stop = 0, len(tokens) - 1
+    while start < stop:
+        end = min(start + chunk_size, stop)
+        with mx.stream(generation_stream):
+            chunk = mx.array(tokens[start:end])
+            local = [p - start for p in range(start, end) if p in row_of]
+            if local:
+                embeddings = model.model.embed_tokens(chunk)
+                embeddings[mx.array(local)] = features[mx.array([row_of[p + start] for p in local])]
+                model(chunk[None], cache=prompt_cache, input_embeddings=embeddings[None])
+                del embeddings
+            else:
+                model(chunk[None], cache=prompt_cache)
+            mx.eval([layer.state for layer in prompt_cache])
+        if end >= last_image:
+            features = None
+        mx.clear_cache()
+        start = end
+    generator = BatchGenerator(model, completion_batch_size=1, prefill_batch_size=1,
+                               prefill_step_size=chunk_size)
+    generator.insert([[tokens[-1]]], max_tokens=[1], caches=[prompt_cache], all_tokens=[tokens[:-1]])
+    del prompt_cache
+    while not generator.next_generated():
+        pass
+    mx.synchronize()
+    peak = mx.get_peak_memory() - before
+    resident = mx.get_active_memory() - before
+    seconds = time.perf_counter() - started
+    generator.close()
+    del generator
+    gc.collect()
+    mx.clear_cache()
+    return PrefillMeasurement(peak_bytes=peak, resident_bytes=resident, seconds=seconds)
+
+
+def run_vlm_model(family: str, model_path: Path, grid: Iterable[tuple[int, int, int]],
+                  progress: Any = None) -> list[BenchRow]:
+    """Measure and estimate every (text tokens, images, chunk) of ``grid`` on one VLM:
+    the images sit after a short system turn, the text after them."""
+    import numpy as np
+
+    from omlx_core.plugins.vlm.model import load_vlm
+
+    vlm, model, config = load_vlm(model_path)
+    dims = ModelDims.from_config(config)
+    vision = VisionDims.from_config(config)
+    dtype_bytes = activation_dtype_bytes(model)
+    image_id = int(config["image_token_index"])
+    per_image = (int(config["vision_config"]["image_size"]) // int(config["vision_config"]["patch_size"])) ** 2
+    per_image = int(config.get("mm_tokens_per_image") or per_image)
+    side = int(config["vision_config"]["image_size"])
+    rows = []
+    for text_tokens, images, chunk in grid:
+        if progress is not None:
+            progress.set_postfix_str(f"{family} {text_tokens} tok + {images} img / chunk {chunk}")
+        text = random_prompt(text_tokens, 500, seed=images)
+        prompt = text[:16] + [image_id] * (per_image * images) + text[16:]
+        pixels = np.random.default_rng(images).standard_normal((images, 3, side, side)).astype(np.float32)
+        measured = measure_vlm_prefill_peak(vlm, model, prompt, pixels, image_id, chunk, family=family)
+        text_estimate = estimate_prefill_peak(dims, len(prompt), 0, chunk, dtype_bytes=dtype_bytes)
+        estimate = estimate_with_images(dims, vision, text_estimate, images=images,
+                                        new_tokens=len(prompt),
+                                        dtype_bytes=dtype_bytes)
+        rows.append(BenchRow(family, len(prompt), chunk, measured, estimate, images))
+        if progress is not None:
+            progress.update(1)
+    del vlm, model
+    return rows
+
+
 def random_prompt(length: int, vocab_size: int, seed: int = 0) -> list[int]:
     """Token ids drawn uniformly (seeded) from ``[3, vocab_size)``; ids 0-2 are specials."""
     rng = random.Random(seed)
@@ -170,6 +287,27 @@ def _mib(value: int) -> str:
 
 def format_table(rows: Sequence[BenchRow]) -> str:
     """The results as a markdown table, then a per-family min/max ratio summary."""
+    text_rows = [row for row in rows if not row.images]
+    vlm_rows = [row for row in rows if row.images]
+    parts = [_format_rows(text_rows)] if text_rows else []
+    if vlm_rows:
+        parts.append(_format_vlm_rows(vlm_rows))
+    return "\n\n".join(parts)
+
+
+def _format_vlm_rows(rows: Sequence[BenchRow]) -> str:
+    lines = ["| family | prompt | images | chunk | measured MiB | estimate MiB | ratio | dominant | seconds |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for row in rows:
+        flag = "" if row.within_target else " ⚠"
+        lines.append(f"| {row.family} | {row.prompt_tokens} | {row.images} | {row.chunk_size} | "
+                     f"{_mib(row.measured.peak_bytes)} | {_mib(row.estimate.total)} | "
+                     f"{row.ratio:.3f}{flag} | {row.estimate.dominant} | {row.measured.seconds:.1f} |")
+    lines += _summary(rows)
+    return "\n".join(lines)
+
+
+def _format_rows(rows: Sequence[BenchRow]) -> str:
     lines = ["| family | prompt | chunk | measured MiB | estimate MiB | ratio | dominant | seconds |",
              "|---|---:|---:|---:|---:|---:|---|---:|"]
     for row in rows:
@@ -177,13 +315,18 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         lines.append(f"| {row.family} | {row.prompt_tokens} | {row.chunk_size} | "
                      f"{_mib(row.measured.peak_bytes)} | {_mib(row.estimate.total)} | "
                      f"{row.ratio:.3f}{flag} | {row.estimate.dominant} | {row.measured.seconds:.1f} |")
-    lines += ["", "| family | runs | min ratio | max ratio | within target |",
-              "|---|---:|---:|---:|---:|"]
+    lines += _summary(rows)
+    return "\n".join(lines)
+
+
+def _summary(rows: Sequence[BenchRow]) -> list[str]:
+    lines = ["", "| family | runs | min ratio | max ratio | within target |",
+             "|---|---:|---:|---:|---:|"]
     for family, group in _by_family(rows).items():
         ratios = [r.ratio for r in group]
         ok = sum(r.within_target for r in group)
         lines.append(f"| {family} | {len(group)} | {min(ratios):.3f} | {max(ratios):.3f} | {ok}/{len(group)} |")
-    return "\n".join(lines)
+    return lines
 
 
 def _by_family(rows: Sequence[BenchRow]) -> dict[str, list[BenchRow]]:
@@ -212,7 +355,12 @@ def render_markdown(rows: Sequence[BenchRow], command: str, seconds: float) -> s
         "evaluated per chunk, last token through `BatchGenerator`). *estimate*: "
         "`estimate_prefill_peak` from the model's `config.json`. *ratio* = estimate / "
         f"measured; target {TARGET_MIN_RATIO:.2f} to {TARGET_MAX_RATIO:.2f} (⚠ marks a miss). "
-        "*dominant*: the estimate's largest component. Prompts are random token ids.",
+        "*dominant*: the estimate's largest component. Prompts are random token ids. The "
+        "second table's vision models (`vlm-*`, tiny mlx-vlm models with "
+        f"{VLM_IMAGE_SIZE}-pixel images) are prefilled as the `vlm` engine runs them: the "
+        "images encoded first (vision tower, projector, one feature row per image token), "
+        "chunks covering image tokens fed as input embeddings; their estimate adds "
+        "`estimate_vision_peak` and the held image features to the text prefill's.",
         "",
         f"Result: {verdict}.",
         "",
@@ -241,8 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (a minute or two)")
     parser.add_argument("--out", type=Path, help="write the results as markdown to this file")
-    parser.add_argument("--families", default=",".join(TINY_FAMILIES + (DEFAULT_MODEL,)),
-                        help="comma-separated tiny families and/or 'default' (the SmolLM2 default model)")
+    parser.add_argument("--families", default=",".join(TINY_FAMILIES + VLM_FAMILIES + (DEFAULT_MODEL,)),
+                        help="comma-separated tiny families (vlm-* are vision models, prefilled "
+                             "with images) and/or 'default' (the SmolLM2 default model)")
     args = parser.parse_args(argv)
 
     import mlx.core as mx
@@ -251,19 +400,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omlx_core.testing import cached_model
 
     families = [f.strip() for f in args.families.split(",") if f.strip()]
-    unknown = [f for f in families if f not in TINY_FAMILIES + (DEFAULT_MODEL,)]
+    known = TINY_FAMILIES + VLM_FAMILIES + (DEFAULT_MODEL,)
+    unknown = [f for f in families if f not in known]
     if unknown:
-        parser.error(f"unknown families {unknown}; choose from {', '.join(TINY_FAMILIES + (DEFAULT_MODEL,))}")
+        parser.error(f"unknown families {unknown}; choose from {', '.join(known)}")
     tiny_grid = QUICK_TINY_GRID if args.quick else FULL_TINY_GRID
     default_grid = QUICK_DEFAULT_GRID if args.quick else FULL_DEFAULT_GRID
-    plan = [(f, default_grid if f == DEFAULT_MODEL else tiny_grid) for f in families]
+    vlm_grid = QUICK_VLM_GRID if args.quick else FULL_VLM_GRID
+    plan = [(f, default_grid if f == DEFAULT_MODEL else vlm_grid if f in VLM_FAMILIES else tiny_grid)
+            for f in families]
 
+    import tempfile
+
+    vlm_dir = tempfile.TemporaryDirectory(prefix="omlx-bench-vlms-")
     started = time.perf_counter()
     rows: list[BenchRow] = []
     with tqdm(total=sum(len(g) for _, g in plan), unit="run", desc="prefill peaks") as progress:
         for family, grid in plan:
-            path = _default_model_path() if family == DEFAULT_MODEL else cached_model(family)
-            rows += run_model(family, path, grid, progress)
+            if family in VLM_FAMILIES:
+                from omlx_core.testing.vlm_models import build_vlm_model
+
+                path = build_vlm_model(family.removeprefix("vlm-"),
+                                       Path(vlm_dir.name) / family, image_size=VLM_IMAGE_SIZE)
+                rows += run_vlm_model(family, path, grid, progress)
+            else:
+                path = _default_model_path() if family == DEFAULT_MODEL else cached_model(family)
+                rows += run_model(family, path, grid, progress)
             mx.clear_cache()
     elapsed = time.perf_counter() - started
 

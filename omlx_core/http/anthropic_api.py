@@ -8,9 +8,10 @@ from typing import Any, Iterator, Mapping
 
 import falcon
 
-from omlx_core.engine import SamplingParams
+from omlx_core.engine import ImagePart, SamplingParams
 from omlx_core.http.body import read_request
-from omlx_core.http.errors import anthropic_error_body, api_error
+from omlx_core.http.errors import anthropic_error_body, api_error, bad_request
+from omlx_core.http.images import anthropic_image
 from omlx_core.http.schemas import MESSAGES_REQUEST
 from omlx_core.http.sse import Responder, frame
 from omlx_core.grammar.toolcalls import ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
@@ -23,12 +24,30 @@ def _text(content: Any) -> str:
     return "".join(block.get("text", "") for block in content if block["type"] == "text")
 
 
-def _chat_messages(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _with_images(content: list[Mapping[str, Any]], index: int,
+                 images: list[ImagePart]) -> list[dict[str, Any]]:
+    """Text and image blocks as chat content parts (image blocks as ImageParts)."""
+    parts: list[dict[str, Any]] = []
+    for position, block in enumerate(content):
+        if block["type"] == "image":
+            images.append(anthropic_image(block, f"messages[{index}].content[{position}]", len(images)))
+            parts.append({"type": "image", "image": images[-1]})
+        elif block["type"] == "text":
+            parts.append({"type": "text", "text": block.get("text", "")})
+    return parts
+
+
+def _chat_messages(message: Mapping[str, Any], index: int, images: list[ImagePart]) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: tool results become ``tool`` messages,
-    tool uses the assistant's ``tool_calls``."""
+    tool uses the assistant's ``tool_calls``, image blocks image parts."""
     content = message["content"]
     if isinstance(content, str):
         return [{"role": message["role"], "content": content}]
+    if any(b["type"] == "image" for b in content):
+        if any(b["type"] in ("tool_use", "tool_result") for b in content):
+            raise bad_request(f"messages[{index}]: send images in a message of their own, not "
+                              "next to tool_use or tool_result blocks", f"messages[{index}].content")
+        return [{"role": message["role"], "content": _with_images(content, index, images)}]
     out: list[dict[str, Any]] = []
     results = [b for b in content if b["type"] == "tool_result"]
     for block in results:
@@ -51,7 +70,9 @@ def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     messages = []
     if body.get("system") is not None:
         messages.append({"role": "system", "content": _text(body["system"])})
-    return messages + [m for message in body["messages"] for m in _chat_messages(message)]
+    images: list[ImagePart] = []
+    return messages + [m for index, message in enumerate(body["messages"])
+                       for m in _chat_messages(message, index, images)]
 
 
 def tools_of(body: Mapping[str, Any]) -> ToolRequest | None:

@@ -7,10 +7,11 @@ from typing import Any, Iterator, Mapping
 
 import falcon
 
-from omlx_core.engine import SamplingParams, TokenLogprob
+from omlx_core.engine import ImagePart, SamplingParams, TokenLogprob
 from omlx_core.grammar import GrammarSpec
 from omlx_core.http.body import read_request
 from omlx_core.http.errors import api_error, bad_request, openai_error_body
+from omlx_core.http.images import openai_image
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST
 from omlx_core.http.sse import KEEPALIVE, Responder, frame
 from omlx_core.grammar.toolcalls import ToolCallArgumentsDelta, ToolCallStart
@@ -80,14 +81,35 @@ def _message_text(content: Any) -> str:
     return "".join(part["text"] for part in content)
 
 
-def _chat_message(message: Mapping[str, Any], index: int) -> dict[str, Any]:
+def _content(content: Any, index: int, images: list[ImagePart]) -> Any:
+    """Text, or a list of text and image parts when the message has images."""
+    if isinstance(content, str) or not any(part["type"] == "image_url" for part in content):
+        for position, part in enumerate(content if not isinstance(content, str) else ()):
+            if not isinstance(part.get("text"), str):
+                param = f"messages[{index}].content[{position}].text"
+                raise bad_request(f"{param} is missing: a text part needs its text", param)
+        return _message_text(content)
+    parts: list[dict[str, Any]] = []
+    for position, part in enumerate(content):
+        param = f"messages[{index}].content[{position}]"
+        if part["type"] == "image_url":
+            images.append(openai_image(part, param, len(images)))
+            parts.append({"type": "image", "image": images[-1]})
+        elif not isinstance(part.get("text"), str):
+            raise bad_request(f"{param}.text is missing: a text part needs its text", f"{param}.text")
+        else:
+            parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _chat_message(message: Mapping[str, Any], index: int, images: list[ImagePart]) -> dict[str, Any]:
     role = "system" if message["role"] == "developer" else message["role"]
     content = message.get("content")
     if content is None and not (role == "assistant" and message.get("tool_calls")):
         raise bad_request(f"messages[{index}].content is missing; only an assistant message "
                           "with tool_calls may leave it out", f"messages[{index}].content")
     result: dict[str, Any] = {"role": role,
-                              "content": None if content is None else _message_text(content)}
+                              "content": None if content is None else _content(content, index, images)}
     for key in ("tool_calls", "tool_call_id", "name"):
         if message.get(key) is not None:
             result[key] = message[key]
@@ -95,7 +117,8 @@ def _chat_message(message: Mapping[str, Any], index: int) -> dict[str, Any]:
 
 
 def chat_job(body: Mapping[str, Any]) -> Job:
-    messages = [_chat_message(m, i) for i, m in enumerate(body["messages"])]
+    images: list[ImagePart] = []
+    messages = [_chat_message(m, i, images) for i, m in enumerate(body["messages"])]
     given = body.get("max_completion_tokens")
     param = "max_completion_tokens"
     if given is None:

@@ -40,6 +40,26 @@ TEXT_PART = {
     },
 }
 
+CONTENT_PART = {
+    "type": "object",
+    "description": "a text or image_url content part (images: a vision model only; data URLs, "
+                   "or local files where the operator allows a directory; remote URLs are not fetched)",
+    "required": ["type"],
+    "properties": {
+        "type": {"enum": ["text", "image_url"],
+                 "x-error": "content parts must be text or image_url"},
+        "text": {"type": "string"},
+        "image_url": {
+            "type": "object",
+            "required": ["url"],
+            "properties": {
+                "url": {"type": "string", "minLength": 1},
+                "detail": {"enum": ["auto", "low", "high"]},
+            },
+        },
+    },
+}
+
 _SAMPLING = {
     "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2,
                               "description": "0 is greedy decoding; default 1"}),
@@ -100,7 +120,7 @@ CHAT_MESSAGE = {
         "content": {"anyOf": [
             {"type": "null"},
             {"type": "string"},
-            {"type": "array", "items": TEXT_PART},
+            {"type": "array", "items": CONTENT_PART},
         ]},
         "name": {"type": "string"},
         "tool_calls": {"type": "array", "items": TOOL_CALL},
@@ -194,9 +214,19 @@ ANTHROPIC_CONTENT_BLOCK = {
     "type": "object",
     "required": ["type"],
     "properties": {
-        "type": {"enum": ["text", "tool_use", "tool_result"],
-                 "x-error": "content blocks must be text, tool_use or tool_result"},
+        "type": {"enum": ["text", "image", "tool_use", "tool_result"],
+                 "x-error": "content blocks must be text, image, tool_use or tool_result"},
         "text": {"type": "string"},
+        "source": {
+            "type": "object",
+            "required": ["type"],
+            "properties": {
+                "type": {"type": "string"},
+                "media_type": {"type": "string"},
+                "data": {"type": "string"},
+                "url": {"type": "string"},
+            },
+        },
         "id": {"type": "string"},
         "name": {"type": "string"},
         "input": {"type": "object"},

@@ -331,7 +331,8 @@ class PrefillForwardGate(ForwardGate):
             model_config=step.model_config, new_tokens=chunk.new_tokens,
             cached_tokens=chunk.cached_tokens, chunk_size=max(1, chunk_size),
             dtype_bytes=self.dtype_bytes, full_logits=self.full_logits, model_id=step.model_id,
-            first_token=last, cached_kv_resident=True, backend=self.backend))
+            first_token=last, cached_kv_resident=True, backend=self.backend,
+            images=chunk.images))
 
     def _reason(self, step: PrefillStep, chunk: PrefillChunk, peak: int, base: int,
                 limits: LimitSnapshot, *, shared: bool = False, waits: bool = False

@@ -80,6 +80,9 @@ class PrefillChunk:
     reused_tokens: int = 0
     #: chunks with the same number share one forward; ``None``: this chunk runs alone
     forward: int | None = None
+    #: images the forward encodes first (a vision model's prompt): their vision-tower
+    #: activations and the prompt's merged embeddings come on top of the chunk's peak
+    images: int = 0
 
 
 @dataclass(frozen=True)

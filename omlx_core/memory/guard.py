@@ -168,9 +168,10 @@ class MemoryGuard:
     # -- estimates ---------------------------------------------------------------------
 
     def peak_query(self, engine: Engine, prompt_tokens: Sequence[int],
-                   extra_tokens: int = 0) -> PeakQuery:
+                   extra_tokens: int = 0, images: int = 0) -> PeakQuery:
         """The ``estimate_peak`` question for prefilling ``prompt_tokens`` on ``engine``,
-        plus ``extra_tokens`` of KV (the completion) where admission reserves it."""
+        plus ``extra_tokens`` of KV (the completion) where admission reserves it, after
+        encoding ``images`` images into the prompt's embeddings."""
         hints = memory_hints_of(engine)
         cached = min(int(engine.cached_tokens(prompt_tokens)), max(0, len(prompt_tokens) - 1))
         return PeakQuery(
@@ -178,7 +179,8 @@ class MemoryGuard:
             new_tokens=len(prompt_tokens) - cached + extra_tokens, cached_tokens=cached,
             chunk_size=hints.prefill_step_size, dtype_bytes=hints.activation_dtype_bytes,
             full_logits=hints.prefill_full_logits, model_id=engine.model.id,
-            cached_kv_resident=hints.cached_kv_resident, backend=self.backend)
+            cached_kv_resident=hints.cached_kv_resident, backend=self.backend,
+            images=images)
 
     def estimate(self, query: PeakQuery) -> int | None:
         result = self.plugins.hook.estimate_peak(query=query)
@@ -206,9 +208,10 @@ class MemoryGuard:
     # -- the stages before the first byte -----------------------------------------------
 
     def preflight(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int], *,
-                  max_tokens: int = 0) -> None:
+                  max_tokens: int = 0, images: int = 0) -> None:
         """Raise :class:`RequestRejected` (stage ``"preflight"``) if the request can never
-        fit: its prefill, or the KV of its prompt and ``max_tokens`` completion tokens."""
+        fit: its prefill (after encoding its ``images``), or the KV of its prompt and
+        ``max_tokens`` completion tokens."""
         snapshot = self._snapshot
         if snapshot is not None and self.admission.idle():
             # The enforcer's baseline is at most a poll old; on an idle server the truth
@@ -216,7 +219,7 @@ class MemoryGuard:
             # forward gate, which reads current use, then refuses half-way.
             snapshot = replace(snapshot, baseline_bytes=max(
                 0, self.usage.resident() - min(self.usage.resident(), self.reclaimable_bytes())))
-        query = self.peak_query(engine, prompt_tokens)
+        query = self.peak_query(engine, prompt_tokens, images=images)
         estimated = self.estimate(query)
         request = PreflightRequest(
             request_id=request_id, model_id=engine.model.id, prompt_tokens=len(prompt_tokens),
@@ -232,7 +235,7 @@ class MemoryGuard:
             raise self.advised(error) from None
 
     def admit(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int], *,
-              max_tokens: int) -> AdmissionTicket:
+              max_tokens: int, images: int = 0) -> AdmissionTicket:
         """Block until the request fits next to the running ones; see :mod:`.admission`.
 
         The reservation covers the prompt's prefill and the KV of its first
@@ -242,8 +245,9 @@ class MemoryGuard:
         """
         hints = memory_hints_of(engine)
         soon = min(max_tokens, self.decode_reserve_tokens)
-        estimated = self.estimate(self.peak_query(engine, prompt_tokens, extra_tokens=soon))
-        prompt_only = self.estimate(self.peak_query(engine, prompt_tokens))
+        estimated = self.estimate(self.peak_query(engine, prompt_tokens, extra_tokens=soon,
+                                                  images=images))
+        prompt_only = self.estimate(self.peak_query(engine, prompt_tokens, images=images))
         decode = max(0, (estimated or 0) - (prompt_only or 0))
         batch = id(engine) if hints.decode_batch_padded else None
         try:

@@ -110,6 +110,10 @@ class PeakQuery:
     cached_kv_resident: bool = True
     #: "cpu", "cuda" or "metal": whether attention scores materialize (cpu, cuda)
     backend: str = "cpu"
+    #: images a vision model encodes before this prefill: their vision-tower activations
+    #: are part of its peak, their features (one row per image token) are held while
+    #: prefill feeds them
+    images: int = 0
 
 
 @dataclass(frozen=True)

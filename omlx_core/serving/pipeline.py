@@ -40,9 +40,11 @@ from omlx_core.engine import (
     EngineLimits,
     GenerationOutput,
     GenerationRequest,
+    ImagePart,
     RequestHandle,
     SamplingParams,
     TokenLogprob,
+    images_of,
 )
 from omlx_core.grammar import GrammarError
 from omlx_core.memory.types import RequestRejected
@@ -326,6 +328,9 @@ class ServingPipeline:
         it: what Anthropic's ``count_tokens`` answers."""
         engine = self.engine(job.model_id)
         job, _ = self._with_tools(engine, job)
+        images = images_of(job.messages)
+        if images:
+            self._require_image_support(engine, job, images)
         return len(self._tokenize(engine, job, engine.limits()))
 
     # -- starting a request --------------------------------------------------------------
@@ -353,13 +358,18 @@ class ServingPipeline:
             limits = engine.limits()
             job, tool_turn = self._with_tools(engine, job)
             self._check_supported(engine, job)
+            request_id = job.id_prefix + uuid.uuid4().hex
+            images = images_of(job.messages)
+            prepared = None
+            if images:
+                prepared = self._prepare_images(engine, job, images, limits, request_id)
+                job = replace(job, template_kwargs={**job.template_kwargs, "images": prepared})
             tokens = self._tokenize(engine, job, limits)
             sampling = self._settle_max_tokens(job, limits, len(tokens))
             self._check_token_ids(sampling, limits)
-            request_id = job.id_prefix + uuid.uuid4().hex
-            release = self._reserve(engine, request_id, tokens, sampling.max_tokens)
+            release = self._reserve(engine, request_id, tokens, sampling.max_tokens, images=len(images))
             try:
-                handle = engine.submit(GenerationRequest(request_id, tokens, sampling))
+                handle = engine.submit(GenerationRequest(request_id, tokens, sampling, images=prepared))
             except GrammarError as exc:
                 release()
                 raise InvalidRequest(str(exc), exc.field, "invalid_grammar") from None
@@ -451,6 +461,40 @@ class ServingPipeline:
                 f"{', '.join(unsupported)}; leave {'them' if len(unsupported) > 1 else 'it'} "
                 "unset or serve the model with the 'batched' engine", unsupported[0])
 
+    def _prepare_images(self, engine: Engine, job: Job, images: list[ImagePart],
+                        limits: EngineLimits, request_id: str) -> Any:
+        """Check a chat request's images, preflight it with each image at the most tokens
+        it can take, and only then decode them (:meth:`Engine.prepare_images`)."""
+        self._require_image_support(engine, job, images)
+        guard = self.context.memory_guard
+        if guard is not None:
+            # Before any image is decoded: the bound counts each at its largest.
+            bound = self._tokenize(engine, job, limits)
+            sampling = self._settle_max_tokens(job, limits, len(bound))
+            try:
+                guard.preflight(engine, request_id, bound, max_tokens=sampling.max_tokens or 0,
+                                images=len(images))
+            except RequestRejected as error:
+                self.events.rejected(engine.model.id, error)
+                raise
+        try:
+            return engine.prepare_images(images)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), _image_param(exc, images), "invalid_image") from None
+
+    def _require_image_support(self, engine: Engine, job: Job, images: list[ImagePart]) -> None:
+        """Refuse images a text-only engine would get, or that break the engine's limits
+        before any is decoded (count, size, where a local file lies)."""
+        if not engine.accepts_images:
+            raise InvalidRequest(
+                f"model {job.model_id!r} takes text only: its engine does not accept images "
+                f"({images[0].param} is one); remove the image parts, or ask for a vision "
+                "model (one served with engine = \"vlm\")", images[0].param, "images_not_supported")
+        try:
+            engine.check_images(images)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), _image_param(exc, images), "invalid_image") from None
+
     def _tokenize(self, engine: Engine, job: Job, limits: EngineLimits) -> list[int]:
         try:
             if job.messages is not None:
@@ -502,14 +546,15 @@ class ServingPipeline:
                                      f"(0..{vocab - 1})", param)
 
     def _reserve(self, engine: Engine, request_id: str, tokens: list[int],
-                 max_tokens: int) -> Callable[[], None]:
+                 max_tokens: int, images: int = 0) -> Callable[[], None]:
         """Preflight and admission; returns the callable that gives the reservation back."""
         guard = self.context.memory_guard
         if guard is None:
             return lambda: None
         try:
-            guard.preflight(engine, request_id, tokens, max_tokens=max_tokens)
-            ticket: AdmissionTicket = guard.admit(engine, request_id, tokens, max_tokens=max_tokens)
+            guard.preflight(engine, request_id, tokens, max_tokens=max_tokens, images=images)
+            ticket: AdmissionTicket = guard.admit(engine, request_id, tokens, max_tokens=max_tokens,
+                                                  images=images)
         except RequestRejected as error:
             self.events.rejected(engine.model.id, error)
             raise
@@ -520,6 +565,13 @@ class ServingPipeline:
         aborted = self.in_flight.abort_all()
         self.in_flight.stop()
         return aborted
+
+
+def _image_param(exc: Exception, images: list[ImagePart]) -> str:
+    """The image part an engine's message names (it starts with the part's param)."""
+    message = str(exc)
+    named = [part.param for part in images if message.startswith(part.param)]
+    return max(named, key=len) if named else images[0].param
 
 
 def _is_template_error(exc: Exception) -> bool:

@@ -23,3 +23,17 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return cached_model(family, seed, cache_dir=root)
 
     return model_path
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """A factory ``tiny_vlm_path(family, seed=0) -> Path`` of tiny mlx-vlm models
+    (:mod:`omlx_core.testing.vlm_models`), each built once per session."""
+    from omlx_core.testing.vlm_models import cached_vlm_model
+
+    root = tmp_path_factory.mktemp("tiny-vlms")
+
+    def model_path(family: str, seed: int = 0) -> Path:
+        return cached_vlm_model(family, seed, cache_dir=root)
+
+    return model_path

@@ -337,7 +337,7 @@ class BatchedEngine(GuardedEngine):
         if len(request.prompt_tokens) == 0:
             raise ValueError("prompt_tokens is empty; a request needs at least one prompt token")
         check_sampling(request.sampling)
-        sequence = new_sequence(request)
+        sequence = self._new_sequence(request)
         if request.sampling.grammar is not None:
             # Compiled here, on the request's thread and bounded in time, not on the MLX
             # thread; an unusable grammar raises GrammarError (HTTP 400 naming its field).
@@ -349,6 +349,10 @@ class BatchedEngine(GuardedEngine):
         handle = BatchedRequestHandle(request.request_id, sequence.outputs, self.abort)
         scheduler.enqueue(sequence)
         return handle
+
+    def _new_sequence(self, request: GenerationRequest) -> Any:
+        """The scheduler state of a validated ``request``."""
+        return new_sequence(request)
 
     def abort(self, request_id: str) -> None:
         scheduler = self.scheduler

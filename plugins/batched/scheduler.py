@@ -430,6 +430,11 @@ class Scheduler(MemoryReceiver):
             if sequence is not None:
                 self._abort_sequence(sequence)
 
+    def cache_key(self, sequence: SequenceState) -> list[int]:
+        """What the prefix cache keys ``sequence``'s context by: its tokens here; an
+        engine whose prompts hold more than tokens (images) keys that in as well."""
+        return sequence.context
+
     def _free_slots(self) -> int:
         return self.max_batch_size - len(self._prefilling) - len(self._decoding)
 
@@ -448,7 +453,7 @@ class Scheduler(MemoryReceiver):
             blocks: list[CachedBlock] = []
             tail, tail_tokens = None, 0
             if self.prefix_cache.enabled:
-                prefix = sequence.context[:sequence.prefill_target]
+                prefix = self.cache_key(sequence)[:sequence.prefill_target]
                 sequence.block_hashes = self.prefix_cache.hashes(prefix)
                 # Tails are only ever stored for models whose every layer can be cut.
                 blocks, tail, tail_tokens = self.prefix_cache.lookup_prefix(sequence.block_hashes, prefix)
@@ -678,7 +683,7 @@ class Scheduler(MemoryReceiver):
             return
         self._store_prefill_blocks(sequence)
         if end == sequence.prefill_target:
-            self._store_tail(sequence.cache, sequence.context[:end], sequence.block_hashes)
+            self._store_tail(sequence.cache, self.cache_key(sequence)[:end], sequence.block_hashes)
 
     def _store_prefill_blocks(self, sequence: SequenceState) -> None:
         """Put the blocks prefill just completed into the prefix cache."""
@@ -699,7 +704,7 @@ class Scheduler(MemoryReceiver):
             kv = self.layout.cut(sequence.cache, index * block_size, (index + 1) * block_size)
             blocks.append(self.layout.make_block(
                 block_hash, parent, index, block_size, kv, boundary,
-                sequence.context[index * block_size:(index + 1) * block_size]))
+                self.cache_key(sequence)[index * block_size:(index + 1) * block_size]))
             if boundary is not None and self.boundary_listener is not None:
                 self._announce_boundary(sequence, blocks[-1])
         self.prefix_cache.insert(blocks, chain=sequence.block_hashes[:complete])

@@ -1,6 +1,9 @@
 """The built-in ``estimator`` plugin: ``estimate_peak`` from a model's ``config.json``.
 
-It answers with :func:`omlx_core.memory.estimate.estimate_prefill_peak`. A config it
+It answers with :func:`omlx_core.memory.estimate.estimate_prefill_peak` (for a vision
+model's prompt with images, combined with
+:func:`~omlx_core.memory.estimate.estimate_vision_peak`: the vision tower's activations
+and the merged embeddings are part of the prefill peak). A config it
 cannot read (a dim missing or not a positive integer, an architecture whose layers it
 does not model) is logged as an error once per model and answered with ``None``, so the
 guard reports that no estimator covers the model instead of trusting a guess.
@@ -11,7 +14,13 @@ from __future__ import annotations
 import logging
 
 from omlx_core.hookspecs import hookimpl
-from omlx_core.memory.estimate import EstimatorDisabledError, ModelDims, estimate_prefill_peak
+from omlx_core.memory.estimate import (
+    EstimatorDisabledError,
+    ModelDims,
+    VisionDims,
+    estimate_prefill_peak,
+    estimate_with_images,
+)
 from omlx_core.memory.types import PeakQuery
 
 log = logging.getLogger(__name__)
@@ -43,6 +52,18 @@ def estimate_peak(query: PeakQuery) -> int | None:
         dtype_bytes=query.dtype_bytes, kv_bits=query.kv_bits, kv_group_size=query.kv_group_size,
         full_logits=query.full_logits, first_token=query.first_token,
         cached_kv_resident=query.cached_kv_resident, backend=query.backend)
+    if query.images:
+        try:
+            vision_dims = VisionDims.from_config(query.model_config)
+        except EstimatorDisabledError as exc:
+            reason = f"the request has images but {exc}"
+            if _disabled.get(key) != reason:
+                _disabled[key] = reason
+                log.error("prefill memory estimator cannot cost images for model %r: %s", key, exc)
+            return None
+        breakdown = estimate_with_images(
+            dims, vision_dims, breakdown, images=query.images, new_tokens=query.new_tokens,
+            dtype_bytes=query.dtype_bytes, kv_bits=query.kv_bits, kv_group_size=query.kv_group_size)
     log.debug("prefill estimate for model %r: %s", key, breakdown.describe())
     return breakdown.total
 
