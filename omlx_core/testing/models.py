@@ -15,7 +15,7 @@ import tempfile
 import threading
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omlx_core.testing.tokenizer import IM_END, VOCAB_SIZE, build_tokenizer, special_token_id
 
@@ -213,8 +213,10 @@ _cached_paths: dict[tuple[str, int, str], Path] = {}
 _default_cache_dir: tempfile.TemporaryDirectory | None = None
 
 
-def cached_model(family: str, seed: int = 0, *, cache_dir: Path | None = None) -> Path:
-    """Path of a ``family`` model built once per process (float32, no overrides).
+def cached_build(name: str, build: Callable[[Path], Any], seed: int,
+                 cache_dir: Path | None) -> Path:
+    """Path of the model ``build(directory)`` writes, built once per process as
+    ``<cache_dir>/<name>-seed<seed>``.
 
     Built under ``cache_dir`` when given, else under a temporary directory removed at
     interpreter exit. A directory left by another process is rebuilt, never trusted.
@@ -225,15 +227,15 @@ def cached_model(family: str, seed: int = 0, *, cache_dir: Path | None = None) -
             if _default_cache_dir is None:
                 _default_cache_dir = tempfile.TemporaryDirectory(prefix="omlx-test-models-")
             cache_dir = Path(_default_cache_dir.name)
-        cache_key = (family, seed, str(Path(cache_dir).resolve()))
+        cache_key = (name, seed, str(Path(cache_dir).resolve()))
         if cache_key in _cached_paths:
             return _cached_paths[cache_key]
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        target = Path(cache_dir) / f"{family}-seed{seed}"
+        target = Path(cache_dir) / f"{name}-seed{seed}"
         # Build beside the target and swap it in, so a reader never sees half a model.
-        staging = Path(tempfile.mkdtemp(prefix=f".{family}-seed{seed}-", dir=cache_dir))
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-seed{seed}-", dir=cache_dir))
         try:
-            build_model(family, staging, seed=seed)
+            build(staging)
             if target.exists():
                 shutil.rmtree(target)
             staging.rename(target)
@@ -242,3 +244,10 @@ def cached_model(family: str, seed: int = 0, *, cache_dir: Path | None = None) -
             raise
         _cached_paths[cache_key] = target
         return target
+
+
+def cached_model(family: str, seed: int = 0, *, cache_dir: Path | None = None) -> Path:
+    """Path of a ``family`` model built once per process (float32, no overrides); see
+    :func:`cached_build`."""
+    return cached_build(family, lambda directory: build_model(family, directory, seed=seed),
+                        seed, cache_dir)

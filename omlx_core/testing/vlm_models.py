@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
-import tempfile
-import threading
 import zlib
 from pathlib import Path
 from typing import Any
 
-from omlx_core.testing.models import EMBEDDING_INIT_STD
+from omlx_core.testing.models import EMBEDDING_INIT_STD, cached_build
 from omlx_core.testing.tokenizer import (
     DEFAULT_SYSTEM_PROMPT,
     IM_END,
@@ -275,33 +272,8 @@ def build_vlm_model(family: str, out_dir: Path, *, seed: int = 0, image_size: in
     return out_dir
 
 
-_cache_lock = threading.Lock()
-_cached_paths: dict[tuple[str, int, str], Path] = {}
-_default_cache_dir: tempfile.TemporaryDirectory | None = None
-
-
 def cached_vlm_model(family: str, seed: int = 0, *, cache_dir: Path | None = None) -> Path:
     """Path of a ``family`` VLM built once per process (under ``cache_dir`` or a
     temporary directory removed at exit)."""
-    global _default_cache_dir
-    with _cache_lock:
-        if cache_dir is None:
-            if _default_cache_dir is None:
-                _default_cache_dir = tempfile.TemporaryDirectory(prefix="omlx-test-vlms-")
-            cache_dir = Path(_default_cache_dir.name)
-        key = (family, seed, str(Path(cache_dir).resolve()))
-        if key in _cached_paths:
-            return _cached_paths[key]
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        target = Path(cache_dir) / f"vlm-{family}-seed{seed}"
-        staging = Path(tempfile.mkdtemp(prefix=f".vlm-{family}-seed{seed}-", dir=cache_dir))
-        try:
-            build_vlm_model(family, staging, seed=seed)
-            if target.exists():
-                shutil.rmtree(target)
-            staging.rename(target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        _cached_paths[key] = target
-        return target
+    return cached_build(f"vlm-{family}", lambda directory: build_vlm_model(family, directory, seed=seed),
+                        seed, cache_dir)
