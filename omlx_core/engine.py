@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import queue
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import RequestRejected
@@ -235,6 +236,48 @@ class RequestHandle(abc.ABC):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class QueuedRequestHandle(RequestHandle):
+    """A handle over a queue the engine's worker puts a request's outputs on; closing it
+    (or dropping the last reference) before the final output calls ``abort(request_id)``."""
+
+    def __init__(self, request_id: str, outputs: "queue.SimpleQueue[GenerationOutput]",
+                 abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._outputs = outputs
+        self._abort = abort
+        self._finished = False
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        while not self._finished and not self._closed:
+            output = self.next_output()
+            if output is not None:
+                yield output
+
+    def next_output(self, timeout: float | None = None) -> GenerationOutput | None:
+        try:
+            output = self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        self._finished = output.finished
+        return output
+
+    def close(self) -> None:
+        if not self._finished and not self._closed:
+            self._abort(self.request_id)
+        self._closed = True
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to abort
+            pass
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import platform
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Sequence
 
 from omlx_core.engine import (
     OPTIONAL_SAMPLING,
@@ -19,7 +19,7 @@ from omlx_core.engine import (
     GenerationRequest,
     GuardedEngine,
     MemoryHints,
-    RequestHandle,
+    QueuedRequestHandle,
 )
 from omlx_core.mlx_thread import MLXThread, mlx_thread
 from omlx_core.plugins.batched.prefix_cache import PrefixCache
@@ -89,25 +89,8 @@ def _trim_malloc_heap() -> None:
         pass
 
 
-class BatchedRequestHandle(RequestHandle):
+class BatchedRequestHandle(QueuedRequestHandle):
     """A request's output stream; outputs that piled up are merged into one item."""
-
-    def __init__(self, request_id: str, outputs: queue.SimpleQueue, abort: Callable[[str], None]) -> None:
-        self.request_id = request_id
-        self._outputs = outputs
-        self._abort = abort
-        self._finished = False
-        self._closed = False
-
-    @property
-    def finished(self) -> bool:
-        return self._finished
-
-    def __iter__(self) -> Iterator[GenerationOutput]:
-        while not self._finished and not self._closed:
-            output = self.next_output()
-            if output is not None:
-                yield output
 
     def next_output(self, timeout: float | None = None) -> GenerationOutput | None:
         try:
@@ -122,17 +105,6 @@ class BatchedRequestHandle(RequestHandle):
         output = pending[0] if len(pending) == 1 else _merge(pending)
         self._finished = output.finished
         return output
-
-    def close(self) -> None:
-        if not self._finished and not self._closed:
-            self._abort(self.request_id)
-        self._closed = True
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: nothing left to abort
-            pass
 
 
 def _merge(outputs: list[GenerationOutput]) -> GenerationOutput:

@@ -22,11 +22,11 @@ import secrets
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import mlx.core as mx
 
-from omlx_core.engine import GenerationOutput, GenerationRequest, RequestHandle, Usage
+from omlx_core.engine import GenerationOutput, GenerationRequest, QueuedRequestHandle, Usage
 from omlx_core.memory.gate import PrefillChunk, PrefillStep
 from omlx_core.plugins.dflash.acceptance import KeyStream, accept_greedy, accept_sampled
 from omlx_core.plugins.dflash.drafters import Drafter, DraftState
@@ -37,42 +37,9 @@ from omlx_core.text import TextAssembler
 log = logging.getLogger(__name__)
 
 
-class SpeculativeRequestHandle(RequestHandle):
+class SpeculativeRequestHandle(QueuedRequestHandle):
     """A primary-path request's outputs, one item per speculation cycle (a cycle's tokens
     already come together; they are not merged further, so they stream as they come)."""
-
-    def __init__(self, request_id: str, outputs: queue.SimpleQueue,
-                 abort: Callable[[str], None]) -> None:
-        self.request_id = request_id
-        self._outputs = outputs
-        self._abort = abort
-        self._finished = False
-        self._closed = False
-
-    def __iter__(self) -> Iterator[GenerationOutput]:
-        while not self._finished and not self._closed:
-            output = self.next_output()
-            if output is not None:
-                yield output
-
-    def next_output(self, timeout: float | None = None) -> GenerationOutput | None:
-        try:
-            output = self._outputs.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        self._finished = output.finished
-        return output
-
-    def close(self) -> None:
-        if not self._finished and not self._closed:
-            self._abort(self.request_id)
-        self._closed = True
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: nothing left to abort
-            pass
 
 
 @dataclass

@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from omlx_core.bench import publish_report
     from omlx_core.bench.prompts import text_of_tokens
-    from omlx_core.bench.servers import fresh_cache_root, mlx_lm_spec, omlx_spec
+    from omlx_core.bench.servers import ServerSpec, fresh_cache_root, mlx_lm_spec, omlx_spec
     from omlx_core.bench.serving import settings_for
     from omlx_core.config import load_config
 
