@@ -24,14 +24,14 @@ from omlx_core.engine import SamplingParams, TokenLogprob
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
-_MASK64 = (1 << 64) - 1
+MASK64 = (1 << 64) - 1
 
 
-def _mix64(value: int) -> int:
+def mix64(value: int) -> int:
     """splitmix64's finalizer: nearby inputs give unrelated 64-bit outputs."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    value = (value + 0x9E3779B97F4A7C15) & MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
     return value ^ (value >> 31)
 
 
@@ -43,11 +43,11 @@ class SeededSampler:
         self.top_k = params.top_k if 0 < params.top_k < vocab_size else 0
         self.top_p = params.top_p if 0.0 < params.top_p < 1.0 else 0.0
         self.min_p = params.min_p if params.min_p > 0.0 else 0.0
-        self.seed_hash = _mix64(seed & _MASK64)
+        self.seed_hash = mix64(seed & MASK64)
         self.step = 0
 
     def next_key(self) -> mx.array:
-        key = mx.random.key(_mix64(self.seed_hash ^ self.step))
+        key = mx.random.key(mix64(self.seed_hash ^ self.step))
         self.step += 1
         return key
 

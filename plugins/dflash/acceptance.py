@@ -23,16 +23,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from omlx_core.engine import SamplingParams
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(value: int) -> int:
-    """splitmix64's finalizer: nearby inputs give unrelated 64-bit outputs."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)
+from omlx_core.plugins.batched.sampling import MASK64, mix64
 
 
 class KeyStream:
@@ -40,11 +31,11 @@ class KeyStream:
     request draws the same numbers whatever else runs on the MLX thread."""
 
     def __init__(self, seed: int) -> None:
-        self._seed_hash = _mix64(seed & _MASK64)
+        self._seed_hash = mix64(seed & MASK64)
         self._count = 0
 
     def next(self) -> mx.array:
-        key = mx.random.key(_mix64(self._seed_hash ^ self._count))
+        key = mx.random.key(mix64(self._seed_hash ^ self._count))
         self._count += 1
         return key
 
