@@ -58,6 +58,15 @@ def make_block(index: int, *, seed: int = 0, boundary: bool = False, layers: int
                        nbytes=nbytes)
 
 
+def chained_blocks(memory: PrefixCache, tokens: list[int], seed: int = 0) -> list[CachedBlock]:
+    """The full blocks of ``tokens`` as ``memory`` hashes them, each with its token ids."""
+    hashes = memory.hashes(tokens)
+    return [CachedBlock(h, hashes[i - 1] if i else memory.root, i, BLOCK, make_block(i, seed=seed).kv,
+                        None, True, make_block(i, seed=seed).nbytes,
+                        tokens=tuple(tokens[i * BLOCK:(i + 1) * BLOCK]))
+            for i, h in enumerate(hashes)]
+
+
 def assert_same_block(got: CachedBlock, want: CachedBlock) -> None:
     assert (got.block_hash, got.parent_hash, got.index, got.block_size) == \
         (want.block_hash, want.parent_hash, want.index, want.block_size)
@@ -634,9 +643,7 @@ def test_the_prefix_cache_counts_queued_writes_as_memory_it_can_give_back(tmp_pa
     pin = PinnedWriter(store)
     tokens = list(range(3 * BLOCK))
     hashes = memory.hashes(tokens)
-    blocks = [CachedBlock(h, hashes[i - 1] if i else memory.root, i, BLOCK, make_block(i).kv, None,
-                          True, make_block(i).nbytes, tokens=tuple(tokens[i * BLOCK:(i + 1) * BLOCK]))
-              for i, h in enumerate(hashes)]
+    blocks = chained_blocks(memory, tokens)
     memory.insert(blocks)
     assert pin.entered.wait(10)
     one = blocks[0].nbytes
@@ -663,10 +670,7 @@ def test_a_restarted_cache_reuses_part_of_a_block_only_the_disk_holds(tmp_path):
     memory.attach_lower(store)
     tokens = list(range(100, 100 + 3 * BLOCK))
     hashes = memory.hashes(tokens)
-    blocks = [CachedBlock(h, hashes[i - 1] if i else memory.root, i, BLOCK, make_block(i, seed=33).kv,
-                          None, True, make_block(i, seed=33).nbytes,
-                          tokens=tuple(tokens[i * BLOCK:(i + 1) * BLOCK]))
-              for i, h in enumerate(hashes)]
+    blocks = chained_blocks(memory, tokens, seed=33)
     memory.insert(blocks)
     assert store.flush(10)
     store.close()
@@ -712,10 +716,7 @@ def test_a_tail_reaches_the_disk_and_is_reused_to_the_token_after_a_restart(tmp_
     memory.attach_lower(store)
     tokens = list(range(200, 200 + 2 * BLOCK + 3))  # two blocks and a 3-token tail
     hashes = memory.hashes(tokens)
-    blocks = [CachedBlock(h, hashes[i - 1] if i else memory.root, i, BLOCK, make_block(i, seed=35).kv,
-                          None, True, make_block(i, seed=35).nbytes,
-                          tokens=tuple(tokens[i * BLOCK:(i + 1) * BLOCK]))
-              for i, h in enumerate(hashes)]
+    blocks = chained_blocks(memory, tokens, seed=35)
     memory.insert(blocks)
     tail_kv = tuple((k[..., :3, :], v[..., :3, :]) for k, v in make_block(9, seed=35).kv)
     memory.insert_tail(CachedTail(hashes[1], tuple(tokens[2 * BLOCK:]), tail_kv,
@@ -740,10 +741,7 @@ def test_keys_past_the_vocabulary_are_indexed_as_they_are(tmp_path):
     memory.attach_lower(store)
     tokens = [2 ** 56 + i for i in range(BLOCK)] + [1, 2, 3, 4]
     hashes = memory.hashes(tokens)
-    blocks = [CachedBlock(h, hashes[i - 1] if i else memory.root, i, BLOCK, make_block(i, seed=36).kv,
-                          None, True, make_block(i, seed=36).nbytes,
-                          tokens=tuple(tokens[i * BLOCK:(i + 1) * BLOCK]))
-              for i, h in enumerate(hashes)]
+    blocks = chained_blocks(memory, tokens, seed=36)
     memory.insert(blocks)
     assert store.flush(10)
     store.close()

@@ -334,10 +334,11 @@ class PrefixCache:
             return
         with self._lock:
             lower = self._lower
-            in_memory = self._best_continuation_locked(parent_hash, tokens)[1]
         continuations = getattr(lower, "continuations", None)
         if continuations is None:
             return
+        with self._lock:
+            in_memory = self._best_continuation_locked(parent_hash, tokens)[1]
         best_hash, best = None, in_memory
         for block_hash, block_tokens in continuations(parent_hash):
             n = common_prefix_length(block_tokens, tokens)
