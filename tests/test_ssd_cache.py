@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import threading
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
-from omlx_core.kvblocks import CachedBlock
+from omlx_core.kvblocks import BlockStore, CachedBlock
 from omlx_core.plugins.batched.prefix_cache import PrefixCache
 from omlx_core.plugins.ssd_cache import blockfile
 from omlx_core.plugins.ssd_cache.store import PagedSSDStore
@@ -522,6 +523,20 @@ def test_request_ids_that_are_not_file_names_get_a_safe_directory(tmp_path):
 
 
 # -- behind the prefix cache ---------------------------------------------------------------------
+
+
+def test_the_ssd_store_implements_every_block_store_method():
+    """Nothing the prefix cache asks of the SSD tier falls back to BlockStore's defaults
+    for a tier without such state: the store answers every method itself."""
+    declared = {name for name, value in vars(BlockStore).items()
+                if inspect.isfunction(value) and not name.startswith("_")}
+    assert declared >= {"get", "put", "touch", "continuations", "pending_bytes", "drop_pending", "stats"}
+    assert issubclass(PagedSSDStore, BlockStore) and not inspect.isabstract(PagedSSDStore)
+    for name in sorted(declared):
+        own = inspect.getattr_static(PagedSSDStore, name)
+        assert own is not vars(BlockStore)[name], f"PagedSSDStore inherits {name} from BlockStore"
+        assert list(inspect.signature(own).parameters) == \
+            list(inspect.signature(vars(BlockStore)[name]).parameters), name
 
 
 def test_prefix_cache_writes_through_and_promotes_from_disk(tmp_path):

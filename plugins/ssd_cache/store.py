@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from omlx_core.kvblocks import CachedBlock
+from omlx_core.kvblocks import BlockStore, CachedBlock
 from omlx_core.plugins.ssd_cache.blockfile import (
     BLOCK_KIND, BLOCK_SUFFIX, BOUNDARY_KIND, BOUNDARY_SUFFIX, TMP_SUFFIX, BlockFileError, Payload,
     block_path, boundary_path, check_metadata, kv_of, payload_of_kv, payload_of_states, read_arrays,
@@ -137,7 +137,7 @@ class DirectoryInUseError(RuntimeError):
     """Another process serves from this SSD cache directory."""
 
 
-class PagedSSDStore:
+class PagedSSDStore(BlockStore):
     """Blocks of one model on disk: a :class:`~omlx_core.kvblocks.BlockStore`."""
 
     def __init__(self, directory: Path, *, identity: str, budget: int | None = None,
