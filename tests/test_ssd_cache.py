@@ -103,8 +103,8 @@ class PinnedWriter:
     def __init__(self, store: PagedSSDStore) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
-        self._real = store._write_payload
-        store._write_payload = self._write
+        self._real = store._writer._write_payload
+        store._writer._write_payload = self._write
 
     def _write(self, payload, path):
         self.entered.set()
@@ -290,13 +290,13 @@ def full_disk_at(path: Path) -> None:
 
 def test_disk_full_invalidates_the_disk_reading_and_logs_an_error(tmp_path, caplog):
     store = make_store(tmp_path, budget=None)
-    assert store.limit_bytes() > 0 and store._disk_reading is not None
+    assert store.limit_bytes() > 0 and store._quota.has_reading
     block = make_block(0, seed=8)
     full_disk_at(store.blocks_dir / f".{block.block_hash.hex()}.tmp")
-    with caplog.at_level(logging.ERROR, logger="omlx_core.plugins.ssd_cache.store"):
+    with caplog.at_level(logging.ERROR, logger="omlx_core.plugins.ssd_cache.writer"):
         store.put(block)
         assert store.flush(10)
-    assert store._disk_reading is None
+    assert not store._quota.has_reading
     assert any(r.levelno == logging.ERROR and "disk full" in r.getMessage() for r in caplog.records)
     stats = store.stats()
     assert stats["errors"] == 1 and stats["saves_persisted"] == 0
@@ -508,7 +508,7 @@ def test_close_with_cleanup_removes_snapshots_before_stopping_and_flushes_blocks
     store.close(cleanup=True)
     assert snapshot_files(store) == []
     assert blockfile.block_path(store.blocks_dir, block.block_hash).exists()
-    assert not store._writer.is_alive()
+    assert not store._writer.thread.is_alive()
     stage(store, "req-after", 2)  # an engine still prefilling after shutdown: ignored
     assert snapshot_files(store) == []
 
