@@ -5,6 +5,7 @@ from __future__ import annotations
 from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.hookspecs import hookimpl
+from omlx_core.kvblocks import BlockStore
 from omlx_core.models.registry import spec_for_path
 from omlx_core.pluginmanager import build_plugin_manager
 from omlx_core.plugins.batched import BatchedEngine, PrefixCache, Scheduler
@@ -31,7 +32,7 @@ class TierAndSnapshotPlugin:
         self.snapshots.append(snapshot)
 
 
-class DictTier:
+class DictTier(BlockStore):
     def __init__(self, blocks):
         self.blocks = blocks
 

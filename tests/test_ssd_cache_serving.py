@@ -149,9 +149,9 @@ def test_another_model_never_reads_these_blocks(tiny_model_path, tmp_path):
 # then half of the fourth file, signals, and hangs until killed.
 _HANGING_SERVER = textwrap.dedent("""
     import os, sys, time
-    from omlx_core.plugins.ssd_cache import store
+    from omlx_core.plugins.ssd_cache import writer
 
-    real = store.write_payload
+    real = writer.write_payload
     written = []
 
     def write_then_hang(payload, path):
@@ -167,7 +167,7 @@ _HANGING_SERVER = textwrap.dedent("""
         open(os.environ["HANG_MARKER"], "w").close()
         time.sleep(3600)
 
-    store.write_payload = write_then_hang
+    writer.write_payload = write_then_hang
     from omlx_core.cli import main
     sys.exit(main(sys.argv[1:]))
 """)
