@@ -477,7 +477,7 @@ def test_a_failed_first_token_forward_says_so(llama, monkeypatch):
         raise RuntimeError("no forward today")
 
     # A one-token prompt has nothing to prefill: its only forward is the first-token one.
-    monkeypatch.setattr(llama.scheduler, "model", broken)
+    monkeypatch.setattr(llama.scheduler.prefill, "model", broken)
     done = run(llama, prompt_of(llama, 3)[:1])
     assert (done.finish_reason, done.error_type) == ("error", "internal")
     assert done.error.startswith("first-token forward failed: RuntimeError: no forward today")
