@@ -500,6 +500,30 @@ def test_abort_ends_a_running_request_within_one_step(llama):
     wait_idle(llama)
 
 
+def test_an_aborted_request_leaves_its_blocks_for_the_next_turn(llama):
+    """The pipeline aborts a request whose text reached a stop string: its prompt and
+    completion go into the prefix cache as a stopped request's do (the next chat turn,
+    which re-sends them, is a prefix hit)."""
+    llama.prefix_cache.clear()
+    prompt = prompt_of(llama, 12, 5)
+    handle = submit(llama, prompt, replace(GREEDY, max_tokens=500))
+    outputs = iter(handle)
+    tokens: list[int] = []
+    while len(tokens) < 2 * BLOCK:
+        tokens += next(outputs).token_ids
+    abort_between_steps(llama, handle.request_id)
+    rest = list(outputs)
+    tokens += [t for o in rest for t in o.token_ids]
+    assert rest[-1].finish_reason == "abort"
+    wait_idle(llama)
+
+    follow_up = prompt + tokens + prompt_of(llama, 4, 9)
+    # Every token handed out but the newest (sampled, not yet fed) is in the KV it left.
+    assert llama.cached_tokens(follow_up) >= len(prompt) + len(tokens) - 1
+    reuse = run(llama, follow_up)
+    assert reuse.usage.cached_tokens >= len(prompt) + len(tokens) - 1
+
+
 def test_thousand_aborted_requests_leak_nothing(tiny_model_path):
     engine = start_engine(tiny_model_path("llama"), **{"plugin.batched.prefix_cache_budget": 0, "plugin.batched.max_batch_size": 32,
                                                        "plugin.batched.prefill_step_size": 48})
