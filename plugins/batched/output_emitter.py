@@ -51,25 +51,23 @@ class OutputEmitter:
         """Hand out one generated token. ``finish_reason`` (``"stop"``: a stop token,
         ``"length"``) ends the request; ``cache`` then holds ``tokens``, for the prefix
         cache, and a request still in the decode batch has left it."""
-        self._count(sequence, token)
-        if finish_reason == "stop":
-            self._left_batch(sequence)
-            self.writer.store_finished_blocks(sequence, cache or [], tokens or ())
-            self.finish(sequence, "stop", remove=False)
-            return
-        logprobs = self._logprobs(sequence, logprobs_row, token)
-        if finish_reason == "length":
-            self._left_batch(sequence)
-            self.writer.store_finished_blocks(sequence, cache or [], tokens or ())
-            self.finish(sequence, "length", token_ids=(token,), logprobs=logprobs, remove=False)
-        else:
-            sequence.outputs.put(GenerationOutput(sequence.request_id, token_ids=(token,),
-                                                  logprobs=logprobs))
-
-    def _count(self, sequence: SequenceState, token: int) -> None:
+        # Once per row and decode step: kept to this one call.
         sequence.completion_tokens += 1
         sequence.generated.append(token)
         self.counters.tokens_generated += 1
+        if finish_reason is None:
+            top = sequence.request.sampling.logprobs
+            sequence.outputs.put(GenerationOutput(
+                sequence.request_id, token_ids=(token,),
+                logprobs=None if top is None else (token_logprob(logprobs_row, token, top),)))
+            return
+        self._left_batch(sequence)
+        self.writer.store_finished_blocks(sequence, cache or [], tokens or ())
+        if finish_reason == "stop":
+            self.finish(sequence, "stop", remove=False)
+        else:
+            self.finish(sequence, "length", token_ids=(token,),
+                        logprobs=self._logprobs(sequence, logprobs_row, token), remove=False)
 
     @staticmethod
     def _logprobs(sequence: SequenceState, row: mx.array, token: int) -> tuple[TokenLogprob, ...] | None:
@@ -171,9 +169,13 @@ class TextEmitter(OutputEmitter):
             return
         new_text, stopped = text.add(token)
         if not stopped and finish_reason is None:
-            self._count(sequence, token)
-            sequence.outputs.put(GenerationOutput(request_id, new_text, (token,),
-                                                  self._logprobs(sequence, logprobs_row, token)))
+            sequence.completion_tokens += 1
+            sequence.generated.append(token)
+            self.counters.tokens_generated += 1
+            top = sequence.request.sampling.logprobs
+            sequence.outputs.put(GenerationOutput(
+                request_id, new_text, (token,),
+                None if top is None else (token_logprob(logprobs_row, token, top),)))
             return
         self._count(sequence, token)
         logprobs = self._logprobs(sequence, logprobs_row, token)
@@ -187,6 +189,11 @@ class TextEmitter(OutputEmitter):
         self.writer.store_finished_blocks(sequence, cache or [], tokens or ())
         self.finish(sequence, "stop" if stopped_in_tail else "length", token_ids=(token,),
                     logprobs=logprobs, remove=False)
+
+    def _count(self, sequence: SequenceState, token: int) -> None:
+        sequence.completion_tokens += 1
+        sequence.generated.append(token)
+        self.counters.tokens_generated += 1
 
     def _final_output(self, sequence: SequenceState, reason: str, **fields: Any) -> GenerationOutput:
         text = self._texts.pop(sequence.request_id, None)
