@@ -113,9 +113,9 @@ class ImageInputs:
         return _covers_image(sequence, start, end)
 
     def encodes(self, sequence: SequenceState, start: int, end: int) -> int:
-        if not _covers_image(sequence, start, end) or sequence.features is not None:  # type: ignore[attr-defined]
+        if not isinstance(sequence, VLMSequence) or sequence.features is not None:
             return 0
-        return len(sequence.images)  # type: ignore[attr-defined]
+        return len(sequence.images) if _covers_image(sequence, start, end) else 0
 
     def embeddings(self, sequence: SequenceState, start: int, end: int) -> mx.array:
         """Input embeddings of context positions ``[start, end)``: the tokens' own, with
