@@ -477,7 +477,7 @@ def test_a_failed_first_token_forward_says_so(llama, monkeypatch):
         raise RuntimeError("no forward today")
 
     # A one-token prompt has nothing to prefill: its only forward is the first-token one.
-    monkeypatch.setattr(llama.scheduler, "model", broken)
+    monkeypatch.setattr(llama.scheduler.prefill, "model", broken)
     done = run(llama, prompt_of(llama, 3)[:1])
     assert (done.finish_reason, done.error_type) == ("error", "internal")
     assert done.error.startswith("first-token forward failed: RuntimeError: no forward today")
@@ -498,6 +498,30 @@ def test_abort_ends_a_running_request_within_one_step(llama):
     # The abort is taken at the start of the next step, before its decode.
     assert llama.stats()["decode_steps"] - steps_at_abort <= 1
     wait_idle(llama)
+
+
+def test_an_aborted_request_leaves_its_blocks_for_the_next_turn(llama):
+    """The pipeline aborts a request whose text reached a stop string: its prompt and
+    completion go into the prefix cache as a stopped request's do (the next chat turn,
+    which re-sends them, is a prefix hit)."""
+    llama.prefix_cache.clear()
+    prompt = prompt_of(llama, 12, 5)
+    handle = submit(llama, prompt, replace(GREEDY, max_tokens=500))
+    outputs = iter(handle)
+    tokens: list[int] = []
+    while len(tokens) < 2 * BLOCK:
+        tokens += next(outputs).token_ids
+    abort_between_steps(llama, handle.request_id)
+    rest = list(outputs)
+    tokens += [t for o in rest for t in o.token_ids]
+    assert rest[-1].finish_reason == "abort"
+    wait_idle(llama)
+
+    follow_up = prompt + tokens + prompt_of(llama, 4, 9)
+    # Every token handed out but the newest (sampled, not yet fed) is in the KV it left.
+    assert llama.cached_tokens(follow_up) >= len(prompt) + len(tokens) - 1
+    reuse = run(llama, follow_up)
+    assert reuse.usage.cached_tokens >= len(prompt) + len(tokens) - 1
 
 
 def test_thousand_aborted_requests_leak_nothing(tiny_model_path):

@@ -190,18 +190,18 @@ def test_a_chunk_resuming_a_prompt_batches_with_fresh_ones(tiny_model_path):
         solo = run_alone(engine, prompts)
         starts = []
         scheduler = engine.scheduler
-        plain = scheduler._forward_groups
+        plain = scheduler.planner.forward_groups
 
         def recording(plan):
             groups = plain(plan)
             starts.extend(tuple(start for _, start, _ in group) for group in groups if len(group) > 1)
             return groups
 
-        scheduler._forward_groups = recording
+        scheduler.planner.forward_groups = recording
         try:
             results, forwards, chunks = run_together(engine, prompts)
         finally:
-            del scheduler._forward_groups
+            del scheduler.planner.forward_groups
         assert [tokens for tokens, _ in results] == solo
         assert forwards < chunks
         assert any(len(set(group)) > 1 for group in starts), starts
@@ -323,7 +323,7 @@ def test_a_failing_batched_forward_falls_back_to_one_forward_each(llama, monkeyp
     def broken(model, rows):
         raise RuntimeError("no batched forward today")
 
-    monkeypatch.setattr("omlx_core.plugins.batched.scheduler.prefill_together", broken)
+    monkeypatch.setattr("omlx_core.plugins.batched.prefill_runner.prefill_together", broken)
     prompts = [prompt_of(llama, 6, salt + 20) for salt in range(3)]
     solo = run_alone(llama, prompts)
     results, forwards, chunks = run_together(llama, prompts)
@@ -391,7 +391,7 @@ def test_a_long_cached_prompt_gets_its_first_token_alone(tiny_model_path, monkey
             starts.append([row.start for row in rows])
             return prefill_together(model, rows, **kwargs)
 
-        monkeypatch.setattr("omlx_core.plugins.batched.scheduler.prefill_together", recording)
+        monkeypatch.setattr("omlx_core.plugins.batched.prefill_runner.prefill_together", recording)
         before = engine.scheduler.counters.first_token_forwards
         results, forwards, _ = run_together(engine, prompts)
         assert forwards == 0 and all(last.usage.cached_tokens == len(p) - 1
