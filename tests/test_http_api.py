@@ -606,7 +606,7 @@ def test_memory_shortage_at_the_forward_gate_is_503_before_the_first_byte(
             assert status == 503, body
             assert int(headers["retry-after"]) >= 1
             error = error_of(body)
-            assert error["code"] == "memory_pressure" and error["type"] == "overloaded_error"
+            assert error["code"] == "forward_memory_short" and error["type"] == "overloaded_error"
             assert "memory ran short during prefill" in error["reason"]
             assert error["stage"] == "forward" and error["advice"]
             status, headers, body = post(server, "/v1/messages", {
