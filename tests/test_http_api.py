@@ -11,7 +11,6 @@ import http.client
 import json
 import socket
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
