@@ -3,9 +3,10 @@
 Every error the front end answers is a falcon ``HTTPError``: falcon sets its status and
 headers (``Retry-After``, ``WWW-Authenticate``, ``Allow``) and :func:`serialize_error`,
 the app's error serializer, writes the body: an OpenAI error object, or on
-``/v1/messages`` an Anthropic one. Our own errors are :class:`APIError`\\ s, each also an
-instance of falcon's class for its status, carrying a message that says what is wrong
-and how to fix it, a machine-readable code, the parameter at fault and extra fields.
+``/v1/messages`` an Anthropic one. Each of our own errors is an :class:`APIError` and
+an instance of falcon's class for its status (``HTTPServiceUnavailable`` for a 503, ...),
+and carries a message that says what is wrong and how to fix it, a machine-readable
+code, the parameter at fault and extra fields.
 
 A responder may also let a typed error of the serving pipeline through;
 :func:`api_error` is the one mapping from those to an :class:`APIError`, used before the
