@@ -669,6 +669,43 @@ def test_full_admission_queue_is_503_with_retry_after(crowded_context) -> None:
         assert status == 200, body
 
 
+@pytest.fixture(scope="module")
+def waiting_context(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[ServerContext]:
+    """Room for one request at a time and a queue of one that waits 0.1 s at most."""
+    context = start_context(tmp_path_factory.mktemp("waiting"), tiny_dir,
+                            memory__tier="custom", memory__custom_ceiling=small_ceiling(),
+                            memory__tiers__custom__admit_watermark="0.05",
+                            memory__queue_size="1", memory__queue_timeout_s="0.1")
+    yield context
+    stop_engines(context)
+
+
+def test_a_wait_past_the_queue_timeout_is_503_admission_queue_timeout(waiting_context) -> None:
+    context = waiting_context
+    guard = context.memory_guard
+    assert wait_for(lambda: guard.snapshot is not None)
+    with HTTPServer(context, port=0) as server:
+        sock = open_stream(server, "/v1/chat/completions",
+                           {"model": MODEL, "messages": CHAT, "stream": True,
+                            "max_tokens": 3000, "temperature": 0})
+        read_until(sock, b"data: ", 2)
+        status, headers, body = post(server, "/v1/chat/completions",
+                                     {"model": MODEL, "messages": CHAT, "max_tokens": 2})
+        assert status == 503, body
+        assert int(headers["retry-after"]) >= 1
+        error = error_of(body)
+        assert (error["code"], error["stage"], error["cause"]) == (
+            "admission_queue_timeout", "admission", "queue_timeout")
+        assert "memory.queue_timeout_s" in error["message"]
+        status, headers, body = post(server, "/v1/messages",
+                                     {"model": MODEL, "messages": CHAT, "max_tokens": 2})
+        assert status == 503 and body["error"]["type"] == "overloaded_error"
+        assert body["error"]["code"] == "admission_queue_timeout" and "retry-after" in headers
+        sock.close()
+        assert wait_for(lambda: guard.admission.running == 0)
+
+
 # -- metrics --------------------------------------------------------------------------------
 
 
