@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from omlx_core.config import Config, load_config, raw_value, read_layers
+from omlx_core.config import Config, ModelEntry, Sourced, load_config, raw_value, read_layers
 from omlx_core.engine import Engine, GuardedEngine
 from omlx_core.memory.gate import MemoryReceiver
 from omlx_core.memory.guard import MemoryGuard
@@ -53,6 +53,38 @@ def _as_list(value: object) -> list[str]:
     if isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]
     return list(value) if isinstance(value, list) else []
+
+
+def served_models(setup: Setup, requested: Iterable[str]) -> list[str] | None:
+    """The model ids to serve for ``requested`` (``omlx-core serve --model``, a
+    benchmark's ``--model``): each a configured model id, or a model directory, which
+    becomes an ad-hoc entry served by the batched engine. ``None`` when nothing is
+    requested (serve ``server.models``); pass the answer to :func:`start_engines`.
+
+    :raises ModelError: an item is neither a configured model nor a directory.
+    """
+    from omlx_core.models.errors import ModelError
+
+    requested = list(requested)
+    if not requested:
+        return None
+    ids = []
+    for item in requested:
+        if item in setup.config.models:
+            ids.append(item)
+            continue
+        path = Path(item).expanduser()
+        if not path.is_dir():
+            known = ", ".join(setup.config.models)
+            raise ModelError(f"--model {item!r} is neither a configured model ({known}) nor a "
+                             "model directory")
+        model_id = path.resolve().name
+        setup.config.models[model_id] = ModelEntry(model_id, {
+            "path": Sourced(str(path.resolve()), "cli --model"),
+            "engine": Sourced("batched", "cli --model"),
+        })
+        ids.append(model_id)
+    return ids
 
 
 def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,

@@ -339,7 +339,7 @@ def loaded_models(tmp_path_factory):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("prompt_tokens,chunk", REAL_RUNS)
 def test_real_prefill_never_undercounts(loaded_models, family, prompt_tokens, chunk):
-    from omlx_core.bench.estimator import measure_prefill_peak, random_prompt
+    from benchmarks.estimator import measure_prefill_peak, random_prompt
 
     measured = measure_prefill_peak(loaded_models(family), random_prompt(prompt_tokens, 512), chunk)
     estimate = estimate_for_config(family_config(family), prompt_tokens, 0, chunk)
@@ -353,7 +353,7 @@ def test_real_prefill_never_undercounts(loaded_models, family, prompt_tokens, ch
 
 
 def test_real_prefill_over_resident_cached_tokens(loaded_models):
-    from omlx_core.bench.estimator import measure_prefill_peak, random_prompt
+    from benchmarks.estimator import measure_prefill_peak, random_prompt
 
     measured = measure_prefill_peak(loaded_models("llama"), random_prompt(2048, 512), 512,
                                     cached_tokens=1536)
@@ -362,7 +362,7 @@ def test_real_prefill_over_resident_cached_tokens(loaded_models):
 
 
 def test_real_prefill_with_full_logits(loaded_models):
-    from omlx_core.bench.estimator import measure_prefill_peak, random_prompt
+    from benchmarks.estimator import measure_prefill_peak, random_prompt
 
     measured = measure_prefill_peak(loaded_models("qwen3"), random_prompt(2048, 512), 1024,
                                     evaluate_logits=True)
@@ -376,7 +376,7 @@ def test_real_prefill_with_quantized_kv(bits):
     from mlx_lm.models.cache import QuantizedKVCache
     from mlx_lm.utils import _get_classes
 
-    from omlx_core.bench.estimator import measure_prefill_peak, random_prompt
+    from benchmarks.estimator import measure_prefill_peak, random_prompt
 
     config = family_config("llama", {"head_dim": 64, "num_hidden_layers": 3})
     model_class, args_class = _get_classes(config)
@@ -394,7 +394,7 @@ def test_real_prefill_with_latent_attention():
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
 
-    from omlx_core.bench.estimator import measure_prefill_peak, random_prompt
+    from benchmarks.estimator import measure_prefill_peak, random_prompt
 
     model_class, args_class = _get_classes(DEEPSEEK_V3)
     model = model_class(args_class.from_dict(DEEPSEEK_V3))
@@ -413,7 +413,7 @@ def test_default_model_prefill_estimate(prompt_tokens, chunk):
 
     from mlx_lm import load
 
-    from omlx_core.bench.estimator import (
+    from benchmarks.estimator import (
         TARGET_MAX_RATIO,
         activation_dtype_bytes,
         measure_prefill_peak,

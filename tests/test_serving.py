@@ -199,13 +199,30 @@ def test_an_engine_failure_before_the_first_output_is_engine_failed() -> None:
         pipeline.start(Job("scripted", SamplingParams(), text="x"))
 
 
+class HeldFirstToken:
+    """A script whose first output waits until the test releases it (or 60 s pass, so a
+    broken pipeline fails the test instead of hanging it)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.produced = threading.Event()
+
+    def __call__(self, request: GenerationRequest) -> Iterator[tuple[float, GenerationOutput]]:
+        self.release.wait(60)
+        self.produced.set()
+        yield from completes(request)
+
+
 def test_a_slow_first_token_starts_the_stream_with_keepalives() -> None:
-    engine = ScriptedEngine(lambda request: completes(request, delay=0.35))
-    pipeline, events = pipeline_for(engine)
-    started = time.monotonic()
+    held = HeldFirstToken()
+    pipeline, events = pipeline_for(ScriptedEngine(held))
     generation = pipeline.start(Job("scripted", SamplingParams(), text="x"), first_output_wait_s=0.1)
-    assert time.monotonic() - started < 0.3, "start waited for the first token"
-    deltas = list(generation.deltas())
+    assert not held.produced.is_set(), "start waited for the first token"
+    deltas = []
+    for delta in generation.deltas():
+        deltas.append(delta)
+        if sum(d.keepalive for d in deltas) == 2:
+            held.release.set()
     keepalives = [d for d in deltas if d.keepalive]
     assert len(keepalives) >= 2 and not deltas[-1].keepalive
     assert "".join(d.text for d in deltas) == "ab" and generation.finish_reason == "length"
@@ -228,27 +245,33 @@ def test_a_refusal_after_the_stream_started_is_an_in_band_failure() -> None:
 
 
 def test_a_long_prefill_keeps_the_http_stream_alive() -> None:
+    """The status line and keep-alives reach the client while the engine still holds the
+    first token (the test releases it only after two keep-alives arrived)."""
     import http.client
     import json
 
     from omlx_core.http.serve import HTTPServer
 
-    engine = ScriptedEngine(lambda request: completes(request, delay=0.5))
+    held = HeldFirstToken()
     setup = load_setup("cpu-small", [], [("server.stream_keepalive_s", "0.1", "test")])
-    context = ServerContext(setup.config, setup.plugins, engines={"scripted": engine})
+    context = ServerContext(setup.config, setup.plugins, engines={"scripted": ScriptedEngine(held)})
     with HTTPServer(context, host="127.0.0.1", port=0) as server:
-        connection = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        connection = http.client.HTTPConnection(server.host, server.port, timeout=30)
         connection.request("POST", "/v1/chat/completions", json.dumps({
             "model": "scripted", "stream": True,
             "messages": [{"role": "user", "content": "hello"}]}),
             {"Content-Type": "application/json"})
-        started = time.monotonic()
         response = connection.getresponse()
-        assert response.status == 200 and time.monotonic() - started < 0.45
+        assert response.status == 200 and not held.produced.is_set()
+        keepalives = 0
+        while keepalives < 2:
+            line = response.readline()
+            assert line, "the stream ended before two keep-alives"
+            keepalives += line.startswith(b": keepalive")
+        assert not held.produced.is_set()
+        held.release.set()
         body = response.read().decode()
-    first_text = body.index('"content":"a"')
-    assert body.count(": keepalive") >= 2 and body.index(": keepalive") < first_text
-    assert body.rstrip().endswith("data: [DONE]")
+    assert '"content":"a"' in body and body.rstrip().endswith("data: [DONE]")
 
 
 def test_the_http_server_has_a_thread_for_every_request_the_server_can_hold(caplog) -> None:

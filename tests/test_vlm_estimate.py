@@ -62,7 +62,7 @@ def test_a_vision_model_without_vision_dims_is_not_guessed(caplog) -> None:
 @pytest.mark.parametrize("family", ["vlm-llava", "vlm-gemma3"])
 def test_estimate_covers_a_real_prefill_with_images(family, tmp_path, capsys) -> None:
     """The accuracy benchmark's quick runs: never under the measured peak, at most 1.15x."""
-    from omlx_core.bench.estimator import QUICK_VLM_GRID, VLM_IMAGE_SIZE, run_vlm_model
+    from benchmarks.estimator import QUICK_VLM_GRID, VLM_IMAGE_SIZE, run_vlm_model
     from omlx_core.testing.vlm_models import build_vlm_model
 
     path = build_vlm_model(family.removeprefix("vlm-"), tmp_path / family, image_size=VLM_IMAGE_SIZE)

@@ -191,7 +191,7 @@ def _tool_call_delta(event: Any) -> dict[str, Any] | None:
 def error_frames(error: Exception) -> list[bytes]:
     """An error after the first byte, in-band: the error object as an event, then [DONE]."""
     rendered = api_error(error)
-    return [frame(openai_error_body(rendered.status, rendered.message, rendered.code,
+    return [frame(openai_error_body(rendered.status_code, rendered.message, rendered.code,
                                     rendered.param, rendered.extra)), DONE]
 
 

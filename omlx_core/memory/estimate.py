@@ -2,7 +2,7 @@
 already in use (weights and every other request), derived from a model's config alone.
 
 The estimate mirrors what mlx-lm and mlx actually allocate, measured with
-``mx.get_peak_memory()`` on real forwards (``omlx_core.bench.estimator``):
+``mx.get_peak_memory()`` on real forwards (``benchmarks.estimator``):
 
 - **KV caches** grow in steps of :data:`KV_STEP` tokens and are never trimmed; a growth
   concatenates the old buffer with a zero block, so both exist while the new one is
@@ -822,7 +822,7 @@ def estimate_vision_peak(vision: VisionDims, text_hidden: int, images: int,
                          dtype_bytes: int = 4) -> PeakBreakdown:
     """Peak bytes encoding ``images`` images (all at once, as the vlm engine does) adds.
 
-    Measured on the CPU backend (``python -m omlx_core.bench.estimator``): the pixels
+    Measured on the CPU backend (``python -m benchmarks.estimator``): the pixels
     arrive as float32 and the patch embedding holds two more copies of them (the
     channels-last transpose and the patch unfold); one attention layer's scores
     (heads x positions^2) live at a time, next to its queries, keys, values and

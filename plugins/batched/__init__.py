@@ -24,7 +24,7 @@ The contract is in :mod:`omlx_core.memory.gate`; the scheduling around it in
 :mod:`.scheduler`.
 
 Throughput against plain ``mlx_lm.stream_generate``:
-``python -m omlx_core.plugins.batched.benchmark`` (see :mod:`.benchmark`).
+``python -m benchmarks.batched_engine`` from the repository root.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ work). Through the public hooks:
 Counters (``saves`` passed the quota gate, ``saves_persisted`` renamed into place, loads,
 hits, misses, evictions, drops, declined, errors) appear in ``/metrics`` as
 ``omlx_engine_prefix_cache_lower_<counter>``. Benchmark:
-``python -m omlx_core.plugins.ssd_cache.benchmark``.
+``python -m benchmarks.ssd_cache``.
 """
 
 from __future__ import annotations

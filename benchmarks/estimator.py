@@ -9,8 +9,8 @@ chunk, the prompt's last token fed through mlx-lm's ``BatchGenerator`` -- and co
 
 Run it with OpenBLAS preloaded (see the README)::
 
-    python -m omlx_core.bench.estimator --out docs/estimator-accuracy.md
-    python -m omlx_core.bench.estimator --quick
+    python -m benchmarks.estimator --out docs/estimator-accuracy.md
+    python -m benchmarks.estimator --quick
 """
 
 from __future__ import annotations
@@ -385,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omlx_core.platform.blas import ensure_optimized_blas
 
     ensure_optimized_blas()  # the 8k prefills take minutes on the reference BLAS
-    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.estimator",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.estimator",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (a minute or two)")
     parser.add_argument("--out", type=Path, help="write the results as markdown to this file")
@@ -430,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
 
     print(format_table(rows))
-    command = "python -m omlx_core.bench.estimator" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.estimator" + (" --quick" if args.quick else "")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(render_markdown(rows, command, elapsed))
