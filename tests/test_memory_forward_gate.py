@@ -16,7 +16,7 @@ from omlx_core.memory.ceilings import ProbeReadings
 from omlx_core.memory.forward_gate import PrefillForwardGate
 from omlx_core.memory.guard import MemoryGuard
 from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
-from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PeakQuery
+from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PeakEstimate, PeakQuery
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.pluginmanager import PluginManager
 from omlx_core.plugins import advice as advice_plugin
@@ -32,9 +32,9 @@ MARGIN = 16 * MIB
 RESIDENT = 100 * MIB
 
 
-def per_token(query: PeakQuery) -> int:
-    """A stand-in estimate: 1 MiB per new token."""
-    return query.new_tokens * MIB
+def per_token(query: PeakQuery) -> PeakEstimate:
+    """A stand-in estimate: 1 MiB of KV per new token."""
+    return PeakEstimate(transient_bytes=0, kv_bytes_per_token=MIB, kv_bytes=query.new_tokens * MIB)
 
 
 def limits(hard: int) -> LimitSnapshot:
@@ -81,10 +81,11 @@ def test_kv_left_by_earlier_chunks_of_the_step_counts():
     assert set(refused) == {"second"}
 
 
-def transient_heavy(query: PeakQuery) -> int:
+def transient_heavy(query: PeakQuery) -> PeakEstimate:
     """A stand-in estimate: 0.1 MiB of KV per new token plus 1 MiB of transient per
     token of the forward (``chunk_size``)."""
-    return query.new_tokens * MIB // 10 + query.chunk_size * MIB
+    return PeakEstimate(transient_bytes=query.chunk_size * MIB, kv_bytes_per_token=MIB // 10,
+                        kv_bytes=query.new_tokens * MIB // 10)
 
 
 def test_chunks_sharing_a_forward_are_judged_together():
