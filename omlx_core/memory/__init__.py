@@ -17,5 +17,8 @@ between the two.
   one rejection type, ``RequestRejected``.
 
 How much a prefill will add is the business of an ``estimate_peak`` plugin (the
-built-in one is ``omlx_core.plugins.estimator``); the guard uses its answer as is.
+built-in one is ``omlx_core.plugins.estimator``); the guard uses its answer as is. What
+mlx itself holds (and which backend it runs on) is asked of
+:mod:`omlx_core.platform.backend` alone, and only on the enforcer's and the MLX
+thread: the request thread judges against the last published snapshot.
 """

@@ -156,14 +156,14 @@ class PrefillForwardGate(ForwardGate):
         for forward in _forwards(step.chunks):
             shared = len(forward) > 1
             provisional = shared or waits
-            estimates = [self._chunk_estimate(step, chunk) for chunk in forward]
-            if any(estimate is None for estimate in estimates):
+            estimates = self._chunk_estimates(step, forward)
+            if estimates is None:
                 for chunk in forward:
                     refused[chunk.request_id] = self._unestimable(step, chunk, limits)
                 final += 0 if shared else len(forward)  # waiting would not help
                 continue
-            copy = _copy_bytes(forward, estimates) if shared else 0  # type: ignore[arg-type]
-            total = sum(estimate.total for estimate in estimates) + copy  # type: ignore[union-attr]
+            copy = _copy_bytes(forward, estimates) if shared else 0
+            total = sum(estimate.total for estimate in estimates) + copy
             projected = current + earlier_kv + total + self.transient_margin
             if projected > hard and self._make_room(projected - hard):
                 current = self._usage.high_water(record=True)
@@ -176,7 +176,7 @@ class PrefillForwardGate(ForwardGate):
                 continue
             # What stays resident after this forward is its KV (and extra bytes), not
             # its transient.
-            earlier_kv += sum(estimate.held_bytes for estimate in estimates)  # type: ignore[union-attr]
+            earlier_kv += sum(estimate.held_bytes for estimate in estimates)
         self.refused_total += final
         return refused
 
@@ -186,7 +186,7 @@ class PrefillForwardGate(ForwardGate):
         unlimited = DecodePlan({row.request_id: UNLIMITED_TOKENS for row in step.rows})
         if ledger is None or limits is None or limits.hard_bytes is None:
             return unlimited
-        per_token = self.kv_bytes_per_token(step.model_id, step.model_config)
+        per_token = self._kv_bytes_per_token(step.model_id, step.model_config)
         if per_token is None:
             return unlimited
         hard = limits.hard_bytes
@@ -250,7 +250,7 @@ class PrefillForwardGate(ForwardGate):
         key = (self._binding, stage)
         self.preemptions[key] = self.preemptions.get(key, 0) + 1
 
-    def kv_bytes_per_token(self, model_id: str, model_config: Mapping[str, Any]) -> int | None:
+    def _kv_bytes_per_token(self, model_id: str, model_config: Mapping[str, Any]) -> int | None:
         """KV bytes one token of ``model_id`` holds in its cache (``None``: no estimate),
         from one estimate per model (it depends on the model, not on the tokens)."""
         if model_id not in self._per_token:
@@ -313,17 +313,25 @@ class PrefillForwardGate(ForwardGate):
             f"{format_size(current)} was in use after the forward, over the "
             f"{format_size(limits.hard_bytes)} limit; the request was stopped and its cache freed")
 
-    def _chunk_estimate(self, step: PrefillStep, chunk: PrefillChunk) -> PeakEstimate | None:
-        # The chunk extends the request's own cache, whose KV is already in current use;
-        # after the prompt's last chunk its last token is fed in a one-token forward and
-        # the cache joins the decode batch (which copies it): ``first_token``.
-        last = chunk.cached_tokens + chunk.new_tokens >= chunk.prompt_tokens - 1
-        return self._estimate(PeakQuery(
-            model_config=step.model_config, new_tokens=chunk.new_tokens,
-            cached_tokens=chunk.cached_tokens, chunk_size=max(1, chunk.new_tokens),
-            dtype_bytes=self.dtype_bytes, full_logits=self.full_logits, model_id=step.model_id,
-            first_token=last, cached_kv_resident=True, backend=self.backend,
-            images=chunk.images))
+    def _chunk_estimates(self, step: PrefillStep, forward: list[PrefillChunk]
+                         ) -> list[PeakEstimate] | None:
+        """One estimate per chunk of ``forward`` (``None`` when any has none)."""
+        estimates = []
+        for chunk in forward:
+            # The chunk extends the request's own cache, whose KV is already in current
+            # use; after the prompt's last chunk its last token is fed in a one-token
+            # forward and the cache joins the decode batch (which copies it): ``first_token``.
+            last = chunk.cached_tokens + chunk.new_tokens >= chunk.prompt_tokens - 1
+            estimate = self._estimate(PeakQuery(
+                model_config=step.model_config, new_tokens=chunk.new_tokens,
+                cached_tokens=chunk.cached_tokens, chunk_size=max(1, chunk.new_tokens),
+                dtype_bytes=self.dtype_bytes, full_logits=self.full_logits,
+                model_id=step.model_id, first_token=last, cached_kv_resident=True,
+                backend=self.backend, images=chunk.images))
+            if estimate is None:
+                return None
+            estimates.append(estimate)
+        return estimates
 
     def _reason(self, step: PrefillStep, chunk: PrefillChunk, peak: int, base: int,
                 limits: LimitSnapshot, *, shared: bool = False, waits: bool = False

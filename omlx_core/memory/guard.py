@@ -235,14 +235,15 @@ class MemoryGuard:
         snapshot = self._preflight_limits()
         query = self.peak_query(engine, prompt_tokens, images=images)
         estimate = self.estimate(query)
+        # The completion's KV is checked only when one is asked for.
+        per_token = estimate.kv_bytes_per_token if estimate is not None and max_tokens else 0
         request = PreflightRequest(
             request_id=request_id, model_id=engine.model.id, prompt_tokens=len(prompt_tokens),
             cached_tokens=query.cached_tokens, chunk_size=query.chunk_size,
             estimated_bytes=estimate.total if estimate is not None else None, limits=snapshot,
             model_config=query.model_config,
             margin_bytes=self.policy.margin(snapshot.hard_bytes if snapshot else None),
-            max_tokens=max_tokens,
-            kv_bytes_per_token=estimate.kv_bytes_per_token if estimate is not None and max_tokens else 0)
+            max_tokens=max_tokens, kv_bytes_per_token=per_token)
         try:
             self.plugins.hook.preflight(request=request)
         except RequestRejected as error:
