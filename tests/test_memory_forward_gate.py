@@ -74,6 +74,24 @@ def test_the_margin_is_part_of_the_check():
         fits_without_margin)) == {"a"}
 
 
+def test_each_chunk_is_judged_on_one_estimate():
+    """The estimate carries the chunk's peak, the KV it leaves and the KV per token, so
+    the gate asks once per chunk: not again for what stays resident, nor for the KV
+    bytes of a token."""
+    asked: list[PeakQuery] = []
+
+    def counting(query: PeakQuery) -> PeakEstimate:
+        asked.append(query)
+        return per_token(query)
+
+    gate = PrefillForwardGate(counting, fixed_usage(), MARGIN)
+    assert gate.check_prefill(step(chunk("a", 10), chunk("b", 10), hard=400 * MIB)) == {}
+    assert [q.new_tokens for q in asked] == [10, 10]
+    shared = (replace(chunk("a", 10, cached=40), forward=0), replace(chunk("b", 10), forward=0))
+    assert gate.check_prefill(step(*shared, hard=400 * MIB)) == {}
+    assert len(asked) == 4
+
+
 def test_kv_left_by_earlier_chunks_of_the_step_counts():
     gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
     # Each fits alone (100 + 40 + 16 <= 160); the second sits on the first's 40 MiB of KV.

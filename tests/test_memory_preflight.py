@@ -216,6 +216,23 @@ def test_admission_reserves_the_estimate_and_queues_what_does_not_fit(setup):
     assert setup.guard.idle()
 
 
+def test_preflight_and_admission_each_ask_one_estimate(setup):
+    """The structured estimate carries what each decision needs: the peak, and the KV
+    per token of the completion; no stage asks twice or reaches into the gate."""
+    asked = setup.estimator.queries
+    setup.guard.preflight(Engine(), "a", tokens(100), max_tokens=300)
+    assert [q.new_tokens for q in asked] == [100]
+    setup.guard.admission.timeout_s = 0.1
+    with setup.guard.admit(Engine(), "a", tokens(500), max_tokens=0):
+        # The prompt and the first 256 completion tokens (memory.decode_reserve_tokens).
+        with pytest.raises(RequestRejected) as waited:
+            setup.guard.admit(Engine(), "b", tokens(100), max_tokens=300)
+    assert [q.new_tokens for q in asked] == [100, 500, 100 + 256]
+    # Of the reservation, the completion's KV is the estimate's KV per token.
+    rejection = waited.value.rejection
+    assert (rejection.decode_bytes, rejection.max_tokens) == (256 * PER_TOKEN, 256)
+
+
 # -- with the built-in estimator and a real engine --------------------------------------------
 
 
