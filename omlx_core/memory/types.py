@@ -1,6 +1,6 @@
 """The values that cross the memory hooks: ceilings, limit snapshots, estimate queries
-and estimates, preflight requests, rejections and boundary snapshots. Plugin authors read these types;
-``omlx_core.memory`` computes them."""
+and estimates, preflight requests, rejections and boundary snapshots. Plugin authors
+read these types; ``omlx_core.memory`` and the plugins compute them."""
 
 from __future__ import annotations
 

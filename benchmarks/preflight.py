@@ -8,9 +8,11 @@ are as they are between requests, then each thread calls
 The table gives the median and 90th percentile of one call, and the calls per second
 of all threads together.
 
-It uses only the guard's public calls, so the same file measures another checkout:
-run it with that checkout's interpreter (``/path/to/other/.venv/bin/python
-omlx_core/bench/preflight.py``) to compare code before and after a change.
+    python -m benchmarks.preflight [--calls 200] [--label after]
+
+It uses only the guard's public calls, so the same file measures another checkout: run
+it with that checkout's interpreter (``/path/to/other/.venv/bin/python
+benchmarks/preflight.py``) to compare code before and after a change.
 """
 
 from __future__ import annotations
