@@ -4,7 +4,7 @@ For each model, prompt length and chunk size it runs a prefill exactly as the ba
 engine does -- chunks over an mlx-lm prompt cache, evaluating only the cache state per
 chunk, the prompt's last token fed through mlx-lm's ``BatchGenerator`` -- and compares
 ``mx.get_peak_memory()`` (minus the memory in use before) with
-:func:`omlx_core.memory.estimate.estimate_prefill_peak`. The target is a ratio
+:func:`omlx_core.plugins.estimator.prefill.estimate_prefill_peak`. The target is a ratio
 (estimate / measured) of at least 1.00 and at most 1.15.
 
 Run it with OpenBLAS preloaded (see the README)::
@@ -26,13 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from omlx_core.memory.estimate import (
-    ModelDims,
-    PeakBreakdown,
-    VisionDims,
-    estimate_prefill_peak,
-    estimate_with_images,
-)
+from omlx_core.plugins.estimator.dims import ModelDims
+from omlx_core.plugins.estimator.prefill import PeakBreakdown, estimate_prefill_peak
+from omlx_core.plugins.estimator.vision import VisionDims, estimate_with_images
 from omlx_core.models.loader import activation_dtype_bytes
 
 #: estimate / measured must stay within these bounds

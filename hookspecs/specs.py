@@ -15,7 +15,13 @@ if TYPE_CHECKING:
     from omlx_core.config import Config
     from omlx_core.engine import Engine
     from omlx_core.memory.gate import MemoryReceiver
-    from omlx_core.memory.types import BoundarySnapshot, PeakQuery, PreflightRequest, Rejection
+    from omlx_core.memory.types import (
+        BoundarySnapshot,
+        PeakEstimate,
+        PeakQuery,
+        PreflightRequest,
+        Rejection,
+    )
     from omlx_core.platform.doctor import DoctorCheck
     from omlx_core.server_context import ServerContext
     from omlx_core.settings import Setting
@@ -99,17 +105,24 @@ def doctor_checks(config: Config) -> list[DoctorCheck] | None:
 
 
 @hookspec(firstresult=True)
-def estimate_peak(query: PeakQuery) -> int | None:
+def estimate_peak(query: PeakQuery) -> PeakEstimate | None:
     """Estimate the peak bytes a prefill will add on top of memory already in use.
 
     The query carries the model (dims from its config), ``new_tokens`` to prefill over
     ``cached_tokens`` already resident, in chunks of ``chunk_size``, and for a vision
-    model the ``images`` it encodes first (their vision-tower activations and features
-    are part of the peak). The estimate must never undercount (that crashes machines)
-    and should overcount by little.
+    model the ``images`` it encodes first. The answer is structured so that every stage
+    decides from one estimate: preflight and admission compare its ``total`` with the
+    limit, admission grows a reservation by ``kv_bytes_per_token`` per completion token,
+    and the forward gate keeps its ``held_bytes`` in use after a forward. The estimate
+    must never undercount (that crashes machines) and should overcount by little. A
+    wrapper may add to another plugin's answer (``PeakEstimate.plus_extra``: a draft
+    model's weights and KV).
 
     :param query: a :class:`~omlx_core.memory.types.PeakQuery`.
-    :returns: peak bytes, or ``None`` to let the next implementation answer.
+    :returns: a :class:`~omlx_core.memory.types.PeakEstimate`: the worst step's
+        ``transient_bytes``, the ``kv_bytes`` the prefill leaves held and
+        ``kv_bytes_per_token``, and ``extra_bytes`` held beside the model's cache (image
+        features, a draft model); or ``None`` to let the next implementation answer.
         firstresult: the first non-``None`` result is used.
     """
 

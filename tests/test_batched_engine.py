@@ -282,7 +282,8 @@ def test_memory_limits_reach_the_gate_and_resolve_scheduler_finds_them(llama):
 def test_preflight_estimate_leaves_out_prefill_logits(llama):
     """The engine never evaluates prompt logits: the guard's estimate must not count them."""
     from omlx_core.models.loader import activation_dtype_bytes
-    from omlx_core.memory.estimate import ModelDims, estimate_prefill_peak
+    from omlx_core.plugins.estimator.dims import ModelDims
+    from omlx_core.plugins.estimator.prefill import estimate_prefill_peak
     from omlx_core.memory.guard import MemoryGuard
     from omlx_core.pluginmanager import build_plugin_manager
 
@@ -296,10 +297,10 @@ def test_preflight_estimate_leaves_out_prefill_logits(llama):
         ModelDims.from_config(query.model_config), query.new_tokens, query.cached_tokens,
         query.chunk_size, dtype_bytes=query.dtype_bytes, full_logits=False,
         cached_kv_resident=query.cached_kv_resident, backend=query.backend)
-    assert guard.estimate(query) == breakdown.total
+    assert guard.estimate(query).total == breakdown.total
     # In one prompt-wide chunk, counting every position's logits would overcount.
     whole = replace(query, chunk_size=len(prompt))
-    assert guard.estimate(whole) < guard.estimate(replace(whole, full_logits=True))
+    assert guard.estimate(whole).total < guard.estimate(replace(whole, full_logits=True)).total
 
 
 def test_restored_prefix_is_resident_before_the_first_gated_chunk(llama):

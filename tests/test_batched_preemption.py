@@ -10,6 +10,7 @@ import pytest
 from omlx_core.engine import SamplingParams
 from omlx_core.hookspecs import hookimpl
 from omlx_core.memory.gate import UNLIMITED_TOKENS, DecodePlan, DecodeStep
+from omlx_core.memory.types import PeakEstimate
 from omlx_core.testing.conformance import ScriptedGate
 from tests.test_batched_engine import (
     collect,
@@ -234,7 +235,8 @@ class KvPerTokenEstimate:
 
     @hookimpl
     def estimate_peak(self, query):
-        return query.new_tokens * 64 * KIB
+        return PeakEstimate(transient_bytes=0, kv_bytes_per_token=64 * KIB,
+                            kv_bytes=query.new_tokens * 64 * KIB)
 
 
 @pytest.fixture

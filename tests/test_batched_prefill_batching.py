@@ -14,7 +14,7 @@ from omlx_core.testing.conformance import refusal
 from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.memory.forward_gate import PrefillForwardGate
-from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot
+from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PeakEstimate
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.models.registry import spec_for_path
 from omlx_core.mlx_thread import mlx_thread
@@ -291,7 +291,8 @@ def test_post_forward_backstop_stops_one_request_of_a_batched_forward(llama):
 def test_real_gate_backstop_stops_only_the_largest_request_of_a_shared_forward(llama):
     """Use read over the limit after a shared forward stops one request, the one holding
     the most KV, not every request of the forward; the others finish as they would alone."""
-    gate = PrefillForwardGate(lambda query: query.new_tokens * 1024, MemoryUsage(
+    gate = PrefillForwardGate(lambda query: PeakEstimate(
+        transient_bytes=0, kv_bytes_per_token=1024, kv_bytes=query.new_tokens * 1024), MemoryUsage(
         window_s=0.0, read_active=lambda: level["bytes"], read_footprint=lambda: 0), 0)
     level = {"bytes": 100 << 20}
     original = gate.check_after_prefill

@@ -514,7 +514,7 @@ def oversized_prompt(context: ServerContext) -> list[int]:
     tokens = 4096
     while tokens < 2_000_000:
         prompt = [(7 * i) % 200 + 10 for i in range(tokens)]
-        estimate = guard.estimate(guard.peak_query(engine, prompt))
+        estimate = guard.estimate(guard.peak_query(engine, prompt)).total
         if estimate is not None and estimate > limit:
             return prompt
         tokens *= 2

@@ -16,7 +16,7 @@ from omlx_core.memory.ceilings import ProbeReadings
 from omlx_core.memory.forward_gate import PrefillForwardGate
 from omlx_core.memory.guard import MemoryGuard
 from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
-from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PeakQuery
+from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PeakEstimate, PeakQuery
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.pluginmanager import PluginManager
 from omlx_core.plugins import advice as advice_plugin
@@ -32,9 +32,9 @@ MARGIN = 16 * MIB
 RESIDENT = 100 * MIB
 
 
-def per_token(query: PeakQuery) -> int:
-    """A stand-in estimate: 1 MiB per new token."""
-    return query.new_tokens * MIB
+def per_token(query: PeakQuery) -> PeakEstimate:
+    """A stand-in estimate: 1 MiB of KV per new token."""
+    return PeakEstimate(transient_bytes=0, kv_bytes_per_token=MIB, kv_bytes=query.new_tokens * MIB)
 
 
 def limits(hard: int) -> LimitSnapshot:
@@ -74,6 +74,24 @@ def test_the_margin_is_part_of_the_check():
         fits_without_margin)) == {"a"}
 
 
+def test_each_chunk_is_judged_on_one_estimate():
+    """The estimate carries the chunk's peak, the KV it leaves and the KV per token, so
+    the gate asks once per chunk: not again for what stays resident, nor for the KV
+    bytes of a token."""
+    asked: list[PeakQuery] = []
+
+    def counting(query: PeakQuery) -> PeakEstimate:
+        asked.append(query)
+        return per_token(query)
+
+    gate = PrefillForwardGate(counting, fixed_usage(), MARGIN)
+    assert gate.check_prefill(step(chunk("a", 10), chunk("b", 10), hard=400 * MIB)) == {}
+    assert [q.new_tokens for q in asked] == [10, 10]
+    shared = (replace(chunk("a", 10, cached=40), forward=0), replace(chunk("b", 10), forward=0))
+    assert gate.check_prefill(step(*shared, hard=400 * MIB)) == {}
+    assert len(asked) == 4
+
+
 def test_kv_left_by_earlier_chunks_of_the_step_counts():
     gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
     # Each fits alone (100 + 40 + 16 <= 160); the second sits on the first's 40 MiB of KV.
@@ -81,10 +99,11 @@ def test_kv_left_by_earlier_chunks_of_the_step_counts():
     assert set(refused) == {"second"}
 
 
-def transient_heavy(query: PeakQuery) -> int:
+def transient_heavy(query: PeakQuery) -> PeakEstimate:
     """A stand-in estimate: 0.1 MiB of KV per new token plus 1 MiB of transient per
     token of the forward (``chunk_size``)."""
-    return query.new_tokens * MIB // 10 + query.chunk_size * MIB
+    return PeakEstimate(transient_bytes=query.chunk_size * MIB, kv_bytes_per_token=MIB // 10,
+                        kv_bytes=query.new_tokens * MIB // 10)
 
 
 def test_chunks_sharing_a_forward_are_judged_together():

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from omlx_core.memory.estimate import estimate_for_config
+from omlx_core.plugins.estimator.prefill import estimate_for_config
 from omlx_core.testing.models import build_model
 from omlx_core.testing.waiting import free_port
 

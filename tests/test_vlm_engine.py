@@ -246,7 +246,7 @@ def test_a_sparse_hf_text_config_is_completed_from_mlx_vlms_defaults(tiny_vlm_pa
     import json
     import shutil
 
-    from omlx_core.memory.estimate import ModelDims
+    from omlx_core.plugins.estimator.dims import ModelDims
 
     model = tmp_path / "llava-sparse"
     shutil.copytree(tiny_vlm_path("llava"), model)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 
 from omlx_core.config import load_config
-from omlx_core.memory.estimate import (
-    ModelDims,
+from omlx_core.plugins.estimator.dims import ModelDims
+from omlx_core.plugins.estimator.prefill import estimate_prefill_peak
+from omlx_core.plugins.estimator.vision import (
     VisionDims,
-    estimate_prefill_peak,
     estimate_vision_peak,
     estimate_with_images,
+    image_features_bytes,
 )
 from omlx_core.memory.gate import ForwardGate, PrefillStep
 from omlx_core.memory.types import PeakQuery
@@ -44,9 +45,17 @@ def test_images_raise_the_estimate_by_the_vision_tower() -> None:
     with_images = estimate_peak(PeakQuery(config, new_tokens=2000, chunk_size=512, images=3))
     vision = VisionDims.from_config(config)
     scores = 3 * vision.num_heads * vision.positions ** 2 * 4
-    assert with_images >= scores > 0
-    assert with_images > text_only
-    assert estimate_peak(PeakQuery(config, new_tokens=2000, chunk_size=512, images=6)) > with_images
+    assert with_images.total >= scores > 0
+    assert with_images.total > text_only.total
+    more = estimate_peak(PeakQuery(config, new_tokens=2000, chunk_size=512, images=6))
+    assert more.total > with_images.total
+    # The images' features are the extra bytes the request holds beside its KV; the KV
+    # per token is the language model's alone.
+    hidden = ModelDims.from_config(config).hidden_size
+    assert text_only.extra_bytes == 0
+    assert with_images.extra_bytes == image_features_bytes(vision, hidden, 3) > 0
+    assert with_images.kv_bytes_per_token == text_only.kv_bytes_per_token > 0
+    assert with_images.held_bytes >= with_images.extra_bytes
 
 
 def test_a_vision_model_without_vision_dims_is_not_guessed(caplog) -> None:

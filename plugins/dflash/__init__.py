@@ -27,6 +27,7 @@ from typing import Any, Callable, Generator
 from omlx_core.hookspecs import hookimpl
 from omlx_core.memory.gate import MemoryReceiver
 from omlx_core.plugins.dflash.engine import DRAFTERS, DFlashEngine, DFlashSettings, engine_for_model
+from omlx_core.plugins.dflash.memory import with_speculation
 from omlx_core.settings import Setting
 
 ENGINE_NAME = "dflash"
@@ -73,7 +74,8 @@ def estimate_peak(query: Any) -> Generator[None, Any, Any]:
     engine = engine_for_model(query.model_id)
     if result is None or engine is None:
         return result
-    return int(result) + engine.extra_bytes(query)
+    footprint = engine.drafter.footprint() if engine.speculation_off is None else None
+    return with_speculation(result, footprint, engine.extra_bytes(query))
 
 
 @hookimpl

@@ -18,9 +18,14 @@ from __future__ import annotations
 
 from omlx_core.engine import Engine
 from omlx_core.hookspecs import hookimpl
-from omlx_core.memory.estimate import KV_STEP
 from omlx_core.memory.gate import MemoryReceiver
-from omlx_core.memory.types import PreflightRequest, Rejection, RequestRejected
+from omlx_core.memory.types import (
+    KV_STEP,
+    PreflightRequest,
+    Rejection,
+    RequestRejected,
+    kv_capacity,
+)
 from omlx_core.settings import format_size
 
 
@@ -56,7 +61,3 @@ def preflight(request: PreflightRequest) -> None:
         max_tokens=request.max_tokens,
         fitting_max_tokens=fitting if fitting is not None and fitting >= 1 else None))
 
-
-def kv_capacity(tokens: int) -> int:
-    """The KV tokens a cache holding ``tokens`` has allocated (it grows in blocks)."""
-    return -(-tokens // KV_STEP) * KV_STEP
