@@ -27,6 +27,7 @@ from omlx_core.engine import (
 from omlx_core.hookspecs import hookimpl
 from omlx_core.pluginmanager import PluginError
 from omlx_core.testing import cached_model
+from omlx_core.testing.detokenizer import TableDetokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -38,7 +39,7 @@ class _Done(RequestHandle):
         self._request = request
 
     def __iter__(self) -> Iterator[GenerationOutput]:
-        yield GenerationOutput(self.request_id, "ok", (5,), finish_reason="length",
+        yield GenerationOutput(self.request_id, token_ids=(5,), finish_reason="length",
                                usage=Usage(len(self._request.prompt_tokens), 1))
 
     def close(self) -> None:
@@ -65,6 +66,9 @@ class UnguardedEngine(Engine):
 
     def tokenize(self, text: str) -> list[int]:
         return [1, 2, 3]
+
+    def detokenizer(self) -> TableDetokenizer:
+        return TableDetokenizer({5: "ok"})
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         return _Done(request)

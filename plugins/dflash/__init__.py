@@ -16,8 +16,10 @@ group). What it provides through the public hooks:
 - ``estimate_peak`` (a wrapper): adds what speculation allocates (draft weights not yet
   loaded, draft KV, the verify forward's width) to every estimate of a dflash model, so
   preflight, admission and the forward gate all count it;
-- ``startup``: connects each dflash engine's fallback to the cache tiers and the
-  ``on_request_finished`` hook, as the batched plugin does for its own engines.
+
+Built with its :class:`~omlx_core.host.EngineHost` (its drafter from the model's own
+``[models.<id>]`` choices over ``[plugin.dflash]``); both paths report finished requests
+to the host's sink, and the fallback keeps the host's lower cache tiers.
 """
 
 from __future__ import annotations
@@ -74,13 +76,6 @@ def estimate_peak(query: Any) -> Generator[None, Any, Any]:
     if result is None or engine is None:
         return result
     return int(result) + engine.extra_bytes(query)
-
-
-@hookimpl
-def startup(context: Any) -> None:
-    for engine in context.engines.values():
-        if isinstance(engine, DFlashEngine):
-            engine.bind_plugins(context.plugins)
 
 
 __all__ = ["ENGINE_NAME", "DFlashEngine", "DFlashSettings"]
