@@ -15,7 +15,7 @@ group). What it provides through the public hooks:
   scheduler, so the enforcer reaches whichever path serves on every poll (seed 002);
 - ``estimate_peak`` (a wrapper): adds what speculation allocates (draft weights not yet
   loaded, draft KV, the verify forward's width) to every estimate of a dflash model, so
-  preflight, admission and the forward gate all count it;
+  preflight, admission and the forward gate all count it.
 
 Built with its :class:`~omlx_core.host.EngineHost` (its drafter from the model's own
 ``[models.<id>]`` choices over ``[plugin.dflash]``); both paths report finished requests
