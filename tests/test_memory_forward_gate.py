@@ -248,8 +248,8 @@ def test_batched_engine_ends_only_the_request_whose_chunk_would_overshoot(served
 def test_the_batched_plugin_resolves_its_engine_to_its_scheduler(served):
     engine, _guard = served
     assert batched_resolve_scheduler(engine) is engine.scheduler
-    # The built-in fallback answers only for engines that are their own receiver.
-    assert memory_guard_plugin.resolve_scheduler(engine) is None
+    # The built-in fallback, asked last, would name the engine's host memory.
+    assert memory_guard_plugin.resolve_scheduler(engine) is engine.host.memory
 
 
 # -- the post-forward backstop -------------------------------------------------------------------

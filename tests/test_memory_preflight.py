@@ -60,7 +60,7 @@ class Engine(GuardedEngine):
     def limits(self):
         return EngineLimits(context_length=None, vocab_size=1000)
 
-    start = shutdown = tokenize_chat = tokenize = submit = abort = None  # never called here
+    start = shutdown = tokenize_chat = tokenize = detokenizer = submit = abort = None  # never called here
 
 
 def readings(available: int = 20 * GIB) -> ProbeReadings:

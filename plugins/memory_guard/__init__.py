@@ -30,7 +30,9 @@ from omlx_core.settings import format_size
 def resolve_scheduler(engine: Engine) -> MemoryReceiver | None:
     if isinstance(engine, MemoryReceiver):
         return engine
-    return engine.host.memory if engine.host is not None else None
+    if isinstance(engine, Engine) and engine.host is not None:
+        return engine.host.memory
+    return None
 
 
 @hookimpl(trylast=True)
