@@ -216,8 +216,9 @@ def _check_resolvable(model_id: str, engine: Engine, plugins: PluginManager) -> 
         raise PluginError(
             f"model {model_id!r}: no plugin's resolve_scheduler returns a MemoryReceiver for "
             f"engine type {type(engine).__qualname__} (got {type(receiver).__name__}), so it "
-            "would get no memory limits and no forward gate; implement resolve_scheduler for it "
-            "or make the engine its own MemoryReceiver")
+            "would get no memory limits and no forward gate; pass the host to "
+            "Engine.__init__(model, host) and read host.memory, or implement resolve_scheduler "
+            "for it")
 
 
 def _check_estimable(model_id: str, engine: Engine, guard: MemoryGuard) -> None:

@@ -267,11 +267,11 @@ class Generation:
         if last.finished:
             return last.usage
         self._handle.close()
-        waited = time.monotonic()
-        while (left := STOP_DRAIN_S - (time.monotonic() - waited)) > 0:
+        deadline = time.monotonic() + STOP_DRAIN_S
+        while (left := deadline - time.monotonic()) > 0:
             output = self._handle.next_output(left)
-            if output is None or output.finished:
-                return output.usage if output is not None else None
+            if output is not None and output.finished:
+                return output.usage
         log.warning("the engine did not end request %s within %.0f s of its abort on a stop "
                     "string", self.request_id, STOP_DRAIN_S)
         return None
@@ -295,9 +295,7 @@ class Generation:
     def _finish(self, output: GenerationOutput) -> None:
         reason = output.finish_reason
         if reason in ("stop", "length"):
-            # A stop string in the tail the detokenizer held back turns "length" into "stop".
-            self.finish_reason = "stop" if self._output.stopped else reason
-            self.stop_sequence = self._output.stop_sequence
+            self.finish_reason = reason
             return
         self.finish_reason = "error"
         self.failure = _failure_of(output)
