@@ -1,13 +1,8 @@
-"""From generated token ids to the text a client may see: incremental and stop-aware.
+"""Deprecated: stop strings and detokenization moved to :mod:`omlx_core.serving.output`.
 
-Part of what an engine owes the pipeline (:mod:`omlx_core.engine`): stop strings are
-never emitted, not even in part. Engines built on an mlx-lm tokenizer use
-:class:`TextAssembler`; others feed their own text through :class:`StopMatcher`.
-
-mlx-lm's streaming detokenizers hold back the bytes of a character split across
-tokens, so no replacement character is emitted for it. On top of that, text that
-could be the beginning of a stop string is held back until it either completes the
-stop string (it and everything after it are dropped) or can no longer become one.
+Engines speak tokens now; the serving pipeline's output processor owns text. This module
+stays only until the batched scheduler stops importing :class:`TextAssembler` (helper
+``sched``'s change); delete it at that merge. Nothing new may import it.
 """
 
 from __future__ import annotations

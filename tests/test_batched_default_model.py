@@ -15,6 +15,7 @@ from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.mlx_thread import mlx_thread
+from omlx_core.testing.host import make_test_host
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,7 @@ _ids = itertools.count()
 def start(path, **overrides) -> BatchedEngine:
     values = {"plugin.batched.prefill_step_size": 32, "plugin.batched.block_size": 16, **overrides}
     config = load_config("base", overrides=[(k, str(v), "test") for k, v in values.items()], env={})
-    engine = BatchedEngine(spec_for_path(path), config)
+    engine = BatchedEngine(spec_for_path(path), make_test_host(config))
     engine.start()
     return engine
 

@@ -18,6 +18,7 @@ from omlx_core.memory.gate import PrefillStep
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.testing.conformance import ScriptedGate
 from omlx_core.mlx_thread import mlx_thread
+from omlx_core.testing.host import make_test_host
 
 PREFILL_STEP = 16
 BLOCK = 8
@@ -32,7 +33,7 @@ def make_config(**overrides):
 
 
 def start_engine(path, **overrides) -> BatchedEngine:
-    engine = BatchedEngine(spec_for_path(path), make_config(**overrides))
+    engine = BatchedEngine(spec_for_path(path), make_test_host(make_config(**overrides)))
     engine.start()
     return engine
 

@@ -20,6 +20,7 @@ from omlx_core.models.registry import spec_for_path
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.plugins.batched.batch_prefill import PADDING_SLACK, group_spans, padded_slots
+from omlx_core.testing.host import make_test_host
 
 PREFILL_STEP = 256
 BLOCK = 8
@@ -47,7 +48,7 @@ def start_engine(path, **overrides) -> BatchedEngine:
     values = {"plugin.batched.prefill_step_size": PREFILL_STEP, "plugin.batched.block_size": BLOCK,
               "plugin.batched.max_batch_size": 8, "plugin.batched.prefix_cache_budget": 0, **overrides}
     config = load_config("base", overrides=[(k, str(v), "test") for k, v in values.items()], env={})
-    engine = BatchedEngine(spec_for_path(path), config)
+    engine = BatchedEngine(spec_for_path(path), make_test_host(config))
     engine.start()
     return engine
 

@@ -26,6 +26,7 @@ from omlx_core.plugins.dflash.memory import BothPaths, speculative_extra_bytes
 from omlx_core.server_context import ServerContext
 from omlx_core.testing import cached_model
 from omlx_core.testing.conformance import ScriptedGate
+from omlx_core.testing.host import make_test_host
 from omlx_core.testing.models import build_model
 from omlx_core.testing.waiting import wait_for
 
@@ -61,7 +62,7 @@ def guarded(tiny_dir, tmp_path_factory) -> Iterator[ServerContext]:
 def make_engine(path, drafter=None, **overrides) -> DFlashEngine:
     values = {"plugin.batched.prefill_step_size": 16, **overrides}
     config = load_config("base", overrides=[(k, str(v), "test") for k, v in values.items()], env={})
-    engine = DFlashEngine(spec_for_path(path), config, drafter=drafter)
+    engine = DFlashEngine(spec_for_path(path), make_test_host(config), drafter=drafter)
     engine.start()
     return engine
 

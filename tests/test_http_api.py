@@ -23,7 +23,7 @@ from omlx_core.http import HTTPServer, build_frontend, serve_forever
 from omlx_core.memory.gate import PrefillStep
 from omlx_core.memory.usage import MemoryUsage, footprint_bytes
 from omlx_core.server_context import ServerContext
-from omlx_core.testing import cached_model
+from omlx_core.testing import SPECIAL_TOKENS, cached_model, special_token_id
 from omlx_core.testing.waiting import wait_for
 
 MODEL = "tiny"
@@ -168,6 +168,50 @@ def test_stop_string_ends_the_completion_before_it(server: HTTPServer) -> None:
     chunks = [json.loads(p) for _, p in sse_events(data)[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == full[:cut]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stop_string_split_across_tokens_never_lets_later_tokens_out(context, server) -> None:
+    """The pipeline cuts the text at a stop string that spans two tokens, sends nothing
+    of it or after it (text, logprobs, usage), and aborts the engine request."""
+    prompt = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+    status, _, body = post(server, "/v1/completions", {**prompt, "logprobs": 0})
+    assert status == 200, body
+    full, tokens = body["choices"][0]["text"], body["choices"][0]["logprobs"]["tokens"]
+    # Token ``split`` has text before the stop string (so its logprob is sent), token
+    # ``split + 1`` completes it (counted, not sent).
+    split = next((i for i in range(1, len(tokens) - 1)
+                  if len(tokens[i].strip()) >= 2 and tokens[i + 1].strip()
+                  and (tokens[i] + tokens[i + 1]).isascii() and (tokens[i] + tokens[i + 1]).isprintable()
+                  and full.find(tokens[i][-1] + tokens[i + 1][0])
+                  == len("".join(tokens[:i + 1]).lstrip()) - 1), None)
+    assert split is not None, f"no two visible tokens to split a stop string across in {tokens}"
+    stop = tokens[split][-1] + tokens[split + 1][0]
+    cut = full.index(stop)
+    finished = context.engines[MODEL].scheduler.counters.finished
+    # Only the abort can end these: no length within reach, no end-of-sequence token
+    # (the greedy tokens before the stop are the same: none of them was one).
+    endless = {**prompt, "max_tokens": 2000,
+               "logit_bias": {str(special_token_id(t)): -100 for t in SPECIAL_TOKENS}}
+
+    aborted = finished["abort"]
+    status, _, body = post(server, "/v1/completions", {**endless, "logprobs": 0, "stop": [stop]})
+    choice = body["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (full[:cut], "stop")
+    assert choice["logprobs"]["tokens"] == tokens[:split + 1]
+    assert body["usage"]["completion_tokens"] == split + 2
+    assert finished["abort"] == aborted + 1, "the stop string did not abort the engine request"
+
+    aborted = finished["abort"]
+    status, _, data = post(server, "/v1/completions", {
+        **endless, "logprobs": 0, "stop": stop, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(p) for _, p in sse_events(data)[:-1]]
+    streamed = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["text"] for c in streamed) == full[:cut]
+    assert [t for c in streamed if c.get("logprobs") for t in c["logprobs"]["tokens"]] == tokens[:split + 1]
+    assert streamed[-1]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == split + 2
+    assert finished["abort"] == aborted + 1, "the stop string did not abort the engine request"
+    assert engine_idle(context)
 
 
 def test_logprobs_in_both_shapes(server: HTTPServer) -> None:

@@ -25,6 +25,7 @@ from omlx_core.memory.gate import PrefillChunk, PrefillStep
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.plugins.batched import resolve_scheduler as batched_resolve_scheduler
 from omlx_core.models.registry import spec_for_path
+from omlx_core.testing.host import make_test_host
 
 GIB = 1024**3
 MIB = 1024**2
@@ -222,7 +223,7 @@ def served(tiny_model_path):
         ("memory.tier", "custom", "test"), ("memory.custom_ceiling", str(140 * MIB), "test"),
         ("memory.transient_margin", str(MARGIN), "test"),
         ("plugin.batched.prefill_step_size", "32", "test"), ("plugin.batched.prefix_cache_budget", "0", "test")])
-    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
+    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), make_test_host(config))
     engine.start()
     guard = MemoryGuard(plugins, config, usage=fixed_usage(), mlx_cache=lambda: 0)
     readings = ProbeReadings(
@@ -266,8 +267,8 @@ def test_batched_engine_ends_only_the_request_whose_chunk_would_overshoot(served
 def test_the_batched_plugin_resolves_its_engine_to_its_scheduler(served):
     engine, _guard = served
     assert batched_resolve_scheduler(engine) is engine.scheduler
-    # The built-in fallback answers only for engines that are their own receiver.
-    assert memory_guard_plugin.resolve_scheduler(engine) is None
+    # The built-in fallback, asked last, would name the engine's host memory.
+    assert memory_guard_plugin.resolve_scheduler(engine) is engine.host.memory
 
 
 # -- the post-forward backstop -------------------------------------------------------------------

@@ -21,6 +21,7 @@ from omlx_core.models.registry import ModelSpec
 from omlx_core.pluginmanager import PluginManager
 from omlx_core.plugins import advice as advice_plugin
 from omlx_core.plugins import memory_guard as memory_guard_plugin
+from omlx_core.testing.host import make_test_host
 
 GIB = 1024**3
 MIB = 1024**2
@@ -60,7 +61,7 @@ class Engine(GuardedEngine):
     def limits(self):
         return EngineLimits(context_length=None, vocab_size=1000)
 
-    start = shutdown = tokenize_chat = tokenize = submit = abort = None  # never called here
+    start = shutdown = tokenize_chat = tokenize = detokenizer = submit = abort = None  # never called here
 
 
 def readings(available: int = 20 * GIB) -> ProbeReadings:
@@ -250,7 +251,7 @@ def real_guard(tiny_model_path):
         ("memory.tier", "custom", "test"), ("memory.custom_ceiling", "110MiB", "test"),
         ("memory.transient_margin", "1MiB", "test"),
         ("plugin.batched.prefill_step_size", "64", "test"), ("plugin.batched.prefix_cache_budget", "0", "test")])
-    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
+    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), make_test_host(config))
     engine.start()
     usage = MemoryUsage(read_active=lambda: 100 * MIB, read_footprint=lambda: 0)
     guard = MemoryGuard(plugins, config, usage=usage, mlx_cache=lambda: 0)

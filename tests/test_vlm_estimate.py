@@ -18,6 +18,7 @@ from omlx_core.plugins.estimator.vision import (
 )
 from omlx_core.memory.gate import ForwardGate, PrefillStep
 from omlx_core.memory.types import PeakQuery
+from omlx_core.testing.host import make_test_host
 from omlx_core.testing.vlm_models import vlm_family_config
 
 FAMILIES = ("llava", "gemma3")
@@ -117,7 +118,7 @@ def test_the_gate_is_told_which_chunk_encodes_the_images(tiny_vlm_path) -> None:
 
     config = load_config("cpu-small", overrides=[("plugin.batched.prefill_step_size", "16", "test"),
                                                  ("plugin.batched.prefix_cache_budget", "0", "test")])
-    engine = VLMEngine(spec_for_path(tiny_vlm_path("llava"), "vlm"), config)
+    engine = VLMEngine(spec_for_path(tiny_vlm_path("llava"), "vlm"), make_test_host(config))
     engine.start()
     try:
         gate = RecordingGate()

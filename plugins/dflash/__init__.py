@@ -15,9 +15,11 @@ group). What it provides through the public hooks:
   scheduler, so the enforcer reaches whichever path serves on every poll (seed 002);
 - ``estimate_peak`` (a wrapper): adds what speculation allocates (draft weights not yet
   loaded, draft KV, the verify forward's width) to every estimate of a dflash model, so
-  preflight, admission and the forward gate all count it;
-- ``startup``: connects each dflash engine's fallback to the cache tiers and the
-  ``on_request_finished`` hook, as the batched plugin does for its own engines.
+  preflight, admission and the forward gate all count it.
+
+Built with its :class:`~omlx_core.host.EngineHost` (its drafter from the model's own
+``[models.<id>]`` choices over ``[plugin.dflash]``); both paths report finished requests
+to the host's sink, and the fallback keeps the host's lower cache tiers.
 """
 
 from __future__ import annotations
@@ -76,13 +78,6 @@ def estimate_peak(query: Any) -> Generator[None, Any, Any]:
         return result
     footprint = engine.drafter.footprint() if engine.speculation_off is None else None
     return with_speculation(result, footprint, engine.extra_bytes(query))
-
-
-@hookimpl
-def startup(context: Any) -> None:
-    for engine in context.engines.values():
-        if isinstance(engine, DFlashEngine):
-            engine.bind_plugins(context.plugins)
 
 
 __all__ = ["ENGINE_NAME", "DFlashEngine", "DFlashSettings"]

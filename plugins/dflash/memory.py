@@ -53,17 +53,13 @@ class PrimaryPathGuard(MemoryReceiver):
 class BothPaths(MemoryReceiver):
     """Publishes to the primary guard and to the fallback engine's scheduler alike."""
 
-    def __init__(self, primary: PrimaryPathGuard, fallback: Any) -> None:
+    def __init__(self, primary: PrimaryPathGuard, fallback: MemoryReceiver | None) -> None:
         self.primary = primary
-        #: the fallback batched engine (its scheduler exists once it is started)
+        #: the started fallback engine's scheduler
         self.fallback = fallback
 
     def receivers(self) -> list[MemoryReceiver]:
-        receivers: list[MemoryReceiver] = [self.primary]
-        scheduler = getattr(self.fallback, "scheduler", None)
-        if isinstance(scheduler, MemoryReceiver):
-            receivers.append(scheduler)
-        return receivers
+        return [self.primary] if self.fallback is None else [self.primary, self.fallback]
 
     def apply_memory_limits(self, snapshot: LimitSnapshot) -> None:
         for receiver in self.receivers():
