@@ -181,9 +181,6 @@ class GenerationOutput:
     """A step of one request: new token ids (possibly none) and, on the last one, why it ended."""
 
     request_id: str
-    #: deprecated, ignored: the pipeline detokenizes ``token_ids`` itself (kept only until
-    #: the batched scheduler stops passing text; removed then)
-    text: str = ""
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None
@@ -193,8 +190,6 @@ class GenerationOutput:
     #: with ``finish_reason="error"``: the memory guard stopped the request (a forward
     #: gate refusal or the post-forward backstop); retrying later can succeed
     rejected: RequestRejected | None = None
-    #: deprecated, ignored: stop strings are the pipeline's (removed with ``text``)
-    stop_sequence: str | None = None
     usage: Usage | None = None
 
     @property

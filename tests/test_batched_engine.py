@@ -40,26 +40,23 @@ def start_engine(path, **overrides) -> BatchedEngine:
 
 @dataclass
 class Completion:
-    text: str
     token_ids: list[int]
     finish_reason: str
     usage: Usage
     error: str | None
     error_type: str | None
-    chunks: list[str]
     logprobs: list
     rejected: object = None
 
 
 def collect(handle) -> Completion:
-    chunks, tokens, logprobs, last = [], [], [], None
+    tokens, logprobs, last = [], [], None
     for output in handle:
-        chunks.append(output.text)
         tokens += output.token_ids
         logprobs += output.logprobs or []
         last = output
-    return Completion("".join(chunks), tokens, last.finish_reason, last.usage, last.error,
-                      last.error_type, chunks, logprobs, last.rejected)
+    return Completion(tokens, last.finish_reason, last.usage, last.error, last.error_type,
+                      logprobs, last.rejected)
 
 
 def submit(engine, prompt, sampling=GREEDY, request_id=None):
@@ -344,22 +341,6 @@ def test_restored_prefix_is_resident_before_the_first_gated_chunk(llama):
 # -- stops, sampling, logprobs --------------------------------------------------------
 
 
-def test_stop_string_ends_the_text_before_it(llama):
-    prompt = prompt_of(llama, 8, 1)
-    full = run(llama, prompt, replace(GREEDY, max_tokens=40)).text
-    start = next(i for i in range(6, len(full) - 3)
-                 if full[i:i + 3].isprintable() and "\ufffd" not in full[i:i + 3] and full[i:i + 3].strip())
-    stop = full[start:start + 3]
-    expected = full[:full.index(stop)]
-    done = run(llama, prompt, replace(GREEDY, max_tokens=40, stop=(stop,)))
-    assert done.finish_reason == "stop"
-    assert done.text == expected
-    emitted = ""
-    for chunk in done.chunks:
-        emitted += chunk
-        assert expected.startswith(emitted)
-
-
 def test_stop_token_ids_and_eos(llama):
     prompt = prompt_of(llama, 8, 2)
     reference = run(llama, prompt, replace(GREEDY, max_tokens=20)).token_ids
@@ -373,7 +354,7 @@ def test_stop_token_ids_and_eos(llama):
 
     eos = next(iter(llama.tokenizer.eos_token_ids))
     done = run(llama, prompt, replace(GREEDY, logit_bias={eos: 1e4}))
-    assert (done.finish_reason, done.text, done.token_ids, done.usage.completion_tokens) == ("stop", "", [], 1)
+    assert (done.finish_reason, done.token_ids, done.usage.completion_tokens) == ("stop", [], 1)
 
 
 def test_first_token_is_sampled_at_the_end_of_prefill(llama):

@@ -248,8 +248,6 @@ def _engine_modules() -> list[Path]:
     return [p for p in python_files("plugins") + python_files("examples") if p.stem != "benchmark"]
 
 
-@pytest.mark.xfail(strict=True, reason="the batched scheduler imports omlx_core.text until helper "
-                   "sched's change (issue 19 item 1) merges; remove this marker then")
 def test_no_engine_handles_text() -> None:
     """Engines speak tokens: text handling (detokenizing for output, stop strings) is
     the serving pipeline's, so nothing under plugins/ or examples/ imports it."""

@@ -54,18 +54,3 @@ def test_schedulers_are_extended_without_overriding_private_methods() -> None:
             assert not private, f"{path.relative_to(ROOT)}: {node.name} overrides {private}"
     assert "VLMScheduler" in found
 
-
-def test_only_the_output_emitter_handles_text_in_the_batched_and_vlm_plugins() -> None:
-    """The engines speak tokens: what text the batched engine still hands out until the
-    serving pipeline detokenizes lives in one place, the output emitter."""
-    offenders = []
-    for folder in ("batched", "vlm"):
-        for path in sorted((PLUGINS / folder).rglob("*.py")):
-            if path.name == "output_emitter.py":
-                continue  # LEGACY TEXT: its TextEmitter goes at the merge, and this line with it
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
-                         else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-                offenders += [f"{path.relative_to(ROOT)} imports {n}" for n in names
-                              if n == "omlx_core.text" or n.startswith("omlx_core.text.")]
-    assert not offenders, "\n".join(offenders)

@@ -41,9 +41,6 @@ def generate(pipeline: ServingPipeline, **sampling: object) -> tuple[str, int, s
     return text, generation.completion_tokens, generation.stop_sequence
 
 
-@pytest.mark.xfail(strict=True, reason="the batched scheduler's abort path stores no completion "
-                   "blocks until helper sched's change (CONTRACT.md point 4) merges; remove "
-                   "this marker then")
 def test_a_turn_a_stop_string_ended_is_a_prefix_hit_for_the_next(pipeline) -> None:
     engine = pipeline.engine("tiny")
     reference, _, _ = generate(pipeline, max_tokens=40)

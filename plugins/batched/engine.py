@@ -119,16 +119,12 @@ def _merge(outputs: list[GenerationOutput]) -> GenerationOutput:
     logprobs = [lp for o in outputs if o.logprobs for lp in o.logprobs]
     return GenerationOutput(
         request_id=last.request_id,
-        # Deprecated pass-through while the scheduler still sets text: nothing reads it
-        # (the pipeline detokenizes token_ids); goes with the field.
-        text="".join(o.text for o in outputs),
         token_ids=tuple(t for o in outputs for t in o.token_ids),
         logprobs=tuple(logprobs) if any(o.logprobs is not None for o in outputs) else None,
         finish_reason=last.finish_reason,
         error=last.error,
         error_type=last.error_type,
         rejected=last.rejected,
-        stop_sequence=last.stop_sequence,
         usage=last.usage,
     )
 

@@ -25,7 +25,6 @@ from omlx_core.plugins.batched.decode_batch import DecodeBatch
 from omlx_core.plugins.batched.extensions import ChunkInputs
 from omlx_core.plugins.batched.prefix_writer import PrefixCacheWriter
 from omlx_core.plugins.batched.sampling import token_logprob
-from omlx_core.text import TextAssembler  # LEGACY TEXT: goes with TextEmitter at the merge
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import RequestRejected
@@ -138,69 +137,4 @@ class OutputEmitter:
         return GenerationOutput(sequence.request_id, finish_reason=reason, **fields)
 
 
-# ---- LEGACY TEXT (issue 19 item 1) ---------------------------------------------------
-# Until the serving pipeline detokenizes and matches stop strings itself, the engine
-# still hands out text. At the merge with that pipeline: delete this class and the
-# ``omlx_core.text`` import above, and build ``OutputEmitter`` in ``scheduler.py``.
-
-
-class TextEmitter(OutputEmitter):
-    """An :class:`OutputEmitter` that also hands out each token's text and ends a
-    request whose text reaches one of its ``stop`` strings (``finish_reason="stop"``,
-    ``stop_sequence`` set)."""
-
-    def __init__(self, *, tokenizer: Any, **parts: Any) -> None:
-        super().__init__(**parts)
-        self.tokenizer = tokenizer
-        self._texts: dict[str, TextAssembler] = {}
-        self._final_texts: dict[str, str] = {}
-
-    def accept(self, sequence: SequenceState, token: int, logprobs_row: mx.array,
-               finish_reason: str | None, cache: list[Any] | None, tokens: Sequence[int] | None) -> None:
-        request_id = sequence.request_id
-        text = self._texts.get(request_id)
-        if text is None:
-            text = self._texts[request_id] = TextAssembler(self.tokenizer.detokenizer,
-                                                           sequence.request.sampling.stop)
-        if finish_reason == "stop":
-            # The stop token ends the text and is not part of it.
-            self._final_texts[request_id], _ = text.finish()
-            super().accept(sequence, token, logprobs_row, finish_reason, cache, tokens)
-            return
-        new_text, stopped = text.add(token)
-        if not stopped and finish_reason is None:
-            sequence.completion_tokens += 1
-            sequence.generated.append(token)
-            self.counters.tokens_generated += 1
-            top = sequence.request.sampling.logprobs
-            sequence.outputs.put(GenerationOutput(
-                request_id, new_text, (token,),
-                None if top is None else (token_logprob(logprobs_row, token, top),)))
-            return
-        self._count(sequence, token)
-        logprobs = self._logprobs(sequence, logprobs_row, token)
-        if stopped:
-            self._final_texts[request_id] = new_text
-            self.finish(sequence, "stop", token_ids=(token,), logprobs=logprobs, store=True)
-            return
-        self._left_batch(sequence)
-        tail, stopped_in_tail = text.finish()
-        self._final_texts[request_id] = new_text + tail
-        self.writer.store_finished_blocks(sequence, cache or [], tokens or ())
-        self.finish(sequence, "stop" if stopped_in_tail else "length", token_ids=(token,),
-                    logprobs=logprobs, remove=False)
-
-    def _count(self, sequence: SequenceState, token: int) -> None:
-        sequence.completion_tokens += 1
-        sequence.generated.append(token)
-        self.counters.tokens_generated += 1
-
-    def _final_output(self, sequence: SequenceState, reason: str, **fields: Any) -> GenerationOutput:
-        text = self._texts.pop(sequence.request_id, None)
-        return GenerationOutput(sequence.request_id, self._final_texts.pop(sequence.request_id, ""),
-                                finish_reason=reason,
-                                stop_sequence=text.stop_sequence if text is not None else None,
-                                **fields)
-
-
-__all__ = ["OutputEmitter", "TextEmitter"]
+__all__ = ["OutputEmitter"]

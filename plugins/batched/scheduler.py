@@ -66,7 +66,7 @@ from omlx_core.plugins.batched.extensions import (
     TokenInputs,
     token_key,
 )
-from omlx_core.plugins.batched.output_emitter import TextEmitter
+from omlx_core.plugins.batched.output_emitter import OutputEmitter
 from omlx_core.plugins.batched.prefill_planner import PrefillPlanner
 from omlx_core.plugins.batched.prefill_runner import PrefillRunner
 from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
@@ -126,9 +126,8 @@ class Scheduler(MemoryReceiver):
         self.writer = PrefixCacheWriter(prefix_cache=prefix_cache, layout=self.layout,
                                         cache_key=cache_key, model_id=model_id,
                                         boundary_listener=boundary_listener)
-        self.emitter = TextEmitter(tokenizer=tokenizer, state=state, batch=self.decode,
-                                   writer=self.writer, inputs=self.inputs,
-                                   finish_listener=finish_listener)
+        self.emitter = OutputEmitter(state=state, batch=self.decode, writer=self.writer,
+                                     inputs=self.inputs, finish_listener=finish_listener)
         self.budgeter = DecodeBudgeter(state=state, batch=self.decode, writer=self.writer,
                                        inputs=self.inputs)
         self.planner = PrefillPlanner(state=state, prefix_cache=prefix_cache, layout=self.layout,
