@@ -111,6 +111,10 @@ class DraftVerify(Protocol):
     row is its last, and the row has left the generator.
     """
 
+    #: KV tokens beyond one that a step may add to a row (a verify forward feeds the
+    #: anchor and drafts): the memory guard's decode budget covers them
+    lookahead: int
+
     def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
         """Whether this step verifies drafts."""
         ...
@@ -121,9 +125,18 @@ class DraftVerify(Protocol):
         all_tokens), one per token handed out, each row's in generation order."""
         ...
 
+    def stats(self) -> Mapping[str, Any]:
+        """Counters merged into the scheduler's :meth:`~.scheduler.Scheduler.stats`."""
+        ...
+
 
 class NoDrafts:
     """No row drafts: every step is mlx-lm's plain one."""
+
+    lookahead = 0
+
+    def stats(self) -> Mapping[str, Any]:
+        return {}
 
     def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
         return False

@@ -92,7 +92,8 @@ class Scheduler(MemoryReceiver):
                  finish_listener: Callable[[str, str], None] | None = None,
                  batch_window_s: float = 0.0, batch_window_max_s: float = 0.0,
                  fused_sampling: bool = True, inputs: ChunkInputs | None = None,
-                 cache_key: CacheKey = token_key, drafts: DraftVerify | None = None) -> None:
+                 cache_key: CacheKey = token_key, drafts: DraftVerify | None = None,
+                 max_decode_gap_s: float = 0.0) -> None:
         self.model_id = model_id
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
@@ -120,9 +121,10 @@ class Scheduler(MemoryReceiver):
         self.state = state = BatchState(model_id=model_id, model_config=model_config,
                                         max_batch_size=max_batch_size)
         self.counters = state.counters
+        self.drafts = drafts if drafts is not None else NoDrafts()
         self.decode = DecodeBatch(model=model, state=state, eos_token_ids=tokenizer.eos_token_ids,
                                   prefill_step_size=prefill_step_size, fused_sampling=fused_sampling,
-                                  drafts=drafts if drafts is not None else NoDrafts())
+                                  drafts=self.drafts)
         self.writer = PrefixCacheWriter(prefix_cache=prefix_cache, layout=self.layout,
                                         cache_key=cache_key, model_id=model_id,
                                         boundary_listener=boundary_listener)
@@ -131,7 +133,8 @@ class Scheduler(MemoryReceiver):
         self.budgeter = DecodeBudgeter(state=state, batch=self.decode, writer=self.writer,
                                        inputs=self.inputs)
         self.planner = PrefillPlanner(state=state, prefix_cache=prefix_cache, layout=self.layout,
-                                      prefill_step_size=prefill_step_size, inputs=self.inputs)
+                                      prefill_step_size=prefill_step_size, inputs=self.inputs,
+                                      batch=self.decode, max_decode_gap_s=max_decode_gap_s)
         self.prefill = PrefillRunner(model=model, state=state, vocab_size=vocab_size,
                                      planner=self.planner, inputs=self.inputs, writer=self.writer,
                                      budgeter=self.budgeter, batch=self.decode, emitter=self.emitter)
@@ -201,6 +204,7 @@ class Scheduler(MemoryReceiver):
             "finished": dict(c.finished),
             "prefix_cache": self.prefix_cache.stats(),
             **self.inputs.stats(),
+            **self.drafts.stats(),
         }
 
     # -- the Worker protocol (MLX thread) --------------------------------------------
@@ -232,7 +236,9 @@ class Scheduler(MemoryReceiver):
         self._drain_inbox()
         self._admit()
         if self.state.prefilling:
+            started = time.perf_counter()
             self.prefill.step()
+            self.planner.observe(time.perf_counter() - started)
         if self.state.decoding:
             self._decode_step()
 
