@@ -123,6 +123,26 @@ def test_greedy_rows_emit_plain_decodings_tokens_while_drafting() -> None:
         assert drafted[request_id][-1].usage == outputs[-1].usage
 
 
+def test_a_biased_row_drafts_with_its_bias_at_every_position() -> None:
+    def run() -> tuple[dict, dict, dict]:
+        model, tokenizer = load_model(cached_model("llama"))
+        requests = repetitive(tokenizer, SamplingParams(temperature=0.0))
+        banned = {t: -100.0 for t in requests[0].prompt_tokens[4:8]}
+        requests = [GenerationRequest(r.request_id, r.prompt_tokens,
+                                      SamplingParams(**{**r.sampling.__dict__, "logit_bias": banned}))
+                    for r in requests]
+        plain = drive(scheduler(model, tokenizer), requests)
+        drafts = drafting()
+        drafted = drive(scheduler(model, tokenizer, drafts), requests)
+        return plain, drafted, {"stats": drafts.stats()["speculation"], "banned": banned}
+
+    plain, drafted, info = mlx_thread().run(run)
+    assert info["stats"]["accepted"] > 0, info
+    for request_id, outputs in plain.items():
+        assert tokens(drafted[request_id]) == tokens(outputs)
+        assert not set(tokens(outputs)) & set(info["banned"])
+
+
 def test_rows_with_logprobs_or_processors_decode_as_before_beside_drafting_rows() -> None:
     def run() -> tuple[dict, dict, dict]:
         model, tokenizer = load_model(cached_model("llama"))

@@ -19,9 +19,11 @@ of a seeded row by its own sampler with the key plain decoding would use for tha
 token (its step counter is set back to the tokens it kept). So greedy rows emit plain
 decoding's tokens and seeded rows plain decoding's samples; for a deterministic draft,
 keeping a draft while it equals the target's own sample is rejection sampling with the
-target's law (see :func:`~.acceptance.accepted_prefix`). Rows that report logprobs or
-have logits processors (``logit_bias``, penalties, a grammar) never draft: their token
-is position 0's, exactly the plain step's. Models with other cache layers than plain
+target's law (see :func:`~.acceptance.accepted_prefix`). A ``logit_bias`` depends on
+nothing but the logits, so it is added at every position of a drafting row. Rows that
+report logprobs or have other logits processors (penalties, a grammar: they read the
+tokens before each position) never draft: their token is position 0's, exactly the
+plain step's. Models with other cache layers than plain
 ``BatchKVCache`` (sliding windows, recurrent layers) never draft.
 
 **Cost model.** A step that feeds ``W`` positions to each of ``B`` rows costs what the
@@ -50,7 +52,7 @@ from omlx_core.plugins.batched.acceptance import accepted_prefix
 from omlx_core.plugins.batched.batch_state import SequenceState
 from omlx_core.plugins.batched.decode_step import FusedSamplingBatch
 from omlx_core.plugins.batched.drafters import DraftState, NgramDrafter
-from omlx_core.plugins.batched.sampling import SeededSampler
+from omlx_core.plugins.batched.sampling import LogitBias, SeededSampler
 
 log = logging.getLogger(__name__)
 
@@ -191,9 +193,9 @@ class PromptLookupDrafts:
             if sequence is None:
                 return []
             sampler = batch.samplers[index] if batch.samplers else None
-            if (sequence.request.sampling.logprobs is not None or sequence.processors
-                    or sequence.grammar is not None or (batch.logits_processors
-                                                        and batch.logits_processors[index])
+            processors = tuple(batch.logits_processors[index] or ()) if batch.logits_processors else ()
+            if (sequence.request.sampling.logprobs is not None or sequence.grammar is not None
+                    or not all(isinstance(p, LogitBias) for p in processors)
                     or not (sampler is None or sampler is greedy_sampler
                             or isinstance(sampler, SeededSampler))):
                 continue
@@ -284,6 +286,8 @@ class PromptLookupDrafts:
             if not k:
                 continue
             row_logits = logits[row.index, 1:k + 1]
+            for bias in (batch.logits_processors[row.index] or ()) if batch.logits_processors else ():
+                row_logits = bias(None, row_logits)
             sampler = batch.samplers[row.index] if batch.samplers else None
             if isinstance(sampler, SeededSampler):
                 steps_before[row.index] = sampler.step
