@@ -138,6 +138,7 @@ class PromptLookupDrafts:
         self.drafter = drafter or NgramDrafter(block_size=max_drafts + 1, token_cost=0.0)
         self.cost = cost or StepCost()
         self._states: dict[int, DraftState] = {}
+        self._verified_last = False
         self.steps = 0
         self.verify_steps = 0
         self.drafted = 0
@@ -166,8 +167,12 @@ class PromptLookupDrafts:
         fed = len(batch.uids) if batch is not None else 0
         started = time.perf_counter()
         _, responses = generator.next()
-        if fed:
+        # The plain step returns once the previous step's tokens are read, its own forward
+        # still running: right after a verify step (which left nothing running) that is
+        # no step's cost, so it is not measured.
+        if fed and not self._verified_last:
             self.cost.observe(fed, time.perf_counter() - started)
+        self._verified_last = False
         return responses
 
     def stats(self) -> dict[str, Any]:
@@ -261,6 +266,7 @@ class PromptLookupDrafts:
         with mx.stream(generator._stream):
             responses = self._verify(batch, candidates, anchors, anchor_ids, width)
         self.cost.observe(size * width, time.perf_counter() - started)
+        self._verified_last = True
         self.verify_steps += 1
         return responses
 
