@@ -238,11 +238,15 @@ def test_a_missing_drafter_drifts_back_and_tries_again() -> None:
     draft = drafter.propose(state, [1, 2, 3, 1, 2, 3, 1], 4, SamplingParams(), None)
     assert draft.tokens == [2, 3, 1]
     drafter.commit(state, [1, *draft.tokens], 1, None)
-    missed = drafter.outlook(state)
-    assert missed < max(drafter.prior(n) for n in range(1, 5))
+    history = [1, 2, 3, 1, 2, 3, 1, 7]
+    # 7 never occurred before: no match, nothing to expect.
+    assert drafter.outlook(state, history) == 0.0
+    history += [1, 2, 3, 1]
+    missed = drafter.outlook(state, history)
+    assert missed < drafter.prior(4)
     for _ in range(50):
         drafter.skip(state)
-    assert drafter.outlook(state) > missed
+    assert drafter.outlook(state, history) > missed
 
 
 @pytest.mark.slow

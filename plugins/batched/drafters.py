@@ -190,10 +190,18 @@ class NgramDrafter(Drafter):
             return Draft(list(continuation[:k]))
         return Draft([])
 
-    def outlook(self, state: DraftState) -> float:
-        """The best acceptance per drafted position the request's record gives any match
-        length: what its next draft may reach at most."""
-        return max(state.extra.acceptance.values())
+    def outlook(self, state: DraftState, history: Sequence[int]) -> float:
+        """The acceptance per drafted position the request's record gives the longest
+        match of ``history``'s last tokens (0 without one): what a draft after the
+        anchor that follows ``history``, not known yet, may expect."""
+        lookup: _NgramState = state.extra
+        seen = lookup.seen
+        if len(history) > len(seen):
+            self._extend(lookup, history[len(seen):])
+        for n in range(self.ngram_max, self.ngram_min - 1, -1):
+            if len(seen) >= n and tuple(seen[-n:]) in lookup.index[n]:
+                return lookup.acceptance[n]
+        return 0.0
 
     def acceptance(self, state: DraftState) -> float:
         """The acceptance per drafted position expected of the draft just proposed."""

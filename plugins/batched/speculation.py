@@ -236,7 +236,8 @@ class PromptLookupDrafts:
         the step stays plain and pipelined (the anchors are not read)."""
         if not self.cost.measured:
             return False
-        outlook = [(self.drafter.outlook(row.state), self.max_drafts) for row in candidates]  # type: ignore[arg-type]
+        outlook = [(self.drafter.outlook(row.state, row.sequence.prompt + row.sequence.generated),  # type: ignore[arg-type]
+                    self.max_drafts) for row in candidates]
         return self._best_width(size, outlook) > 1
 
     # -- the drafting step -------------------------------------------------------------
