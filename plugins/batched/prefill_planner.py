@@ -120,7 +120,10 @@ class PrefillPlanner:
             # Nothing measured yet: a small first chunk to learn from.
             return max(MIN_CHUNK, min(full, full // 4))
         decode_s = (self.batch.step_seconds if self.batch is not None else None) or 0.0
-        room = self.max_decode_gap_s - decode_s
+        # A decode step alone may take most of the budget (a loaded machine, a big
+        # batch): the chunk then still gets half of it, or prefill would crawl at the
+        # smallest chunk while the gap it buys is lost in the decode step anyway.
+        room = max(self.max_decode_gap_s - decode_s, self.max_decode_gap_s / 2)
         start = state.prefilling[0].prefilled
         low, high = MIN_CHUNK, full
         if self.cost.seconds(start, high) <= room:
