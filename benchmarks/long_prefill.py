@@ -1,0 +1,186 @@
+"""One 256-token prefill chunk at long offsets on the CPU backend: mlx-lm's attention vs row blocks.
+
+For each offset (cached tokens before the chunk) the default model (SmolLM2-135M float32)
+runs one chunk through all its layers three ways, alternating within one process:
+
+- ``mlx-lm``: mlx-lm's ``scaled_dot_product_attention`` (``mx.fast``'s CPU fallback);
+- ``row blocks``: :func:`omlx_core.models.attention.row_block_attention`, what
+  omlx-core installs at model load;
+- ``no attention``: attention replaced by returning the queries, so the rest of the
+  chunk (projections, RoPE, MLP, norms, the KV cache append) is timed alone, and the
+  attention share of the mlx-lm chunk is ``1 - no attention / mlx-lm``.
+
+The cache before the chunk holds random keys and values (attention's cost does not
+depend on their values); the chunk's logits are not computed, as in the engine's
+prefill. Reported per offset: median wall time and process CPU time over the
+repetitions, their ratios, the attention share, and the peak memory of one chunk above
+the resident model and cache (``mx.get_peak_memory``). The machine's load average is
+printed: on a shared machine wall times stretch, so read the paired ratios.
+
+    python benchmarks/long_prefill.py [--offsets 0,1024,2048,3840] [--repeats 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+CHUNK = 256
+DEFAULT_OFFSETS = (0, 1024, 2048, 3840)
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _no_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    return queries
+
+
+@contextmanager
+def attention_routed(modules: list[Any], function: Callable[..., Any]) -> Iterator[None]:
+    """Every module in ``modules`` calls ``function`` as its attention while inside."""
+    saved = [module.scaled_dot_product_attention for module in modules]
+    for module in modules:
+        module.scaled_dot_product_attention = function
+    try:
+        yield
+    finally:
+        for module, previous in zip(modules, saved):
+            module.scaled_dot_product_attention = previous
+
+
+def _filled_caches(model: Any, offset: int, kv_arrays: list[tuple[Any, Any]]) -> list[Any]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    if offset:
+        for cache, (keys, values) in zip(caches, kv_arrays):
+            cache.state = (keys, values, offset)
+    return caches
+
+
+def _chunk_once(model: Any, tokens: Any, offset: int, kv_arrays) -> tuple[float, float, int]:
+    import mlx.core as mx
+
+    caches = _filled_caches(model, offset, kv_arrays)
+    mx.eval([cache.state for cache in caches] if offset else [])
+    mx.synchronize()
+    mx.reset_peak_memory()
+    resident = mx.get_active_memory()
+    wall, cpu = time.perf_counter(), _cpu_seconds()
+    hidden = model.model(tokens, cache=caches)
+    mx.eval(hidden, [cache.state for cache in caches])
+    wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
+    return wall, cpu, mx.get_peak_memory() - resident
+
+
+def run(offsets: tuple[int, ...], repeats: int) -> tuple[list[str], str]:
+    import mlx.core as mx
+    from mlx_lm.models import base
+
+    from omlx_core.models.attention import install_cpu_attention, row_block_attention
+    from omlx_core.models.default import ensure_default_model
+    from omlx_core.models.loader import load_model
+    from omlx_core.platform.blas import blas_in_use
+
+    model, _tokenizer = load_model(ensure_default_model(progress=True))
+    modules = [sys.modules[name] for name in install_cpu_attention(model)]
+    args = model.args
+    kv_heads = args.num_key_value_heads
+    head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
+
+    def row_blocks(queries, keys, values, cache, scale, mask, sinks=None):
+        return row_block_attention(queries, keys, values, cache, scale, mask, sinks,
+                                   fallback=base.scaled_dot_product_attention)
+
+    variants = {
+        "mlx-lm": base.scaled_dot_product_attention,
+        "row blocks": row_blocks,
+        "no attention": _no_attention,
+    }
+    tokens = mx.random.randint(0, args.vocab_size, (1, CHUNK), key=mx.random.key(0))
+    for name, function in variants.items():  # first calls pay one-time set-up: not counted
+        with attention_routed(modules, function):
+            _chunk_once(model, tokens, 0, [])
+    rows = []
+    for offset in offsets:
+        key = mx.random.key(offset + 1)
+        kv_arrays = [
+            tuple(mx.random.normal((1, kv_heads, offset, head_dim), key=k)
+                  for k in mx.random.split(layer_key, 2))
+            for layer_key in mx.random.split(key, len(model.layers))
+        ] if offset else []
+        mx.eval(kv_arrays)
+        walls = {name: [] for name in variants}
+        cpus = {name: [] for name in variants}
+        peaks = {name: 0 for name in variants}
+        for _ in range(repeats):
+            for name, function in variants.items():
+                with attention_routed(modules, function):
+                    wall, cpu, peak = _chunk_once(model, tokens, offset, kv_arrays)
+                walls[name].append(wall)
+                cpus[name].append(cpu)
+                peaks[name] = max(peaks[name], peak)
+        del kv_arrays
+        wall = {name: statistics.median(values) for name, values in walls.items()}
+        cpu = {name: statistics.median(values) for name, values in cpus.items()}
+        share = 1 - wall["no attention"] / wall["mlx-lm"]
+        cpu_share = 1 - cpu["no attention"] / cpu["mlx-lm"]
+        rows.append(
+            f"| {offset:,} | {wall['mlx-lm']:.2f} | {wall['row blocks']:.2f} "
+            f"| {wall['mlx-lm'] / wall['row blocks']:.2f}x | {cpu['mlx-lm']:.2f} "
+            f"| {cpu['row blocks']:.2f} | {wall['no attention']:.2f} | {share:.0%} / {cpu_share:.0%} "
+            f"| {peaks['mlx-lm'] / 2**20:.0f} | {peaks['row blocks'] / 2**20:.0f} |"
+        )
+        print(rows[-1], flush=True)
+    load = os.getloadavg()
+    machine = (f"{os.cpu_count()} cores, BLAS {blas_in_use()}, mlx {mx.__version__}, "
+               f"load average after the run {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}, "
+               f"{repeats} repetitions, medians")
+    return rows, machine
+
+
+HEADER = (
+    "| offset | mlx-lm s | row blocks s | speed-up | mlx-lm CPU s | row blocks CPU s "
+    "| no attention s | attention share (wall / CPU) | mlx-lm peak MiB | row blocks peak MiB |\n"
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--offsets", default=",".join(map(str, DEFAULT_OFFSETS)),
+                        help="cached tokens before the chunk, comma-separated")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per offset")
+    parser.add_argument("--out", help="also write the table as markdown to this file")
+    options = parser.parse_args(argv)
+    try:
+        offsets = tuple(int(part) for part in options.offsets.split(","))
+    except ValueError:
+        parser.error(f"--offsets must be comma-separated integers, got {options.offsets!r}")
+    if options.repeats < 1 or any(offset < 0 for offset in offsets):
+        parser.error("--repeats must be at least 1 and every offset at least 0")
+
+    from omlx_core.platform.blas import ensure_optimized_blas
+
+    ensure_optimized_blas()  # on the reference BLAS the projections alone take seconds
+    print(f"one {CHUNK}-token chunk of the default model, all layers, no logits")
+    print(HEADER, flush=True)
+    rows, machine = run(offsets, options.repeats)
+    print(machine)
+    if options.out:
+        with open(options.out, "w") as out:
+            out.write(f"One {CHUNK}-token prefill chunk of the default model ({machine}).\n\n")
+            out.write(HEADER + "\n" + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
