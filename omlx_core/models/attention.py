@@ -8,8 +8,10 @@ every core; the mask and the softmax are scalar loops on the one thread of the s
 exponentials alone are most of a chunk's time while the other cores idle
 (docs/long-prefill-profile.md has the figures).
 
-Softmax rows are independent, so the chunk's query rows are split into blocks, each
-attended by the same mlx call on its own CPU stream (one thread each) and joined. Under
+Softmax rows are independent, so the chunk's query rows are split into blocks: the
+blocks' matmuls run on the calling stream (BLAS spreads each over the cores), each
+block's mask and softmax on a CPU stream of its own (one thread each), and the blocks'
+outputs are joined. Under
 a causal mask a block of rows attends only the keys up to its last row: the keys after it
 are masked for every row of the block, so they are left out rather than scored and
 masked. Scores of masked keys become exact zeros in the softmax either way, so the
@@ -92,11 +94,30 @@ def _cpu_streams(count: int) -> list[mx.Stream]:
     return [mx.default_stream(mx.cpu), *extra[: count - 1]]
 
 
-def _block_mask(mask: Any, start: int, stop: int) -> Any:
-    """The rows ``[start, stop)`` of an array mask (one broadcast over rows stays as is)."""
-    if not isinstance(mask, mx.array) or mask.ndim < 2 or mask.shape[-2] == 1:
-        return mask
-    return mask[..., start:stop, :]
+def _block_mask(mask: Any, start: int, stop: int, kv_heads: int, repeats: int) -> Any:
+    """Rows ``[start, stop)`` of an array mask, shaped to broadcast over grouped scores
+    ``(B, kv_heads, repeats, rows, keys)`` as mlx's fallback shapes it."""
+    if mask.ndim >= 2 and mask.shape[-2] != 1:
+        mask = mask[..., start:stop, :]
+    if mask.ndim >= 3:
+        if mask.shape[-3] == 1:
+            mask = mx.expand_dims(mask, -3)
+        else:
+            mask = mask.reshape(*mask.shape[:-3], kv_heads, repeats, *mask.shape[-2:])
+    return mask
+
+
+def _masked(scores: mx.array, mask: Any) -> mx.array:
+    """``scores`` with ``mask`` applied as mlx's fallback applies it: a boolean mask puts
+    the dtype's lowest value where it is false, any other mask is added."""
+    if mask is None:
+        return scores
+    if isinstance(mask, str):  # "causal": the query rows end where the keys end
+        rows, keys = scores.shape[-2], scores.shape[-1]
+        mask = mx.arange(keys - rows, keys)[:, None] >= mx.arange(keys)[None]
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, mx.finfo(scores.dtype).min)
+    return scores + mask
 
 
 def row_block_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
@@ -104,33 +125,54 @@ def row_block_attention(queries: mx.array, keys: mx.array, values: mx.array, cac
                         fallback: Callable[..., mx.array], cores: int | None = None) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention`` contract, split over query-row blocks on
     CPU streams where that pays; ``fallback`` (mlx-lm's function) does everything else.
-    ``cores`` overrides :func:`available_cores`."""
+    ``cores`` overrides :func:`available_cores`.
+
+    Each block is mlx's CPU fallback graph on its rows (scaled queries, grouped heads
+    reshaped, score matmul, mask, softmax, value matmul). The matmuls all stay on the
+    calling stream: OpenBLAS already spreads one over the cores, and two at once from two
+    threads spin on its lock. Each block's mask and softmax run on a stream of their own.
+    """
     if (
         sinks is not None
         or hasattr(cache, "bits")
         or mx.default_device().type != mx.cpu
         or (isinstance(mask, str) and mask != "causal")
+        or not queries.dtype == keys.dtype == values.dtype
+        or (isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, queries.dtype))
     ):
         return fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    rows, key_count = queries.shape[-2], keys.shape[-2]
-    blocks = row_blocks(rows, queries.shape[1], key_count, cores)
+    batch, heads, rows, head_dim = queries.shape
+    kv_heads, key_count = keys.shape[1], keys.shape[-2]
+    blocks = row_blocks(rows, heads, key_count, cores)
     if len(blocks) == 1:
         return fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    repeats = heads // kv_heads
     # The queries are the last rows before key_count: row r sits at position offset + r.
     offset = key_count - rows
-    outputs = []
-    for (start, stop), stream in zip(blocks, _cpu_streams(len(blocks))):
+    scaled, block_keys, block_values, block_masks = [], [], [], []
+    for start, stop in blocks:
+        block = (queries[..., start:stop, :] * scale).reshape(
+            batch, kv_heads, repeats, stop - start, head_dim)
+        # Keys past a causal block's last row are masked for all its rows: left out.
+        visible = offset + stop if mask == "causal" else key_count
+        scaled.append(block)
+        block_keys.append(mx.expand_dims(keys[..., :visible, :], 2))
+        block_values.append(mx.expand_dims(values[..., :visible, :], 2))
+        block_masks.append(mask if not isinstance(mask, mx.array)
+                           else _block_mask(mask, start, stop, kv_heads, repeats))
+    scores = [None] * len(blocks)
+    # The calling stream scores the other blocks first, so that their streams can start
+    # their softmax while it scores and then softmaxes its own block.
+    for index in range(1, len(blocks)):
+        scores[index] = scaled[index] @ block_keys[index].swapaxes(-1, -2)
+    scores[0] = mx.depends(scaled[0], scores[1:]) @ block_keys[0].swapaxes(-1, -2)
+    probabilities = []
+    for index, stream in enumerate(_cpu_streams(len(blocks))):
         with mx.stream(stream):
-            block_queries = queries[..., start:stop, :]
-            if mask == "causal":
-                # Keys past this block's last row are masked for all its rows: drop them.
-                visible = offset + stop
-                block_keys, block_values = keys[..., :visible, :], values[..., :visible, :]
-            else:
-                block_keys, block_values = keys, values
-            outputs.append(mx.fast.scaled_dot_product_attention(
-                block_queries, block_keys, block_values, scale=scale,
-                mask=_block_mask(mask, start, stop)))
+            masked = _masked(scores[index], block_masks[index])
+            probabilities.append(mx.softmax(masked, axis=-1, precise=True))
+    outputs = [(p @ v).reshape(batch, heads, -1, values.shape[-1])
+               for p, v in zip(probabilities, block_values)]
     return mx.concatenate(outputs, axis=-2)
 
 
