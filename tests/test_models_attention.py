@@ -178,7 +178,7 @@ def test_default_model_prefill_and_greedy_tokens_as_with_mlx_lm_attention(defaul
     monkeypatch.setattr(attention, "available_cores", lambda: 2)
     model, tokenizer = load_model(default_model_dir)
     modules = install_cpu_attention(model)
-    text = ("The history of the printing press begins in the fifteenth century. " * 40)
+    text = ("The history of the printing press begins in the fifteenth century. " * 60)
     prompt = tokenizer.encode(text)[:700]
     assert len(prompt) == 700
     # Chunks of 256 at offsets 256 and 512 are big enough to split on two cores.
