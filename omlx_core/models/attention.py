@@ -160,12 +160,11 @@ def row_block_attention(queries: mx.array, keys: mx.array, values: mx.array, cac
         block_values.append(mx.expand_dims(values[..., :visible, :], 2))
         block_masks.append(mask if not isinstance(mask, mx.array)
                            else _block_mask(mask, start, stop, kv_heads, repeats))
-    scores = [None] * len(blocks)
-    # The calling stream scores the other blocks first, so that their streams can start
-    # their softmax while it scores and then softmaxes its own block.
-    for index in range(1, len(blocks)):
-        scores[index] = scaled[index] @ block_keys[index].swapaxes(-1, -2)
-    scores[0] = mx.depends(scaled[0], scores[1:]) @ block_keys[0].swapaxes(-1, -2)
+    # mlx schedules a graph level by level from the inputs, so the calling stream runs
+    # every block's score matmul before any mask or softmax: the other streams start their
+    # softmax while it still scores. (Forcing that order with mx.depends kept each score
+    # block referenced, so the in-place mask and softmax copied it instead.)
+    scores = [q @ k.swapaxes(-1, -2) for q, k in zip(scaled, block_keys)]
     probabilities = []
     for index, stream in enumerate(_cpu_streams(len(blocks))):
         with mx.stream(stream):
