@@ -184,3 +184,43 @@ def test_default_model_prefill_and_greedy_tokens_as_with_mlx_lm_attention(defaul
     # Chunks of 256 at offsets 256 and 512 are big enough to split on two cores.
     assert len(row_blocks(256, 9, 512)) == 2
     assert_same_as_mlx_lm(model, modules, monkeypatch, prompt, chunk=256, new_tokens=16, atol=1e-3)
+
+
+def greedy_engine_outputs(path, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of the batched engine for ``prompts`` submitted together (their
+    prefill batched into one forward with array masks, on the MLX thread's streams)."""
+    from omlx_core.config import load_config
+    from omlx_core.engine import GenerationRequest, SamplingParams
+    from omlx_core.mlx_thread import mlx_thread
+    from omlx_core.models.registry import spec_for_path
+    from omlx_core.plugins.batched import BatchedEngine
+
+    settings = {"plugin.batched.prefill_step_size": 128, "plugin.batched.block_size": 16}
+    config = load_config("base", overrides=[(k, str(v), "test") for k, v in settings.items()], env={})
+    engine = BatchedEngine(spec_for_path(path), config)
+    engine.start()
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=10)
+        handles = mlx_thread().run(lambda: [
+            engine.submit(GenerationRequest(f"attention-{index}", prompt, greedy))
+            for index, prompt in enumerate(prompts)])
+        return [[token for output in handle for token in output.token_ids] for handle in handles]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_batched_engine_generates_as_with_mlx_lm_attention(family, tiny_model_path,
+                                                              split_small_calls, monkeypatch):
+    path = tiny_model_path(family)
+    key = mx.random.key(2)
+    prompts = [mx.random.randint(3, 200, (length,), key=k).tolist()
+               for length, k in zip((300, 140, 90), mx.random.split(key, 3))]
+    blocked = greedy_engine_outputs(path, prompts)
+    with monkeypatch.context() as patch:
+        model, _tokenizer = load_model(path)
+        mlx_lm_route(patch, install_cpu_attention(model))
+        patch.setattr(attention, "install_cpu_attention", lambda model: [])
+        expected = greedy_engine_outputs(path, prompts)
+    assert all(len(tokens) == 10 for tokens in expected)
+    assert blocked == expected
