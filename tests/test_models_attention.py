@@ -64,32 +64,49 @@ def test_row_blocks_cover_the_rows_once_and_only_split_calls_that_pay():
 
 
 @pytest.mark.parametrize("offset", [0, 256, 3840])
-@pytest.mark.parametrize("mask_kind", ["causal", "none", "causal array", "window array"])
 @pytest.mark.parametrize("cores", [2, 4])
-def test_a_split_call_equals_mlx_lm_attention(offset, mask_kind, cores, split_small_calls):
+def test_a_split_causal_call_equals_mlx_lm_attention(offset, cores, split_small_calls):
     keys_total = offset + ROWS
     queries, keys, values = inputs(ROWS, keys_total, seed=offset)
-    mask = {
-        "causal": "causal",
-        "none": None,
-        "causal array": create_causal_mask(ROWS, offset),
-        "window array": create_causal_mask(ROWS, offset, window_size=100),
-    }[mask_kind]
     assert len(row_blocks(ROWS, HEADS, keys_total, cores=cores)) == cores
-    expected = mlx_lm_attention(queries, keys, values, mask)
-    got = blocked_attention(queries, keys, values, mask, cores=cores)
+    expected = mlx_lm_attention(queries, keys, values, "causal")
+    got = blocked_attention(queries, keys, values, "causal", cores=cores)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
 
 
-def test_a_batched_left_padded_mask_is_split_by_rows(split_small_calls):
-    # The batched engine's multi-request prefill: one (B, 1, L, S) mask, rows left-padded.
-    offset = 300
-    queries, keys, values = inputs(ROWS, offset + ROWS, batch=2)
-    mask = create_causal_mask(ROWS, offset, left_padding=mx.array([0, 40]))
-    expected = mlx_lm_attention(queries, keys, values, mask)
-    got = blocked_attention(queries, keys, values, mask)
-    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+# (heads, kv_heads, head_dim, rows, offset): the default model's chunk at 3.8k and 1k
+# context, wide heads, a thin chunk; the split runs only where its peak stays at or below
+# mlx-lm's, and the others must fall back.
+PEAK_SHAPES = [(9, 3, 64, 256, 3840), (9, 3, 64, 256, 1024), (16, 8, 128, 256, 1024),
+               (16, 8, 128, 512, 1536), (9, 3, 64, 64, 2000)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, rows, offset", PEAK_SHAPES)
+@pytest.mark.parametrize("cores", [2, 4])
+def test_the_split_never_raises_the_peak_memory(heads, kv_heads, head_dim, rows, offset, cores):
+    keys_total = offset + rows
+    q_key, k_key, v_key = mx.random.split(mx.random.key(rows + offset), 3)
+    queries = mx.random.normal((1, rows, heads, head_dim), key=q_key).transpose(0, 2, 1, 3)
+    keys = mx.random.normal((1, kv_heads, keys_total, head_dim), key=k_key)
+    values = mx.random.normal((1, kv_heads, keys_total, head_dim), key=v_key)
+    mx.eval(queries, keys, values)
+
+    def peak(attend) -> int:
+        # The same call's peak varies by a few KiB (small temporaries): take the highest.
+        peaks = []
+        for _ in range(3):
+            mx.synchronize()
+            mx.reset_peak_memory()
+            resident = mx.get_active_memory()
+            mx.eval(attend(queries, keys, values, None, head_dim**-0.5, "causal"))
+            peaks.append(mx.get_peak_memory() - resident)
+        return max(peaks)
+
+    def blocked(*args):
+        return row_block_attention(*args, fallback=base.scaled_dot_product_attention, cores=cores)
+
+    assert peak(blocked) <= peak(base.scaled_dot_product_attention)
 
 
 def test_calls_it_does_not_split_go_to_mlx_lm_unchanged():
@@ -105,16 +122,25 @@ def test_calls_it_does_not_split_go_to_mlx_lm_unchanged():
 
     queries, keys, values = inputs(ROWS, 4096)
     sinks = mx.zeros((HEADS,))
+    array_mask = create_causal_mask(ROWS, 4096 - ROWS)
     row_block_attention(queries[:, :, :1], keys, values, None, 0.125, None, fallback=fallback, cores=4)
     row_block_attention(queries, keys, values, None, 0.125, "causal", sinks, fallback=fallback, cores=4)
     row_block_attention(queries, keys, values, QuantizedCache(), 0.125, "causal",
                         fallback=lambda *a, **k: calls.append("quantized"), cores=4)
     row_block_attention(queries, keys, values, None, 0.125, "causal", fallback=fallback, cores=1)
+    row_block_attention(queries, keys, values, None, 0.125, array_mask, fallback=fallback, cores=4)
+    row_block_attention(queries, keys, values, None, 0.125, None, fallback=fallback, cores=4)
+    # 64 rows in 2 blocks leave out too few keys to pay for joining 64-wide outputs.
+    row_block_attention(queries[:, :, :64], keys, values, None, 0.125, "causal",
+                        fallback=fallback, cores=2)
     assert calls == [
         ((1, HEADS, 1, HEAD_DIM), type(None), None),
         ((1, HEADS, ROWS, HEAD_DIM), "causal", sinks),
         "quantized",
         ((1, HEADS, ROWS, HEAD_DIM), "causal", None),
+        ((1, HEADS, ROWS, HEAD_DIM), mx.array, None),
+        ((1, HEADS, ROWS, HEAD_DIM), type(None), None),
+        ((1, HEADS, 64, HEAD_DIM), "causal", None),
     ]
 
 
@@ -158,8 +184,8 @@ def test_tiny_models_prefill_and_decode_as_with_mlx_lm_attention(family, tiny_mo
     assert modules, f"no {family} module calls mlx-lm's scaled_dot_product_attention"
     assert all(getattr(sys.modules[name].scaled_dot_product_attention,
                        "_omlx_row_block_attention", False) for name in modules)
-    # 128-row chunks split in 4 blocks; gemma3's 16-token window makes its local layers
-    # attend through array masks, the last 44-token chunk is split in one.
+    # 128-row chunks split in 4 blocks, the last 44-token chunk in one; gemma3's local
+    # layers attend through array masks (16-token window), which are never split.
     prompt = mx.random.randint(3, 200, (300,), key=mx.random.key(1)).tolist()
     assert_same_as_mlx_lm(model, modules, monkeypatch, prompt, chunk=128, new_tokens=12, atol=1e-4)
 

@@ -8,21 +8,22 @@ every core; the mask and the softmax are scalar loops on the one thread of the s
 exponentials alone are most of a chunk's time while the other cores idle
 (docs/long-prefill-profile.md has the figures).
 
-Softmax rows are independent, so the chunk's query rows are split into blocks: the
+Softmax rows are independent, so a causal chunk's query rows are split into blocks: the
 blocks' matmuls run on the calling stream (BLAS spreads each over the cores), each
 block's mask and softmax on a CPU stream of its own (one thread each), and the blocks'
-outputs are joined. Under
-a causal mask a block of rows attends only the keys up to its last row: the keys after it
-are masked for every row of the block, so they are left out rather than scored and
-masked. Scores of masked keys become exact zeros in the softmax either way, so the
+outputs are joined. A block of rows attends only the keys up to its last row: the keys
+after it are masked for every row of the block, so they are left out rather than scored
+and masked. Scores of masked keys become exact zeros in the softmax either way, so the
 probabilities are the same; only the value matmul's summation may round differently in
-the last bit.
+the last bit. The left-out keys also pay for the joined output, so the peak memory never
+passes mlx-lm's; calls where they would not (array masks, thin chunks, wide heads) are
+not split.
 
 :func:`install_cpu_attention` puts :func:`row_block_attention` in place of mlx-lm's
 ``scaled_dot_product_attention`` in the modules of a loaded model's layers. It
-dispatches per call: anything but a CPU-stream prefill large enough to pay for the split
-(decoding, short chunks, quantized caches, attention sinks, GPU streams) goes to mlx-lm's
-own function unchanged.
+dispatches per call: anything but a causal CPU-stream prefill large enough to pay for
+the split (decoding, short chunks, array masks, quantized caches, attention sinks, GPU
+streams) goes to mlx-lm's own function unchanged.
 """
 
 from __future__ import annotations
@@ -94,30 +95,12 @@ def _cpu_streams(count: int) -> list[mx.Stream]:
     return [mx.default_stream(mx.cpu), *extra[: count - 1]]
 
 
-def _block_mask(mask: Any, start: int, stop: int, kv_heads: int, repeats: int) -> Any:
-    """Rows ``[start, stop)`` of an array mask, shaped to broadcast over grouped scores
-    ``(B, kv_heads, repeats, rows, keys)`` as mlx's fallback shapes it."""
-    if mask.ndim >= 2 and mask.shape[-2] != 1:
-        mask = mask[..., start:stop, :]
-    if mask.ndim >= 3:
-        if mask.shape[-3] == 1:
-            mask = mx.expand_dims(mask, -3)
-        else:
-            mask = mask.reshape(*mask.shape[:-3], kv_heads, repeats, *mask.shape[-2:])
-    return mask
-
-
-def _masked(scores: mx.array, mask: Any) -> mx.array:
-    """``scores`` with ``mask`` applied as mlx's fallback applies it: a boolean mask puts
-    the dtype's lowest value where it is false, any other mask is added."""
-    if mask is None:
-        return scores
-    if isinstance(mask, str):  # "causal": the query rows end where the keys end
-        rows, keys = scores.shape[-2], scores.shape[-1]
-        mask = mx.arange(keys - rows, keys)[:, None] >= mx.arange(keys)[None]
-    if mask.dtype == mx.bool_:
-        return mx.where(mask, scores, mx.finfo(scores.dtype).min)
-    return scores + mask
+def _causal_masked(scores: mx.array) -> mx.array:
+    """``scores`` with the causal mask applied as mlx's fallback applies it: the dtype's
+    lowest value where a key lies after the query (the rows end where the keys end)."""
+    rows, keys = scores.shape[-2], scores.shape[-1]
+    mask = mx.arange(keys - rows, keys)[:, None] >= mx.arange(keys)[None]
+    return mx.where(mask, scores, mx.finfo(scores.dtype).min)
 
 
 def row_block_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
@@ -132,44 +115,43 @@ def row_block_attention(queries: mx.array, keys: mx.array, values: mx.array, cac
     calling stream: OpenBLAS already spreads one over the cores, and two at once from two
     threads spin on its lock. Each block's mask and softmax run on a stream of their own.
     """
-    if (
-        sinks is not None
-        or hasattr(cache, "bits")
-        or mx.default_device().type != mx.cpu
-        or (isinstance(mask, str) and mask != "causal")
-        or not queries.dtype == keys.dtype == values.dtype
-        or (isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, queries.dtype))
-    ):
-        return fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     batch, heads, rows, head_dim = queries.shape
     kv_heads, key_count = keys.shape[1], keys.shape[-2]
     blocks = row_blocks(rows, heads, key_count, cores)
-    if len(blocks) == 1:
+    # The blocks' outputs are joined while the scores are still held: one more output,
+    # heads·rows·head_dim. The keys a causal block leaves out, heads·rows²·(P-1)/(2P),
+    # must pay for it, or the peak would pass mlx-lm's (and the memory estimate's).
+    pays_for_join = rows * (len(blocks) - 1) >= 2 * len(blocks) * head_dim
+    if (
+        len(blocks) == 1
+        or not pays_for_join
+        or not (isinstance(mask, str) and mask == "causal")
+        or sinks is not None
+        or hasattr(cache, "bits")
+        or mx.default_device().type != mx.cpu
+        or not queries.dtype == keys.dtype == values.dtype
+    ):
         return fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     repeats = heads // kv_heads
     # The queries are the last rows before key_count: row r sits at position offset + r.
     offset = key_count - rows
-    scaled, block_keys, block_values, block_masks = [], [], [], []
+    scaled, block_keys, block_values = [], [], []
     for start, stop in blocks:
-        block = (queries[..., start:stop, :] * scale).reshape(
-            batch, kv_heads, repeats, stop - start, head_dim)
-        # Keys past a causal block's last row are masked for all its rows: left out.
-        visible = offset + stop if mask == "causal" else key_count
-        scaled.append(block)
+        scaled.append((queries[..., start:stop, :] * scale).reshape(
+            batch, kv_heads, repeats, stop - start, head_dim))
+        # Keys past a block's last row are masked for all its rows: left out.
+        visible = offset + stop
         block_keys.append(mx.expand_dims(keys[..., :visible, :], 2))
         block_values.append(mx.expand_dims(values[..., :visible, :], 2))
-        block_masks.append(mask if not isinstance(mask, mx.array)
-                           else _block_mask(mask, start, stop, kv_heads, repeats))
     # mlx schedules a graph level by level from the inputs, so the calling stream runs
     # every block's score matmul before any mask or softmax: the other streams start their
     # softmax while it still scores. (Forcing that order with mx.depends kept each score
     # block referenced, so the in-place mask and softmax copied it instead.)
     scores = [q @ k.swapaxes(-1, -2) for q, k in zip(scaled, block_keys)]
     probabilities = []
-    for index, stream in enumerate(_cpu_streams(len(blocks))):
+    for block_scores, stream in zip(scores, _cpu_streams(len(blocks))):
         with mx.stream(stream):
-            masked = _masked(scores[index], block_masks[index])
-            probabilities.append(mx.softmax(masked, axis=-1, precise=True))
+            probabilities.append(mx.softmax(_causal_masked(block_scores), axis=-1, precise=True))
     outputs = [(p @ v).reshape(batch, heads, -1, values.shape[-1])
                for p, v in zip(probabilities, block_values)]
     return mx.concatenate(outputs, axis=-2)
