@@ -120,12 +120,14 @@ def test_calls_it_does_not_split_go_to_mlx_lm_unchanged():
     class QuantizedCache:
         bits = 8
 
+    quantized = (mx.zeros((1, KV_HEADS, 4096, HEAD_DIM // 4), dtype=mx.uint32),) * 3
+
     queries, keys, values = inputs(ROWS, 4096)
     sinks = mx.zeros((HEADS,))
     array_mask = create_causal_mask(ROWS, 4096 - ROWS)
     row_block_attention(queries[:, :, :1], keys, values, None, 0.125, None, fallback=fallback, cores=4)
     row_block_attention(queries, keys, values, None, 0.125, "causal", sinks, fallback=fallback, cores=4)
-    row_block_attention(queries, keys, values, QuantizedCache(), 0.125, "causal",
+    row_block_attention(queries, quantized, quantized, QuantizedCache(), 0.125, "causal",
                         fallback=lambda *a, **k: calls.append("quantized"), cores=4)
     row_block_attention(queries, keys, values, None, 0.125, "causal", fallback=fallback, cores=1)
     row_block_attention(queries, keys, values, None, 0.125, array_mask, fallback=fallback, cores=4)

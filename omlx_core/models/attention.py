@@ -115,6 +115,14 @@ def row_block_attention(queries: mx.array, keys: mx.array, values: mx.array, cac
     calling stream: OpenBLAS already spreads one over the cores, and two at once from two
     threads spin on its lock. Each block's mask and softmax run on a stream of their own.
     """
+    if (
+        sinks is not None
+        or hasattr(cache, "bits")  # quantized keys and values: tuples, not arrays
+        or not (isinstance(mask, str) and mask == "causal")
+        or mx.default_device().type != mx.cpu
+        or not queries.dtype == keys.dtype == values.dtype
+    ):
+        return fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     batch, heads, rows, head_dim = queries.shape
     kv_heads, key_count = keys.shape[1], keys.shape[-2]
     blocks = row_blocks(rows, heads, key_count, cores)
@@ -122,15 +130,7 @@ def row_block_attention(queries: mx.array, keys: mx.array, values: mx.array, cac
     # heads·rows·head_dim. The keys a causal block leaves out, heads·rows²·(P-1)/(2P),
     # must pay for it, or the peak would pass mlx-lm's (and the memory estimate's).
     pays_for_join = rows * (len(blocks) - 1) >= 2 * len(blocks) * head_dim
-    if (
-        len(blocks) == 1
-        or not pays_for_join
-        or not (isinstance(mask, str) and mask == "causal")
-        or sinks is not None
-        or hasattr(cache, "bits")
-        or mx.default_device().type != mx.cpu
-        or not queries.dtype == keys.dtype == values.dtype
-    ):
+    if len(blocks) == 1 or not pays_for_join:
         return fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     repeats = heads // kv_heads
     # The queries are the last rows before key_count: row r sits at position offset + r.
