@@ -8,7 +8,8 @@ streaming chats and times them; the crowd is kept at full strength while the cha
 - ``idle``: connections that never send a byte;
 - ``byte-a-second``: connections that send a chat request's headers one byte a second.
 
-The figure that matters is the delay: the burst's wall time with the crowd minus its
+Two figures: the server's CPU time per second while the crowd alone is connected
+(what the crowd costs, whatever else loads the machine), and the delay: the burst's wall time with the crowd minus its
 wall time on the same server without one (measured before and after the crowds, the
 mean of the two). Target: <= 1 s with 500 connections. Every chat is bounded
 (``--chat-timeout``); one that does not finish in time counts as locked out.
@@ -40,6 +41,8 @@ from omlx_core.bench.servers import ServerProcess, ServerSettings, free_port, om
 
 #: (chats, max_tokens): the ordinary burst, as in the issue's report
 BURST = (4, 48)
+#: seconds the crowd is connected alone, its cost to the server measured, before the burst
+CROWD_ALONE_S = 5.0
 HEADERS = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
            b"Content-Type: application/json\r\nContent-Length: 64\r\n\r\n")
 
@@ -53,6 +56,10 @@ class Row:
     wall_s: float
     ttft_median_s: float
     reopened: int = 0
+    #: server CPU seconds per second while the crowd alone is connected (no chats)
+    crowd_cpu: float = 0.0
+    #: server CPU seconds the burst took
+    burst_cpu: float = 0.0
 
 
 class Crowd:
@@ -109,6 +116,13 @@ class Crowd:
             sock.close()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def burst(server: ServerProcess, served_id: str, banned: Sequence[int],
           timeout: float) -> tuple[int, float, float]:
     """Completed chats, wall seconds, median TTFT of one ordinary burst."""
@@ -134,17 +148,30 @@ def measure(server: ServerProcess, served_id: str, banned: Sequence[int], connec
             timeout: float) -> list[Row]:
     chats = BURST[0]
     burst(server, served_id, banned, timeout)  # warm-up
+
+    def timed_burst() -> tuple[int, float, float, float]:
+        before = cpu_seconds(server.pid)
+        completed, wall, ttft = burst(server, served_id, banned, timeout)
+        return completed, wall, ttft, cpu_seconds(server.pid) - before
+
+    def alone(seconds: float = CROWD_ALONE_S) -> float:
+        before = cpu_seconds(server.pid)
+        time.sleep(seconds)
+        return (cpu_seconds(server.pid) - before) / seconds
+
     rows = []
-    completed, wall, ttft = burst(server, served_id, banned, timeout)
-    rows.append(Row("none (before)", 0, completed, chats, wall, ttft))
+    idle_cpu = alone()
+    completed, wall, ttft, cpu = timed_burst()
+    rows.append(Row("none (before)", 0, completed, chats, wall, ttft, 0, idle_cpu, cpu))
     for name, slow in (("idle", False), ("byte-a-second", True)):
         with Crowd(server.port, connections, byte_a_second=slow) as crowd:
-            time.sleep(2.0)  # let the crowd be accepted (or queue) before the chats come
-            completed, wall, ttft = burst(server, served_id, banned, timeout)
-            rows.append(Row(name, connections, completed, chats, wall, ttft, crowd.reopened))
+            crowd_cpu = alone()
+            completed, wall, ttft, cpu = timed_burst()
+            rows.append(Row(name, connections, completed, chats, wall, ttft, crowd.reopened,
+                            crowd_cpu, cpu))
         time.sleep(1.0)
-    completed, wall, ttft = burst(server, served_id, banned, timeout)
-    rows.append(Row("none (after)", 0, completed, chats, wall, ttft))
+    completed, wall, ttft, cpu = timed_burst()
+    rows.append(Row("none (after)", 0, completed, chats, wall, ttft, 0, alone(), cpu))
     return rows
 
 
@@ -153,12 +180,14 @@ def render(rows: Sequence[Row], header: Sequence[str]) -> str:
     base = sum(baseline) / len(baseline)
     lines = ["# Slow and idle clients against ordinary chats", "", *header, "",
              "| crowd | connections | chats completed | burst wall s | delay s | median TTFT s "
-             "| crowd connections the server closed |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| crowd connections the server closed | server CPU, crowd alone | "
+             "server CPU s, burst |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         delay = "" if row.connections == 0 else f"{row.wall_s - base:+.2f}"
         lines.append(f"| {row.scenario} | {row.connections} | {row.completed}/{row.chats} | "
-                     f"{row.wall_s:.2f} | {delay} | {row.ttft_median_s:.2f} | {row.reopened} |")
+                     f"{row.wall_s:.2f} | {delay} | {row.ttft_median_s:.2f} | {row.reopened} | "
+                     f"{row.crowd_cpu:.0%} | {row.burst_cpu:.2f} |")
     return "\n".join(lines) + "\n"
 
 
