@@ -90,7 +90,7 @@ def test_a_server_killed_under_write_load_restarts_serving_only_whole_blocks(
     port = free_port()
     with serve(port, ssd_dir) as server:
         assert list(ssd_dir.glob("*/blocks/*.tmp")) == [], "orphaned temp files were not cleaned"
-        assert list(ssd_dir.glob("*/snapshots/*")) == [], "orphaned snapshot staging was not cleaned"
+        assert list(ssd_dir.glob("*/snapshots/*")) == [], "orphaned staged snapshots remain"
         assert metric(port, "omlx_engine_prefix_cache_lower_blocks") >= 1
         again = [ask(port, prompt(i)) for i in range(PROMPTS)]
         assert metric(port, "omlx_engine_prefix_cache_lower_errors") == 0, server.log_tail()

@@ -8,11 +8,11 @@ streaming chats and times them; the crowd is kept at full strength while the cha
 - ``idle``: connections that never send a byte;
 - ``byte-a-second``: connections that send a chat request's headers one byte a second.
 
-Two figures: the server's CPU time per second while the crowd alone is connected
-(what the crowd costs, whatever else loads the machine), and the delay: the burst's wall time with the crowd minus its
-wall time on the same server without one (measured before and after the crowds, the
-mean of the two). Target: <= 1 s with 500 connections. Every chat is bounded
-(``--chat-timeout``); one that does not finish in time counts as locked out.
+Two figures: the server's CPU time per second while the crowd alone is connected (what
+the crowd costs, whatever else loads the machine), and the delay: the burst's median
+wall time with the crowd minus its median without one, over interleaved rounds. Target:
+<= 1 s with 500 connections. Every chat is bounded (``--chat-timeout``); one that does
+not finish in time counts as locked out.
 
 ``--python`` starts the server with another interpreter (an older checkout's virtual
 environment, ``-P`` so the current directory is not imported from): the "before"
@@ -28,6 +28,7 @@ import datetime
 import os
 import platform
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -60,6 +61,7 @@ class Row:
     crowd_cpu: float = 0.0
     #: server CPU seconds the burst took
     burst_cpu: float = 0.0
+    round: int = 0
 
 
 class Crowd:
@@ -145,7 +147,7 @@ def burst(server: ServerProcess, served_id: str, banned: Sequence[int],
 
 
 def measure(server: ServerProcess, served_id: str, banned: Sequence[int], connections: int,
-            timeout: float) -> list[Row]:
+            timeout: float, rounds: int) -> list[Row]:
     chats = BURST[0]
     burst(server, served_id, banned, timeout)  # warm-up
 
@@ -160,34 +162,38 @@ def measure(server: ServerProcess, served_id: str, banned: Sequence[int], connec
         return (cpu_seconds(server.pid) - before) / seconds
 
     rows = []
-    idle_cpu = alone()
-    completed, wall, ttft, cpu = timed_burst()
-    rows.append(Row("none (before)", 0, completed, chats, wall, ttft, 0, idle_cpu, cpu))
-    for name, slow in (("idle", False), ("byte-a-second", True)):
-        with Crowd(server.port, connections, byte_a_second=slow) as crowd:
-            crowd_cpu = alone()
-            completed, wall, ttft, cpu = timed_burst()
-            rows.append(Row(name, connections, completed, chats, wall, ttft, crowd.reopened,
-                            crowd_cpu, cpu))
-        time.sleep(1.0)
-    completed, wall, ttft, cpu = timed_burst()
-    rows.append(Row("none (after)", 0, completed, chats, wall, ttft, 0, alone(), cpu))
+    for round_ in range(rounds):
+        completed, wall, ttft, cpu = timed_burst()
+        rows.append(Row("none", 0, completed, chats, wall, ttft, 0, alone(), cpu, round_))
+        for name, slow in (("idle", False), ("byte-a-second", True)):
+            with Crowd(server.port, connections, byte_a_second=slow) as crowd:
+                crowd_cpu = alone()
+                completed, wall, ttft, cpu = timed_burst()
+                rows.append(Row(name, connections, completed, chats, wall, ttft, crowd.reopened,
+                                crowd_cpu, cpu, round_))
+            time.sleep(1.0)
     return rows
 
 
 def render(rows: Sequence[Row], header: Sequence[str]) -> str:
-    baseline = [r.wall_s for r in rows if r.connections == 0]
-    base = sum(baseline) / len(baseline)
     lines = ["# Slow and idle clients against ordinary chats", "", *header, "",
-             "| crowd | connections | chats completed | burst wall s | delay s | median TTFT s "
+             "| round | crowd | connections | chats completed | burst wall s | median TTFT s "
              "| crowd connections the server closed | server CPU, crowd alone | "
              "server CPU s, burst |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        delay = "" if row.connections == 0 else f"{row.wall_s - base:+.2f}"
-        lines.append(f"| {row.scenario} | {row.connections} | {row.completed}/{row.chats} | "
-                     f"{row.wall_s:.2f} | {delay} | {row.ttft_median_s:.2f} | {row.reopened} | "
-                     f"{row.crowd_cpu:.0%} | {row.burst_cpu:.2f} |")
+        lines.append(f"| {row.round} | {row.scenario} | {row.connections} | "
+                     f"{row.completed}/{row.chats} | {row.wall_s:.2f} | {row.ttft_median_s:.2f} | "
+                     f"{row.reopened} | {row.crowd_cpu:.0%} | {row.burst_cpu:.2f} |")
+    lines += ["", "| crowd | median burst wall s | delay s (median against no crowd) | "
+                  "chats completed |", "|---|---:|---:|---:|"]
+    base = statistics.median(r.wall_s for r in rows if r.connections == 0)
+    for scenario in dict.fromkeys(r.scenario for r in rows):
+        mine = [r for r in rows if r.scenario == scenario]
+        wall = statistics.median(r.wall_s for r in mine)
+        delay = "" if scenario == "none" else f"{wall - base:+.2f}"
+        lines.append(f"| {scenario} | {wall:.2f} | {delay} | "
+                     f"{sum(r.completed for r in mine)}/{sum(r.chats for r in mine)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -200,9 +206,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chat-timeout", type=float, default=180.0,
                         help="seconds one ordinary chat may take before it counts as locked "
                              "out (default 180)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of (no crowd, idle crowd, slow crowd), interleaved so "
+                             "that other load on the machine hits all alike (default 3)")
     parser.add_argument("--python", default=None,
                         help="interpreter to start the server with (default: this one)")
-    parser.add_argument("--label", default="this checkout", help="what the server runs, for the report")
+    parser.add_argument("--label", default="this checkout",
+                        help="what the server runs, for the report")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
     from omlx_core.config import load_config
@@ -226,12 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; model `{model_dir.name}`; "
         f"server: {args.label}",
         f"- burst: {chats} concurrent streaming chats of {max_tokens} tokens (special tokens "
-        "banned); delay: the burst's wall time minus the mean of the runs without a crowd",
+        "banned); delay: the median burst wall time with a crowd minus the median without",
         f"- crowds of {args.connections} connections on 127.0.0.1, reopened when closed",
     ]
     with ServerProcess(spec, port) as server:
         rows = measure(server, served_id, special_token_ids(model_dir), args.connections,
-                       args.chat_timeout)
+                       args.chat_timeout, args.rounds)
     publish_report(render(rows, header), args.out)
     return 0
 
