@@ -59,6 +59,7 @@ REQUEST_TIMEOUT = 300.0
 OVERSIZED_WORDS = 7000
 #: refused requests replayed on the fresh server (the distinct ones, at most this many)
 MAX_REPLAYS = 24
+RSS_CHECK = "RSS under the ceiling at every sample (VmRSS and VmHWM)"
 
 
 # -- what one request did ---------------------------------------------------------------------
@@ -393,7 +394,7 @@ class SoakResult:
             "no 5xx": self.server_errors == 0,
             "no truncated 200 or other wrong answer": not self.problems,
             "every refusal is a fresh server's": not self.disagreements,
-            "RSS under the ceiling at every sample (VmRSS and VmHWM)":
+            RSS_CHECK:
                 self.peak_hwm <= self.ceiling and self.peak_rss <= self.ceiling,
             f"RSS drift after warm-up <= {MAX_DRIFT:.0%}": abs(self.drift()) <= MAX_DRIFT,
             "no growth in open fds": self.quiet[1].fds <= self.quiet[0].fds,
@@ -401,17 +402,18 @@ class SoakResult:
         }
 
 
-def server_spec(port: int, ceiling: str) -> ServerSpec:
+def server_spec(port: int, ceiling: str, extra: Sequence[str] = ()) -> ServerSpec:
     argv = [sys.executable, "-m", "omlx_core", "--log-level", "INFO", "serve",
-            "--host", "127.0.0.1", "--port", str(port), "--memory-ceiling", ceiling]
+            "--host", "127.0.0.1", "--port", str(port), "--memory-ceiling", ceiling, *extra]
     return ServerSpec("omlx", f"omlx-core serve --memory-ceiling {ceiling}", argv, model_id="")
 
 
 def soak(seconds: float, ceiling: str = "0.9GiB", *, warm_up: float | None = None,
-         clients: int = CLIENTS, seed: int = SEED,
+         clients: int = CLIENTS, seed: int = SEED, server_args: Sequence[str] = (),
          progress: Callable[[str], None] | None = None) -> SoakResult:
     """Run the soak for ``seconds`` of traffic (plus start-up, quiet counts and the
-    fresh server's replays) and return what it saw; the verdicts are the caller's."""
+    fresh server's replays) and return what it saw; the verdicts are the caller's.
+    ``server_args`` go to both servers' ``serve`` command (``--set KEY=VALUE``)."""
     from omlx_core.config import load_config
 
     model = load_config(None)["server.models"][0]
@@ -419,7 +421,7 @@ def soak(seconds: float, ceiling: str = "0.9GiB", *, warm_up: float | None = Non
     result = SoakResult(seconds, parse_size(ceiling), load=(os.getloadavg()[0], 0.0))
     port = free_port()
     say = progress or (lambda text: None)
-    with ServerProcess(server_spec(port, ceiling), port) as server:
+    with ServerProcess(server_spec(port, ceiling, server_args), port) as server:
         pid = server.pid
         for kind in ("chat", "anthropic"):  # the first requests load pages and caches
             send(port, make_request(kind, random.Random(seed), model), random.Random(seed))
@@ -476,7 +478,7 @@ def soak(seconds: float, ceiling: str = "0.9GiB", *, warm_up: float | None = Non
     random.Random(seed).shuffle(replays)
     replays = replays[:MAX_REPLAYS]
     port = free_port()
-    with ServerProcess(server_spec(port, ceiling), port):
+    with ServerProcess(server_spec(port, ceiling, server_args), port):
         for outcome in replays:
             assert outcome.request is not None
             path, body = outcome.request
@@ -512,7 +514,7 @@ def render(result: SoakResult, header: Sequence[str]) -> str:
         "no truncated 200 or other wrong answer": f"{len(result.problems)}",
         "every refusal is a fresh server's":
             f"{result.replayed - len(result.disagreements)} of {result.replayed} replayed agree",
-        "RSS under the ceiling at every sample (VmRSS and VmHWM)":
+        RSS_CHECK:
             f"peak VmRSS {result.peak_rss / MIB:.1f} MiB, VmHWM {result.peak_hwm / MIB:.1f} MiB, "
             f"ceiling {result.ceiling / MIB:.1f} MiB ({len(result.samples)} samples)",
         f"RSS drift after warm-up <= {MAX_DRIFT:.0%}":
