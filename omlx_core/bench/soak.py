@@ -322,9 +322,28 @@ class Quiet:
     fds: int
     threads: int
     rss: int
+    #: what the server says it could give back on demand (prefix caches, mlx's buffer
+    #: cache, queued host copies): RSS less this is what no cache explains
+    reclaimable: int = 0
 
 
-def quiet_counts(pid: int, settle_s: float = 2.0, bound_s: float = 20.0) -> Quiet:
+def reclaimable_bytes(port: int) -> int:
+    """``omlx_memory_reclaimable_bytes`` from the server's /metrics (0 when absent)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    except (OSError, http.client.HTTPException):
+        return 0
+    finally:
+        connection.close()
+    for line in text.splitlines():
+        if line.startswith("omlx_memory_reclaimable_bytes "):
+            return int(float(line.split()[1]))
+    return 0
+
+
+def quiet_counts(pid: int, port: int, settle_s: float = 2.0, bound_s: float = 20.0) -> Quiet:
     """Open fds, threads and RSS once fds and threads have stopped changing (at most
     ``bound_s``); the RSS after ``settle_s`` more, so the memory guard's idle poll has
     handed freed heap pages back."""
@@ -337,7 +356,7 @@ def quiet_counts(pid: int, settle_s: float = 2.0, bound_s: float = 20.0) -> Quie
             break
         last = now
     time.sleep(settle_s)
-    return Quiet(last[0], last[1], read_status(pid).rss)
+    return Quiet(last[0], last[1], read_status(pid).rss, reclaimable_bytes(port))
 
 
 # -- the soak ---------------------------------------------------------------------------------
@@ -377,6 +396,13 @@ class SoakResult:
         """RSS of the quiet server at the end against at the end of the warm-up."""
         warm, end = self.quiet
         return (end.rss - warm.rss) / warm.rss if warm.rss else 0.0
+
+    def drift_without_caches(self) -> float:
+        """The same for RSS less what the server could give back (its caches): the
+        part a leak would grow, whatever the bounded caches hold (a figure)."""
+        warm, end = self.quiet
+        base = warm.rss - warm.reclaimable
+        return ((end.rss - end.reclaimable) - base) / base if base > 0 else 0.0
 
     def busy_drift(self) -> float:
         """The same for the busy server: the median of the last tenth of the samples
@@ -450,7 +476,7 @@ def soak(seconds: float, ceiling: str = "0.9GiB", *, warm_up: float | None = Non
             paused.set()
             for _ in range(clients):
                 idle.acquire(timeout=REQUEST_TIMEOUT)
-            counts = quiet_counts(pid)
+            counts = quiet_counts(pid, port)
             paused.clear()
             return counts
 
@@ -465,7 +491,7 @@ def soak(seconds: float, ceiling: str = "0.9GiB", *, warm_up: float | None = Non
             say(f"warm-up over: {len(result.outcomes)} requests, {warm_counts}")
             for thread in threads:
                 thread.join(seconds + REQUEST_TIMEOUT + 120)
-            end_counts = quiet_counts(pid)
+            end_counts = quiet_counts(pid, port)
         result.samples = sampler.samples
         result.quiet = (warm_counts, end_counts)
         result.load = (result.load[0], os.getloadavg()[0])
@@ -519,7 +545,11 @@ def render(result: SoakResult, header: Sequence[str]) -> str:
             f"ceiling {result.ceiling / MIB:.1f} MiB ({len(result.samples)} samples)",
         f"RSS drift after warm-up <= {MAX_DRIFT:.0%}":
             f"{result.drift():+.2%} quiet ({result.quiet[0].rss / MIB:.1f} -> "
-            f"{result.quiet[1].rss / MIB:.1f} MiB); busy medians {result.busy_drift():+.2%}",
+            f"{result.quiet[1].rss / MIB:.1f} MiB); less the caches it could give back "
+            f"{result.drift_without_caches():+.2%} ("
+            f"{(result.quiet[0].rss - result.quiet[0].reclaimable) / MIB:.1f} -> "
+            f"{(result.quiet[1].rss - result.quiet[1].reclaimable) / MIB:.1f} MiB); "
+            f"busy medians {result.busy_drift():+.2%}",
         "no growth in open fds": f"{result.quiet[0].fds} -> {result.quiet[1].fds}",
         "no growth in threads": f"{result.quiet[0].threads} -> {result.quiet[1].threads}",
     }
