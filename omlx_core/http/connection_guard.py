@@ -101,7 +101,7 @@ class GuardedServer(TcpWSGIServer):
     def __init__(self, application: Callable, *, request_timeout: float, **kwargs: Any):
         self.request_timeout = float(request_timeout)
         self._timeout_body = timeout_body(self.request_timeout)
-        #: connections closed by the deadlines and by eviction, for /metrics and tests
+        #: connections closed by the deadlines and by eviction (tests read them)
         self.timed_out = 0
         self.never_spoke = 0
         self.evicted = 0
