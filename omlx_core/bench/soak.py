@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -203,7 +202,7 @@ def _read_stream(response: http.client.HTTPResponse, request: Request,
     return "" if done else "stream ended without its end marker (truncated 200)"
 
 
-def send(port: int, request: Request, rng: random.Random) -> Outcome:
+def send(port: int, request: Request) -> Outcome:
     started = time.monotonic()
     outcome = Outcome(request.kind, 0)
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
@@ -450,7 +449,7 @@ def soak(seconds: float, ceiling: str = "0.9GiB", *, warm_up: float | None = Non
     with ServerProcess(server_spec(port, ceiling, server_args), port) as server:
         pid = server.pid
         for kind in ("chat", "anthropic"):  # the first requests load pages and caches
-            send(port, make_request(kind, random.Random(seed), model), random.Random(seed))
+            send(port, make_request(kind, random.Random(seed), model))
         lock = threading.Lock()
         paused = threading.Event()
         idle = threading.Semaphore(0)
@@ -466,7 +465,7 @@ def soak(seconds: float, ceiling: str = "0.9GiB", *, warm_up: float | None = Non
                         time.sleep(0.05)
                     continue
                 request = make_request(rng.choices(kinds, weights)[0], rng, model)
-                outcome = send(port, request, rng)
+                outcome = send(port, request)
                 with lock:
                     result.outcomes.append(outcome)
                     if outcome.problem:
@@ -508,8 +507,7 @@ def soak(seconds: float, ceiling: str = "0.9GiB", *, warm_up: float | None = Non
         for outcome in replays:
             assert outcome.request is not None
             path, body = outcome.request
-            again = send(port, Request(outcome.kind, path, body, (outcome.status,)),
-                         random.Random(seed))
+            again = send(port, Request(outcome.kind, path, body, (outcome.status,)))
             result.replayed += 1
             if (again.status, again.error_code) != (outcome.status, outcome.error_code):
                 result.disagreements.append((outcome.kind,
