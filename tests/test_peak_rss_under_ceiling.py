@@ -1,8 +1,8 @@
 """Peak resident memory under ``--memory-ceiling`` (issue 24, item 5).
 
 A real ``omlx-core serve --memory-ceiling 0.9GiB`` on the default model takes the
-goodput mix of ``omlx_core.bench.ceiling`` (12 concurrent streaming chats: short,
-medium and long prompts, a few long answers) twice, each time on a fresh process over
+goodput mix of ``omlx_core.bench.ceiling`` (10 concurrent streaming chats: short and
+medium prompts, two long answers; its two 1.8k-token prompts left out) twice, each time on a fresh process over
 the same SSD-cache directory: the first fills the SSD tier, the second is served from
 it (the case that went furthest over). Resident memory is sampled from outside about
 50 times a second (VmRSS), and the kernel's own high-water mark (VmHWM, start-up
@@ -31,7 +31,9 @@ MODEL = "smollm2-135m-instruct"
 
 def goodput_mix_peak(model_dir: Path, ssd_dir: Path) -> tuple[int, int, list[bool], str]:
     """Peak sampled VmRSS, VmHWM, which chats completed, the server's log tail."""
-    jobs = _prompts(model_dir)
+    # The mix without its two 1.8k-token prompts: the measurements in the docs were taken
+    # so, and it keeps the test to a few minutes on two cores.
+    jobs = [job for job in _prompts(model_dir) if job[0] != "long"]
     banned = special_token_ids(model_dir)
     port = free_port()
     spec = server_spec(port, CEILING)
