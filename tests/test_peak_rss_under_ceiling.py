@@ -2,9 +2,9 @@
 
 A real ``omlx-core serve --memory-ceiling 0.9GiB`` on the default model takes the
 goodput mix of ``omlx_core.bench.ceiling`` (10 concurrent streaming chats: short and
-medium prompts, two long answers; its two 1.8k-token prompts left out) twice, each time on a fresh process over
-the same SSD-cache directory: the first fills the SSD tier, the second is served from
-it (the case that went furthest over). Resident memory is sampled from outside about
+medium prompts, two long answers; its two 1.8k-token prompts left out) twice, each
+time on a fresh process over the same SSD-cache directory: the first fills the SSD
+tier, the second is served from it (the case that went furthest over). Resident memory is sampled from outside about
 50 times a second (VmRSS), and the kernel's own high-water mark (VmHWM, start-up
 included) is read at the end; every sample and the mark must be at or under the
 ceiling, and every chat must complete. ``docs/reliability.md`` has the measurements.
