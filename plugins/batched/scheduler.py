@@ -75,7 +75,13 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
 from mlx_lm.sample_utils import greedy_sampler
 
-from omlx_core.engine import GenerationOutput, GenerationRequest, TokenLogprob, Usage
+from omlx_core.engine import (
+    GenerationOutput,
+    GenerationRequest,
+    RequestProgress,
+    TokenLogprob,
+    Usage,
+)
 from omlx_core.memory.gate import (
     DecodeRow,
     DecodeStep,
@@ -137,6 +143,9 @@ class SequenceState:
     preemptions: int = 0
     #: the completion's token ids so far
     generated: list[int] = field(default_factory=list)
+    #: ``time.monotonic()`` when its latest prefill began and its first token came
+    prefill_started: float = 0.0
+    first_token_at: float = 0.0
 
     @property
     def request_id(self) -> str:
@@ -304,6 +313,27 @@ class Scheduler(MemoryReceiver):
             "prefix_cache": self.prefix_cache.stats(),
         }
 
+    def progress(self) -> list[RequestProgress]:
+        """Each request taken in, with its phase; read from any thread (copies only)."""
+        now = time.monotonic()
+        queued = {s.request_id: i for i, s in enumerate(list(self._waiting) + list(self._inbox), 1)}
+        rows = []
+        # A request moving from the inbox to the table may be in both copies.
+        held = {s.request_id: s for s in list(self._inbox) + list(self._by_id.values())}
+        for sequence in held.values():
+            phase = sequence.phase
+            rows.append(RequestProgress(
+                request_id=sequence.request_id, phase=phase if phase != DONE else DECODING,
+                prompt_tokens=len(sequence.prompt), prefilled_tokens=sequence.prefilled,
+                prefill_tokens=max(0, len(sequence.context) - 1),
+                completion_tokens=sequence.completion_tokens, max_tokens=sequence.max_tokens,
+                queue_position=queued.get(sequence.request_id) if phase == WAITING else None,
+                preempted=phase == WAITING and sequence.preemptions > 0,
+                age_s=now - sequence.arrived if sequence.arrived else 0.0,
+                prefill_s=now - sequence.prefill_started if phase == PREFILLING else 0.0,
+                decode_s=now - sequence.first_token_at if sequence.first_token_at else 0.0))
+        return rows
+
     # -- the Worker protocol (MLX thread) --------------------------------------------
 
     def has_work(self) -> bool:
@@ -448,6 +478,7 @@ class Scheduler(MemoryReceiver):
                 return
             self._waiting.popleft()
             sequence.phase = PREFILLING
+            sequence.prefill_started = time.monotonic()
             if sequence.text is None:
                 sequence.text = TextAssembler(self.tokenizer.detokenizer, sequence.request.sampling.stop)
             blocks: list[CachedBlock] = []
@@ -864,6 +895,7 @@ class Scheduler(MemoryReceiver):
         )[0]
         sequence.cache = None
         sequence.phase = DECODING
+        sequence.first_token_at = sequence.first_token_at or time.monotonic()
         sequence.kv_allowance = None
         self._decoding[sequence.uid] = sequence
 
