@@ -3,7 +3,7 @@ pipeline, and of every limit snapshot by the memory enforcer, it keeps the histo
 plots draw and the last refusals.
 
 Rates come from the engines' own counters (``engine.stats()``: tokens prefilled and
-generated, prefix-cache tokens saved, SSD-tier block loads), read at each poll; TTFT
+generated, prefix-cache tokens saved, tokens the SSD tier loaded), read at each poll; TTFT
 and prompt tokens from the pipeline's ``admitted`` events. Nothing is read from logs.
 """
 
@@ -242,8 +242,7 @@ def _sum_totals(stats: list[Mapping[str, Any]], prompt_tokens: int) -> _Totals:
             prefix += _int(cache.get("tokens_saved"))
             lower = cache.get("lower")
             if isinstance(lower, Mapping):
-                # A block the SSD tier hands back holds a prefix cache block's tokens.
-                ssd += _int(lower.get("loads")) * _int(cache.get("block_size"))
+                ssd += _int(lower.get("tokens_loaded"))
     return _Totals(prefilled, generated, prefix, ssd, prompt_tokens)
 
 

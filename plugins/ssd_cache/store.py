@@ -118,7 +118,7 @@ def host_bytes(item: _Item) -> int:
     return sum(p.tensor_bytes for p in (item.payload, item.boundary) if p is not None)
 
 COUNTERS = ("saves", "saves_persisted", "loads", "hits", "misses", "evictions", "drops",
-            "declined", "errors", "snapshots", "snapshots_persisted")
+            "declined", "errors", "snapshots", "snapshots_persisted", "tokens_loaded")
 
 
 def layer_types_of(kv: Sequence[Any], boundary: Sequence[Any] | None) -> list[str]:
@@ -242,6 +242,8 @@ class PagedSSDStore:
         needs_boundary = any(pair is None for pair in kv)
         with self._lock:
             self._counts["loads"] += 1
+            # A partial block (a prompt's tail) holds fewer tokens than a full one.
+            self._counts["tokens_loaded"] += min(block_size, len(tokens) or block_size)
         return CachedBlock(block_hash=block_hash, parent_hash=parent, index=index,
                            block_size=block_size, kv=kv, boundary=boundary,
                            reusable_end=boundary is not None or not needs_boundary, nbytes=nbytes,

@@ -27,7 +27,8 @@
     const units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let value = Math.abs(bytes), unit = 0;
     while (value >= 1024 && unit < units.length - 1) { value /= 1024; unit++; }
-    return (bytes < 0 ? "-" : "") + (unit ? value.toFixed(value < 10 ? 2 : 1) : value) + " " + units[unit];
+    const digits = value >= 100 ? 0 : value >= 10 ? 1 : 2;
+    return (bytes < 0 ? "-" : "") + (unit ? value.toFixed(digits) : value) + " " + units[unit];
   }
   function seconds(s) {
     if (s === null || s === undefined) return "–";
@@ -93,7 +94,7 @@
       width: chartWidth("plot-" + id), height: 220,
       series: [{}].concat(series),
       scales: { x: { time: true }, y: range ? { range } : {} },
-      axes: [{}, { values: (u, ticks) => ticks.map(axisValues), size: 70 }],
+      axes: [{}, { values: (u, ticks) => ticks.map(axisValues), size: 84 }],
       legend: { live: true },
     };
     const plot = new uPlot(opts, seriesData(id), document.getElementById("plot-" + id));
@@ -132,7 +133,16 @@
   };
   const AXES = { memory: size, throughput: (v) => v.toFixed(0), ttft: (v) => v.toFixed(2) + " s",
                  queue: (v) => v.toFixed(0), cache: (v) => (v * 100).toFixed(0) + " %" };
-  const RANGES = { cache: [0, 1] };
+  // Memory is drawn against the hard limit: ceilings far above it (a static one of all
+  // the RAM) would flatten everything that matters; their values stay in the legend.
+  const RANGES = {
+    cache: [0, 1],
+    memory: (u, min, max) => {
+      const keys = ["in_use_bytes", "reserved_bytes", "hard_limit_bytes"];
+      const top = Math.max(1, ...keys.flatMap((k) => (state.columns && state.columns[k] || []).filter((v) => v !== null)));
+      return [0, top * 1.25];
+    },
+  };
   const seriesByPlot = {};
 
   function seriesData(id) {
