@@ -146,3 +146,89 @@ def test_the_uplot_dist_and_its_licence_ship_with_the_package() -> None:
     assert "MIT License" in vendor.joinpath("LICENSE.uPlot").read_text()
     assert "uplot@1.6.32" in vendor.joinpath("README.md").read_text()
     assert "uPlot" in vendor.joinpath("uPlot.iife.min.js").read_text()
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerContext]:
+    """The tiny model with one batch slot, so a second request waits in the engine."""
+    from omlx_core.bootstrap import load_setup, start_engines
+    from omlx_core.testing import cached_model
+
+    model_dir = cached_model("llama", 0, cache_dir=tmp_path_factory.mktemp("models"))
+    config = tmp_path_factory.mktemp("config") / "omlx.toml"
+    config.write_text(f'[server]\nmodels = ["tiny"]\n\n[models.tiny]\npath = "{model_dir}"\n')
+    context = start_engines(load_setup("cpu-small", [config], [
+        ("plugin.batched.max_batch_size", "1", "test")]), progress=False)
+    yield context
+    stop_engines(context)
+
+
+def test_requests_now_shows_the_stage_of_each_request_and_cancel_aborts_one(one_slot) -> None:
+    from omlx_core.dashboard.views import cancel, requests_now
+    from omlx_core.serving import ServingPipeline
+
+    context = one_slot
+    pipeline = ServingPipeline(context)
+    greedy = SamplingParams(max_tokens=3000, temperature=0.0)
+    first = pipeline.start(Job("tiny", greedy, text="one two three"))
+    second_started: list = []
+    import threading
+
+    waiter = threading.Thread(target=lambda: second_started.append(
+        pipeline.start(Job("tiny", greedy, text="four five six"))))
+    waiter.start()
+
+    def stages() -> dict[str, dict]:
+        return {row["request_id"]: row for row in requests_now(context)}
+
+    assert wait_for(lambda: len(stages()) == 2 and {r["stage"] for r in stages().values()}
+                    == {"decoding", "queued"}, 60), stages()
+    rows = stages()
+    running = rows[first.request_id]
+    assert running["model"] == "tiny" and running["completion_tokens"] >= 1
+    assert running["prompt_tokens"] > 0 and running["max_tokens"] == 3000
+    assert "tok/s" in running["detail"] and running["age_s"] > 0
+    (queued,) = [r for r in rows.values() if r["stage"] == "queued"]
+    assert queued["queue"] == "engine" and queued["queue_position"] == 1
+    assert "#1 in line" in queued["detail"]
+
+    assert cancel(context, first.request_id) == "tiny"
+    for _ in first.deltas():
+        pass
+    first.close()
+    assert first.finish_reason == "error"  # aborted: its client would get an in-band error
+    waiter.join(60)
+    (second,) = second_started
+    second.close()
+    with pytest.raises(KeyError):
+        cancel(context, "no-such-request")
+    assert wait_for(lambda: not requests_now(context), 30)
+
+
+def test_the_admission_queue_lists_its_waiting_requests_in_order() -> None:
+    import threading
+
+    from omlx_core.memory.admission import AdmissionQueue
+    from omlx_core.memory.types import LimitSnapshot
+
+    queue = AdmissionQueue(queue_size=4, timeout_s=60, admit_watermark=1.0)
+    queue.update(LimitSnapshot(hard_bytes=1000, breakdown=CeilingBreakdown(custom=1000)))
+    running = queue.admit("a", 800, model_id="m", prompt_tokens=3)
+    granted: list = []
+    waiters = [threading.Thread(target=lambda rid=rid: granted.append(
+        queue.admit(rid, 700, model_id="m", prompt_tokens=5))) for rid in ("b", "c")]
+    waiters[0].start()
+    assert wait_for(lambda: queue.waiting == 1)
+    waiters[1].start()
+    assert wait_for(lambda: queue.waiting == 2)
+    waiting = queue.waiting_requests()
+    assert [(w.request_id, w.model_id, w.prompt_tokens, w.reserve_bytes) for w in waiting] == [
+        ("b", "m", 5, 700), ("c", "m", 5, 700)]
+    assert all(w.waited_s >= 0 for w in waiting)
+    running.release()
+    assert wait_for(lambda: len(granted) == 1)
+    assert [w.request_id for w in queue.waiting_requests()] == ["c"]
+    granted[0].release()
+    for waiter in waiters:
+        waiter.join(10)
+    assert queue.waiting_requests() == []
