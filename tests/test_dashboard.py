@@ -232,3 +232,27 @@ def test_the_admission_queue_lists_its_waiting_requests_in_order() -> None:
     for waiter in waiters:
         waiter.join(10)
     assert queue.waiting_requests() == []
+
+
+def test_the_speculative_engine_reports_its_lone_request(tmp_path: Path) -> None:
+    from omlx_core.bootstrap import load_setup, start_engines
+    from omlx_core.dashboard.views import requests_now
+    from omlx_core.serving import ServingPipeline
+    from omlx_core.testing import cached_model
+
+    model_dir = cached_model("llama", 0, cache_dir=tmp_path / "models")
+    config = tmp_path / "omlx.toml"
+    config.write_text(f'[server]\nmodels = ["tiny"]\n\n[models.tiny]\npath = "{model_dir}"\n'
+                      'engine = "dflash"\n')
+    context = start_engines(load_setup("cpu-small", [config]), progress=False)
+    try:
+        generation = ServingPipeline(context).start(
+            Job("tiny", SamplingParams(max_tokens=3000, temperature=0.0), text="one two three"))
+        assert wait_for(lambda: [r["stage"] for r in requests_now(context)] == ["decoding"], 60)
+        (row,) = requests_now(context)
+        assert row["request_id"] == generation.request_id and row["completion_tokens"] >= 1
+        assert context.engines["tiny"].stats()["speculative"]["running"] == 1
+        generation.close()
+        assert wait_for(lambda: not requests_now(context), 30)
+    finally:
+        stop_engines(context)
