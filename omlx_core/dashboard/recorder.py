@@ -71,7 +71,7 @@ class _Totals:
     prefilled: int = 0
     generated: int = 0
     prefix_tokens: int = 0
-    ssd_tokens: int = 0
+    ssd_tokens: int | None = None
     prompt_tokens: int = 0
 
 
@@ -214,7 +214,8 @@ class DashboardRecorder(ServingEvents):
             running=sum(_int(s.get("running")) + _int(s.get("prefilling")) for s in stats),
             preempted=admission.suspended if admission is not None else 0,
             prefix_hit_rate=_rate(totals.prefix_tokens - oldest.prefix_tokens, prompt),
-            ssd_hit_rate=_rate(totals.ssd_tokens - oldest.ssd_tokens, prompt))
+            ssd_hit_rate=(_rate(totals.ssd_tokens - (oldest.ssd_tokens or 0), prompt)
+                          if totals.ssd_tokens is not None else None))
         self.history.append(sample)
         return sample
 
@@ -233,7 +234,8 @@ def _int(value: Any) -> int:
 
 
 def _sum_totals(stats: list[Mapping[str, Any]], prompt_tokens: int) -> _Totals:
-    prefilled = generated = prefix = ssd = 0
+    prefilled = generated = prefix = 0
+    ssd: int | None = None  # no SSD tier counts its tokens
     for engine in stats:
         prefilled += _int(engine.get("prompt_tokens_prefilled"))
         generated += _int(engine.get("tokens_generated"))
@@ -241,8 +243,8 @@ def _sum_totals(stats: list[Mapping[str, Any]], prompt_tokens: int) -> _Totals:
         if isinstance(cache, Mapping):
             prefix += _int(cache.get("tokens_saved"))
             lower = cache.get("lower")
-            if isinstance(lower, Mapping):
-                ssd += _int(lower.get("tokens_loaded"))
+            if isinstance(lower, Mapping) and "tokens_loaded" in lower:
+                ssd = (ssd or 0) + _int(lower.get("tokens_loaded"))
     return _Totals(prefilled, generated, prefix, ssd, prompt_tokens)
 
 
