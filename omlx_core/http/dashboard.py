@@ -68,7 +68,7 @@ class DashboardAsset:
             raise APIError(404, f"no dashboard asset {name!r}; the page loads "
                                 f"{', '.join(sorted(self.files))}", code="not_found")
         resp.content_type, resp.data = found
-        resp.set_header("Cache-Control", "max-age=3600")
+        resp.set_header("Cache-Control", "no-cache")  # an upgraded server serves its own script
 
 
 def _jsonable(value: Any) -> Any:
