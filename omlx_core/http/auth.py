@@ -13,13 +13,13 @@ from typing import Sequence
 
 import falcon
 
-from omlx_core.http.errors import APIError
+from omlx_core.http.errors import AuthenticationError
 
 PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/dashboard"})
 #: the dashboard page's scripts and styles: they hold no data, and the page must load
 #: to ask for a key
 PUBLIC_PREFIXES = ("/dashboard/assets/",)
-_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="omlx-core"'}
+REALM = "omlx-core"
 
 
 def _wire_bytes(header_value: str) -> bytes:
@@ -42,11 +42,11 @@ class APIKeyAuth:
             return
         presented = self._presented(req)
         if not presented:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' or "
-                                "'x-api-key: <key>'", code="missing_api_key", headers=_CHALLENGE)
+            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>' or "
+                                      "'x-api-key: <key>'", "missing_api_key", REALM)
         if not any([self._accepted(_wire_bytes(value)) for value in presented]):
-            raise APIError(401, "invalid API key: it matches none of server.api_keys",
-                           code="invalid_api_key", headers=_CHALLENGE)
+            raise AuthenticationError("invalid API key: it matches none of server.api_keys",
+                                      "invalid_api_key", REALM)
 
     def _presented(self, req: falcon.Request) -> list[str]:
         values = []

@@ -16,8 +16,15 @@ _ERROR_STATUSES = {
            "prompt can never fit in memory; the body has estimated_bytes, limit_bytes, "
            "binding_ceiling and advice)",
     "415": "the body is not JSON",
-    "503": "the admission queue is full; retry after Retry-After seconds",
-    "500": "a server bug or an engine failure before the first token",
+    "503": "memory is short now; retry after Retry-After seconds. code: admission_queue_full "
+           "(no room in the admission queue), admission_queue_timeout (waited "
+           "memory.queue_timeout_s without room), forward_memory_short (a prefill chunk did "
+           "not fit next to the running requests), forward_over_limit (memory passed the "
+           "limit after a forward) or forward_no_estimate (no plugin estimates this model); "
+           "the body has stage, cause, reason and advice. aborted: the server is shutting "
+           "down",
+    "500": "engine_error (an engine failure before the first token) or internal_error (a "
+           "server bug)",
 }
 
 

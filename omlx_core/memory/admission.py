@@ -134,7 +134,8 @@ class AdmissionQueue:
 
     def __init__(self, queue_size: int, timeout_s: float, admit_watermark: float,
                  clock: Callable[[], float] = time.monotonic, *,
-                 margin_bytes: int | Callable[[int], int] = 0):
+                 margin_bytes: int | Callable[[int], int] = 0,
+                 on_idle: Callable[[], None] | None = None):
         #: the transient margin under a hard limit (a number, or a function of the limit)
         self.margin_bytes = margin_bytes if callable(margin_bytes) else (lambda _hard: margin_bytes)
         self.queue_size = queue_size
@@ -151,6 +152,10 @@ class AdmissionQueue:
         self.backfilled = 0
         #: requests suspended so far (preempted to let older ones grow)
         self.preempted = 0
+        #: requests that held a reservation and released it, so far
+        self.finished_total = 0
+        #: called (without the lock held) when a release leaves nothing running or waiting
+        self._on_idle = on_idle
 
     # -- reading ------------------------------------------------------------------------
 
@@ -399,10 +404,14 @@ class AdmissionQueue:
         with self._cond:
             if self._running.pop(id(ticket), None) is None:
                 return
+            self.finished_total += 1
             self._mean_hold_s = held_s if self._mean_hold_s is None else (
                 0.8 * self._mean_hold_s + 0.2 * held_s)
             self._progress_at = self.clock()
             self._cond.notify_all()
+            idle = not self._running and not self._waiting
+        if idle and self._on_idle is not None:
+            self._on_idle()
 
 
 def _size_or_unlimited(value: int | None) -> str:

@@ -39,7 +39,6 @@ from omlx_core.plugins.dflash.acceptance import KeyStream, accept_greedy, accept
 from omlx_core.plugins.dflash.drafters import Drafter, DraftState
 from omlx_core.plugins.dflash.memory import PrimaryPathGuard
 from omlx_core.plugins.dflash.rollback import TargetCache
-from omlx_core.text import TextAssembler
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,6 @@ class _Request:
     request: GenerationRequest
     outputs: queue.SimpleQueue
     cache: TargetCache
-    text: TextAssembler
     draft: DraftState
     keys: KeyStream | None
     history: list[int]
@@ -77,7 +75,6 @@ class _Request:
     drafted: int = 0
     accepted: int = 0
     finished: bool = False
-    pending_text: list[str] = field(default_factory=list)
     pending_tokens: list[int] = field(default_factory=list)
     #: ``time.monotonic()`` when the path began it, and when its first token came
     began: float = field(default_factory=time.monotonic)
@@ -216,9 +213,8 @@ class PrimaryPath:
             keys = KeyStream(sampling.seed if sampling.seed is not None else secrets.randbits(63))
         prompt = [int(t) for t in request.prompt_tokens]
         self.counters.requests += 1
-        return _Request(request, outputs, TargetCache(self.model),
-                        TextAssembler(self.tokenizer.detokenizer, sampling.stop),
-                        self.drafter.begin(prompt), keys, history=list(prompt))
+        return _Request(request, outputs, TargetCache(self.model), self.drafter.begin(prompt), keys,
+                        history=list(prompt))
 
     def _prefill_chunk(self, current: _Request) -> None:
         prompt = current.history
@@ -308,31 +304,18 @@ class PrimaryPath:
         request_id = current.request_id
         eos = getattr(self.tokenizer, "eos_token_ids", ()) or ()
         if token in eos or token in sampling.stop_token_ids:
-            text, _ = current.text.finish()
-            current.pending_text.append(text)
             self._end(current, GenerationOutput(request_id, finish_reason="stop"))
             return True
-        text, stopped = current.text.add(token)
-        current.pending_text.append(text)
         current.pending_tokens.append(token)
-        if stopped:
-            self._end(current, GenerationOutput(request_id, finish_reason="stop",
-                                                stop_sequence=current.text.stop_sequence))
-            return True
         if current.completion >= sampling.max_tokens:
-            tail, stopped = current.text.finish()
-            current.pending_text.append(tail)
-            self._end(current, GenerationOutput(request_id,
-                                                finish_reason="stop" if stopped else "length",
-                                                stop_sequence=current.text.stop_sequence))
+            self._end(current, GenerationOutput(request_id, finish_reason="length"))
             return True
         return False
 
     def _flush(self, current: _Request) -> None:
-        if current.pending_tokens or any(current.pending_text):
-            current.outputs.put(GenerationOutput(current.request_id, "".join(current.pending_text),
-                                                 tuple(current.pending_tokens)))
-        current.pending_text.clear()
+        if current.pending_tokens:
+            current.outputs.put(GenerationOutput(current.request_id,
+                                                 token_ids=tuple(current.pending_tokens)))
         current.pending_tokens.clear()
 
     def _end(self, current: _Request, output: GenerationOutput) -> None:
@@ -344,11 +327,9 @@ class PrimaryPath:
         usage = Usage(len(current.request.prompt_tokens), current.completion,
                       draft_tokens=current.drafted, accepted_draft_tokens=current.accepted)
         current.outputs.put(GenerationOutput(
-            output.request_id, "".join(current.pending_text) + output.text,
-            tuple(current.pending_tokens) + output.token_ids, finish_reason=output.finish_reason,
-            error=output.error, error_type=output.error_type, rejected=output.rejected,
-            stop_sequence=output.stop_sequence, usage=usage))
-        current.pending_text.clear()
+            output.request_id, token_ids=tuple(current.pending_tokens) + output.token_ids,
+            finish_reason=output.finish_reason, error=output.error,
+            error_type=output.error_type, rejected=output.rejected, usage=usage))
         current.pending_tokens.clear()
         with self._lock:
             self._aborted.discard(current.request_id)
