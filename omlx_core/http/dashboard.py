@@ -19,7 +19,7 @@ import falcon
 from omlx_core.dashboard import DashboardRecorder
 from omlx_core.dashboard.history import columns
 from omlx_core.dashboard.views import NotCancellable, cancel, models, requests_now
-from omlx_core.http.errors import APIError
+from omlx_core.http.errors import APIError, BadRequestError, NotFoundError
 
 if TYPE_CHECKING:
     from omlx_core.server_context import ServerContext
@@ -65,8 +65,8 @@ class DashboardAsset:
     def on_get(self, req: falcon.Request, resp: falcon.Response, name: str) -> None:
         found = self.files.get(name)
         if found is None:
-            raise APIError(404, f"no dashboard asset {name!r}; the page loads "
-                                f"{', '.join(sorted(self.files))}", code="not_found")
+            raise NotFoundError(f"no dashboard asset {name!r}; the page loads "
+                                f"{', '.join(sorted(self.files))}", "not_found")
         resp.content_type, resp.data = found
         resp.set_header("Cache-Control", "no-cache")  # an upgraded server serves its own script
 
@@ -93,9 +93,8 @@ class DashboardHistory:
         except ValueError:
             since_t = None
         if since is not None and (since_t is None or not math.isfinite(since_t)):
-            raise APIError(400, f"since={since!r} is not a number: give the time (unix "
-                                "seconds) of the last sample you have, or leave it out",
-                           param="since", code="invalid_request")
+            raise BadRequestError(f"since={since!r} is not a number: give the time (unix "
+                                  "seconds) of the last sample you have, or leave it out", "since")
         history = self.recorder.history
         latest = history.latest()
         resp.media = _jsonable({
@@ -115,11 +114,11 @@ class DashboardRequests:
         try:
             model_id = cancel(self.context, request_id)
         except KeyError:
-            raise APIError(404, f"no request {request_id!r} is in flight; GET "
+            raise NotFoundError(f"no request {request_id!r} is in flight; GET "
                                 "/dashboard/api/requests lists those that are",
-                           code="request_not_found", param="request_id") from None
+                                "request_not_found", "request_id") from None
         except NotCancellable as exc:
-            raise APIError(409, str(exc), code="request_not_cancellable",
+            raise APIError(falcon.HTTP_409, description=str(exc), code="request_not_cancellable",
                            param="request_id") from None
         resp.media = {"request_id": request_id, "model": model_id, "cancelled": True}
 
