@@ -19,6 +19,7 @@ from omlx_core.engine import (
     GuardedEngine,
     MemoryHints,
     QueuedRequestHandle,
+    RequestProgress,
 )
 from omlx_core.plugins.batched.prefix_cache import PrefixCache
 from omlx_core.plugins.batched.sampling import check_sampling
@@ -280,3 +281,7 @@ class BatchedEngine(GuardedEngine):
         if scheduler is None:
             return {"model": self.model.id, "started": False}
         return {"model": self.model.id, "started": True, **scheduler.stats()}
+
+    def progress(self) -> list[RequestProgress]:
+        scheduler = self.scheduler
+        return scheduler.progress() if scheduler is not None else []

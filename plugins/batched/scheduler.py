@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import mlx.core as mx
 
+from omlx_core.engine import RequestProgress
 from omlx_core.memory.gate import ForwardGate, MemoryReceiver
 from omlx_core.memory.usage import trim_heap
 from omlx_core.plugins.batched.batch_state import (
@@ -203,6 +204,28 @@ class Scheduler(MemoryReceiver):
             **self.inputs.stats(),
         }
 
+    def progress(self) -> list[RequestProgress]:
+        """Each request taken in, with its phase; read from any thread (copies only)."""
+        now = time.monotonic()
+        state = self.state
+        queued = {s.request_id: i for i, s in enumerate(list(state.waiting) + list(self._inbox), 1)}
+        rows = []
+        # A request moving from the inbox to the table may be in both copies.
+        held = {s.request_id: s for s in list(self._inbox) + list(state.by_id.values())}
+        for sequence in held.values():
+            phase = sequence.phase
+            rows.append(RequestProgress(
+                request_id=sequence.request_id, phase=phase if phase != DONE else DECODING,
+                prompt_tokens=len(sequence.prompt), prefilled_tokens=sequence.prefilled,
+                prefill_tokens=max(0, len(sequence.context) - 1),
+                completion_tokens=sequence.completion_tokens, max_tokens=sequence.max_tokens,
+                queue_position=queued.get(sequence.request_id) if phase == WAITING else None,
+                preempted=phase == WAITING and sequence.preemptions > 0,
+                age_s=now - sequence.arrived if sequence.arrived else 0.0,
+                prefill_s=now - sequence.prefill_started if phase == PREFILLING else 0.0,
+                decode_s=now - sequence.first_token_at if sequence.first_token_at else 0.0))
+        return rows
+
     # -- the Worker protocol (MLX thread) --------------------------------------------
 
     def has_work(self) -> bool:
@@ -343,6 +366,7 @@ class Scheduler(MemoryReceiver):
                 return
             state.waiting.popleft()
             sequence.phase = PREFILLING
+            sequence.prefill_started = time.monotonic()
             blocks: list[CachedBlock] = []
             tail, tail_tokens = None, 0
             if self.prefix_cache.enabled:
