@@ -11,8 +11,9 @@ names a whole prefix.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Mapping, Sequence
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,16 +62,54 @@ class CachedTail:
     nbytes: int
 
 
-class BlockStore(Protocol):
-    """A lower cache tier (e.g. a paged SSD store) behind the in-memory prefix cache."""
+class BlockStore(ABC):
+    """A lower cache tier (e.g. a paged SSD store) behind the in-memory prefix cache.
 
+    Everything the prefix cache asks of a tier is declared here; a tier subclasses this
+    and overrides what it keeps. ``get`` and ``put`` have no neutral answer and must be
+    written. The others default to what is true of a tier that keeps no such state:
+    no recency order (:meth:`touch` changes nothing), no token ids (:meth:`continuations`
+    offers none), no write queue (:meth:`pending_bytes` and :meth:`drop_pending` hold and
+    free nothing), no counters (:meth:`stats` is empty).
+
+    The prefix cache calls a tier outside its own lock: reads and writes from the MLX
+    thread, :meth:`pending_bytes` and :meth:`stats` from any thread.
+    """
+
+    @abstractmethod
     def get(self, block_hash: bytes) -> CachedBlock | None:
-        """The block with this hash, or ``None``."""
+        """The block with this hash, or ``None`` when the tier does not hold it (or holds
+        it unusable)."""
 
+    @abstractmethod
     def put(self, block: CachedBlock) -> None:
-        """Keep ``block`` (stored or evicted here); may decline or drop it silently."""
+        """Keep ``block`` (stored by, or evicted from, the prefix cache); may decline or
+        drop it silently. A block already held is offered again when it gained a boundary
+        state: keep the better copy."""
 
-    # Optional: ``touch(hashes)``, a chain (root to leaf) just stored or found in memory.
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """A chain (root first, leaf last) was just stored or found in memory: refresh it,
+        so the tier evicts leaves before the blocks they hang from."""
+
+    def continuations(self, parent_hash: bytes) -> Sequence[tuple[bytes, Sequence[int]]]:
+        """The held blocks after ``parent_hash`` that may be reused in part (their token
+        ids known, every layer cut by token), as ``(block hash, token ids)``: the prefix
+        cache picks the one sharing most of a prompt and reads only that one back."""
+        return ()
+
+    def pending_bytes(self) -> int:
+        """Host memory the tier holds for writes not done yet (memory the engine can give
+        back, through :meth:`drop_pending`)."""
+        return 0
+
+    def drop_pending(self, nbytes: int) -> int:
+        """Give up writes not done yet until ``nbytes`` of host memory are freed, or none
+        is left (the memory guard needs the room); returns the bytes freed."""
+        return 0
+
+    def stats(self) -> Mapping[str, Any]:
+        """The tier's counters, shown under the prefix cache's ``lower`` statistics."""
+        return {}
 
 
 __all__ = ["BlockStore", "CachedBlock", "CachedTail"]

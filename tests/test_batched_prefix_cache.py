@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from omlx_core.kvblocks import BlockStore
 from omlx_core.plugins.batched.cache_layout import CacheLayout
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched.prefix_cache import (TAILS_PER_PREFIX, CachedBlock, CachedTail, PrefixCache,
                                                      chain_hashes, root_hash)
+from omlx_core.testing.host import make_test_host
 
 BLOCK = 4
 
@@ -22,7 +27,7 @@ def blocks_for(cache: PrefixCache, tokens: list[int], nbytes: int = 100,
             for i, h in enumerate(hashes)]
 
 
-class DictStore:
+class DictStore(BlockStore):
     """A lower tier kept in a dict: the smallest real BlockStore."""
 
     def __init__(self) -> None:
@@ -223,6 +228,44 @@ def test_the_least_recently_used_tail_of_a_prefix_goes_first():
     assert cache.peek_tail(cache.root, [0]) == 1 and cache.peek_tail(cache.root, [1]) == 0
 
 
+def test_a_lower_tier_must_be_a_block_store():
+    class Duck:
+        def get(self, block_hash):
+            return None
+
+        def put(self, block):
+            pass
+
+    cache = PrefixCache(BLOCK, 1000, "m")
+    with pytest.raises(TypeError, match="subclass omlx_core.kvblocks.BlockStore"):
+        cache.attach_lower(Duck())
+    assert cache.stats()["lower_tier"] is None
+
+
+def test_a_tier_without_queue_or_counters_frees_and_reports_only_memory():
+    cache = PrefixCache(BLOCK, 1000, "m")
+    cache.attach_lower(DictStore())
+    tokens = list(range(12))
+    cache.insert(blocks_for(cache, tokens))
+    assert cache.reclaimable_bytes() == cache.nbytes == 300
+    assert "lower" not in cache.stats()
+    assert cache.release(150) == 200 and cache.nbytes == 100
+    # The tier offers no continuations, so a lookup past memory asks it block by block.
+    assert [b.index for b in cache.lookup_prefix(cache.hashes(tokens), tokens)[0]] == [0, 1, 2]
+
+
+def test_the_prefix_cache_never_probes_what_a_tier_has():
+    """Every call on a lower tier is declared by omlx_core.kvblocks.BlockStore."""
+    package = Path(__file__).resolve().parents[1] / "plugins" / "batched"
+    offenders = [f"{path.name}:{node.lineno}: {node.func.id}(...)"
+                 for path in (package / "prefix_cache.py", package / "block_lru.py",
+                              package / "block_hashes.py")
+                 for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                 and node.func.id in ("getattr", "hasattr")]
+    assert not offenders, "probing in the prefix cache:\n" + "\n".join(offenders)
+
+
 def test_the_lower_tier_is_told_of_every_chain_stored_or_found():
     class TouchedStore(DictStore):
         def __init__(self) -> None:
@@ -285,7 +328,7 @@ def test_a_cached_block_is_reused_up_to_the_first_token_that_differs(tiny_model_
 
     config = load_config("base", overrides=[("plugin.batched.block_size", "16", "test"),
                                             ("plugin.batched.prefill_step_size", "32", "test")], env={})
-    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
+    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), make_test_host(config))
     engine.start()
     try:
         system = [(5 * i) % 150 + 20 for i in range(40)]  # 2 full blocks + 8 tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import threading
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
-from omlx_core.kvblocks import CachedBlock
+from omlx_core.kvblocks import BlockStore, CachedBlock
 from omlx_core.plugins.batched.prefix_cache import PrefixCache
 from omlx_core.plugins.ssd_cache import blockfile
 from omlx_core.plugins.ssd_cache.store import PagedSSDStore
@@ -102,8 +103,8 @@ class PinnedWriter:
     def __init__(self, store: PagedSSDStore) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
-        self._real = store._write_payload
-        store._write_payload = self._write
+        self._real = store._writer._write_payload
+        store._writer._write_payload = self._write
 
     def _write(self, payload, path):
         self.entered.set()
@@ -289,13 +290,13 @@ def full_disk_at(path: Path) -> None:
 
 def test_disk_full_invalidates_the_disk_reading_and_logs_an_error(tmp_path, caplog):
     store = make_store(tmp_path, budget=None)
-    assert store.limit_bytes() > 0 and store._disk_reading is not None
+    assert store.limit_bytes() > 0 and store._quota.has_reading
     block = make_block(0, seed=8)
     full_disk_at(store.blocks_dir / f".{block.block_hash.hex()}.tmp")
-    with caplog.at_level(logging.ERROR, logger="omlx_core.plugins.ssd_cache.store"):
+    with caplog.at_level(logging.ERROR, logger="omlx_core.plugins.ssd_cache.writer"):
         store.put(block)
         assert store.flush(10)
-    assert store._disk_reading is None
+    assert not store._quota.has_reading
     assert any(r.levelno == logging.ERROR and "disk full" in r.getMessage() for r in caplog.records)
     stats = store.stats()
     assert stats["errors"] == 1 and stats["saves_persisted"] == 0
@@ -507,7 +508,7 @@ def test_close_with_cleanup_removes_snapshots_before_stopping_and_flushes_blocks
     store.close(cleanup=True)
     assert snapshot_files(store) == []
     assert blockfile.block_path(store.blocks_dir, block.block_hash).exists()
-    assert not store._writer.is_alive()
+    assert not store._writer.thread.is_alive()
     stage(store, "req-after", 2)  # an engine still prefilling after shutdown: ignored
     assert snapshot_files(store) == []
 
@@ -522,6 +523,20 @@ def test_request_ids_that_are_not_file_names_get_a_safe_directory(tmp_path):
 
 
 # -- behind the prefix cache ---------------------------------------------------------------------
+
+
+def test_the_ssd_store_implements_every_block_store_method():
+    """Nothing the prefix cache asks of the SSD tier falls back to BlockStore's defaults
+    for a tier without such state: the store answers every method itself."""
+    declared = {name for name, value in vars(BlockStore).items()
+                if inspect.isfunction(value) and not name.startswith("_")}
+    assert declared >= {"get", "put", "touch", "continuations", "pending_bytes", "drop_pending", "stats"}
+    assert issubclass(PagedSSDStore, BlockStore) and not inspect.isabstract(PagedSSDStore)
+    for name in sorted(declared):
+        own = inspect.getattr_static(PagedSSDStore, name)
+        assert own is not vars(BlockStore)[name], f"PagedSSDStore inherits {name} from BlockStore"
+        assert list(inspect.signature(own).parameters) == \
+            list(inspect.signature(vars(BlockStore)[name]).parameters), name
 
 
 def test_prefix_cache_writes_through_and_promotes_from_disk(tmp_path):
@@ -557,7 +572,7 @@ def test_metrics_endpoint_exposes_the_counters(tmp_path):
 
 
 def test_write_benchmark_accounts_for_every_block(tiny_model_path):
-    from omlx_core.plugins.ssd_cache.benchmark import measure_writes, render
+    from benchmarks.ssd_cache import measure_writes, render
 
     row = measure_writes(tiny_model_path("llama"), blocks=10, queue_size=2, block_size=8)
     assert row.offered == 10 and row.saves + row.drops + row.declined == 10

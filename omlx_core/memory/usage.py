@@ -24,6 +24,7 @@ from collections import deque
 from typing import Callable
 
 from omlx_core.memory import probes
+from omlx_core.platform.backend import active_bytes
 
 log = logging.getLogger(__name__)
 
@@ -53,36 +54,6 @@ def return_freed_buffers_to_the_os() -> bool:
     except (OSError, AttributeError) as error:  # musl and others have no mallopt
         log.debug("mallopt unavailable (%s): the footprint may lag frees", error)
         return False
-
-
-def mlx_active_bytes() -> int:
-    import mlx.core as mx
-
-    return int(mx.get_active_memory())
-
-
-def mlx_held_bytes() -> int:
-    """What mlx holds: its active memory and its buffer cache (0 without mlx)."""
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return 0
-    return int(mx.get_active_memory()) + int(mx.get_cache_memory())
-
-
-def mlx_held_bytes() -> int:
-    """What mlx holds: its active memory and its buffer cache (0 without mlx)."""
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return 0
-    return int(mx.get_active_memory()) + int(mx.get_cache_memory())
-
-
-def mlx_peak_bytes() -> int:
-    import mlx.core as mx
-
-    return int(mx.get_peak_memory())
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -139,7 +110,7 @@ class MemoryUsage:
     """Reads current use and keeps the recent high-water mark; safe from any thread."""
 
     def __init__(self, window_s: float = 2.0, *,
-                 read_active: Callable[[], int] = mlx_active_bytes,
+                 read_active: Callable[[], int] = active_bytes,
                  read_footprint: Callable[[], int] = footprint_bytes,
                  clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s

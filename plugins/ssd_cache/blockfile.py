@@ -13,11 +13,18 @@ Split of work by thread: :func:`payload_of_kv` / :func:`payload_of_states` descr
 and :meth:`Payload.to_host` copies its arrays to host memory (numpy), on the MLX thread;
 :func:`write_payload` runs on the writer thread and touches no mlx; :func:`read_arrays`
 (the MLX thread again) builds mlx arrays.
+
+Where files live is named here too (:func:`block_path`, :func:`boundary_path`, a
+request's staging directory :func:`snapshot_dir`), and how they are removed: quietly
+when already gone, with a warning when they cannot be.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +52,9 @@ _DTYPES: dict[str, tuple[str, Any]] = {
     "int64": ("I64", np.int64), "uint8": ("U8", np.uint8), "uint16": ("U16", np.uint16),
     "uint32": ("U32", np.uint32), "uint64": ("U64", np.uint64), "bool": ("BOOL", np.bool_),
 }
+_SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
+
+log = logging.getLogger(__name__)
 
 
 class BlockFileError(Exception):
@@ -280,8 +290,51 @@ def boundary_path(directory: Path, block_hash: bytes) -> Path:
     return directory / f"{block_hash.hex()}{BOUNDARY_SUFFIX}"
 
 
+def snapshot_dir(snapshots_dir: Path, request_id: str) -> Path:
+    """Where a request's boundary snapshots are staged: its id as the directory name when
+    that is a safe file name, else a digest of it."""
+    name = request_id if _SAFE_REQUEST_ID.match(request_id) else \
+        "h-" + hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
+    return snapshots_dir / name
+
+
+def file_size(path: Path) -> int:
+    """``path``'s size, 0 when it is gone."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def remove_file(path: Path) -> int:
+    """Remove ``path``; 1 if it was removed, 0 if it was not there or cannot be (logged)."""
+    try:
+        path.unlink()
+        return 1
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        log.warning("SSD cache: cannot remove %s: %s", path, exc)
+        return 0
+
+
+def remove_block_files(directory: Path, hashes: Sequence[bytes]) -> None:
+    """Remove the block files and boundary files of ``hashes``."""
+    for block_hash in hashes:
+        remove_file(block_path(directory, block_hash))
+        remove_file(boundary_path(directory, block_hash))
+
+
+def remove_dir_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:
+        pass
+
+
 __all__ = [
-    "BLOCK_KIND", "BOUNDARY_KIND", "BlockFileError", "FORMAT_VERSION", "Payload", "block_path",
-    "boundary_path", "check_metadata", "kv_of", "payload_of_kv", "payload_of_states",
-    "read_arrays", "read_metadata", "states_of", "write_payload",
+    "BLOCK_KIND", "BLOCK_SUFFIX", "BOUNDARY_KIND", "BOUNDARY_SUFFIX", "BlockFileError", "FORMAT_VERSION",
+    "Payload", "TMP_SUFFIX", "block_path", "boundary_path", "check_metadata", "file_size", "kv_of",
+    "payload_of_kv", "payload_of_states", "read_arrays", "read_metadata", "remove_block_files",
+    "remove_dir_if_empty", "remove_file", "snapshot_dir", "states_of", "write_payload",
 ]

@@ -1,0 +1,51 @@
+"""Chain hashes of prompt blocks: one hash names a whole prefix.
+
+A prompt is cut into blocks of ``plugin.batched.block_size`` tokens. Block ``i``'s hash
+covers its tokens *and* the hash of block ``i - 1``, so two prompts share block hashes
+exactly as far as they share tokens. The chain starts from a root that differs per model,
+so chains of different models never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Sequence
+
+HASH_BYTES = 16
+
+
+def root_hash(namespace: str) -> bytes:
+    """The parent of a chain's first block; differs per model so chains never collide."""
+    return hashlib.blake2b(namespace.encode(), digest_size=HASH_BYTES).digest()
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes) -> list[bytes]:
+    """Hashes of every full block of ``tokens``, chained from ``parent``."""
+    hashes = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+        digest.update(array("q", tokens[start:start + block_size]).tobytes())
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
+
+
+def partial_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The hash of fewer than a block's tokens after ``parent``: it names a tail kept in
+    a lower tier, and never equals a full block's hash (its tokens are fewer)."""
+    digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+__all__ = ["HASH_BYTES", "chain_hashes", "common_prefix_length", "partial_hash", "root_hash"]
