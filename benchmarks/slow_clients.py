@@ -18,7 +18,7 @@ not finish in time counts as locked out.
 environment, ``-P`` so the current directory is not imported from): the "before"
 column of a change.
 
-    python -m omlx_core.bench.slow_clients [--connections 500] [--out FILE]
+    python -m benchmarks.slow_clients [--connections 500] [--out FILE]
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def render(rows: Sequence[Row], header: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.slow_clients",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.slow_clients",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--connections", type=int, default=500,

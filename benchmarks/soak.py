@@ -21,7 +21,7 @@ seconds, one that reads its stream slowly. Verdicts:
   end: resident memory differs by at most ``MAX_DRIFT``, and open file descriptors and
   threads do not grow.
 
-    python -m omlx_core.bench.soak [--minutes 30] [--ceiling 0.9GiB] [--out FILE]
+    python -m benchmarks.soak [--minutes 30] [--ceiling 0.9GiB] [--out FILE]
 """
 
 from __future__ import annotations
@@ -561,7 +561,7 @@ def render(result: SoakResult, header: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.soak", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0, help="traffic time (default 30)")
     parser.add_argument("--ceiling", default="0.9GiB", help="--memory-ceiling (default 0.9GiB)")
