@@ -46,7 +46,7 @@ import mlx.core as mx
 
 from omlx_core.engine import RequestProgress
 from omlx_core.memory.gate import ForwardGate, MemoryReceiver
-from omlx_core.memory.usage import trim_heap
+from omlx_core.memory.usage import resident_now, trim_heap
 from omlx_core.plugins.batched.batch_state import (
     DECODING,
     DONE,
@@ -295,7 +295,8 @@ class Scheduler(MemoryReceiver):
         for one copy of the decode batch's KV (a cache that grows copies itself). Use is
         read cheaply between polls: what mlx holds now, the rest of the process as of
         the last poll (:meth:`~omlx_core.memory.types.LimitSnapshot.over_by`). That
-        reading still holds host copies dropped since the poll, so they are subtracted.
+        reading still holds host copies dropped since the poll, so they are subtracted;
+        it misses host copies made since, so the resident set read now bounds it below.
         """
         limits = self.state.limits
         if limits is None or not self.prefix_cache.reclaimable_bytes():
@@ -307,6 +308,11 @@ class Scheduler(MemoryReceiver):
             self._host_freed_snapshot, self._host_freed = limits, 0
         over = limits.over_by(int(mx.get_active_memory() + mx.get_cache_memory()), keep_free)
         over -= self._host_freed
+        # That reading misses what grew outside mlx since the poll (host copies queued
+        # for the SSD tier above all): the resident set now is the truth when higher.
+        resident = resident_now()
+        if resident is not None and limits.hard_bytes is not None:
+            over = max(over, resident + keep_free - limits.hard_bytes)
         if over > 0:
             held = self.prefix_cache.nbytes
             freed = self.prefix_cache.release(over)
