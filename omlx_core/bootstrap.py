@@ -2,6 +2,12 @@
 
 The order matters: the raw tier files say which plugins to load, the loaded plugins
 declare their settings, and only then can the whole configuration be validated.
+
+Every engine is made by :func:`create_engine` and closed by :func:`close_engine`, at
+start-up as later (a model loaded while serving): it builds the engine's
+:class:`~omlx_core.host.EngineHost` (lower cache tiers from ``register_caches``, the
+``on_boundary_snapshot`` and ``on_request_finished`` sinks, the MLX thread, the
+configuration) and calls the engine's factory with ``(model, host)``.
 """
 
 from __future__ import annotations
@@ -9,15 +15,22 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
-from omlx_core.config import Config, load_config, raw_value, read_layers
+from omlx_core.config import Config, ModelEntry, Sourced, load_config, raw_value, read_layers
 from omlx_core.engine import Engine, GuardedEngine
+from omlx_core.host import EngineHost
 from omlx_core.memory.gate import MemoryReceiver
 from omlx_core.memory.guard import MemoryGuard
 from omlx_core.memory.usage import return_freed_buffers_to_the_os
+from omlx_core.mlx_thread import mlx_thread
 from omlx_core.pluginmanager import PluginError, PluginManager, build_plugin_manager
 from omlx_core.server_context import ServerContext
+
+if TYPE_CHECKING:
+    from omlx_core.kvblocks import BlockStore
+    from omlx_core.memory.types import BoundarySnapshot
+    from omlx_core.models.registry import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -55,39 +68,55 @@ def _as_list(value: object) -> list[str]:
     return list(value) if isinstance(value, list) else []
 
 
+def served_models(setup: Setup, requested: Iterable[str]) -> list[str] | None:
+    """The model ids to serve for ``requested`` (``omlx-core serve --model``, a
+    benchmark's ``--model``): each a configured model id, or a model directory, which
+    becomes an ad-hoc entry served by the batched engine. ``None`` when nothing is
+    requested (serve ``server.models``); pass the answer to :func:`start_engines`.
+
+    :raises ModelError: an item is neither a configured model nor a directory.
+    """
+    from omlx_core.models.errors import ModelError
+
+    requested = list(requested)
+    if not requested:
+        return None
+    ids = []
+    for item in requested:
+        if item in setup.config.models:
+            ids.append(item)
+            continue
+        path = Path(item).expanduser()
+        if not path.is_dir():
+            known = ", ".join(setup.config.models)
+            raise ModelError(f"--model {item!r} is neither a configured model ({known}) nor a "
+                             "model directory")
+        model_id = path.resolve().name
+        setup.config.models[model_id] = ModelEntry(model_id, {
+            "path": Sourced(str(path.resolve()), "cli --model"),
+            "engine": Sourced("batched", "cli --model"),
+        })
+        ids.append(model_id)
+    return ids
+
+
 def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
                   progress: bool = True) -> ServerContext:
     """Resolve, load and start an engine for each served model; run ``startup`` hooks.
 
     :raises PluginError: an engine's plugin is missing or broken, or a required plugin is.
     """
-    from omlx_core.models.registry import resolve_model
-
     config, plugins = setup.config, setup.plugins
     model_ids = list(model_ids or config["server.models"])
-    entries = [config.models[m] for m in model_ids]
-    registered = plugins.registered_engines()
     required = set(config["plugins.required"])
-    for entry in entries:
-        if entry.engine not in registered:
-            broken = [info for info in plugins.list() if info.error]
-            hint = "; ".join(f"{i.name}: {i.error}" for i in broken)
-            raise PluginError(
-                f"model {entry.id!r} needs engine {entry.engine!r}, which no loaded plugin "
-                f"registers (engines available: {', '.join(sorted(registered)) or 'none'})"
-                + (f". Broken plugins: {hint}" if hint else ""))
-        required.add(registered[entry.engine][1])
+    for model_id in model_ids:
+        required.add(_engine_factory(plugins, config.models[model_id].engine, model_id)[1])
     plugins.require(sorted(required))
 
     context = ServerContext(config=config, plugins=plugins)
     try:
-        for entry in entries:
-            spec = resolve_model(entry, progress=progress)
-            engine = registered[entry.engine][0](spec, config)
-            _check_guarded(entry.engine, engine, config)
-            log.info("starting engine %r for model %r (%s)", entry.engine, spec.id, spec.path)
-            engine.start()
-            context.engines[spec.id] = engine
+        for model_id in model_ids:
+            create_engine(context, model_id, progress=progress)
         guard = install_memory_guard(context)
         for model_id, engine in context.engines.items():
             _check_resolvable(model_id, engine, plugins)
@@ -101,6 +130,96 @@ def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
         raise
     plugins.hook.startup(context=context)
     return context
+
+
+def create_engine(context: ServerContext, model_id: str, *, progress: bool = True) -> Engine:
+    """Build the engine of ``model_id`` with its host, start it and add it to
+    ``context.engines``: the one way an engine comes to life, at start-up or later.
+
+    With the memory guard running, the engine must be reachable and costable by it
+    (checked before it serves); at start-up the guard is installed after every engine
+    started and :func:`start_engines` checks them then.
+
+    :raises PluginError: no loaded plugin registers the model's engine, or the engine
+        cannot be guarded.
+    """
+    from omlx_core.models.registry import resolve_model
+
+    config, plugins = context.config, context.plugins
+    entry = config.models[model_id]
+    factory, _owner = _engine_factory(plugins, entry.engine, model_id)
+    spec = resolve_model(entry, progress=progress)
+    engine = factory(spec, build_host(context, spec))
+    _check_guarded(entry.engine, engine, config)
+    log.info("starting engine %r for model %r (%s)", entry.engine, spec.id, spec.path)
+    engine.start()
+    try:
+        if context.memory_guard is not None:
+            _check_resolvable(spec.id, engine, plugins)
+            _check_estimable(spec.id, engine, context.memory_guard)
+    except BaseException:
+        engine.shutdown()
+        raise
+    context.engines[spec.id] = engine
+    return engine
+
+
+def close_engine(context: ServerContext, model_id: str) -> None:
+    """Take ``model_id``'s engine out of ``context`` (no new request reaches it), then
+    stop it: its outstanding requests are aborted and its memory released."""
+    engine = context.engines.pop(model_id, None)
+    if engine is not None:
+        engine.shutdown()
+
+
+def build_host(context: ServerContext, model: ModelSpec) -> EngineHost:
+    """The host of ``model``'s engine: its lower cache tiers built from every
+    ``register_caches`` factory, and sinks to the ``on_boundary_snapshot`` and
+    ``on_request_finished`` hooks."""
+    return EngineHost(model_id=model.id, config=context.config, thread=mlx_thread(),
+                      lower_tiers=_lower_tiers(context, model),
+                      on_boundary_snapshot=_boundary_sink(context.plugins),
+                      on_request_finished=_finish_sink(context.plugins, model.id))
+
+
+def _engine_factory(plugins: PluginManager, name: str, model_id: str) -> tuple[Callable[..., Engine], str]:
+    registered = plugins.registered_engines()
+    if name not in registered:
+        broken = [info for info in plugins.list() if info.error]
+        hint = "; ".join(f"{i.name}: {i.error}" for i in broken)
+        raise PluginError(
+            f"model {model_id!r} needs engine {name!r}, which no loaded plugin "
+            f"registers (engines available: {', '.join(sorted(registered)) or 'none'})"
+            + (f". Broken plugins: {hint}" if hint else ""))
+    return registered[name]
+
+
+def _lower_tiers(context: ServerContext, model: ModelSpec) -> tuple[BlockStore, ...]:
+    tiers = []
+    for name, factory in context.plugins.caches().items():
+        store = factory(model, context.config)
+        if store is not None:
+            log.info("model %r: cache tier %r", model.id, name)
+            tiers.append(store)
+    return tuple(tiers)
+
+
+def _boundary_sink(plugins: PluginManager) -> Callable[[BoundarySnapshot], None]:
+    hook = plugins.hook.on_boundary_snapshot
+
+    def on_boundary_snapshot(snapshot: BoundarySnapshot) -> None:
+        hook(snapshot=snapshot)
+
+    return on_boundary_snapshot
+
+
+def _finish_sink(plugins: PluginManager, model_id: str) -> Callable[[str, str], None]:
+    hook = plugins.hook.on_request_finished
+
+    def on_request_finished(request_id: str, finish_reason: str) -> None:
+        hook(model_id=model_id, request_id=request_id, finish_reason=finish_reason)
+
+    return on_request_finished
 
 
 def _check_guarded(name: str, engine: Engine, config: Config) -> None:
@@ -129,8 +248,9 @@ def _check_resolvable(model_id: str, engine: Engine, plugins: PluginManager) -> 
         raise PluginError(
             f"model {model_id!r}: no plugin's resolve_scheduler returns a MemoryReceiver for "
             f"engine type {type(engine).__qualname__} (got {type(receiver).__name__}), so it "
-            "would get no memory limits and no forward gate; implement resolve_scheduler for it "
-            "or make the engine its own MemoryReceiver")
+            "would get no memory limits and no forward gate; pass the host to "
+            "Engine.__init__(model, host) and read host.memory, or implement resolve_scheduler "
+            "for it")
 
 
 def _check_estimable(model_id: str, engine: Engine, guard: MemoryGuard) -> None:

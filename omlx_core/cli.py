@@ -129,12 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from omlx_core.bootstrap import load_setup, start_engines, stop_engines
+    from omlx_core.bootstrap import load_setup, served_models, start_engines, stop_engines
 
     setup = load_setup(args.tier, args.config, _overrides(args))
     for warning in setup.warnings:
         logging.getLogger("omlx_core").warning(warning)
-    model_ids = _served_models(setup, args.model)
+    model_ids = served_models(setup, args.model)
     if args.engine:
         _override_engine(setup, model_ids, args.engine)
     context = start_engines(setup, model_ids)
@@ -158,31 +158,6 @@ def _override_engine(setup: Any, model_ids: list[str] | None, engine: str) -> No
         entry = setup.config.models[model_id]
         setup.config.models[model_id] = ModelEntry(
             model_id, {**entry.fields, "engine": Sourced(engine, "cli --engine")})
-
-
-def _served_models(setup: Any, requested: list[str]) -> list[str] | None:
-    """Model ids to serve; a directory given with --model becomes an ad-hoc entry."""
-    if not requested:
-        return None
-    from omlx_core.config import ModelEntry, Sourced
-
-    ids = []
-    for item in requested:
-        if item in setup.config.models:
-            ids.append(item)
-            continue
-        path = Path(item).expanduser()
-        if not path.is_dir():
-            known = ", ".join(setup.config.models)
-            raise ModelError(f"--model {item!r} is neither a configured model ({known}) nor a "
-                             "model directory")
-        model_id = path.resolve().name
-        setup.config.models[model_id] = ModelEntry(model_id, {
-            "path": Sourced(str(path.resolve()), "cli --model"),
-            "engine": Sourced("batched", "cli --model"),
-        })
-        ids.append(model_id)
-    return ids
 
 
 # -- plugins ----------------------------------------------------------------------------

@@ -7,27 +7,41 @@ request against :meth:`Engine.limits`, runs the memory guard, submits a
 :class:`RequestHandle` until one carries a ``finish_reason``. Closing the handle (or
 :meth:`Engine.abort`) cancels the request.
 
+**Engines speak tokens.** Outputs carry token ids (and logprobs), never text: the
+pipeline's output processor (:mod:`omlx_core.serving.output`) detokenizes them with a
+fresh :meth:`Engine.detokenizer`, matches the request's stop strings, builds logprob
+bytes with :meth:`Engine.token_bytes`, and aborts the request (:meth:`Engine.abort`)
+as soon as a stop string matched; tokens past it never reach a client.
+
 **What ``submit`` must honour.** Every engine honours the fields of
-:data:`REQUIRED_SAMPLING` (``max_tokens`` is always set by the pipeline and never
-exceeds the room :meth:`Engine.limits` leaves; ``stop`` strings are never emitted,
-not even in part, and the final output names the one that matched). The optional
-fields an engine honours are listed in its :attr:`Engine.supported_sampling`; the
-pipeline refuses a request that sets any other with HTTP 400, so an engine never
-silently ignores a parameter. ``submit`` raises ``ValueError`` for a request it cannot
-serve as sent (HTTP 400); anything else it raises is an engine failure (HTTP 500).
+:data:`REQUIRED_SAMPLING`: ``max_tokens`` (always set by the pipeline, never past the
+room :meth:`Engine.limits` leaves; ``finish_reason="length"``), and the end-of-sequence
+tokens and ``stop_token_ids`` (``finish_reason="stop"``; the stop token itself is not
+put in ``token_ids``). ``sampling.stop`` (strings) is the pipeline's: engines ignore
+it. The optional fields an engine honours are listed in its
+:attr:`Engine.supported_sampling` (a complete ``grammar`` ends the request with
+``"stop"``); the pipeline refuses a request that sets any other with HTTP 400, so an
+engine never silently ignores a parameter. ``submit`` raises ``ValueError`` for a
+request it cannot serve as sent (HTTP 400); anything else it raises is an engine
+failure (HTTP 500).
+
+**The host.** An engine is built as ``factory(model, host)``; the
+:class:`~omlx_core.host.EngineHost` is its whole view of the server: settings, the MLX
+thread, memory limits and the forward gate, lower cache tiers, and the sinks for
+boundary snapshots and finished requests.
 
 **Threads.** The pipeline calls an engine from many threads at once (one per HTTP
-request). mlx work belongs on the process's one MLX thread
-(:func:`omlx_core.mlx_thread.mlx_thread`): an engine attaches a
-:class:`~omlx_core.mlx_thread.Worker` to it and ``submit`` only validates and
-enqueues. Nothing on the MLX thread may sleep or block on another thread.
+request). mlx work belongs on the process's one MLX thread (``host.thread``): an
+engine attaches a :class:`~omlx_core.mlx_thread.Worker` to it and ``submit`` only
+validates and enqueues. Nothing on the MLX thread may sleep or block on another thread.
 
 **Memory.** An engine is memory-guarded when it is a :class:`GuardedEngine`: it
-describes how it allocates (:meth:`GuardedEngine.memory_hints`), and the object the
-``resolve_scheduler`` hook finds for it is a
-:class:`~omlx_core.memory.gate.MemoryReceiver` that takes limit snapshots and asks the
-:class:`~omlx_core.memory.gate.ForwardGate` before every prefill forward. The server
-refuses to start an engine that is not, unless the operator lists its name in
+describes how it allocates (:meth:`GuardedEngine.memory_hints`) and asks the forward
+gate before every prefill forward. The limits and the gate reach the object the
+``resolve_scheduler`` hook finds for the engine (a
+:class:`~omlx_core.memory.gate.MemoryReceiver`): its plugin's scheduler, or by default
+``host.memory``, which an engine scheduling its own prefills reads. The server
+refuses to start an engine that is not guarded, unless the operator lists its name in
 ``memory.unguarded_engines``; such an engine still gets preflight and admission, from
 the conservative :func:`assumed_hints`, but no forward gate.
 """
@@ -41,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 if TYPE_CHECKING:
+    from omlx_core.host import EngineHost
     from omlx_core.memory.types import RequestRejected
     from omlx_core.models.registry import ModelSpec
 
@@ -51,7 +66,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 #: ``"internal"``: an engine bug. ``None`` reads as internal.
 ERROR_TYPES = ("invalid", "internal")
 
-#: Sampling fields every engine honours.
+#: Sampling fields every request may set and every engine serves (``stop`` strings
+#: through the pipeline's output processor, the rest in the engine itself).
 REQUIRED_SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                                "stop", "stop_token_ids"})
 #: Sampling fields an engine may honour; it lists the ones it does in ``supported_sampling``.
@@ -162,10 +178,9 @@ class Usage:
 
 @dataclass(frozen=True)
 class GenerationOutput:
-    """A step of one request: new text (possibly empty) and, on the last one, why it ended."""
+    """A step of one request: new token ids (possibly none) and, on the last one, why it ended."""
 
     request_id: str
-    text: str = ""
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None
@@ -175,8 +190,6 @@ class GenerationOutput:
     #: with ``finish_reason="error"``: the memory guard stopped the request (a forward
     #: gate refusal or the post-forward backstop); retrying later can succeed
     rejected: RequestRejected | None = None
-    #: with ``finish_reason="stop"``: the stop string that ended the text, if one did
-    stop_sequence: str | None = None
     usage: Usage | None = None
 
     @property
@@ -293,6 +306,31 @@ class EngineLimits:
 
 
 @dataclass(frozen=True)
+class RequestProgress:
+    """Where one request stands inside an engine right now (:meth:`Engine.progress`)."""
+
+    request_id: str
+    #: ``"waiting"`` (queued in the engine, or preempted and waiting to resume),
+    #: ``"prefilling"`` or ``"decoding"``
+    phase: str
+    prompt_tokens: int
+    #: of ``prefill_tokens``, those prefilled so far
+    prefilled_tokens: int = 0
+    prefill_tokens: int = 0
+    completion_tokens: int = 0
+    max_tokens: int = 0
+    #: 1 for the next request the engine starts (``"waiting"`` only)
+    queue_position: int | None = None
+    #: taken out of the decode batch for memory; it resumes where it was
+    preempted: bool = False
+    #: seconds since the engine took the request, since its prefill began, since its
+    #: first token (0 until then)
+    age_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class MemoryHints:
     """How an engine allocates, for the memory estimate (``estimate_peak``).
 
@@ -315,15 +353,26 @@ class MemoryHints:
 
 
 class Engine(abc.ABC):
-    """One loaded model, serving many requests."""
+    """One loaded model, serving many requests.
+
+    Built by its plugin's factory as ``factory(model, host)``: ``host`` (an
+    :class:`~omlx_core.host.EngineHost`) is all the engine may use of the server.
+    """
 
     #: the model this engine serves
     model: ModelSpec
+    #: what the engine may use of the server (``None`` only for an engine that did not
+    #: call ``Engine.__init__``)
+    host: EngineHost | None = None
     #: the :data:`OPTIONAL_SAMPLING` fields this engine honours
     supported_sampling: frozenset[str] = frozenset()
     #: whether chat messages may carry images (:class:`ImagePart` content parts); the
     #: pipeline refuses them with HTTP 400 for an engine that does not
     accepts_images: bool = False
+
+    def __init__(self, model: ModelSpec, host: EngineHost) -> None:
+        self.model = model
+        self.host = host
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -379,6 +428,13 @@ class Engine(abc.ABC):
         the model writes tool calls and whether it renders tools itself."""
         return None
 
+    @abc.abstractmethod
+    def detokenizer(self) -> Any:
+        """A fresh streaming detokenizer for one request's completion (mlx-lm's
+        interface: ``reset()``, ``add_token(id)``, ``finalize()``, ``last_segment``). An
+        engine on an mlx-lm ``TokenizerWrapper`` returns ``tokenizer.detokenizer``, which
+        is a new instance on every access."""
+
     def special_tokens(self) -> frozenset[str]:
         """The text of the tokenizer's special tokens (so a tool-call marker that is one
         is matched as a token)."""
@@ -407,6 +463,12 @@ class Engine(abc.ABC):
         """Counters for metrics and ``/health``; include ``queue_depth`` (requests
         waiting in the engine) and ``running``. Nested dicts are flattened."""
         return {}
+
+    def progress(self) -> list[RequestProgress]:
+        """Each request the engine holds, with its phase and token counts (the
+        dashboard's "requests now"). Called from any thread; an engine that cannot tell
+        returns an empty list."""
+        return []
 
 
 class GuardedEngine(Engine):

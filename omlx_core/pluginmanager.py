@@ -172,7 +172,8 @@ class PluginManager:
         return self._collect(self.hook.register_engines, "engine")
 
     def caches(self) -> dict[str, Callable[..., Any]]:
-        """Cache factories by name, from every plugin's ``register_caches``."""
+        """Lower cache tier factories by name, from every plugin's ``register_caches``, in
+        plugin order (core builds each engine's ``host.lower_tiers`` from them)."""
         return {name: factory for name, (factory, _owner)
                 in self._collect(self.hook.register_caches, "cache").items()}
 

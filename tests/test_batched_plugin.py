@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from omlx_core.bootstrap import build_host
 from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.hookspecs import hookimpl
@@ -10,6 +11,7 @@ from omlx_core.models.registry import spec_for_path
 from omlx_core.pluginmanager import build_plugin_manager
 from omlx_core.plugins.batched import BatchedEngine, PrefixCache, Scheduler
 from omlx_core.server_context import ServerContext
+from omlx_core.testing.host import make_test_host
 
 
 def config():
@@ -43,26 +45,29 @@ class DictTier(BlockStore):
         self.blocks[block.block_hash] = block
 
 
-def test_entry_point_registers_the_engine_and_the_memory_cache(tiny_model_path):
+def test_entry_point_registers_the_engine_and_no_cache_tier_of_its_own(tiny_model_path):
     plugins = build_plugin_manager()
     assert plugins.infos["batched"].source == "built-in"
     assert "batched" in plugins.engines()
-    assert "memory" in plugins.caches()
-    engine = plugins.engines()["batched"](spec_for_path(tiny_model_path("llama")), config())
+    # Its prefix cache is its own; register_caches is for the tiers behind it.
+    assert "memory" not in plugins.caches()
+    engine = plugins.engines()["batched"](spec_for_path(tiny_model_path("llama")),
+                                          make_test_host(config()))
     assert isinstance(engine, BatchedEngine)
-    cache = plugins.caches()["memory"](engine.model, config())
-    assert isinstance(cache, PrefixCache) and cache.block_size == 8
+    assert isinstance(engine.prefix_cache, PrefixCache) and engine.prefix_cache.block_size == 8
 
 
-def test_startup_connects_lower_tier_and_boundary_snapshots(tiny_model_path):
-    plugins = build_plugin_manager()
+def test_core_hands_the_engine_lower_tiers_and_boundary_snapshot_sink(tiny_model_path):
+    plugins = build_plugin_manager(disabled=["ssd_cache"])
     extra = TierAndSnapshotPlugin()
     plugins.register(extra, "tier-and-snapshots")
-    engine = plugins.engines()["batched"](spec_for_path(tiny_model_path("gemma3")), config())
+    context = ServerContext(config=config(), plugins=plugins)
+    spec = spec_for_path(tiny_model_path("gemma3"))
+    host = build_host(context, spec)
+    assert [type(tier).__name__ for tier in host.lower_tiers] == ["DictTier"]
+    engine = plugins.engines()["batched"](spec, host)
     engine.start()
     try:
-        context = ServerContext(config=config(), plugins=plugins, engines={"gemma3": engine})
-        plugins.hook.startup(context=context)
         scheduler = plugins.hook.resolve_scheduler(engine=engine)
         assert isinstance(scheduler, Scheduler) and scheduler is engine.scheduler
         assert engine.prefix_cache.stats()["lower_tier"] == "DictTier"

@@ -14,12 +14,13 @@ from omlx_core.testing.conformance import refusal
 from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.memory.forward_gate import PrefillForwardGate
-from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot
+from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PeakEstimate
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.models.registry import spec_for_path
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.plugins.batched.batch_prefill import PADDING_SLACK, group_spans, padded_slots
+from omlx_core.testing.host import make_test_host
 
 PREFILL_STEP = 256
 BLOCK = 8
@@ -47,7 +48,7 @@ def start_engine(path, **overrides) -> BatchedEngine:
     values = {"plugin.batched.prefill_step_size": PREFILL_STEP, "plugin.batched.block_size": BLOCK,
               "plugin.batched.max_batch_size": 8, "plugin.batched.prefix_cache_budget": 0, **overrides}
     config = load_config("base", overrides=[(k, str(v), "test") for k, v in values.items()], env={})
-    engine = BatchedEngine(spec_for_path(path), config)
+    engine = BatchedEngine(spec_for_path(path), make_test_host(config))
     engine.start()
     return engine
 
@@ -190,18 +191,18 @@ def test_a_chunk_resuming_a_prompt_batches_with_fresh_ones(tiny_model_path):
         solo = run_alone(engine, prompts)
         starts = []
         scheduler = engine.scheduler
-        plain = scheduler._forward_groups
+        plain = scheduler.planner.forward_groups
 
         def recording(plan):
             groups = plain(plan)
             starts.extend(tuple(start for _, start, _ in group) for group in groups if len(group) > 1)
             return groups
 
-        scheduler._forward_groups = recording
+        scheduler.planner.forward_groups = recording
         try:
             results, forwards, chunks = run_together(engine, prompts)
         finally:
-            del scheduler._forward_groups
+            del scheduler.planner.forward_groups
         assert [tokens for tokens, _ in results] == solo
         assert forwards < chunks
         assert any(len(set(group)) > 1 for group in starts), starts
@@ -291,7 +292,8 @@ def test_post_forward_backstop_stops_one_request_of_a_batched_forward(llama):
 def test_real_gate_backstop_stops_only_the_largest_request_of_a_shared_forward(llama):
     """Use read over the limit after a shared forward stops one request, the one holding
     the most KV, not every request of the forward; the others finish as they would alone."""
-    gate = PrefillForwardGate(lambda query: query.new_tokens * 1024, MemoryUsage(
+    gate = PrefillForwardGate(lambda query: PeakEstimate(
+        transient_bytes=0, kv_bytes_per_token=1024, kv_bytes=query.new_tokens * 1024), MemoryUsage(
         window_s=0.0, read_active=lambda: level["bytes"], read_footprint=lambda: 0), 0)
     level = {"bytes": 100 << 20}
     original = gate.check_after_prefill
@@ -323,7 +325,7 @@ def test_a_failing_batched_forward_falls_back_to_one_forward_each(llama, monkeyp
     def broken(model, rows):
         raise RuntimeError("no batched forward today")
 
-    monkeypatch.setattr("omlx_core.plugins.batched.scheduler.prefill_together", broken)
+    monkeypatch.setattr("omlx_core.plugins.batched.prefill_runner.prefill_together", broken)
     prompts = [prompt_of(llama, 6, salt + 20) for salt in range(3)]
     solo = run_alone(llama, prompts)
     results, forwards, chunks = run_together(llama, prompts)
@@ -391,7 +393,7 @@ def test_a_long_cached_prompt_gets_its_first_token_alone(tiny_model_path, monkey
             starts.append([row.start for row in rows])
             return prefill_together(model, rows, **kwargs)
 
-        monkeypatch.setattr("omlx_core.plugins.batched.scheduler.prefill_together", recording)
+        monkeypatch.setattr("omlx_core.plugins.batched.prefill_runner.prefill_together", recording)
         before = engine.scheduler.counters.first_token_forwards
         results, forwards, _ = run_together(engine, prompts)
         assert forwards == 0 and all(last.usage.cached_tokens == len(p) - 1
@@ -414,11 +416,19 @@ def windowed(tiny_model_path):
 
 
 def test_an_open_batch_window_leaves_the_mlx_thread_free(windowed):
-    handle = submit(windowed, prompt_of(windowed, 5, 1))
-    time.sleep(0.2)  # the window is open now
-    begun = time.monotonic()
-    ran = mlx_thread().run(time.monotonic)
-    assert ran - begun < 0.5, "a task waited for another engine's batch window"
+    scheduler = windowed.scheduler
+
+    def window_open() -> bool:  # a request waits in the window: no work until it closes
+        return scheduler.wake_at() is not None and not scheduler.has_work()
+
+    window = scheduler.batch_window_s
+    scheduler.batch_window_s = 600.0  # open for longer than any stall of a loaded machine
+    try:
+        handle = submit(windowed, prompt_of(windowed, 5, 1))
+        assert mlx_thread().run(window_open), "a task waited for another engine's batch window"
+    finally:
+        scheduler.batch_window_s = window
+    mlx_thread().run(lambda: None)  # the thread wakes and finds the window closed
     tokens, last = collect(handle)
     assert last.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
 

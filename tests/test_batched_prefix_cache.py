@@ -14,6 +14,7 @@ from omlx_core.plugins.batched.cache_layout import CacheLayout
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched.prefix_cache import (TAILS_PER_PREFIX, CachedBlock, CachedTail, PrefixCache,
                                                      chain_hashes, root_hash)
+from omlx_core.testing.host import make_test_host
 
 BLOCK = 4
 
@@ -327,7 +328,7 @@ def test_a_cached_block_is_reused_up_to_the_first_token_that_differs(tiny_model_
 
     config = load_config("base", overrides=[("plugin.batched.block_size", "16", "test"),
                                             ("plugin.batched.prefill_step_size", "32", "test")], env={})
-    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
+    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), make_test_host(config))
     engine.start()
     try:
         system = [(5 * i) % 150 + 20 for i in range(40)]  # 2 full blocks + 8 tokens

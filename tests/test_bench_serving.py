@@ -39,7 +39,10 @@ def test_quick_bench_against_our_server_writes_every_figure(tmp_path, capsys):
             for line in report.splitlines() if line.startswith("| ") and " | " in line}
     for metric in METRICS:
         ours, theirs = rows[metric.label][2], rows[metric.label][3]
-        assert ours != "-" and float(ours) > 0, f"{metric.label}: {ours}\n{report}"
+        # Measured (a number, not "-"). A rate is above zero; a time may round to 0.000 s
+        # (a loaded machine hands the client several chunks at once).
+        assert ours != "-", f"{metric.label}: {ours}\n{report}"
+        assert float(ours) > 0 if metric.higher_is_better else float(ours) >= 0, metric.label
         assert theirs == "-"
     assert "BLAS mapped in the server process" in report
     # The prefix phase really reused the shared system prompt: the repeat and the new

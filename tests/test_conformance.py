@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from omlx_core.config import load_config
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.testing.conformance import EngineConformance
+from omlx_core.testing.host import make_test_host
 
 EXAMPLE_SRC = Path(__file__).resolve().parent.parent / "examples" / "sequential-engine" / "src"
 
@@ -21,7 +21,7 @@ class TestBatchedEngine(EngineConformance):
     @pytest.fixture(scope="class")
     @classmethod
     def engine(cls, tiny_model_path):
-        engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), load_config("cpu-small"))
+        engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), make_test_host("cpu-small"))
         engine.start()
         yield engine
         engine.shutdown()
@@ -34,7 +34,7 @@ class TestBatchedEngineHybrid(EngineConformance):
     @classmethod
     def engine(cls, tiny_model_path):
         engine = BatchedEngine(spec_for_path(tiny_model_path("qwen3_next")),
-                               load_config("cpu-small"))
+                               make_test_host("cpu-small"))
         engine.start()
         yield engine
         engine.shutdown()
@@ -49,7 +49,7 @@ class TestSequentialExampleEngine(EngineConformance):
             from omlx_sequential_engine import SequentialEngine
         finally:
             sys.path.remove(str(EXAMPLE_SRC))
-        engine = SequentialEngine(spec_for_path(tiny_model_path("llama")), load_config("cpu-small"))
+        engine = SequentialEngine(spec_for_path(tiny_model_path("llama")), make_test_host("cpu-small"))
         engine.start()
         yield engine
         engine.shutdown()

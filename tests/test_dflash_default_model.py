@@ -23,6 +23,7 @@ from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.loader import load_model
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.dflash import DFlashEngine
+from omlx_core.testing.host import make_test_host
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ MESSAGES = [{"role": "user", "content": "Repeat this text word for word:\n\n" + 
 
 
 def test_ngram_greedy_output_is_the_default_models_own(default_model_dir):
-    engine = DFlashEngine(spec_for_path(default_model_dir), load_config("cpu-small", env={}))
+    engine = DFlashEngine(spec_for_path(default_model_dir), make_test_host(load_config("cpu-small", env={})))
     engine.start()
     try:
         prompt = engine.tokenize_chat(MESSAGES)

@@ -25,6 +25,7 @@ from omlx_core.plugins.dflash.acceptance import KeyStream, accept_greedy, accept
 from omlx_core.plugins.dflash.drafters import (Draft, Drafter, ModelDrafter, NgramDrafter,
                                               best_draft_length)
 from omlx_core.testing.conformance import EngineConformance
+from omlx_core.testing.host import make_test_host
 from omlx_core.testing.models import build_model
 
 FAMILIES = ("llama", "qwen3_next")
@@ -39,7 +40,7 @@ def make_config(**overrides):
 
 
 def start(path, drafter: Drafter | None = None, **overrides) -> DFlashEngine:
-    engine = DFlashEngine(spec_for_path(path), make_config(**overrides), drafter=drafter)
+    engine = DFlashEngine(spec_for_path(path), make_test_host(make_config(**overrides)), drafter=drafter)
     engine.start()
     return engine
 
@@ -152,7 +153,7 @@ def test_model_drafter_greedy_output_is_the_targets_own(targets, references, dra
 
 def test_model_drafter_with_another_vocabulary_is_refused(targets, tmp_path):
     other = build_model("llama", tmp_path / "wide", seed=1, overrides={"vocab_size": 640})
-    engine = DFlashEngine(spec_for_path(targets["llama"]), make_config(),
+    engine = DFlashEngine(spec_for_path(targets["llama"]), make_test_host(make_config()),
                           drafter=ModelDrafter(other))
     with pytest.raises(ModelError, match="vocabulary"):
         engine.start()
@@ -160,7 +161,7 @@ def test_model_drafter_with_another_vocabulary_is_refused(targets, tmp_path):
 
 def test_unknown_drafter_and_missing_draft_path_are_named(targets):
     with pytest.raises(ModelError, match="draft_path"):
-        DFlashEngine(spec_for_path(targets["llama"]), make_config(**{"plugin.dflash.drafter": "model"}))
+        DFlashEngine(spec_for_path(targets["llama"]), make_test_host(make_config(**{"plugin.dflash.drafter": "model"})))
 
 
 def test_ngram_drafter_proposes_the_latest_continuation_of_the_longest_match():
@@ -293,7 +294,7 @@ class TestDFlashEngine(EngineConformance):
     @pytest.fixture(scope="class")
     @classmethod
     def engine(cls, tiny_model_path):
-        engine = DFlashEngine(spec_for_path(tiny_model_path("llama")), load_config("cpu-small"))
+        engine = DFlashEngine(spec_for_path(tiny_model_path("llama")), make_test_host("cpu-small"))
         engine.start()
         yield engine
         engine.shutdown()
@@ -304,7 +305,7 @@ class TestDFlashEngineHybrid(EngineConformance):
     @classmethod
     def engine(cls, tiny_model_path):
         engine = DFlashEngine(spec_for_path(tiny_model_path("qwen3_next")),
-                              load_config("cpu-small"))
+                              make_test_host("cpu-small"))
         engine.start()
         yield engine
         engine.shutdown()
@@ -371,7 +372,7 @@ def test_dflash_draft_for_another_model_is_refused(targets, tmp_path):
     from omlx_core.plugins.dflash.block_diffusion import DFlashDrafter
 
     draft_dir = mlx_thread().run(build_dflash_draft, tmp_path / "draft", targets["llama"], (0, 5))
-    engine = DFlashEngine(spec_for_path(targets["llama"]), make_config(),
+    engine = DFlashEngine(spec_for_path(targets["llama"]), make_test_host(make_config()),
                           drafter=DFlashDrafter(draft_dir))
     with pytest.raises(ModelError, match="target layers"):
         engine.start()

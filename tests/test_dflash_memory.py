@@ -26,6 +26,7 @@ from omlx_core.plugins.dflash.memory import BothPaths, speculative_extra_bytes
 from omlx_core.server_context import ServerContext
 from omlx_core.testing import cached_model
 from omlx_core.testing.conformance import ScriptedGate
+from omlx_core.testing.host import make_test_host
 from omlx_core.testing.models import build_model
 from omlx_core.testing.waiting import wait_for
 
@@ -61,7 +62,7 @@ def guarded(tiny_dir, tmp_path_factory) -> Iterator[ServerContext]:
 def make_engine(path, drafter=None, **overrides) -> DFlashEngine:
     values = {"plugin.batched.prefill_step_size": 16, **overrides}
     config = load_config("base", overrides=[(k, str(v), "test") for k, v in values.items()], env={})
-    engine = DFlashEngine(spec_for_path(path), config, drafter=drafter)
+    engine = DFlashEngine(spec_for_path(path), make_test_host(config), drafter=drafter)
     engine.start()
     return engine
 
@@ -97,8 +98,12 @@ def test_the_estimate_of_a_dflash_model_adds_draft_kv_and_the_verify_width(guard
     query = guard.peak_query(engine, PROMPT)
     assert query.cached_tokens == 0
     target_only = estimator_plugin.estimate_peak(query)
-    extra = guard.estimate(query) - target_only
-    assert extra == engine.extra_bytes(query) > 0
+    estimate = guard.estimate(query)
+    extra = estimate.total - target_only.total
+    assert extra == estimate.extra_bytes == engine.extra_bytes(query) > 0
+    # decode grows the draft's cache next to the target's
+    draft_per_token = engine.drafter.footprint().kv_bytes_per_token
+    assert estimate.kv_bytes_per_token == target_only.kv_bytes_per_token + draft_per_token
     # the verify forward's full logits: block_size rows of the vocabulary
     vocab = engine.model.config["vocab_size"]
     assert extra >= engine.drafter.block_size * vocab * 4
@@ -133,7 +138,7 @@ def oversized_prompt(context: ServerContext) -> list[int]:
     tokens = 4096
     while tokens < 2_000_000:
         prompt = [(7 * i) % 200 + 10 for i in range(tokens)]
-        if guard.estimate(guard.peak_query(engine, prompt)) > limit:
+        if guard.estimate(guard.peak_query(engine, prompt)).total > limit:
             return prompt
         tokens *= 2
     pytest.fail("no prompt within 2M tokens is estimated over the ceiling")

@@ -127,10 +127,9 @@ def test_a_compile_past_the_time_limit_raises_and_finishes_in_the_background(tok
     cache = GrammarCompilerCache(tokenizer, vocab_size=512, compile_timeout_s=0.05)
     try:
         spec = slow_grammar()
-        started = time.perf_counter()
         with pytest.raises(GrammarCompileTimeout) as caught:
             cache.compile(spec)
-        assert time.perf_counter() - started < 1.0
+        assert spec not in cache, "the caller waited for the compile instead of its time limit"
         assert caught.value.field == "grammar" and "0.05 s" in caught.value.message
         assert cache.stats.timeouts == 1
         # A retry while it compiles waits on the same compile rather than starting another.

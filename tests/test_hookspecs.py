@@ -46,3 +46,16 @@ def test_undocumented_hook_would_fail(monkeypatch):
     assert "bare" in hook_names()
     with pytest.raises(AssertionError, match="no docstring"):
         test_hook_is_documented("bare")
+
+
+@pytest.mark.parametrize("name", hook_names())
+def test_every_hook_has_a_caller_in_core(name):
+    """Each hook is called by core itself: no engine or plugin calls hooks (engines get
+    sinks and cache tiers through their host), so a hook without a core caller is dead."""
+    from pathlib import Path
+
+    root = Path(specs.__file__).resolve().parent.parent / "omlx_core"
+    callers = [path for path in root.rglob("*.py")
+               if not {"testing", "bench"} & set(path.relative_to(root).parts)
+               and f"hook.{name}" in path.read_text()]
+    assert callers, f"no module of omlx_core calls hook {name}"

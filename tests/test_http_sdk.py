@@ -194,8 +194,8 @@ def guarded(context: ServerContext) -> Iterator[ServerContext]:
     guard, engine = guarded.memory_guard, guarded.engines[MODEL]
     assert wait_for(lambda: guard.snapshot is not None)
     baseline = guard.snapshot.baseline_bytes
-    short = guard.estimate(guard.peak_query(engine, engine.tokenize_chat(QUESTION)))
-    long = guard.estimate(guard.peak_query(engine, engine.tokenize_chat(LONG_PROMPT)))
+    short = guard.estimate(guard.peak_query(engine, engine.tokenize_chat(QUESTION))).total
+    long = guard.estimate(guard.peak_query(engine, engine.tokenize_chat(LONG_PROMPT))).total
     assert baseline + short < CEILING < long, (baseline, short, long)
     yield guarded
     stop_engines(guarded)

@@ -1,11 +1,16 @@
 """The front end's pure parts: schema checking and its messages, token bytes for
-logprobs, and the two error shapes."""
+logprobs, the two error shapes, and how each error reaches the wire."""
 
 from __future__ import annotations
 
+import falcon
+import falcon.testing
 import pytest
 
-from omlx_core.http.errors import anthropic_error_body, openai_error_body
+from omlx_core.http.errors import (APIError, anthropic_error_body, install_error_handlers,
+                                   openai_error_body)
+from omlx_core.memory.types import Rejection, RequestRejected
+from omlx_core.serving import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST, MESSAGES_REQUEST
 from omlx_core.http.validation import SchemaViolation, validate
 from omlx_core.models.tokens import TokenTexts
@@ -89,6 +94,90 @@ def test_error_shapes() -> None:
         "type": "error", "error": {"type": "not_found_error", "message": "no model"}}
     assert anthropic_error_body(503, "busy", "admission_queue_full")["error"] == {
         "type": "overloaded_error", "message": "busy", "code": "admission_queue_full"}
+
+
+class Raises:
+    """A route that raises whatever the test puts in ``error``."""
+
+    error: Exception = RuntimeError("unset")
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        raise self.error
+
+
+@pytest.fixture
+def raising() -> tuple[falcon.testing.TestClient, Raises]:
+    app = falcon.App()
+    install_error_handlers(app)
+    route = Raises()
+    app.add_route("/v1/chat/completions", route)
+    app.add_route("/v1/messages", route)
+    return falcon.testing.TestClient(app), route
+
+
+def rejected(stage: str, cause: str) -> RequestRejected:
+    return RequestRejected(Rejection(estimated_bytes=5, limit_bytes=4, breakdown=None,
+                                     stage=stage, cause=cause, detail=f"{cause} happened"),
+                           advice=["wait"], retry_after_s=2.6)
+
+
+@pytest.mark.parametrize("stage, cause, status, code", [
+    ("preflight", "never_fits", 413, "prefill_memory_exceeded"),
+    ("admission", "queue_full", 503, "admission_queue_full"),
+    ("admission", "queue_timeout", 503, "admission_queue_timeout"),
+    ("forward", "memory_short", 503, "forward_memory_short"),
+    ("forward", "over_limit", 503, "forward_over_limit"),
+    ("forward", "no_estimate", 503, "forward_no_estimate"),
+])
+def test_a_memory_refusal_is_coded_by_its_stage_and_cause(raising, stage, cause, status,
+                                                          code) -> None:
+    client, route = raising
+    route.error = rejected(stage, cause)
+    openai = client.simulate_post("/v1/chat/completions")
+    anthropic = client.simulate_post("/v1/messages")
+    for response in (openai, anthropic):
+        assert response.status_code == status
+        assert response.headers.get("retry-after") == (None if status == 413 else "3")
+    assert openai.json["error"]["code"] == code and openai.json["error"]["stage"] == stage
+    assert openai.json["error"]["cause"] == cause and openai.json["error"]["advice"] == ["wait"]
+    assert anthropic.json["type"] == "error" and anthropic.json["error"]["code"] == code
+    assert anthropic.json["error"]["type"] == ("request_too_large" if status == 413
+                                               else "overloaded_error")
+
+
+@pytest.mark.parametrize("error, status, code, param", [
+    (InvalidRequest("bad n", "n"), 400, "invalid_request", "n"),
+    (UnknownModel("nope", ["tiny"]), 404, "model_not_found", "model"),
+    (RequestAborted("the server is shutting down"), 503, "aborted", None),
+    (EngineFailed("the engine died"), 500, "engine_error", None),
+    (ZeroDivisionError("a bug"), 500, "internal_error", None),
+])
+def test_every_error_is_one_of_falcons_in_both_shapes(raising, error, status, code,
+                                                      param) -> None:
+    client, route = raising
+    route.error = error
+    openai = client.simulate_post("/v1/chat/completions", headers={"Accept": "text/html"})
+    anthropic = client.simulate_post("/v1/messages")
+    assert openai.status_code == anthropic.status_code == status
+    assert openai.headers["content-type"] == "application/json"
+    assert (openai.json["error"]["code"], openai.json["error"]["param"]) == (code, param)
+    assert anthropic.json["error"]["code"] == code
+    if isinstance(error, ZeroDivisionError):  # a bug keeps its details in the log
+        assert "a bug" not in openai.text and "ZeroDivisionError" in openai.text
+
+
+def test_our_errors_are_falcons_error_classes() -> None:
+    from omlx_core.http.errors import api_error, bad_request, rejection_error
+
+    assert isinstance(bad_request("bad", "n"), falcon.HTTPBadRequest)
+    assert isinstance(rejection_error(rejected("preflight", "never_fits")),
+                      falcon.HTTPContentTooLarge)
+    overloaded = rejection_error(rejected("admission", "queue_timeout"))
+    assert isinstance(overloaded, falcon.HTTPServiceUnavailable)
+    assert dict(overloaded.headers) == {"Retry-After": "3"}
+    assert isinstance(api_error(UnknownModel("nope", [])), falcon.HTTPNotFound)
+    assert isinstance(api_error(EngineFailed("x")), falcon.HTTPInternalServerError)
+    assert all(isinstance(e, APIError) for e in (overloaded, api_error(EngineFailed("x"))))
 
 
 def test_api_keys_come_from_the_environment(monkeypatch) -> None:

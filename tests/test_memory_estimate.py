@@ -8,13 +8,16 @@ from unittest import mock
 
 import pytest
 
-from omlx_core.memory.estimate import (
+from omlx_core.memory.types import KV_STEP, PeakEstimate, PeakQuery
+from omlx_core.plugins.estimator.dims import (
     FULL,
-    KV_STEP,
     LINEAR,
     SLIDING,
     EstimatorDisabledError,
     ModelDims,
+    quantized_row_bytes,
+)
+from omlx_core.plugins.estimator.prefill import (
     attention_scores_bytes,
     estimate_for_config,
     estimate_prefill_peak,
@@ -22,10 +25,8 @@ from omlx_core.memory.estimate import (
     latent_attention_bytes,
     linear_scan_bytes,
     logits_bytes,
-    quantized_row_bytes,
     rotating_length,
 )
-from omlx_core.memory.types import PeakQuery
 from omlx_core.testing import FAMILIES, family_config
 
 MIB = 2**20
@@ -291,8 +292,9 @@ def test_estimator_plugin_answers_the_hook_and_refuses_bad_configs(caplog):
     manager.register(estimator, "estimator")
     query = PeakQuery(model_config=family_config("llama"), new_tokens=1000, chunk_size=300,
                       model_id="tiny")
-    expected = estimate_for_config(family_config("llama"), 1000, 0, 300).total
-    assert manager.hook.estimate_peak(query=query) == expected
+    expected = estimate_for_config(family_config("llama"), 1000, 0, 300)
+    answer = manager.hook.estimate_peak(query=query)
+    assert isinstance(answer, PeakEstimate) and answer.total == expected.total
 
     bad = PeakQuery(model_config={**LLAMA_TEXT, "num_attention_heads": None}, new_tokens=10,
                     model_id="broken")
@@ -300,6 +302,41 @@ def test_estimator_plugin_answers_the_hook_and_refuses_bad_configs(caplog):
         assert manager.hook.estimate_peak(query=bad) is None
     assert "estimator disabled for model 'broken'" in caplog.text
     assert "num_attention_heads" in estimator.disabled_models()["broken"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("new_tokens,cached,chunk", [(1, 0, 1), (700, 0, 256), (300, 900, 512),
+                                                     (4096, 0, 2048)])
+def test_the_structured_estimate_is_the_breakdown_split_in_parts(family, new_tokens, cached, chunk):
+    from omlx_core.plugins.estimator import estimate_peak
+
+    config = family_config(family)
+    dims = ModelDims.from_config(config)
+    breakdown = estimate_for_config(config, new_tokens, cached, chunk)
+    estimate = estimate_peak(PeakQuery(config, new_tokens, cached, chunk_size=chunk))
+    # The same bytes as the one number the hook answered before it was structured.
+    assert estimate.total == breakdown.total
+    assert min(estimate.transient_bytes, estimate.kv_bytes) >= 0 and estimate.extra_bytes == 0
+    growing = dims.count(FULL) + dims.count(SLIDING)
+    assert estimate.kv_bytes_per_token == growing * dims.kv_bytes_per_token(4) > 0
+    # The KV a prefill leaves holds every new token, in cache steps: at most the steps
+    # the decode join adds (the batch cache: the whole context and one more step).
+    full_kv = dims.count(FULL) * dims.kv_bytes_per_token(4)
+    assert full_kv * new_tokens <= estimate.kv_bytes
+    if dims.count(FULL) == len(dims.layer_kinds):
+        assert estimate.kv_bytes <= full_kv * (new_tokens + 2 * KV_STEP)
+    assert estimate.held_bytes == estimate.kv_bytes <= estimate.total
+
+
+def test_a_structured_estimate_refuses_negative_parts_and_adds_extra_bytes():
+    estimate = PeakEstimate(transient_bytes=100, kv_bytes_per_token=8, kv_bytes=800)
+    assert estimate.total == 900 and estimate.held_bytes == 800
+    wider = estimate.plus_extra(50, kv_bytes_per_token=2)
+    assert (wider.total, wider.kv_bytes_per_token, wider.held_bytes) == (950, 10, 850)
+    with pytest.raises(ValueError, match="transient_bytes"):
+        PeakEstimate(transient_bytes=-1, kv_bytes_per_token=0)
+    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+        PeakEstimate(transient_bytes=0, kv_bytes_per_token=1.5)
 
 
 # -- real prefills ------------------------------------------------------------------------
@@ -339,7 +376,7 @@ def loaded_models(tmp_path_factory):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("prompt_tokens,chunk", REAL_RUNS)
 def test_real_prefill_never_undercounts(loaded_models, family, prompt_tokens, chunk):
-    from omlx_core.bench.estimator import measure_prefill_peak, random_prompt
+    from benchmarks.estimator import measure_prefill_peak, random_prompt
 
     measured = measure_prefill_peak(loaded_models(family), random_prompt(prompt_tokens, 512), chunk)
     estimate = estimate_for_config(family_config(family), prompt_tokens, 0, chunk)
@@ -353,7 +390,7 @@ def test_real_prefill_never_undercounts(loaded_models, family, prompt_tokens, ch
 
 
 def test_real_prefill_over_resident_cached_tokens(loaded_models):
-    from omlx_core.bench.estimator import measure_prefill_peak, random_prompt
+    from benchmarks.estimator import measure_prefill_peak, random_prompt
 
     measured = measure_prefill_peak(loaded_models("llama"), random_prompt(2048, 512), 512,
                                     cached_tokens=1536)
@@ -362,7 +399,7 @@ def test_real_prefill_over_resident_cached_tokens(loaded_models):
 
 
 def test_real_prefill_with_full_logits(loaded_models):
-    from omlx_core.bench.estimator import measure_prefill_peak, random_prompt
+    from benchmarks.estimator import measure_prefill_peak, random_prompt
 
     measured = measure_prefill_peak(loaded_models("qwen3"), random_prompt(2048, 512), 1024,
                                     evaluate_logits=True)
@@ -376,7 +413,7 @@ def test_real_prefill_with_quantized_kv(bits):
     from mlx_lm.models.cache import QuantizedKVCache
     from mlx_lm.utils import _get_classes
 
-    from omlx_core.bench.estimator import measure_prefill_peak, random_prompt
+    from benchmarks.estimator import measure_prefill_peak, random_prompt
 
     config = family_config("llama", {"head_dim": 64, "num_hidden_layers": 3})
     model_class, args_class = _get_classes(config)
@@ -394,7 +431,7 @@ def test_real_prefill_with_latent_attention():
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
 
-    from omlx_core.bench.estimator import measure_prefill_peak, random_prompt
+    from benchmarks.estimator import measure_prefill_peak, random_prompt
 
     model_class, args_class = _get_classes(DEEPSEEK_V3)
     model = model_class(args_class.from_dict(DEEPSEEK_V3))
@@ -413,7 +450,7 @@ def test_default_model_prefill_estimate(prompt_tokens, chunk):
 
     from mlx_lm import load
 
-    from omlx_core.bench.estimator import (
+    from benchmarks.estimator import (
         TARGET_MAX_RATIO,
         activation_dtype_bytes,
         measure_prefill_peak,

@@ -16,7 +16,7 @@ from omlx_core.memory.ceilings import ProbeReadings
 from omlx_core.memory.forward_gate import PrefillForwardGate
 from omlx_core.memory.guard import MemoryGuard
 from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
-from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PeakQuery
+from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PeakEstimate, PeakQuery
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.pluginmanager import PluginManager
 from omlx_core.plugins import advice as advice_plugin
@@ -25,6 +25,7 @@ from omlx_core.memory.gate import PrefillChunk, PrefillStep
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.plugins.batched import resolve_scheduler as batched_resolve_scheduler
 from omlx_core.models.registry import spec_for_path
+from omlx_core.testing.host import make_test_host
 
 GIB = 1024**3
 MIB = 1024**2
@@ -32,9 +33,9 @@ MARGIN = 16 * MIB
 RESIDENT = 100 * MIB
 
 
-def per_token(query: PeakQuery) -> int:
-    """A stand-in estimate: 1 MiB per new token."""
-    return query.new_tokens * MIB
+def per_token(query: PeakQuery) -> PeakEstimate:
+    """A stand-in estimate: 1 MiB of KV per new token."""
+    return PeakEstimate(transient_bytes=0, kv_bytes_per_token=MIB, kv_bytes=query.new_tokens * MIB)
 
 
 def limits(hard: int) -> LimitSnapshot:
@@ -74,6 +75,24 @@ def test_the_margin_is_part_of_the_check():
         fits_without_margin)) == {"a"}
 
 
+def test_each_chunk_is_judged_on_one_estimate():
+    """The estimate carries the chunk's peak, the KV it leaves and the KV per token, so
+    the gate asks once per chunk: not again for what stays resident, nor for the KV
+    bytes of a token."""
+    asked: list[PeakQuery] = []
+
+    def counting(query: PeakQuery) -> PeakEstimate:
+        asked.append(query)
+        return per_token(query)
+
+    gate = PrefillForwardGate(counting, fixed_usage(), MARGIN)
+    assert gate.check_prefill(step(chunk("a", 10), chunk("b", 10), hard=400 * MIB)) == {}
+    assert [q.new_tokens for q in asked] == [10, 10]
+    shared = (replace(chunk("a", 10, cached=40), forward=0), replace(chunk("b", 10), forward=0))
+    assert gate.check_prefill(step(*shared, hard=400 * MIB)) == {}
+    assert len(asked) == 4
+
+
 def test_kv_left_by_earlier_chunks_of_the_step_counts():
     gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
     # Each fits alone (100 + 40 + 16 <= 160); the second sits on the first's 40 MiB of KV.
@@ -81,10 +100,11 @@ def test_kv_left_by_earlier_chunks_of_the_step_counts():
     assert set(refused) == {"second"}
 
 
-def transient_heavy(query: PeakQuery) -> int:
+def transient_heavy(query: PeakQuery) -> PeakEstimate:
     """A stand-in estimate: 0.1 MiB of KV per new token plus 1 MiB of transient per
     token of the forward (``chunk_size``)."""
-    return query.new_tokens * MIB // 10 + query.chunk_size * MIB
+    return PeakEstimate(transient_bytes=query.chunk_size * MIB, kv_bytes_per_token=MIB // 10,
+                        kv_bytes=query.new_tokens * MIB // 10)
 
 
 def test_chunks_sharing_a_forward_are_judged_together():
@@ -203,7 +223,7 @@ def served(tiny_model_path):
         ("memory.tier", "custom", "test"), ("memory.custom_ceiling", str(140 * MIB), "test"),
         ("memory.transient_margin", str(MARGIN), "test"),
         ("plugin.batched.prefill_step_size", "32", "test"), ("plugin.batched.prefix_cache_budget", "0", "test")])
-    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
+    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), make_test_host(config))
     engine.start()
     guard = MemoryGuard(plugins, config, usage=fixed_usage(), mlx_cache=lambda: 0)
     readings = ProbeReadings(
@@ -247,8 +267,8 @@ def test_batched_engine_ends_only_the_request_whose_chunk_would_overshoot(served
 def test_the_batched_plugin_resolves_its_engine_to_its_scheduler(served):
     engine, _guard = served
     assert batched_resolve_scheduler(engine) is engine.scheduler
-    # The built-in fallback answers only for engines that are their own receiver.
-    assert memory_guard_plugin.resolve_scheduler(engine) is None
+    # The built-in fallback, asked last, would name the engine's host memory.
+    assert memory_guard_plugin.resolve_scheduler(engine) is engine.host.memory
 
 
 # -- the post-forward backstop -------------------------------------------------------------------

@@ -76,7 +76,7 @@ def test_a_request_preflight_admits_on_an_idle_server_is_not_refused_half_way(
     baseline = guard.snapshot.baseline_bytes
     engine = probe.engines["tiny"]
     # A ceiling between what a 2k and a 4k prompt need, the margin included.
-    small, big = (guard.estimate(guard.peak_query(engine, [(11 * i) % 200 + 10 for i in range(n)]))
+    small, big = (guard.estimate(guard.peak_query(engine, [(11 * i) % 200 + 10 for i in range(n)])).total
                   for n in (2048, 4000))
     stop_engines(probe)
     # The shipped margin floor (memory.transient_margin), which absorbs the process
@@ -118,7 +118,7 @@ def test_cached_blocks_of_a_finished_request_never_turn_a_fitting_one_into_a_413
     guard = probe.memory_guard
     assert wait_for(lambda: guard.snapshot is not None)
     baseline, engine = guard.snapshot.baseline_bytes, probe.engines["tiny"]
-    need = guard.estimate(guard.peak_query(engine, [(11 * i) % 200 + 10 for i in range(3000)]))
+    need = guard.estimate(guard.peak_query(engine, [(11 * i) % 200 + 10 for i in range(3000)])).total
     stop_engines(probe)
     margin = max(2 * MIB, need // 4)
     # A 3k prompt fits, with room to spare: 16 MiB, more than this test process's

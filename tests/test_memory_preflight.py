@@ -15,12 +15,13 @@ from omlx_core.memory.ceilings import ProbeReadings
 from omlx_core.engine import EngineLimits, GuardedEngine, MemoryHints
 from omlx_core.memory.guard import MemoryGuard
 from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
-from omlx_core.memory.types import PeakQuery, Rejection, RequestRejected
+from omlx_core.memory.types import PeakEstimate, PeakQuery, Rejection, RequestRejected
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.models.registry import ModelSpec
 from omlx_core.pluginmanager import PluginManager
 from omlx_core.plugins import advice as advice_plugin
 from omlx_core.plugins import memory_guard as memory_guard_plugin
+from omlx_core.testing.host import make_test_host
 
 GIB = 1024**3
 MIB = 1024**2
@@ -38,7 +39,8 @@ class PerTokenEstimate:
     def estimate_peak(self, query):
         self.queries.append(query)
         copied = 0 if query.cached_kv_resident else query.cached_tokens
-        return (query.new_tokens + copied) * PER_TOKEN
+        return PeakEstimate(transient_bytes=0, kv_bytes_per_token=PER_TOKEN,
+                            kv_bytes=(query.new_tokens + copied) * PER_TOKEN)
 
 
 class Engine(GuardedEngine):
@@ -59,7 +61,7 @@ class Engine(GuardedEngine):
     def limits(self):
         return EngineLimits(context_length=None, vocab_size=1000)
 
-    start = shutdown = tokenize_chat = tokenize = submit = abort = None  # never called here
+    start = shutdown = tokenize_chat = tokenize = detokenizer = submit = abort = None  # never called here
 
 
 def readings(available: int = 20 * GIB) -> ProbeReadings:
@@ -215,6 +217,23 @@ def test_admission_reserves_the_estimate_and_queues_what_does_not_fit(setup):
     assert setup.guard.idle()
 
 
+def test_preflight_and_admission_each_ask_one_estimate(setup):
+    """The structured estimate carries what each decision needs: the peak, and the KV
+    per token of the completion; no stage asks twice or reaches into the gate."""
+    asked = setup.estimator.queries
+    setup.guard.preflight(Engine(), "a", tokens(100), max_tokens=300)
+    assert [q.new_tokens for q in asked] == [100]
+    setup.guard.admission.timeout_s = 0.1
+    with setup.guard.admit(Engine(), "a", tokens(500), max_tokens=0):
+        # The prompt and the first 256 completion tokens (memory.decode_reserve_tokens).
+        with pytest.raises(RequestRejected) as waited:
+            setup.guard.admit(Engine(), "b", tokens(100), max_tokens=300)
+    assert [q.new_tokens for q in asked] == [100, 500, 100 + 256]
+    # Of the reservation, the completion's KV is the estimate's KV per token.
+    rejection = waited.value.rejection
+    assert (rejection.decode_bytes, rejection.max_tokens) == (256 * PER_TOKEN, 256)
+
+
 # -- with the built-in estimator and a real engine --------------------------------------------
 
 
@@ -232,7 +251,7 @@ def real_guard(tiny_model_path):
         ("memory.tier", "custom", "test"), ("memory.custom_ceiling", "110MiB", "test"),
         ("memory.transient_margin", "1MiB", "test"),
         ("plugin.batched.prefill_step_size", "64", "test"), ("plugin.batched.prefix_cache_budget", "0", "test")])
-    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), config)
+    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")), make_test_host(config))
     engine.start()
     usage = MemoryUsage(read_active=lambda: 100 * MIB, read_footprint=lambda: 0)
     guard = MemoryGuard(plugins, config, usage=usage, mlx_cache=lambda: 0)
@@ -243,7 +262,7 @@ def real_guard(tiny_model_path):
 
 
 def test_the_builtin_estimate_refuses_what_cannot_fit_and_passes_what_can(real_guard):
-    from omlx_core.memory.estimate import estimate_for_config
+    from omlx_core.plugins.estimator.prefill import estimate_for_config
 
     guard, engine = real_guard
     guard.preflight(engine, "fits", tokens(300))
@@ -266,7 +285,7 @@ def test_the_builtin_estimate_covers_a_real_prefill(real_guard):
 
     guard, engine = real_guard
     prompt = [5 + (i * 7) % 400 for i in range(1500)]
-    estimate = guard.estimate(guard.peak_query(engine, prompt))
+    estimate = guard.estimate(guard.peak_query(engine, prompt)).total
     mx.synchronize()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
@@ -296,3 +315,76 @@ def test_preflight_counts_the_kv_of_the_whole_completion_and_names_a_max_tokens_
     assert rejection.stage == "preflight" and rejection.cause == "never_fits"
     assert "max_tokens=3100" in rejection.detail
     assert rejection.fitting_max_tokens == 3096  # 4,096 tokens of KV less the prompt
+
+
+# -- preflight reads no memory on the request thread ----------------------------------------
+
+#: every mlx call that reads or changes its memory
+MLX_MEMORY_APIS = ("get_active_memory", "get_cache_memory", "get_peak_memory", "reset_peak_memory",
+                   "get_memory_limit", "set_memory_limit", "set_cache_limit", "set_wired_limit",
+                   "clear_cache", "device_info")
+
+
+def forbid_on_this_thread(monkeypatch, owner, names) -> None:
+    """Make ``owner``'s ``names`` raise when called on the calling thread; other threads
+    (the enforcer's, the MLX thread) still get the real call."""
+    import threading
+
+    request_thread = threading.current_thread()
+    for name in names:
+        original = getattr(owner, name)
+
+        def guarded(*args, _original=original, _name=name, **kwargs):
+            if threading.current_thread() is request_thread:
+                raise AssertionError(f"{_name} was called on the request thread")
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, guarded)
+
+
+def test_preflight_judges_the_published_snapshot_without_reading_memory(tmp_path, monkeypatch):
+    """Preflight runs on the HTTP request thread: it reads no mlx memory counter, no
+    process footprint and no engine cache there, only the enforcer's last snapshot; after
+    a request finished, that snapshot's idle baseline is one read after it (the
+    enforcer's thread reads it)."""
+    import mlx.core as mx
+
+    from omlx_core.bootstrap import load_setup, start_engines, stop_engines
+    from omlx_core.engine import SamplingParams
+    from omlx_core.serving import Job, ServingPipeline
+    from omlx_core.testing import cached_model
+    from omlx_core.testing.waiting import wait_for
+
+    model_dir = cached_model("llama", 0, cache_dir=tmp_path / "models")
+    config = tmp_path / "omlx.toml"
+    config.write_text(f'[server]\nmodels = ["tiny"]\n\n[models.tiny]\npath = "{model_dir}"\n')
+    # No timed poll between the steps below: what is fresh came from a poll asked for.
+    context = start_engines(load_setup("cpu-small", [config], [
+        ("memory.tier", "custom", "test"), ("memory.custom_ceiling", "64GiB", "test"),
+        ("memory.poll_interval_s", "60", "test")]), progress=False)
+    try:
+        guard, engine = context.memory_guard, context.engines["tiny"]
+        generation = ServingPipeline(context).start(Job(
+            "tiny", SamplingParams(temperature=0, max_tokens=2), token_ids=tokens(40),
+            prompt_param="prompt"))
+        list(generation.deltas())
+        generation.close()
+        assert wait_for(lambda: guard.admission.idle())
+        finished = guard.admission.finished_total
+        assert finished == 1
+
+        forbid_on_this_thread(monkeypatch, mx, [n for n in MLX_MEMORY_APIS if hasattr(mx, n)])
+        forbid_on_this_thread(monkeypatch, guard.usage, ("resident", "high_water", "recent_peak"))
+        forbid_on_this_thread(monkeypatch, engine, ("reclaimable_bytes",))
+        with pytest.raises(AssertionError, match="get_active_memory"):
+            mx.get_active_memory()  # the trap is set: reading memory here fails the test
+
+        guard.preflight(engine, "fits", tokens(300), max_tokens=16)
+        assert guard.snapshot.baseline_epoch == finished
+        with pytest.raises(RequestRejected) as info:
+            # 512 bytes of KV a token: 2e8 completion tokens grow past 64 GiB.
+            guard.preflight(engine, "huge", tokens(300), max_tokens=200_000_000)
+        assert info.value.stage == "preflight"
+        assert info.value.rejection.base_bytes == guard.snapshot.baseline_bytes
+    finally:
+        stop_engines(context)

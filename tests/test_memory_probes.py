@@ -308,3 +308,36 @@ def test_footprint_of_this_process_tracks_an_allocation() -> None:
     after = probe_process_footprint()
     assert after.rss_bytes - before.rss_bytes >= 48 * MIB
     ballast.close()
+
+
+# -- one module asks mlx -------------------------------------------------------------------
+
+#: mlx calls that say which backend and devices mlx has, and what it holds
+MLX_BACKEND_CALLS = ("get_active_memory", "get_cache_memory", "get_peak_memory",
+                     "reset_peak_memory", "set_cache_limit", "set_memory_limit",
+                     "set_wired_limit", "clear_cache", "device_info", "default_device",
+                     "is_available")
+
+
+def test_only_the_backend_module_asks_mlx_about_backends_devices_and_memory():
+    """The memory guard, the configuration and the platform report ask
+    ``omlx_core.platform.backend``; none of them imports mlx itself (``blas`` times a
+    matmul with it, which is not a question about the backend)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "omlx_core"
+    allowed = {root / "platform" / "backend.py", root / "platform" / "blas.py"}
+    offenders = []
+    for folder in ("memory", "config", "platform"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path in allowed:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                called = (node.attr if isinstance(node, ast.Attribute)
+                          and node.attr in MLX_BACKEND_CALLS
+                          and isinstance(node.value, ast.Name) and node.value.id == "mx" else None)
+                if any(name == "mlx" or name.startswith("mlx.") for name in names) or called:
+                    offenders.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert not offenders, "mlx asked outside omlx_core/platform/backend.py:\n" + "\n".join(offenders)

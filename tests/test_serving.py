@@ -21,11 +21,13 @@ from omlx_core.engine import (
     MemoryHints,
     RequestHandle,
     SamplingParams,
+    TokenLogprob,
     Usage,
 )
 from omlx_core.memory.types import Rejection, RequestRejected
 from omlx_core.models.registry import ModelSpec
 from omlx_core.server_context import ServerContext
+from omlx_core.testing.detokenizer import TableDetokenizer
 from omlx_core.serving import (
     EngineFailed,
     InvalidRequest,
@@ -37,13 +39,20 @@ from omlx_core.serving import (
 
 CONTEXT = 64
 VOCAB = 100
+#: what the scripted engine's tokens read as
+TOKEN_TEXTS = {5: "a", 6: "b", 10: "Hel", 11: "lo, w", 12: "orld", 13: "!", 14: " And", 15: " more"}
 
 
 class Handle(RequestHandle):
-    def __init__(self, request_id: str):
+    """Outputs of a scripted request; closing it before the end aborts it like a real
+    engine does: a final ``"abort"`` output, and nothing more of the script."""
+
+    def __init__(self, engine: "ScriptedEngine", request_id: str):
         self.request_id = request_id
+        self.engine = engine
         self.outputs: queue.Queue = queue.Queue()
         self.closed = False
+        self.finished = False
 
     def __iter__(self) -> Iterator[GenerationOutput]:
         while (output := self.next_output()) is not None:
@@ -53,23 +62,29 @@ class Handle(RequestHandle):
 
     def next_output(self, timeout: float | None = None) -> GenerationOutput | None:
         try:
-            return self.outputs.get(timeout=timeout)
+            output = self.outputs.get(timeout=timeout)
         except queue.Empty:
             return None
+        self.finished = output.finished
+        return output
 
     def close(self) -> None:
+        if not self.closed and not self.finished:
+            self.engine.abort(self.request_id)
+            self.outputs.put(GenerationOutput(self.request_id, finish_reason="abort"))
         self.closed = True
 
 
 class ScriptedEngine(GuardedEngine):
     """Answers each request with ``script(request)``: outputs, each after its delay."""
 
-    supported_sampling = frozenset({"logit_bias"})
+    supported_sampling = frozenset({"logit_bias", "logprobs"})
 
     def __init__(self, script):
         self.model = ModelSpec(id="scripted", path=Path("."), engine="scripted", source="test")
         self.script = script
         self.submitted: list[GenerationRequest] = []
+        self.aborted: list[str] = []
 
     def start(self) -> None: ...
 
@@ -87,19 +102,28 @@ class ScriptedEngine(GuardedEngine):
     def tokenize(self, text: str) -> list[int]:
         return [2] * len(text.split())
 
+    def detokenizer(self) -> TableDetokenizer:
+        return TableDetokenizer(TOKEN_TEXTS)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return TOKEN_TEXTS[token_id].encode()
+
     def submit(self, request: GenerationRequest) -> RequestHandle:
         self.submitted.append(request)
-        handle = Handle(request.request_id)
+        handle = Handle(self, request.request_id)
 
         def play() -> None:
             for delay, output in self.script(request):
                 time.sleep(delay)
+                if handle.closed:
+                    return
                 handle.outputs.put(output)
 
         threading.Thread(target=play, daemon=True).start()
         return handle
 
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
 
 
 def words(n: int) -> str:
@@ -108,8 +132,8 @@ def words(n: int) -> str:
 
 def completes(request: GenerationRequest, delay: float = 0.0):
     rid = request.request_id
-    return [(delay, GenerationOutput(rid, "a", (5,))),
-            (0.0, GenerationOutput(rid, "b", (6,), finish_reason="length",
+    return [(delay, GenerationOutput(rid, token_ids=(5,))),
+            (0.0, GenerationOutput(rid, token_ids=(6,), finish_reason="length",
                                    usage=Usage(len(request.prompt_tokens), 2)))]
 
 
@@ -199,13 +223,30 @@ def test_an_engine_failure_before_the_first_output_is_engine_failed() -> None:
         pipeline.start(Job("scripted", SamplingParams(), text="x"))
 
 
+class HeldFirstToken:
+    """A script whose first output waits until the test releases it (or 60 s pass, so a
+    broken pipeline fails the test instead of hanging it)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.produced = threading.Event()
+
+    def __call__(self, request: GenerationRequest) -> Iterator[tuple[float, GenerationOutput]]:
+        self.release.wait(60)
+        self.produced.set()
+        yield from completes(request)
+
+
 def test_a_slow_first_token_starts_the_stream_with_keepalives() -> None:
-    engine = ScriptedEngine(lambda request: completes(request, delay=0.35))
-    pipeline, events = pipeline_for(engine)
-    started = time.monotonic()
+    held = HeldFirstToken()
+    pipeline, events = pipeline_for(ScriptedEngine(held))
     generation = pipeline.start(Job("scripted", SamplingParams(), text="x"), first_output_wait_s=0.1)
-    assert time.monotonic() - started < 0.3, "start waited for the first token"
-    deltas = list(generation.deltas())
+    assert not held.produced.is_set(), "start waited for the first token"
+    deltas = []
+    for delta in generation.deltas():
+        deltas.append(delta)
+        if sum(d.keepalive for d in deltas) == 2:
+            held.release.set()
     keepalives = [d for d in deltas if d.keepalive]
     assert len(keepalives) >= 2 and not deltas[-1].keepalive
     assert "".join(d.text for d in deltas) == "ab" and generation.finish_reason == "length"
@@ -228,27 +269,33 @@ def test_a_refusal_after_the_stream_started_is_an_in_band_failure() -> None:
 
 
 def test_a_long_prefill_keeps_the_http_stream_alive() -> None:
+    """The status line and keep-alives reach the client while the engine still holds the
+    first token (the test releases it only after two keep-alives arrived)."""
     import http.client
     import json
 
     from omlx_core.http.serve import HTTPServer
 
-    engine = ScriptedEngine(lambda request: completes(request, delay=0.5))
+    held = HeldFirstToken()
     setup = load_setup("cpu-small", [], [("server.stream_keepalive_s", "0.1", "test")])
-    context = ServerContext(setup.config, setup.plugins, engines={"scripted": engine})
+    context = ServerContext(setup.config, setup.plugins, engines={"scripted": ScriptedEngine(held)})
     with HTTPServer(context, host="127.0.0.1", port=0) as server:
-        connection = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        connection = http.client.HTTPConnection(server.host, server.port, timeout=30)
         connection.request("POST", "/v1/chat/completions", json.dumps({
             "model": "scripted", "stream": True,
             "messages": [{"role": "user", "content": "hello"}]}),
             {"Content-Type": "application/json"})
-        started = time.monotonic()
         response = connection.getresponse()
-        assert response.status == 200 and time.monotonic() - started < 0.45
+        assert response.status == 200 and not held.produced.is_set()
+        keepalives = 0
+        while keepalives < 2:
+            line = response.readline()
+            assert line, "the stream ended before two keep-alives"
+            keepalives += line.startswith(b": keepalive")
+        assert not held.produced.is_set()
+        held.release.set()
         body = response.read().decode()
-    first_text = body.index('"content":"a"')
-    assert body.count(": keepalive") >= 2 and body.index(": keepalive") < first_text
-    assert body.rstrip().endswith("data: [DONE]")
+    assert '"content":"a"' in body and body.rstrip().endswith("data: [DONE]")
 
 
 def test_the_http_server_has_a_thread_for_every_request_the_server_can_hold(caplog) -> None:
@@ -263,3 +310,57 @@ def test_the_http_server_has_a_thread_for_every_request_the_server_can_hold(capl
     with caplog.at_level("WARNING"):
         assert thread_count(context, 8) == 8
     assert f"at least {needed}" in caplog.text
+
+
+# -- stop strings: the pipeline's, never the engine's -------------------------------------
+
+
+def says_hello_world(request: GenerationRequest):
+    """"Hello, world! And more" in three outputs, the stop string "o, wor" split across
+    tokens 11 and 12, and more tokens after it in the same output."""
+    rid = request.request_id
+    return [(0.0, GenerationOutput(rid, token_ids=(10,),
+                                   logprobs=(TokenLogprob(10, -0.1),))),
+            (0.0, GenerationOutput(rid, token_ids=(11, 12, 13, 14),
+                                   logprobs=tuple(TokenLogprob(t, -0.2) for t in (11, 12, 13, 14)))),
+            (0.0, GenerationOutput(rid, token_ids=(15,), logprobs=(TokenLogprob(15, -0.3),),
+                                   finish_reason="length", usage=Usage(len(request.prompt_tokens), 6)))]
+
+
+def test_a_stop_string_split_across_tokens_ends_the_text_and_aborts_the_engine_request() -> None:
+    engine = ScriptedEngine(says_hello_world)
+    pipeline, _ = pipeline_for(engine)
+    generation = pipeline.start(Job("scripted", SamplingParams(stop=("o, wor",), logprobs=0),
+                                    text="x"))
+    deltas = list(generation.deltas())
+    assert "".join(d.text for d in deltas) == "Hell"
+    assert generation.finish_reason == "stop" and generation.stop_sequence == "o, wor"
+    # Logprobs only for tokens whose text the client got; none past the stop.
+    assert [lp.token_id for d in deltas for lp in d.logprobs] == [10, 11]
+    assert [lp.bytes for d in deltas for lp in d.logprobs] == [b"Hel", b"lo, w"]
+    # Every token up to the one that completed the stop string; none after it.
+    assert generation.completion_tokens == 3
+    request_id = engine.submitted[-1].request_id
+    assert engine.aborted == [request_id], "the stop string did not abort the engine request"
+    assert engine.submitted[-1].sampling.stop == (), "the engine was handed the stop strings"
+    generation.close()
+    assert engine.aborted == [request_id]
+
+
+def test_a_stop_string_in_the_last_output_turns_length_into_stop() -> None:
+    engine = ScriptedEngine(says_hello_world)
+    pipeline, _ = pipeline_for(engine)
+    generation = pipeline.start(Job("scripted", SamplingParams(stop=("more",)), text="x"))
+    assert "".join(d.text for d in generation.deltas()) == "Hello, world! And "
+    assert generation.finish_reason == "stop" and generation.stop_sequence == "more"
+    assert engine.aborted == [], "a request that already ended needs no abort"
+    generation.close()
+
+
+def test_without_stop_strings_every_token_is_text() -> None:
+    engine = ScriptedEngine(says_hello_world)
+    pipeline, _ = pipeline_for(engine)
+    generation = pipeline.start(Job("scripted", SamplingParams(), text="x"))
+    assert "".join(d.text for d in generation.deltas()) == "Hello, world! And more"
+    assert generation.finish_reason == "length" and generation.completion_tokens == 6
+    generation.close()

@@ -572,7 +572,7 @@ def test_metrics_endpoint_exposes_the_counters(tmp_path):
 
 
 def test_write_benchmark_accounts_for_every_block(tiny_model_path):
-    from omlx_core.plugins.ssd_cache.benchmark import measure_writes, render
+    from benchmarks.ssd_cache import measure_writes, render
 
     row = measure_writes(tiny_model_path("llama"), blocks=10, queue_size=2, block_size=8)
     assert row.offered == 10 and row.saves + row.drops + row.declined == 10

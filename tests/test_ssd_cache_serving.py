@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from omlx_core.bench.servers import ServerProcess, ServerSpec
+from omlx_core.bootstrap import build_host
 from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.models.registry import spec_for_path
@@ -27,7 +28,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 class Served:
-    """One batched engine started the way ``serve`` starts it: plugins bound by ``startup``."""
+    """One batched engine started the way ``serve`` starts it: its host built by core
+    (the SSD tier and the snapshot and finish sinks from the plugins), then ``startup``."""
 
     def __init__(self, path: Path, ssd_dir: Path | str, **overrides: object) -> None:
         values = {"plugin.batched.prefill_step_size": PREFILL_STEP, "plugin.batched.block_size": BLOCK,
@@ -35,10 +37,11 @@ class Served:
         self.config = load_config("base", overrides=[(k, str(v), "test") for k, v in values.items()],
                                   env={})
         self.plugins = build_plugin_manager()
-        self.engine = BatchedEngine(spec_for_path(path), self.config)
+        self.context = ServerContext(config=self.config, plugins=self.plugins)
+        spec = spec_for_path(path)
+        self.engine = BatchedEngine(spec, build_host(self.context, spec))
         self.engine.start()
-        self.context = ServerContext(config=self.config, plugins=self.plugins,
-                                     engines={self.engine.model.id: self.engine})
+        self.context.engines[spec.id] = self.engine
         self.plugins.hook.startup(context=self.context)
         self.store = ssd_cache.store_for(self.engine.model.id) if ssd_dir else None
         self._ids = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -204,11 +203,8 @@ def test_bad_arguments_say_what_to_use(tmp_path):
         build_model("llama", tmp_path, overrides={"vocab_size": 100})
 
 
-def test_tokenizer_trains_fast_and_deterministically():
-    started = time.perf_counter()
-    retrained = trained_tokenizer_json.__wrapped__()
-    assert time.perf_counter() - started < 1.0
-    assert retrained == trained_tokenizer_json()
+def test_tokenizer_trains_deterministically():
+    assert trained_tokenizer_json.__wrapped__() == trained_tokenizer_json()
 
 
 def test_tokenizer_round_trips_utf8_and_special_tokens(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omlx_core.bootstrap import load_setup, start_engines, stop_engines
 from omlx_core.hookspecs import hookimpl
+from omlx_core.memory.types import PeakEstimate
 from omlx_core.testing import cached_model
 
 
@@ -61,7 +62,8 @@ class FlatEstimate:
     @hookimpl
     def estimate_peak(self, query):
         self.asked += 1
-        return (query.new_tokens + 1) * 1024
+        return PeakEstimate(transient_bytes=1024, kv_bytes_per_token=1024,
+                            kv_bytes=query.new_tokens * 1024)
 
 
 def test_a_tier_can_swap_the_estimator(tmp_path) -> None:
@@ -75,7 +77,7 @@ def test_a_tier_can_swap_the_estimator(tmp_path) -> None:
     context = start_engines(setup, progress=False)
     try:
         guard, engine = context.memory_guard, context.engines["tiny"]
-        assert guard.estimate(guard.peak_query(engine, [1] * 100)) == 100 * 1024 + 1024
+        assert guard.estimate(guard.peak_query(engine, [1] * 100)).total == 100 * 1024 + 1024
         assert flat.asked >= 2  # the start-up check and this one: the built-in never answered
     finally:
         stop_engines(context)

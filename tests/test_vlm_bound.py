@@ -19,6 +19,7 @@ from omlx_core.plugins.vlm.bound import (
     image_token_bound,
     read_processor_config,
 )
+from omlx_core.testing.host import make_test_host
 
 #: (width, height): tiny, odd, extreme aspect ratios (up to Qwen2-VL's 200:1), exact
 #: multiples of 28, and past max_pixels (resized down)
@@ -83,12 +84,11 @@ def test_bound_reads_the_nested_size_keys_and_falls_back() -> None:
 
 @pytest.mark.parametrize("family", ["llava", "gemma3"])
 def test_served_families_decode_to_at_most_the_bound(family, tiny_vlm_path, capsys) -> None:
-    from omlx_core.config import load_config
     from omlx_core.models.registry import spec_for_path
     from omlx_core.plugins.vlm.engine import VLMEngine
 
     path = tiny_vlm_path(family)
-    engine = VLMEngine(spec_for_path(path, "vlm"), load_config("cpu-small"))
+    engine = VLMEngine(spec_for_path(path, "vlm"), make_test_host("cpu-small"))
     engine.start()
     try:
         bound = image_token_bound(read_processor_config(path), engine.model.config)

@@ -15,7 +15,8 @@ from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, ImagePart, SamplingParams
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.vlm.engine import VLMEngine
-from omlx_core.testing.conformance import EngineConformance, collect, text_of, tokens_of
+from omlx_core.testing.conformance import EngineConformance, collect, run_until_stop, text_of, tokens_of
+from omlx_core.testing.host import make_test_host
 
 FAMILIES = ("llava", "gemma3")
 
@@ -49,7 +50,7 @@ def image_request(engine: VLMEngine, request_id: str, images: list[bytes], text:
 
 def start(path, **overrides) -> VLMEngine:
     config = load_config("cpu-small", overrides=[(k, str(v), "test") for k, v in overrides.items()])
-    engine = VLMEngine(spec_for_path(path, "vlm"), config)
+    engine = VLMEngine(spec_for_path(path, "vlm"), make_test_host(config))
     engine.start()
     return engine
 
@@ -101,9 +102,9 @@ def test_an_image_prompt_matches_mlx_vlms_own_forward(vlm_engine):
 
 
 def test_the_image_changes_the_answer_and_the_same_image_repeats_it(vlm_engine):
-    red = text_of(collect(vlm_engine.submit(image_request(vlm_engine, "a1", [png((255, 0, 0), noise=1)]))))
-    red_again = text_of(collect(vlm_engine.submit(image_request(vlm_engine, "a2", [png((255, 0, 0), noise=1)]))))
-    other = text_of(collect(vlm_engine.submit(image_request(vlm_engine, "a3", [png((0, 0, 255), noise=2)]))))
+    red = text_of(vlm_engine, collect(vlm_engine.submit(image_request(vlm_engine, "a1", [png((255, 0, 0), noise=1)]))))
+    red_again = text_of(vlm_engine, collect(vlm_engine.submit(image_request(vlm_engine, "a2", [png((255, 0, 0), noise=1)]))))
+    other = text_of(vlm_engine, collect(vlm_engine.submit(image_request(vlm_engine, "a3", [png((0, 0, 255), noise=2)]))))
     assert red == red_again
     assert red != other
 
@@ -187,7 +188,7 @@ def test_text_only_model_families_are_refused_at_load(tiny_model_path):
     from omlx_core.models.registry import ModelError
 
     with pytest.raises(ModelError, match="vlm engine serves model types llava, gemma3"):
-        VLMEngine(spec_for_path(tiny_model_path("llama"), "vlm"), load_config("cpu-small"))
+        VLMEngine(spec_for_path(tiny_model_path("llama"), "vlm"), make_test_host("cpu-small"))
 
 
 @pytest.mark.parametrize("cache_budget", ["0", "64MiB"])
@@ -246,7 +247,7 @@ def test_a_sparse_hf_text_config_is_completed_from_mlx_vlms_defaults(tiny_vlm_pa
     import json
     import shutil
 
-    from omlx_core.memory.estimate import ModelDims
+    from omlx_core.plugins.estimator.dims import ModelDims
 
     model = tmp_path / "llava-sparse"
     shutil.copytree(tiny_vlm_path("llava"), model)
@@ -272,12 +273,15 @@ def test_the_image_placeholder_typed_as_text_is_refused(vlm_engine) -> None:
 
 def test_image_requests_honour_stop_strings_and_seeds(vlm_engine) -> None:
     image = png((90, 20, 200), noise=12)
-    full = text_of(collect(vlm_engine.submit(image_request(vlm_engine, "full", [image], max_tokens=16))))
+    full = text_of(vlm_engine, collect(vlm_engine.submit(image_request(vlm_engine, "full", [image], max_tokens=16))))
     stop = next((full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip()), None)
     assert stop is not None, f"the tiny model's answer {full!r} has no stop string to cut at"
-    cut = collect(vlm_engine.submit(image_request(vlm_engine, "cut", [image], max_tokens=16, stop=(stop,))))
-    assert cut[-1].finish_reason == "stop" and cut[-1].stop_sequence == stop
-    assert text_of(cut) == full[:full.index(stop)]
+    text, outputs, processor = run_until_stop(
+        vlm_engine, image_request(vlm_engine, "cut", [image], max_tokens=10_000), stop)
+    assert processor.stop_sequence == stop and text == full[:full.index(stop)]
+    ran_past_reference = len(tokens_of(outputs)) >= 16
+    assert outputs[-1].finish_reason == "abort" or (
+        ran_past_reference and outputs[-1].finish_reason == "stop"), "the stop did not abort the request"
     sampled = [tokens_of(collect(vlm_engine.submit(image_request(
         vlm_engine, f"seeded{i}", [image], max_tokens=12, temperature=1.0, seed=7)))) for i in range(2)]
     assert sampled[0] == sampled[1]

@@ -8,15 +8,17 @@ from __future__ import annotations
 import pytest
 
 from omlx_core.config import load_config
-from omlx_core.memory.estimate import (
-    ModelDims,
+from omlx_core.plugins.estimator.dims import ModelDims
+from omlx_core.plugins.estimator.prefill import estimate_prefill_peak
+from omlx_core.plugins.estimator.vision import (
     VisionDims,
-    estimate_prefill_peak,
     estimate_vision_peak,
     estimate_with_images,
+    image_features_bytes,
 )
 from omlx_core.memory.gate import ForwardGate, PrefillStep
 from omlx_core.memory.types import PeakQuery
+from omlx_core.testing.host import make_test_host
 from omlx_core.testing.vlm_models import vlm_family_config
 
 FAMILIES = ("llava", "gemma3")
@@ -44,9 +46,17 @@ def test_images_raise_the_estimate_by_the_vision_tower() -> None:
     with_images = estimate_peak(PeakQuery(config, new_tokens=2000, chunk_size=512, images=3))
     vision = VisionDims.from_config(config)
     scores = 3 * vision.num_heads * vision.positions ** 2 * 4
-    assert with_images >= scores > 0
-    assert with_images > text_only
-    assert estimate_peak(PeakQuery(config, new_tokens=2000, chunk_size=512, images=6)) > with_images
+    assert with_images.total >= scores > 0
+    assert with_images.total > text_only.total
+    more = estimate_peak(PeakQuery(config, new_tokens=2000, chunk_size=512, images=6))
+    assert more.total > with_images.total
+    # The images' features are the extra bytes the request holds beside its KV; the KV
+    # per token is the language model's alone.
+    hidden = ModelDims.from_config(config).hidden_size
+    assert text_only.extra_bytes == 0
+    assert with_images.extra_bytes == image_features_bytes(vision, hidden, 3) > 0
+    assert with_images.kv_bytes_per_token == text_only.kv_bytes_per_token > 0
+    assert with_images.held_bytes >= with_images.extra_bytes
 
 
 def test_a_vision_model_without_vision_dims_is_not_guessed(caplog) -> None:
@@ -62,7 +72,7 @@ def test_a_vision_model_without_vision_dims_is_not_guessed(caplog) -> None:
 @pytest.mark.parametrize("family", ["vlm-llava", "vlm-gemma3"])
 def test_estimate_covers_a_real_prefill_with_images(family, tmp_path, capsys) -> None:
     """The accuracy benchmark's quick runs: never under the measured peak, at most 1.15x."""
-    from omlx_core.bench.estimator import QUICK_VLM_GRID, VLM_IMAGE_SIZE, run_vlm_model
+    from benchmarks.estimator import QUICK_VLM_GRID, VLM_IMAGE_SIZE, run_vlm_model
     from omlx_core.testing.vlm_models import build_vlm_model
 
     path = build_vlm_model(family.removeprefix("vlm-"), tmp_path / family, image_size=VLM_IMAGE_SIZE)
@@ -108,7 +118,7 @@ def test_the_gate_is_told_which_chunk_encodes_the_images(tiny_vlm_path) -> None:
 
     config = load_config("cpu-small", overrides=[("plugin.batched.prefill_step_size", "16", "test"),
                                                  ("plugin.batched.prefix_cache_budget", "0", "test")])
-    engine = VLMEngine(spec_for_path(tiny_vlm_path("llava"), "vlm"), config)
+    engine = VLMEngine(spec_for_path(tiny_vlm_path("llava"), "vlm"), make_test_host(config))
     engine.start()
     try:
         gate = RecordingGate()

@@ -1,5 +1,9 @@
-"""Benchmarks of served models over HTTP: a streaming OpenAI client, server processes,
-and ``omlx-core bench`` (omlx-core against ``mlx_lm.server``, see :mod:`.serving`)."""
+"""``omlx-core bench`` (omlx-core against ``mlx_lm.server``, see :mod:`.serving`) and the
+harness it runs on: a timing streaming client (:mod:`.client`), server processes
+(:mod:`.servers`), prompts of a chosen token length (:mod:`.prompts`).
+
+It ships with the package because the command does. The developer benchmarks, which
+use this harness too, live outside it, in the repository's ``benchmarks/``."""
 
 from __future__ import annotations
 

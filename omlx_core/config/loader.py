@@ -18,6 +18,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 from omlx_core.config.schema import CORE_SETTINGS, MODEL_SETTINGS, TIER_FILE_KEYS
+from omlx_core.platform.backend import cuda_available
 from omlx_core.settings import Setting
 
 TIERS_DIR = Path(__file__).parent / "tiers"
@@ -312,7 +313,7 @@ def pick_tier(system: str | None = None, total_ram: int | None = None,
     """The shipped tier that fits this machine, for ``serve`` with no ``--tier``."""
     system = system or platform.system()
     if cuda is None:
-        cuda = _cuda_available()
+        cuda = cuda_available()
     if total_ram is None:
         total_ram = _total_ram()
     if cuda:
@@ -320,15 +321,6 @@ def pick_tier(system: str | None = None, total_ram: int | None = None,
     if system == "Darwin":
         return "workstation-128gb" if total_ram >= 64 * 1024**3 else "laptop-16gb"
     return "cpu-small"
-
-
-def _cuda_available() -> bool:
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return False
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available())
 
 
 def _total_ram() -> int:

@@ -114,7 +114,7 @@ def _usage(generation: Generation) -> dict[str, Any]:
 def error_frames(error: Exception) -> list[bytes]:
     """An error after the first byte, in-band: Anthropic's ``error`` event."""
     rendered = api_error(error)
-    return [frame(anthropic_error_body(rendered.status, rendered.message, rendered.code,
+    return [frame(anthropic_error_body(rendered.status_code, rendered.message, rendered.code,
                                        rendered.extra), event="error")]
 
 

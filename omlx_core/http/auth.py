@@ -2,7 +2,8 @@
 
 Keys come from ``server.api_keys`` (or ``OMLX_SERVER_API_KEYS``, comma-separated). Each
 presented key is compared with every configured key in constant time, and no key is
-ever logged. ``/health`` and ``/openapi.json`` stay open for load balancers and tools.
+ever logged. ``/health`` and ``/openapi.json`` stay open for load balancers and tools,
+and so does the dashboard page (not its data), which asks for a key.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from typing import Sequence
 
 import falcon
 
-from omlx_core.http.errors import APIError
+from omlx_core.http.errors import AuthenticationError
 
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
-_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="omlx-core"'}
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/dashboard"})
+#: the dashboard page's scripts and styles: they hold no data, and the page must load
+#: to ask for a key
+PUBLIC_PREFIXES = ("/dashboard/assets/",)
+REALM = "omlx-core"
 
 
 def _wire_bytes(header_value: str) -> bytes:
@@ -34,15 +38,15 @@ class APIKeyAuth:
         return bool(self._keys)
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if not self._keys or req.path in PUBLIC_PATHS:
+        if not self._keys or req.path in PUBLIC_PATHS or req.path.startswith(PUBLIC_PREFIXES):
             return
         presented = self._presented(req)
         if not presented:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' or "
-                                "'x-api-key: <key>'", code="missing_api_key", headers=_CHALLENGE)
+            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>' or "
+                                      "'x-api-key: <key>'", "missing_api_key", REALM)
         if not any([self._accepted(_wire_bytes(value)) for value in presented]):
-            raise APIError(401, "invalid API key: it matches none of server.api_keys",
-                           code="invalid_api_key", headers=_CHALLENGE)
+            raise AuthenticationError("invalid API key: it matches none of server.api_keys",
+                                      "invalid_api_key", REALM)
 
     def _presented(self, req: falcon.Request) -> list[str]:
         values = []

@@ -7,16 +7,17 @@ from typing import Any, Mapping
 
 import falcon
 
-from omlx_core.http.errors import APIError, bad_request
+from omlx_core.http.errors import ContentTooLargeError, UnsupportedMediaTypeError, bad_request
 from omlx_core.http.validation import SchemaViolation, validate
 from omlx_core.settings import format_size
 
 JSON_MEDIA_TYPES = ("application/json",)
 
 
-def _too_large(max_body: int, size: str) -> APIError:
-    return APIError(413, f"the request body is {size}, over this server's {format_size(max_body)} "
-                         "limit (server.max_body)", code="request_too_large")
+def _too_large(max_body: int, size: str) -> ContentTooLargeError:
+    return ContentTooLargeError(f"the request body is {size}, over this server's "
+                                f"{format_size(max_body)} limit (server.max_body)",
+                                "request_too_large")
 
 
 def _reject_constant(name: str) -> float:
@@ -24,11 +25,11 @@ def _reject_constant(name: str) -> float:
 
 
 def read_json(req: falcon.Request, max_body: int) -> dict[str, Any]:
-    """The body as a JSON object, or an :class:`APIError` that says what is wrong with it."""
+    """The body as a JSON object, or an ``APIError`` that says what is wrong with it."""
     media_type = (req.content_type or "").split(";", 1)[0].strip().lower()
     if media_type and media_type not in JSON_MEDIA_TYPES and not media_type.endswith("+json"):
-        raise APIError(415, f"Content-Type {media_type!r} is not supported; send the body as "
-                            "JSON with Content-Type: application/json", code="unsupported_media_type")
+        raise UnsupportedMediaTypeError(f"Content-Type {media_type!r} is not supported; send the "
+                                        "body as JSON with Content-Type: application/json")
     length = req.content_length  # falcon answers 400 itself when the header is not a number
     if length is not None and length > max_body:
         raise _too_large(max_body, format_size(length))

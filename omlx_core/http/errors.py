@@ -1,11 +1,18 @@
 """Errors a client can act on, and how each API spells them.
 
-A responder raises :class:`APIError` (or a falcon ``HTTPError``), or lets a typed error
-of the serving pipeline through; :func:`api_error` is the one mapping from those to an
-HTTP status, code and fields, used before the first byte (the handlers here) and after
-it (in-band stream errors). The handlers render an OpenAI error object, or on
-``/v1/messages`` an Anthropic one. Only a genuine bug reaches the catch-all, which logs
-it and answers a JSON 500.
+Every error the front end answers is a falcon ``HTTPError``: falcon sets its status and
+headers (``Retry-After``, ``WWW-Authenticate``, ``Allow``) and :func:`serialize_error`,
+the app's error serializer, writes the body: an OpenAI error object, or on
+``/v1/messages`` an Anthropic one. Each of our own errors is an :class:`APIError` and
+an instance of falcon's class for its status (``HTTPServiceUnavailable`` for a 503, ...),
+and carries a message that says what is wrong and how to fix it, a machine-readable
+code, the parameter at fault and extra fields.
+
+A responder may also let a typed error of the serving pipeline through;
+:func:`api_error` is the one mapping from those to an :class:`APIError`, used before the
+first byte (by :func:`handle_error`, the app's one error handler) and after it (in-band
+stream errors). Only a genuine bug is none of these: the handler logs it and answers a
+JSON 500.
 """
 
 from __future__ import annotations
@@ -35,28 +42,103 @@ _ANTHROPIC_TYPES = {
     415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
 }
 
+#: the typed errors of the serving pipeline a responder lets through
+SERVING_ERRORS = (InvalidRequest, RequestRejected, GrammarError, RequestAborted, EngineFailed)
 
-class APIError(Exception):
+
+# -- the errors -----------------------------------------------------------------------------
+
+
+class APIError(falcon.HTTPError):
     """An HTTP error with a message that says what is wrong and how to fix it.
 
-    ``extra`` fields are added to the error object as they are (e.g. the byte counts of
-    a memory rejection); ``headers`` are sent with the response (``Retry-After``).
+    Takes falcon's ``HTTPError`` arguments (the message is the ``description``), and
+    ``code`` is the machine-readable string both APIs' bodies carry. ``param`` names the
+    request field at fault; ``extra`` fields are added to the error object as they are
+    (e.g. the byte counts of a memory rejection).
     """
 
-    def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None, extra: Mapping[str, Any] | None = None,
-                 headers: Mapping[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
+    def __init__(self, status: int | str, *, title: str | None = None,
+                 description: str | None = None, headers: Any = None,
+                 code: str | None = None, param: str | None = None,
+                 extra: Mapping[str, Any] | None = None, **kwargs: Any):
+        super().__init__(status, title=title, description=description, headers=headers,
+                         code=code, **kwargs)  # type: ignore[arg-type]
         self.param = param
         self.extra = dict(extra or {})
-        self.headers = dict(headers or {})
+
+    @property
+    def message(self) -> str:
+        return self.description or self.title
+
+    def __str__(self) -> str:
+        return self.message
 
 
-def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
-    return APIError(400, message, param=param, code=code)
+class BadRequestError(falcon.HTTPBadRequest, APIError):
+    """400: the request cannot be served as sent; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(description=message, param=param, code=code)
+
+
+class AuthenticationError(falcon.HTTPUnauthorized, APIError):
+    """401 with a bearer challenge: the API key is missing or wrong."""
+
+    def __init__(self, message: str, code: str, realm: str):
+        super().__init__(description=message, code=code, challenges=[f'Bearer realm="{realm}"'])
+
+
+class NotFoundError(falcon.HTTPNotFound, APIError):
+    """404: no such model (``param`` = ``model``) or route."""
+
+    def __init__(self, message: str, code: str, param: str | None = None):
+        super().__init__(description=message, code=code, param=param)
+
+
+class ContentTooLargeError(falcon.HTTPContentTooLarge, APIError):
+    """413: the body is over ``server.max_body``, or the request can never fit in memory."""
+
+    def __init__(self, message: str, code: str, extra: Mapping[str, Any] | None = None):
+        super().__init__(description=message, code=code, extra=extra)
+
+
+class UnsupportedMediaTypeError(falcon.HTTPUnsupportedMediaType, APIError):
+    """415: the body is not JSON."""
+
+    def __init__(self, message: str, code: str = "unsupported_media_type"):
+        super().__init__(description=message, code=code)
+
+
+class OverloadedError(falcon.HTTPServiceUnavailable, APIError):
+    """503: the server cannot run the request now; with ``retry_after`` (seconds) when
+    the same request can succeed later."""
+
+    def __init__(self, message: str, code: str, retry_after: int | None = None,
+                 extra: Mapping[str, Any] | None = None):
+        super().__init__(description=message, code=code, retry_after=retry_after, extra=extra)
+
+
+class ServerError(falcon.HTTPInternalServerError, APIError):
+    """500: an engine failure or a bug."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(description=message, code=code)
+
+
+def bad_request(message: str, param: str | None = None,
+                code: str = "invalid_request") -> BadRequestError:
+    return BadRequestError(message, param, code)
+
+
+# -- from serving errors to HTTP errors -----------------------------------------------------
+
+
+def rejection_code(stage: str, cause: str) -> str:
+    """The code of a memory refusal: where it happened and why (``memory.types.STAGES``
+    and ``CAUSES``), e.g. ``admission_queue_timeout``. A preflight refusal (the request
+    can never fit here) keeps the name OpenAI-style clients know: ``prefill_memory_exceeded``."""
+    return "prefill_memory_exceeded" if stage == "preflight" else f"{stage}_{cause}"
 
 
 def rejection_error(error: RequestRejected) -> APIError:
@@ -70,32 +152,50 @@ def rejection_error(error: RequestRejected) -> APIError:
         "base_bytes": rejection.base_bytes, "binding_ceiling": rejection.binding,
         "ceilings": breakdown.ceilings() if breakdown is not None else {},
         "prompt_tokens": rejection.prompt_tokens, "advice": list(error.advice),
+        "request_id": rejection.request_id,
     }
-    if rejection.stage == "preflight":
-        return APIError(413, str(error), code="prefill_memory_exceeded", extra=extra)
+    code = rejection_code(rejection.stage, rejection.cause)
+    if not error.retryable:
+        return ContentTooLargeError(str(error), code, extra)
     retry_after = max(1, int(round(error.retry_after_s or 1.0)))
-    code = "admission_queue_full" if rejection.stage == "admission" else "memory_pressure"
-    return APIError(503, str(error), code=code, headers={"Retry-After": str(retry_after)},
-                    extra={**extra, "reason": rejection.summary(), "retry_after_s": retry_after})
+    return OverloadedError(str(error), code, retry_after,
+                           {**extra, "reason": rejection.summary(), "retry_after_s": retry_after})
 
 
 def api_error(error: Exception) -> APIError:
-    """The HTTP rendering of a serving error (or any other exception: a 500)."""
+    """The HTTP rendering of a serving error (or any other exception: a 500 naming it)."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, RequestRejected):
         return rejection_error(error)
     if isinstance(error, UnknownModel):
-        return APIError(404, error.message, code=error.code, param=error.param)
+        return NotFoundError(error.message, error.code, error.param)
     if isinstance(error, InvalidRequest):
-        return APIError(400, error.message, code=error.code, param=error.param)
+        return BadRequestError(error.message, error.param, error.code)
     if isinstance(error, GrammarError):
-        return APIError(400, str(error), code="invalid_grammar", param=error.field)
+        return BadRequestError(str(error), error.field, "invalid_grammar")
     if isinstance(error, RequestAborted):
-        return APIError(503, str(error), code="aborted")
+        return OverloadedError(str(error), "aborted")
     if isinstance(error, EngineFailed):
-        return APIError(500, str(error), code="engine_error")
-    return APIError(500, f"internal error ({type(error).__name__}: {error})", code="internal_error")
+        return ServerError(str(error), "engine_error")
+    return ServerError(f"internal error ({type(error).__name__}: {error})", "internal_error")
+
+
+def falcon_error(req: falcon.Request, error: falcon.HTTPError) -> APIError:
+    """One of falcon's own errors (no route, a method not allowed, a malformed header)
+    with a message and code like ours; falcon has already set its headers."""
+    status = error.status_code
+    message = error.title or falcon.code_to_http_status(status)
+    if error.description:
+        message = f"{message}: {error.description}"
+    if status == 404:
+        message = (f"no route {req.method} {req.path}; see /openapi.json for the endpoints "
+                   "this server offers")
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+    return APIError(status, description=message, code=code)
+
+
+# -- the two body shapes --------------------------------------------------------------------
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -119,52 +219,37 @@ def anthropic_error_body(status: int, message: str, code: str | None = None,
 
 
 def error_body(path: str, error: APIError) -> dict:
+    """``error`` in the shape of the API that ``path`` belongs to."""
     if is_anthropic_path(path):
-        return anthropic_error_body(error.status, error.message, error.code, error.extra)
-    return openai_error_body(error.status, error.message, error.code, error.param, error.extra)
+        return anthropic_error_body(error.status_code, error.message, error.code, error.extra)
+    return openai_error_body(error.status_code, error.message, error.code, error.param,
+                             error.extra)
 
 
-def _send(req: falcon.Request, resp: falcon.Response, error: APIError) -> None:
-    resp.status = error.status
+# -- wiring into the app --------------------------------------------------------------------
+
+
+def serialize_error(req: falcon.Request, resp: falcon.Response, error: falcon.HTTPError) -> None:
+    """The app's error serializer: the body of every error answer, as JSON whatever the
+    client's ``Accept`` says (falcon's default sends none when JSON is not accepted)."""
+    rendered = error if isinstance(error, APIError) else falcon_error(req, error)
     resp.content_type = falcon.MEDIA_JSON
-    resp.text = json.dumps(error_body(req.path, error))
-    for name, value in error.headers.items():
-        resp.set_header(name, value)
+    resp.text = json.dumps(error_body(req.path, rendered))
 
 
-def handle_api_error(req: falcon.Request, resp: falcon.Response, error: APIError,
-                     params: dict) -> None:
-    _send(req, resp, error)
-
-
-def handle_falcon_error(req: falcon.Request, resp: falcon.Response, error: falcon.HTTPError,
-                        params: dict) -> None:
-    status = error.status_code
-    message = error.title or falcon.code_to_http_status(status)
-    if error.description:
-        message = f"{message}: {error.description}"
-    if status == 404:
-        message = (f"no route {req.method} {req.path}; see /openapi.json for the endpoints "
-                   "this server offers")
-    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
-    _send(req, resp, APIError(status, message, code=code, headers=dict(error.headers or {})))
-
-
-def handle_unexpected_error(req: falcon.Request, resp: falcon.Response, error: Exception,
-                            params: dict) -> None:
+def handle_error(req: falcon.Request, resp: falcon.Response, error: Exception,
+                 params: dict) -> None:
+    """The app's one error handler, for every exception that is not already an HTTP
+    error (those falcon answers itself, through :func:`serialize_error`): a serving
+    error becomes its HTTP error; anything else is a bug, logged, and a 500 that keeps
+    its details in the log."""
+    if isinstance(error, SERVING_ERRORS):
+        raise api_error(error)
     log.error("bug while serving %s %s", req.method, req.path, exc_info=error)
-    _send(req, resp, APIError(500, f"internal error ({type(error).__name__}); the server log "
-                                   "has the traceback", code="internal_error"))
-
-
-def handle_serving_error(req: falcon.Request, resp: falcon.Response, error: Exception,
-                         params: dict) -> None:
-    _send(req, resp, api_error(error))
+    raise ServerError(f"internal error ({type(error).__name__}); the server log has the "
+                      "traceback", "internal_error")
 
 
 def install_error_handlers(app: falcon.App) -> None:
-    app.add_error_handler(Exception, handle_unexpected_error)
-    app.add_error_handler(falcon.HTTPError, handle_falcon_error)
-    app.add_error_handler(APIError, handle_api_error)
-    app.add_error_handler((InvalidRequest, RequestRejected, EngineFailed, RequestAborted,
-                           GrammarError), handle_serving_error)
+    app.add_error_handler(Exception, handle_error)
+    app.set_error_serializer(serialize_error)

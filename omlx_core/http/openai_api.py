@@ -7,7 +7,7 @@ from typing import Any, Iterator, Mapping
 
 import falcon
 
-from omlx_core.engine import ImagePart, SamplingParams, TokenLogprob
+from omlx_core.engine import ImagePart, SamplingParams
 from omlx_core.grammar import GrammarSpec
 from omlx_core.http.body import read_request
 from omlx_core.http.errors import api_error, bad_request, openai_error_body
@@ -16,6 +16,7 @@ from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST
 from omlx_core.http.sse import KEEPALIVE, Responder, frame
 from omlx_core.grammar.toolcalls import ToolCallArgumentsDelta, ToolCallStart
 from omlx_core.serving import Generation, Job, ToolRequest
+from omlx_core.serving.output import LogprobEntry
 
 DONE = b"data: [DONE]\n\n"
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -191,46 +192,46 @@ def _tool_call_delta(event: Any) -> dict[str, Any] | None:
 def error_frames(error: Exception) -> list[bytes]:
     """An error after the first byte, in-band: the error object as an event, then [DONE]."""
     rendered = api_error(error)
-    return [frame(openai_error_body(rendered.status, rendered.message, rendered.code,
+    return [frame(openai_error_body(rendered.status_code, rendered.message, rendered.code,
                                     rendered.param, rendered.extra)), DONE]
 
 
 class _Logprobs:
-    """Turns engine logprobs into the two OpenAI shapes (chat and legacy completions)."""
+    """Turns the pipeline's logprob entries into the two OpenAI shapes (chat and legacy
+    completions)."""
 
-    def __init__(self, generation: Generation):
-        self._bytes_of = generation.token_bytes
+    def __init__(self) -> None:
         self._offset = 0
 
-    def chat(self, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    def chat(self, logprobs: tuple[LogprobEntry, ...]) -> dict[str, Any]:
         return {"content": [self._chat_entry(lp) for lp in logprobs], "refusal": None}
 
-    def _chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
-        entry = self._token(lp.token_id, lp.logprob)
-        entry["top_logprobs"] = [self._token(t, v) for t, v in lp.top]
+    def _chat_entry(self, lp: LogprobEntry) -> dict[str, Any]:
+        entry = self._token(lp)
+        entry["top_logprobs"] = [self._token(t) for t in lp.top]
         return entry
 
-    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        raw = self._bytes_of(token_id)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
-                "bytes": list(raw)}
+    @staticmethod
+    def _token(lp: LogprobEntry) -> dict[str, Any]:
+        return {"token": _text_of(lp), "logprob": lp.logprob, "bytes": list(lp.bytes)}
 
-    def _text_of(self, token_id: int) -> str:
-        return self._bytes_of(token_id).decode("utf-8", errors="replace")
-
-    def completion(self, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    def completion(self, logprobs: tuple[LogprobEntry, ...]) -> dict[str, Any]:
         tokens, offsets = [], []
         for lp in logprobs:
-            text = self._text_of(lp.token_id)
+            text = _text_of(lp)
             tokens.append(text)
             offsets.append(self._offset)
             self._offset += len(text)
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self._text_of(t): v for t, v in lp.top} for lp in logprobs],
+            "top_logprobs": [{_text_of(t): t.logprob for t in lp.top} for lp in logprobs],
             "text_offset": offsets,
         }
+
+
+def _text_of(lp: LogprobEntry) -> str:
+    return lp.bytes.decode("utf-8", errors="replace")
 
 
 def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -288,7 +289,7 @@ class ChatCompletions(_Completions):
 
     def collect(self, generation: Generation) -> dict[str, Any]:
         wants_logprobs = generation.sampling.logprobs is not None
-        logprobs = _Logprobs(generation) if wants_logprobs else None
+        logprobs = _Logprobs() if wants_logprobs else None
         text, entries = [], []
         for delta in generation.deltas():
             text.append(delta.text)
@@ -312,7 +313,7 @@ class ChatCompletions(_Completions):
     def frames(self, generation: Generation, include_usage: bool) -> Iterator[bytes]:
         head = self._head(generation, "chat.completion.chunk")
         usage_field = {"usage": None} if include_usage else {}
-        logprobs = _Logprobs(generation) if generation.sampling.logprobs is not None else None
+        logprobs = _Logprobs() if generation.sampling.logprobs is not None else None
 
         def chunk(delta: dict[str, Any], finish: str | None = None,
                   token_logprobs: Any = None) -> bytes:
@@ -347,7 +348,7 @@ class TextCompletions(_Completions):
         return completion_job(body)
 
     def collect(self, generation: Generation) -> dict[str, Any]:
-        logprobs = _Logprobs(generation) if generation.sampling.logprobs is not None else None
+        logprobs = _Logprobs() if generation.sampling.logprobs is not None else None
         text, parts = [], []
         for delta in generation.deltas():
             text.append(delta.text)
@@ -364,7 +365,7 @@ class TextCompletions(_Completions):
     def frames(self, generation: Generation, include_usage: bool) -> Iterator[bytes]:
         head = self._head(generation, "text_completion")
         usage_field = {"usage": None} if include_usage else {}
-        logprobs = _Logprobs(generation) if generation.sampling.logprobs is not None else None
+        logprobs = _Logprobs() if generation.sampling.logprobs is not None else None
 
         def chunk(text: str, finish: str | None = None, token_logprobs: Any = None) -> bytes:
             return frame({**head, "choices": [{"index": 0, "text": text,

@@ -64,6 +64,19 @@ class _Waiter:
     reserve_bytes: int
     batch: Hashable | None
     since: float = 0.0
+    model_id: str = ""
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WaitingRequest:
+    """A request waiting for memory (:meth:`AdmissionQueue.waiting_requests`)."""
+
+    request_id: str
+    model_id: str
+    prompt_tokens: int
+    reserve_bytes: int
+    waited_s: float
 
 
 def reservation_cost(reservations: Iterable[tuple[int, Hashable | None]]) -> int:
@@ -121,7 +134,8 @@ class AdmissionQueue:
 
     def __init__(self, queue_size: int, timeout_s: float, admit_watermark: float,
                  clock: Callable[[], float] = time.monotonic, *,
-                 margin_bytes: int | Callable[[int], int] = 0):
+                 margin_bytes: int | Callable[[int], int] = 0,
+                 on_idle: Callable[[], None] | None = None):
         #: the transient margin under a hard limit (a number, or a function of the limit)
         self.margin_bytes = margin_bytes if callable(margin_bytes) else (lambda _hard: margin_bytes)
         self.queue_size = queue_size
@@ -138,6 +152,10 @@ class AdmissionQueue:
         self.backfilled = 0
         #: requests suspended so far (preempted to let older ones grow)
         self.preempted = 0
+        #: requests that held a reservation and released it, so far
+        self.finished_total = 0
+        #: called (without the lock held) when a release leaves nothing running or waiting
+        self._on_idle = on_idle
 
     # -- reading ------------------------------------------------------------------------
 
@@ -154,6 +172,13 @@ class AdmissionQueue:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    def waiting_requests(self) -> list[WaitingRequest]:
+        """The requests waiting for memory, in queue order."""
+        now = self.clock()
+        with self._cond:
+            return [WaitingRequest(w.request_id, w.model_id, w.prompt_tokens, w.reserve_bytes,
+                                   now - w.since) for w in self._waiting]
 
     def idle(self) -> bool:
         """No request holds a reservation or waits for one."""
@@ -215,7 +240,7 @@ class AdmissionQueue:
                     request_id, reserve_bytes, model_id, prompt_tokens, "queue_full",
                     f"{len(self._waiting)} requests are already waiting for memory; retry later "
                     "or raise memory.queue_size", batch, decode_bytes, max_tokens)
-            waiter = _Waiter(request_id, reserve_bytes, batch, start)
+            waiter = _Waiter(request_id, reserve_bytes, batch, start, model_id, prompt_tokens)
             self._waiting.append(waiter)
             log.info("request %s waits for memory (%s; %s held by %d running, budget %s, "
                      "%d waiting)", request_id, format_size(reserve_bytes),
@@ -379,10 +404,14 @@ class AdmissionQueue:
         with self._cond:
             if self._running.pop(id(ticket), None) is None:
                 return
+            self.finished_total += 1
             self._mean_hold_s = held_s if self._mean_hold_s is None else (
                 0.8 * self._mean_hold_s + 0.2 * held_s)
             self._progress_at = self.clock()
             self._cond.notify_all()
+            idle = not self._running and not self._waiting
+        if idle and self._on_idle is not None:
+            self._on_idle()
 
 
 def _size_or_unlimited(value: int | None) -> str:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Union
 from omlx_core.memory import probes
 from omlx_core.memory.probes import ProbeUnavailable
 from omlx_core.memory.types import CeilingBreakdown
+from omlx_core.platform.backend import cuda_available, gpu_device_info, metal_available
 from omlx_core.settings import format_size
 
 if TYPE_CHECKING:
@@ -189,26 +190,15 @@ def compute_ceilings(readings: ProbeReadings, policy: TierPolicy) -> CeilingBrea
 
 
 def _metal_working_set() -> MetalWorkingSetResult:
+    if not metal_available():
+        return ProbeUnavailable("metal", "Metal is not available to mlx")
     try:
-        import mlx.core as mx
-
-        if not mx.metal.is_available():
-            return ProbeUnavailable("metal", "Metal is not available to mlx")
-        size = mx.device_info(mx.gpu).get("max_recommended_working_set_size")
-    except Exception as error:  # an mlx runtime error must not take the enforcer down
-        return ProbeUnavailable("metal", f"mx.device_info failed: {error}")
+        size = gpu_device_info().get("max_recommended_working_set_size")
+    except (ImportError, RuntimeError) as error:
+        return ProbeUnavailable("metal", str(error))
     if not isinstance(size, int) or size <= 0:
         return ProbeUnavailable("metal", "mx.device_info() has no max_recommended_working_set_size")
     return size
-
-
-def _cuda_in_use() -> bool:
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return False
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available())
 
 
 def read_probes(system: str | None = None) -> ProbeReadings:
@@ -222,6 +212,6 @@ def read_probes(system: str | None = None) -> ProbeReadings:
     return ProbeReadings(
         system=system,
         meminfo=probes.probe_linux_meminfo() if system == "Linux" else None,
-        cuda=probes.probe_cuda_memory() if _cuda_in_use() else None,
+        cuda=probes.probe_cuda_memory() if cuda_available() else None,
         cgroup=probes.probe_cgroup_limit() if system == "Linux" else None,
         footprint=probes.probe_process_footprint(system=system))

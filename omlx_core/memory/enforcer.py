@@ -8,6 +8,12 @@ loaded engine's :class:`~omlx_core.memory.gate.MemoryReceiver`, found through th
 after start-up has limits within one poll; a receiver seen for the first time is also
 given its engine's forward gate. An engine the hook cannot resolve is reported once
 per engine type, loudly: that is how a guard silently goes dead.
+
+This thread is where memory is read (mlx's counters, the process footprint, the probes);
+the request thread judges against the snapshot it published. :meth:`MemoryEnforcer.
+poll_soon` asks for a poll ahead of time: the guard asks when the last running request
+finishes, so the idle baseline the next request is judged on includes what that one
+left behind.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from omlx_core.memory.ceilings import ProbeReadings, TierPolicy, compute_ceilings, read_probes
 from omlx_core.memory.gate import ForwardGate, MemoryReceiver
 from omlx_core.memory.types import LimitSnapshot
-from omlx_core.memory.usage import MemoryUsage, mlx_held_bytes
+from omlx_core.memory.usage import MemoryUsage
+from omlx_core.platform.backend import held_bytes
 from omlx_core.settings import format_size
 
 if TYPE_CHECKING:
@@ -43,6 +50,8 @@ class MemoryEnforcer:
     :param gate_for: the forward gate of an engine.
     :param reclaimable: what the server could give back on demand now (caches).
     :param read: returns fresh probe readings (tests pass fixed ones).
+    :param epoch: how many requests have finished so far (the snapshot's
+        ``baseline_epoch`` says which of them an idle baseline was read after).
     """
 
     def __init__(self, engines: Callable[[], Iterable[Engine]],
@@ -51,8 +60,11 @@ class MemoryEnforcer:
                  publish: Callable[[LimitSnapshot], None],
                  gate_for: Callable[[Engine], ForwardGate],
                  reclaimable: Callable[[], int] = lambda: 0,
-                 read: Callable[[], ProbeReadings] = read_probes):
+                 read: Callable[[], ProbeReadings] = read_probes,
+                 epoch: Callable[[], int] = lambda: 0):
         self.usage = usage
+        self._epoch = epoch
+        self._baseline_epoch = 0
         self._reclaimable = reclaimable
         self._idle = idle
         self._publish_first = publish
@@ -66,11 +78,14 @@ class MemoryEnforcer:
         self._sequence = 0
         self._baseline: int | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned_types: set[str] = set()
         self._logged_notes: set[str] = set()
         self.polls = 0
         self.last_error: str | None = None
+        #: called with every snapshot after the engines have it (the dashboard's history)
+        self.listeners: list[Callable[[LimitSnapshot], None]] = []
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -86,6 +101,7 @@ class MemoryEnforcer:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
+        self._wake.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout_s)
@@ -94,8 +110,16 @@ class MemoryEnforcer:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def poll_soon(self) -> None:
+        """Poll now rather than at the end of the interval (the next poll starts over)."""
+        self._wake.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.poll_once()
             except Exception as exc:  # the enforcer must outlive any one bad poll
@@ -112,6 +136,9 @@ class MemoryEnforcer:
                 self._logged_notes.add(note)
                 log.warning("memory ceilings: %s", note)
         usage = self.usage
+        # Read before the memory: a request finishing after it makes the baseline count
+        # as read before that request finished, and another poll is asked for.
+        epoch = self._epoch()
         resident = usage.resident()
         usage.observe(resident)
         reclaimable = min(resident, max(0, int(self._reclaimable())))
@@ -119,6 +146,7 @@ class MemoryEnforcer:
             # What is held with no request running, less the caches it would give back
             # for one, is what every request sits on.
             self._baseline = resident - reclaimable
+            self._baseline_epoch = epoch
         self._sequence += 1
         snapshot = LimitSnapshot(
             hard_bytes=breakdown.hard, breakdown=breakdown,
@@ -126,10 +154,15 @@ class MemoryEnforcer:
             sequence=self._sequence, baseline_bytes=self._baseline,
             reclaimable_bytes=reclaimable,
             margin_bytes=self.policy.margin(breakdown.hard) if breakdown.hard else 0,
-            other_bytes=max(0, resident - mlx_held_bytes()))
+            other_bytes=max(0, resident - held_bytes()), baseline_epoch=self._baseline_epoch)
         self._publish_first(snapshot)
         self._publish(snapshot)
         self.polls += 1
+        for listener in list(self.listeners):
+            try:
+                listener(snapshot)
+            except Exception:  # an observer must not stop the limits from being published
+                log.exception("memory snapshot listener %r failed", listener)
         if self._sequence == 1:
             log.info("memory limit %s (%s ceiling binds, tier %s); baseline in use %s",
                      format_size(snapshot.hard_bytes) if snapshot.hard_bytes else "none",

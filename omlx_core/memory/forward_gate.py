@@ -44,7 +44,6 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from omlx_core.memory.estimate import KV_STEP
 from omlx_core.memory.gate import (
     UNLIMITED_TOKENS,
     DecodePlan,
@@ -54,7 +53,14 @@ from omlx_core.memory.gate import (
     PrefillStep,
     Refusals,
 )
-from omlx_core.memory.types import LimitSnapshot, PeakQuery, Rejection, RequestRejected
+from omlx_core.memory.types import (
+    KV_STEP,
+    LimitSnapshot,
+    PeakEstimate,
+    PeakQuery,
+    Rejection,
+    RequestRejected,
+)
 from omlx_core.memory.usage import MemoryUsage
 from omlx_core.settings import format_size
 
@@ -63,7 +69,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Estimate = Callable[[PeakQuery], "int | None"]
+Estimate = Callable[[PeakQuery], "PeakEstimate | None"]
 Advise = Callable[[Rejection], "list[str]"]
 
 
@@ -77,6 +83,15 @@ def _forwards(chunks: tuple[PrefillChunk, ...]) -> list[list[PrefillChunk]]:
         else:
             forwards.append([chunk])
     return forwards
+
+
+def _copy_bytes(forward: list[PrefillChunk], estimates: list[PeakEstimate]) -> int:
+    """What a shared forward copies beyond its chunks' own estimates: every row's cached
+    prefix into the batch buffer (each row as wide as the longest prefix plus the
+    longest chunk) and its tokens back out."""
+    per_token = max(estimate.kv_bytes_per_token for estimate in estimates)
+    width = max(c.cached_tokens for c in forward) + max(c.new_tokens for c in forward)
+    return 2 * len(forward) * width * per_token
 
 
 class PrefillForwardGate(ForwardGate):
@@ -141,14 +156,14 @@ class PrefillForwardGate(ForwardGate):
         for forward in _forwards(step.chunks):
             shared = len(forward) > 1
             provisional = shared or waits
-            peaks = [self._chunk_estimate(step, chunk, chunk.new_tokens) for chunk in forward]
-            copy = self._copy_bytes(step, forward) if shared else 0
-            if any(peak is None for peak in peaks) or copy is None:
+            estimates = self._chunk_estimates(step, forward)
+            if estimates is None:
                 for chunk in forward:
                     refused[chunk.request_id] = self._unestimable(step, chunk, limits)
                 final += 0 if shared else len(forward)  # waiting would not help
                 continue
-            total = sum(peaks) + copy  # type: ignore[arg-type]
+            copy = _copy_bytes(forward, estimates) if shared else 0
+            total = sum(estimate.total for estimate in estimates) + copy
             projected = current + earlier_kv + total + self.transient_margin
             if projected > hard and self._make_room(projected - hard):
                 current = self._usage.high_water(record=True)
@@ -159,11 +174,9 @@ class PrefillForwardGate(ForwardGate):
                                                              limits, shared=shared, waits=waits)
                 final += 0 if provisional else len(forward)
                 continue
-            # What stays resident after this forward is its KV, not its transient: a
-            # one-token chunk's estimate is (almost) only that.
-            for chunk, peak in zip(forward, peaks):
-                resident = self._chunk_estimate(step, chunk, 1)
-                earlier_kv += peak if resident is None else min(resident, peak)
+            # What stays resident after this forward is its KV (and extra bytes), not
+            # its transient.
+            earlier_kv += sum(estimate.held_bytes for estimate in estimates)
         self.refused_total += final
         return refused
 
@@ -173,7 +186,7 @@ class PrefillForwardGate(ForwardGate):
         unlimited = DecodePlan({row.request_id: UNLIMITED_TOKENS for row in step.rows})
         if ledger is None or limits is None or limits.hard_bytes is None:
             return unlimited
-        per_token = self.kv_bytes_per_token(step.model_id, step.model_config)
+        per_token = self._kv_bytes_per_token(step.model_id, step.model_config)
         if per_token is None:
             return unlimited
         hard = limits.hard_bytes
@@ -237,12 +250,15 @@ class PrefillForwardGate(ForwardGate):
         key = (self._binding, stage)
         self.preemptions[key] = self.preemptions.get(key, 0) + 1
 
-    def kv_bytes_per_token(self, model_id: str, model_config: Mapping[str, Any]) -> int | None:
-        """KV bytes one token of ``model_id`` holds in its cache (``None``: no estimate)."""
+    def _kv_bytes_per_token(self, model_id: str, model_config: Mapping[str, Any]) -> int | None:
+        """KV bytes one token of ``model_id`` holds in its cache (``None``: no estimate),
+        from one estimate per model (it depends on the model, not on the tokens)."""
         if model_id not in self._per_token:
-            step = PrefillStep(model_id=model_id, chunks=(), decoding=0, chunk_size=1,
-                               model_config=model_config)
-            self._per_token[model_id] = self._kv_bytes_per_token(step)
+            estimate = self._estimate(PeakQuery(
+                model_config=model_config, new_tokens=1, cached_tokens=0, chunk_size=1,
+                dtype_bytes=self.dtype_bytes, full_logits=self.full_logits, model_id=model_id,
+                first_token=False, cached_kv_resident=True, backend=self.backend))
+            self._per_token[model_id] = None if estimate is None else estimate.kv_bytes_per_token
         return self._per_token[model_id]
 
     def _make_room(self, nbytes: int) -> bool:
@@ -267,31 +283,6 @@ class PrefillForwardGate(ForwardGate):
             prompt_tokens=chunk.prompt_tokens, stage="forward", cause="no_estimate",
             detail=f"no estimate_peak plugin could estimate a prefill of model "
                    f"{step.model_id!r}, so the memory guard cannot let it run"))
-
-    def _copy_bytes(self, step: PrefillStep, forward: list[PrefillChunk]) -> int | None:
-        """What a shared forward copies beyond its chunks' own estimates: every row's
-        cached prefix into the batch buffer (each row as wide as the longest prefix plus
-        the longest chunk) and its tokens back out. ``None`` without an estimate."""
-        per_token = self._kv_bytes_per_token(step)
-        if per_token is None:
-            return None
-        width = max(c.cached_tokens for c in forward) + max(c.new_tokens for c in forward)
-        return 2 * len(forward) * width * per_token
-
-    def _kv_bytes_per_token(self, step: PrefillStep) -> int | None:
-        """KV bytes one token adds to a cache, from the estimate: the resident KV of
-        ``2 * KV_STEP`` tokens fed one per forward less that of ``KV_STEP`` tokens (both
-        fill whole cache steps; the one-token forwards' transients cancel out)."""
-        sizes = []
-        for tokens in (2 * KV_STEP, KV_STEP):
-            size = self._estimate(PeakQuery(
-                model_config=step.model_config, new_tokens=tokens, cached_tokens=0, chunk_size=1,
-                dtype_bytes=self.dtype_bytes, full_logits=self.full_logits, model_id=step.model_id,
-                first_token=False, cached_kv_resident=True, backend=self.backend))
-            if size is None:
-                return None
-            sizes.append(size)
-        return max(0, -(-(sizes[0] - sizes[1]) // KV_STEP))
 
     def check_after_prefill(self, step: PrefillStep) -> Refusals:
         """Stop the request of ``step``'s chunk (its forward has just run) if high-water
@@ -322,17 +313,25 @@ class PrefillForwardGate(ForwardGate):
             f"{format_size(current)} was in use after the forward, over the "
             f"{format_size(limits.hard_bytes)} limit; the request was stopped and its cache freed")
 
-    def _chunk_estimate(self, step: PrefillStep, chunk: PrefillChunk, chunk_size: int) -> int | None:
-        # The chunk extends the request's own cache, whose KV is already in current use;
-        # after the prompt's last chunk its last token is fed in a one-token forward and
-        # the cache joins the decode batch (which copies it): ``first_token``.
-        last = chunk.cached_tokens + chunk.new_tokens >= chunk.prompt_tokens - 1
-        return self._estimate(PeakQuery(
-            model_config=step.model_config, new_tokens=chunk.new_tokens,
-            cached_tokens=chunk.cached_tokens, chunk_size=max(1, chunk_size),
-            dtype_bytes=self.dtype_bytes, full_logits=self.full_logits, model_id=step.model_id,
-            first_token=last, cached_kv_resident=True, backend=self.backend,
-            images=chunk.images))
+    def _chunk_estimates(self, step: PrefillStep, forward: list[PrefillChunk]
+                         ) -> list[PeakEstimate] | None:
+        """One estimate per chunk of ``forward`` (``None`` when any has none)."""
+        estimates = []
+        for chunk in forward:
+            # The chunk extends the request's own cache, whose KV is already in current
+            # use; after the prompt's last chunk its last token is fed in a one-token
+            # forward and the cache joins the decode batch (which copies it): ``first_token``.
+            last = chunk.cached_tokens + chunk.new_tokens >= chunk.prompt_tokens - 1
+            estimate = self._estimate(PeakQuery(
+                model_config=step.model_config, new_tokens=chunk.new_tokens,
+                cached_tokens=chunk.cached_tokens, chunk_size=max(1, chunk.new_tokens),
+                dtype_bytes=self.dtype_bytes, full_logits=self.full_logits,
+                model_id=step.model_id, first_token=last, cached_kv_resident=True,
+                backend=self.backend, images=chunk.images))
+            if estimate is None:
+                return None
+            estimates.append(estimate)
+        return estimates
 
     def _reason(self, step: PrefillStep, chunk: PrefillChunk, peak: int, base: int,
                 limits: LimitSnapshot, *, shared: bool = False, waits: bool = False

@@ -23,12 +23,16 @@ Two rules hold at every stage:
   charged on top of the estimate by preflight, by admission and by the forward gate
   alike, so a request that passes preflight on an idle server is not refused half-way
   for want of it.
+
+And preflight, which runs on the request thread, reads no memory there: it judges
+against the enforcer's last published snapshot (memory is read on the enforcer's
+thread and the MLX thread, through :mod:`omlx_core.platform.backend`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+import threading
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from omlx_core.engine import GuardedEngine, memory_hints_of
@@ -38,12 +42,14 @@ from omlx_core.memory.enforcer import MemoryEnforcer
 from omlx_core.memory.forward_gate import PrefillForwardGate
 from omlx_core.memory.types import (
     LimitSnapshot,
+    PeakEstimate,
     PeakQuery,
     PreflightRequest,
     Rejection,
     RequestRejected,
 )
 from omlx_core.memory.usage import MemoryUsage
+from omlx_core.platform.backend import cache_bytes, clear_cache, limit_cache, mlx_backend
 from omlx_core.settings import format_size
 
 if TYPE_CHECKING:
@@ -69,7 +75,7 @@ class MemoryGuard:
     def __init__(self, plugins: PluginManager, config: Config, *,
                  usage: MemoryUsage | None = None,
                  mlx_cache: Callable[[], int] | None = None):
-        self._mlx_cache = mlx_cache or mlx_cache_bytes
+        self._mlx_cache = mlx_cache or cache_bytes
         self.plugins = plugins
         self.config = config
         self.policy = TierPolicy.from_config(config)
@@ -85,12 +91,15 @@ class MemoryGuard:
         self.admission = AdmissionQueue(int(config["memory.queue_size"]),
                                         float(config["memory.queue_timeout_s"]),
                                         self.policy.admit_watermark,
-                                        margin_bytes=self.policy.margin)
+                                        margin_bytes=self.policy.margin,
+                                        on_idle=self._refresh_baseline)
         self.backend = mlx_backend()
         self.enforcer: MemoryEnforcer | None = None
         self._engines: Callable[[], Iterable[Engine]] = tuple
         self.reclaimed_bytes_total = 0
         self._snapshot: LimitSnapshot | None = None
+        #: notified on every published snapshot (preflight may wait for a fresh baseline)
+        self._published = threading.Condition()
         self._gates: dict[int, tuple[Engine, PrefillForwardGate]] = {}
         self._warned: set[str] = set()
 
@@ -102,12 +111,14 @@ class MemoryGuard:
         return self._snapshot
 
     def update(self, snapshot: LimitSnapshot) -> None:
-        self._snapshot = snapshot
+        with self._published:
+            self._snapshot = snapshot
+            self._published.notify_all()
         self.admission.update(snapshot)
         if snapshot.hard_bytes is not None and snapshot.margin_bytes > 0:
             # Buffers mlx frees are kept for reuse; under a limit, at most the margin of
             # them, so that its cache never takes the process over the limit unasked.
-            limit_mlx_cache(snapshot.margin_bytes)
+            limit_cache(snapshot.margin_bytes)
 
     def idle(self) -> bool:
         return self.admission.idle()
@@ -126,7 +137,8 @@ class MemoryGuard:
                 engines, lambda engine: self.plugins.hook.resolve_scheduler(engine=engine),
                 self.policy, float(self.config["memory.poll_interval_s"]), usage=self.usage,
                 idle=self.idle, publish=self.update, gate_for=self.forward_gate_for,
-                reclaimable=self.reclaimable_bytes, **kwargs)
+                reclaimable=self.reclaimable_bytes,
+                epoch=lambda: self.admission.finished_total, **kwargs)
             self.enforcer.start()
         return self.enforcer
 
@@ -158,7 +170,7 @@ class MemoryGuard:
             if isinstance(engine, GuardedEngine):
                 freed += max(0, int(engine.reclaim(nbytes - freed)))
         cached = self._mlx_cache()
-        clear_mlx_cache()
+        clear_cache()
         freed += cached
         self.usage.forget_recent()
         self.reclaimed_bytes_total += freed
@@ -182,15 +194,23 @@ class MemoryGuard:
             cached_kv_resident=hints.cached_kv_resident, backend=self.backend,
             images=images)
 
-    def estimate(self, query: PeakQuery) -> int | None:
+    def estimate(self, query: PeakQuery) -> PeakEstimate | None:
+        """The ``estimate_peak`` answer for ``query`` (``None``: no plugin covers the model,
+        warned once per model)."""
         result = self.plugins.hook.estimate_peak(query=query)
-        if result is None and query.model_id not in self._warned:
-            self._warned.add(query.model_id)
-            log.warning("no estimate_peak plugin can estimate model %r (model_type %r): its "
-                        "requests are not checked against memory; enable the built-in "
-                        "'estimator' plugin or install one for this architecture",
-                        query.model_id, query.model_config.get("model_type"))
-        return None if result is None else int(result)
+        if result is None:
+            if query.model_id not in self._warned:
+                self._warned.add(query.model_id)
+                log.warning("no estimate_peak plugin can estimate model %r (model_type %r): its "
+                            "requests are not checked against memory; enable the built-in "
+                            "'estimator' plugin or install one for this architecture",
+                            query.model_id, query.model_config.get("model_type"))
+            return None
+        if not isinstance(result, PeakEstimate):
+            raise TypeError(f"an estimate_peak plugin answered {type(result).__name__} "
+                            f"{result!r} for model {query.model_id!r}; it must return an "
+                            "omlx_core.memory.types.PeakEstimate (or None)")
+        return result
 
     def advice(self, rejection: Rejection) -> list[str]:
         """Advice from every ``on_rejection`` implementation, in hook order."""
@@ -212,27 +232,49 @@ class MemoryGuard:
         """Raise :class:`RequestRejected` (stage ``"preflight"``) if the request can never
         fit: its prefill (after encoding its ``images``), or the KV of its prompt and
         ``max_tokens`` completion tokens."""
-        snapshot = self._snapshot
-        if snapshot is not None and self.admission.idle():
-            # The enforcer's baseline is at most a poll old; on an idle server the truth
-            # is one reading away, and a stale (lower) one would let through a request the
-            # forward gate, which reads current use, then refuses half-way.
-            snapshot = replace(snapshot, baseline_bytes=max(
-                0, self.usage.resident() - min(self.usage.resident(), self.reclaimable_bytes())))
+        snapshot = self._preflight_limits()
         query = self.peak_query(engine, prompt_tokens, images=images)
-        estimated = self.estimate(query)
+        estimate = self.estimate(query)
+        # The completion's KV is checked only when one is asked for.
+        per_token = estimate.kv_bytes_per_token if estimate is not None and max_tokens else 0
         request = PreflightRequest(
             request_id=request_id, model_id=engine.model.id, prompt_tokens=len(prompt_tokens),
             cached_tokens=query.cached_tokens, chunk_size=query.chunk_size,
-            estimated_bytes=estimated, limits=snapshot, model_config=query.model_config,
+            estimated_bytes=estimate.total if estimate is not None else None, limits=snapshot,
+            model_config=query.model_config,
             margin_bytes=self.policy.margin(snapshot.hard_bytes if snapshot else None),
-            max_tokens=max_tokens,
-            kv_bytes_per_token=(self.forward_gate_for(engine).kv_bytes_per_token(
-                engine.model.id, query.model_config) or 0) if max_tokens else 0)
+            max_tokens=max_tokens, kv_bytes_per_token=per_token)
         try:
             self.plugins.hook.preflight(request=request)
         except RequestRejected as error:
             raise self.advised(error) from None
+
+    def _preflight_limits(self) -> LimitSnapshot | None:
+        """The snapshot preflight judges against. It runs on the request thread, so it
+        reads no memory itself: on an idle server whose published baseline was read
+        before the last request finished (what that request left behind may be missing:
+        a stale, lower baseline would let through a request the forward gate, which
+        reads current use, then refuses half-way), it asks the enforcer for a poll and
+        waits for that snapshot (a poll takes milliseconds; the last request's release
+        already asked for it, so the wait is usually over before it starts)."""
+        enforcer = self.enforcer
+        with self._published:
+            snapshot = self._snapshot
+        if (snapshot is None or enforcer is None or not enforcer.running
+                or not self.admission.idle()
+                or snapshot.baseline_epoch >= self.admission.finished_total):
+            return snapshot
+        epoch = self.admission.finished_total
+        enforcer.poll_soon()
+        with self._published:
+            self._published.wait_for(lambda: self._snapshot.baseline_epoch >= epoch
+                                     or not self.admission.idle(), timeout=self.retry_after_s)
+            return self._snapshot
+
+    def _refresh_baseline(self) -> None:
+        """The last running request finished: have the idle baseline read again."""
+        if self.enforcer is not None:
+            self.enforcer.poll_soon()
 
     def admit(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int], *,
               max_tokens: int, images: int = 0) -> AdmissionTicket:
@@ -245,13 +287,13 @@ class MemoryGuard:
         """
         hints = memory_hints_of(engine)
         soon = min(max_tokens, self.decode_reserve_tokens)
-        estimated = self.estimate(self.peak_query(engine, prompt_tokens, extra_tokens=soon,
-                                                  images=images))
-        prompt_only = self.estimate(self.peak_query(engine, prompt_tokens, images=images))
-        decode = max(0, (estimated or 0) - (prompt_only or 0))
+        estimate = self.estimate(self.peak_query(engine, prompt_tokens, extra_tokens=soon,
+                                                 images=images))
+        reserve = estimate.total if estimate is not None else 0
+        decode = min(reserve, estimate.kv_bytes_per_token * soon) if estimate is not None else 0
         batch = id(engine) if hints.decode_batch_padded else None
         try:
-            return self.admission.admit(request_id, estimated or 0, batch,
+            return self.admission.admit(request_id, reserve, batch,
                                         model_id=engine.model.id, prompt_tokens=len(prompt_tokens),
                                         decode_bytes=decode, max_tokens=soon,
                                         kv_tokens=len(prompt_tokens) + soon,
@@ -289,39 +331,3 @@ class MemoryGuard:
                 totals[key] = totals.get(key, 0) + count
         return totals
 
-
-def mlx_cache_bytes() -> int:
-    """Bytes in mlx's buffer cache (freed buffers it keeps for reuse)."""
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return 0
-    return int(mx.get_cache_memory())
-
-
-def limit_mlx_cache(nbytes: int) -> None:
-    """Cap mlx's buffer cache at ``nbytes`` (freed buffers past it go back at once)."""
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return
-    mx.set_cache_limit(max(0, int(nbytes)))
-
-
-def clear_mlx_cache() -> None:
-    import mlx.core as mx
-
-    mx.clear_cache()
-
-
-def mlx_backend() -> str:
-    """``"metal"``, ``"cuda"`` or ``"cpu"``: where mlx runs prefills in this process."""
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return "cpu"
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return "cpu"
-    if hasattr(mx, "metal") and mx.metal.is_available():
-        return "metal"
-    return "cuda"

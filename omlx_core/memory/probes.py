@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Union
 
+from omlx_core.platform.backend import cuda_available, gpu_device_info
+
 logger = logging.getLogger(__name__)
 
 # Kernels report "no limit" as the largest page-aligned counter (0x7FFFFFFFFFFFF000 on
@@ -379,17 +381,12 @@ def probe_macos_memory(run: RunCommand = _run_command, system: str | None = None
 
 
 def _mlx_cuda_device_info() -> Mapping[str, Any] | ProbeUnavailable:
-    try:
-        import mlx.core as mx
-    except ImportError as error:
-        return _unavailable("cuda", f"mlx is not importable: {error}")
-    cuda = getattr(mx, "cuda", None)
-    if cuda is None or not cuda.is_available():
+    if not cuda_available():
         return _unavailable("cuda", "this mlx has no CUDA backend (install mlx[cuda13])")
     try:
-        return mx.device_info(mx.gpu)
-    except Exception as error:  # an mlx runtime error must not take the probe down
-        return _unavailable("cuda", f"mx.device_info(mx.gpu) failed: {error}")
+        return gpu_device_info()
+    except (ImportError, RuntimeError) as error:
+        return _unavailable("cuda", str(error))
 
 
 def probe_cuda_memory(device_info: Mapping[str, Any] | None = None) -> CudaMemoryResult:

@@ -1,10 +1,10 @@
-"""The values that cross the memory hooks: ceilings, limit snapshots, estimate queries,
-preflight requests, rejections and boundary snapshots. Plugin authors read these types;
-``omlx_core.memory`` computes them."""
+"""The values that cross the memory hooks: ceilings, limit snapshots, estimate queries
+and estimates, preflight requests, rejections and boundary snapshots. Plugin authors
+read these types; ``omlx_core.memory`` and the plugins compute them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from omlx_core.settings import format_size
@@ -64,6 +64,9 @@ class LimitSnapshot:
     #: of ``in_use_bytes``, what mlx does not hold (interpreter, libraries, heap): it
     #: changes slowly, so with mlx's own counters it tells current use between polls
     other_bytes: int = 0
+    #: requests finished when ``baseline_bytes`` was read (on an idle server): a baseline
+    #: read before the latest one finished may miss what it left behind
+    baseline_epoch: int = 0
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -114,6 +117,64 @@ class PeakQuery:
     #: are part of its peak, their features (one row per image token) are held while
     #: prefill feeds them
     images: int = 0
+
+
+#: Tokens by which mlx-lm's KV caches (``KVCache``, ``QuantizedKVCache``,
+#: ``BatchKVCache``) grow: a cache holding ``n`` tokens has room for a whole number of them.
+KV_STEP = 256
+
+
+def kv_capacity(tokens: int) -> int:
+    """The KV tokens a cache holding ``tokens`` has allocated (it grows in steps)."""
+    return -(-tokens // KV_STEP) * KV_STEP
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """What :func:`estimate_peak` answers: the peak bytes a prefill of ``new_tokens`` over
+    ``cached_tokens`` (the :class:`PeakQuery`) adds to memory in use, in the parts each
+    stage of the guard needs, so none of them asks twice.
+
+    :attr:`total` is that peak. Preflight and admission compare it with the limit;
+    admission reserves it and grows the reservation by :attr:`kv_bytes_per_token` per
+    completion token; the forward gate counts :attr:`held_bytes` as staying in use after
+    a forward, and :attr:`kv_bytes_per_token` for the rows a shared forward copies.
+    """
+
+    #: working memory of the prefill's worst step, freed when the prefill ends:
+    #: attention scores, activations, logits, copies made while a cache grows
+    transient_bytes: int
+    #: cache bytes one more token (prompt or completion) holds, over every layer whose
+    #: cache grows with the context: what decode grows by
+    kv_bytes_per_token: int
+    #: what the request holds beside the model's own cache: a vision model's image
+    #: encoding and features, a draft model's weights, KV and verify forward
+    extra_bytes: int = 0
+    #: the cache the prefill adds and leaves held: its tokens' KV in whole cache steps
+    #: (after the decode join), and recurrent state
+    kv_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("transient_bytes", "kv_bytes_per_token", "extra_bytes", "kv_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"PeakEstimate.{name} must be a non-negative int, not {value!r}")
+
+    @property
+    def total(self) -> int:
+        """The peak bytes the prefill of the query adds: transient, KV and extra together."""
+        return self.transient_bytes + self.kv_bytes + self.extra_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """What stays in use once the prefill's step is over: its KV and extra bytes."""
+        return min(self.total, self.kv_bytes + self.extra_bytes)
+
+    def plus_extra(self, extra_bytes: int, kv_bytes_per_token: int = 0) -> "PeakEstimate":
+        """This estimate with ``extra_bytes`` more held beside the model's cache, and
+        ``kv_bytes_per_token`` more per token (a draft model's own cache)."""
+        return replace(self, extra_bytes=self.extra_bytes + extra_bytes,
+                       kv_bytes_per_token=self.kv_bytes_per_token + kv_bytes_per_token)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import platform
 import threading
 import time
@@ -23,6 +24,7 @@ from collections import deque
 from typing import Callable
 
 from omlx_core.memory import probes
+from omlx_core.platform.backend import active_bytes
 
 log = logging.getLogger(__name__)
 
@@ -52,36 +54,6 @@ def return_freed_buffers_to_the_os() -> bool:
     except (OSError, AttributeError) as error:  # musl and others have no mallopt
         log.debug("mallopt unavailable (%s): the footprint may lag frees", error)
         return False
-
-
-def mlx_active_bytes() -> int:
-    import mlx.core as mx
-
-    return int(mx.get_active_memory())
-
-
-def mlx_held_bytes() -> int:
-    """What mlx holds: its active memory and its buffer cache (0 without mlx)."""
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return 0
-    return int(mx.get_active_memory()) + int(mx.get_cache_memory())
-
-
-def mlx_held_bytes() -> int:
-    """What mlx holds: its active memory and its buffer cache (0 without mlx)."""
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return 0
-    return int(mx.get_active_memory()) + int(mx.get_cache_memory())
-
-
-def mlx_peak_bytes() -> int:
-    import mlx.core as mx
-
-    return int(mx.get_peak_memory())
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -114,11 +86,31 @@ def footprint_bytes() -> int:
     return footprint.rss_bytes if footprint else 0
 
 
+def resident_now() -> int | None:
+    """This process's resident set now, cheaply (one read of ``/proc/self/statm``, no
+    heap trim), or ``None`` where there is no such file (macOS: ``ps`` is too slow to
+    run every scheduler step).
+
+    For the readings taken every step: between two polls, memory outside mlx grows
+    without mlx seeing it (host copies of the blocks queued for the SSD tier, file
+    pages of libraries touched for the first time), so the last poll's figure for it
+    can be tens of MiB low (docs/reliability.md).
+    """
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 class MemoryUsage:
     """Reads current use and keeps the recent high-water mark; safe from any thread."""
 
     def __init__(self, window_s: float = 2.0, *,
-                 read_active: Callable[[], int] = mlx_active_bytes,
+                 read_active: Callable[[], int] = active_bytes,
                  read_footprint: Callable[[], int] = footprint_bytes,
                  clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s

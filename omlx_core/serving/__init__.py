@@ -3,10 +3,12 @@
 HTTP, the benchmarks and an embedding program all go through
 :class:`~omlx_core.serving.pipeline.ServingPipeline`: a :class:`Job` in, a started
 :class:`Generation` out (or a typed error before any work or byte). See
-:mod:`omlx_core.serving.pipeline` for the order of the checks.
+:mod:`omlx_core.serving.pipeline` for the order of the checks, and
+:mod:`omlx_core.serving.output` for how the engine's token ids become text.
 """
 
 from omlx_core.memory.types import RequestRejected
+from omlx_core.serving.output import LogprobEntry, OutputProcessor, StopMatcher
 from omlx_core.serving.pipeline import (
     Delta,
     EngineFailed,
@@ -20,5 +22,6 @@ from omlx_core.serving.pipeline import (
 )
 from omlx_core.serving.tools import ToolRequest
 
-__all__ = ["Delta", "EngineFailed", "Generation", "InvalidRequest", "Job", "RequestAborted",
-           "RequestRejected", "ServingEvents", "ServingPipeline", "ToolRequest", "UnknownModel"]
+__all__ = ["Delta", "EngineFailed", "Generation", "InvalidRequest", "Job", "LogprobEntry",
+           "OutputProcessor", "RequestAborted", "RequestRejected", "ServingEvents",
+           "ServingPipeline", "StopMatcher", "ToolRequest", "UnknownModel"]

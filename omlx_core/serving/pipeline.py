@@ -21,9 +21,13 @@ starts the stream anyway and :meth:`Generation.deltas` yields keep-alive deltas 
 the first token, so no client sits minutes without a byte; a refusal after that point
 ends the stream in-band like any other failure.
 
-Stop strings are the engine's job (the contract in :mod:`omlx_core.engine`): the
-pipeline passes the outputs on as they are and reads the stop string that matched from
-the final one.
+Engines stream token ids (the contract in :mod:`omlx_core.engine`); the pipeline owns
+text. Each :class:`Generation` runs its outputs through an
+:class:`~omlx_core.serving.output.OutputProcessor`: detokenized with the engine's own
+detokenizer, stop strings matched (never emitted, not even in part), logprob bytes
+built. When a stop string matches, the generation aborts the engine request at once
+(the engine frees it within one step) and tokens past the stop never reach the caller;
+the engine never sees the stop strings.
 """
 
 from __future__ import annotations
@@ -43,12 +47,12 @@ from omlx_core.engine import (
     ImagePart,
     RequestHandle,
     SamplingParams,
-    TokenLogprob,
     images_of,
 )
 from omlx_core.grammar import GrammarError
 from omlx_core.memory.types import RequestRejected
 from omlx_core.serving.inflight import InFlight
+from omlx_core.serving.output import LogprobEntry, OutputProcessor, ProcessedText
 from omlx_core.grammar.toolcalls import ContentDelta
 from omlx_core.serving.tools import ToolRequest, ToolTurn, content_of, prepare
 
@@ -59,6 +63,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ABORTED = "the request was aborted before it finished (the server is shutting down or the client left)"
+#: how long a generation ended by a stop string waits for the engine's final output
+#: (its usage: cached and drafted tokens) after aborting it; engines answer an abort
+#: within one step, so this bounds only a stuck engine
+STOP_DRAIN_S = 30.0
 
 
 # -- what goes in -------------------------------------------------------------------------
@@ -140,13 +148,13 @@ class ServingEvents:
 
 @dataclass
 class Delta:
-    """New text of a request and the logprobs of the tokens that produced it; a
-    ``keepalive`` delta carries nothing and says the request is still being prefilled.
-    With tools, ``text`` is content only and ``tool_events`` the tool-call pieces
-    (:mod:`omlx_core.grammar.toolcalls` start, arguments and end events)."""
+    """New text of a request and the logprobs (with their bytes) of the tokens that
+    produced it; a ``keepalive`` delta carries nothing and says the request is still
+    being prefilled. With tools, ``text`` is content only and ``tool_events`` the
+    tool-call pieces (:mod:`omlx_core.grammar.toolcalls` start, arguments and end events)."""
 
     text: str
-    logprobs: tuple[TokenLogprob, ...] = ()
+    logprobs: tuple[LogprobEntry, ...] = ()
     keepalive: bool = False
     tool_events: tuple[Any, ...] = ()
 
@@ -178,8 +186,12 @@ class Generation:
         self.finish_reason: str | None = None
         #: why a request ended with ``"error"``: a typed error for the front end to render
         self.failure: Exception | None = None
+        #: with ``finish_reason="stop"``: the stop string that ended the text, if one did
         self.stop_sequence: str | None = None
         self._handle = handle
+        self._output = OutputProcessor(
+            engine.detokenizer(), sampling.stop,
+            engine.token_bytes if sampling.logprobs is not None else None)
         self._first: GenerationOutput | None = first
         #: whether the first output has been seen (``admitted`` is reported then)
         self._started = first is not None
@@ -200,10 +212,6 @@ class Generation:
         """The complete tool calls the output made (``ToolCall``: id, name, arguments)."""
         return self._tools.calls if self._tools is not None else []
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The exact bytes of a token of this request's model (for logprobs)."""
-        return self.engine.token_bytes(token_id)
-
     def deltas(self) -> Iterator[Delta]:
         """New text as it arrives; sets ``finish_reason`` (and ``failure``) when it ends."""
         usage = None
@@ -212,12 +220,21 @@ class Generation:
                 if output is None:
                     yield Delta("", keepalive=True)
                     continue
-                self.completion_tokens += len(output.token_ids)
                 if output.usage is not None:
                     usage = output.usage
-                delta = self._delta(output)
+                processed = self._output.add(output.token_ids, output.logprobs)
+                completed = output.finish_reason in ("stop", "length")
+                if completed and not self._output.stopped:
+                    processed += self._output.finish()
+                ended = output.finished or self._output.stopped
+                delta = self._delta(processed, ended)
                 if delta.text or delta.logprobs or delta.tool_events:
                     yield delta
+                if self._output.stopped:
+                    usage = self._stop_engine(output) or usage
+                    self.finish_reason = "stop"
+                    self.stop_sequence = self._output.stop_sequence
+                    break
                 if output.finished:
                     self._finish(output)
                     break
@@ -226,21 +243,38 @@ class Generation:
             self.finish_reason = "error"
             self.failure = EngineFailed(f"the engine failed: {type(exc).__name__}: {exc}")
         finally:  # also when the client hung up and the stream was closed mid-way
+            self.completion_tokens = self._output.completion_tokens
             if usage is not None:
-                self.completion_tokens = usage.completion_tokens
+                if not self._output.stopped:
+                    self.completion_tokens = usage.completion_tokens
                 self.cached_tokens = usage.cached_tokens
                 self.draft_tokens = usage.draft_tokens
                 self.accepted_draft_tokens = usage.accepted_draft_tokens
             self._events.finished(self.model_id, self.completion_tokens, self.cached_tokens)
 
-    def _delta(self, output: GenerationOutput) -> Delta:
+    def _delta(self, processed: ProcessedText, ended: bool) -> Delta:
         if self._tools is None:
-            return Delta(output.text, output.logprobs or ())
-        events = self._tools.feed(output.text)
-        if output.finished:
+            return Delta(processed.text, processed.logprobs)
+        events = self._tools.feed(processed.text)
+        if ended:
             events += self._tools.finish()
-        return Delta(content_of(events), output.logprobs or (),
+        return Delta(content_of(events), processed.logprobs,
                      tool_events=tuple(e for e in events if not isinstance(e, ContentDelta)))
+
+    def _stop_engine(self, last: GenerationOutput) -> Any:
+        """A stop string matched: abort the engine request (it frees it within a step)
+        and wait for its final output, whose usage (cached, drafted tokens) is returned."""
+        if last.finished:
+            return last.usage
+        self._handle.close()
+        deadline = time.monotonic() + STOP_DRAIN_S
+        while (left := deadline - time.monotonic()) > 0:
+            output = self._handle.next_output(left)
+            if output is not None and output.finished:
+                return output.usage
+        log.warning("the engine did not end request %s within %.0f s of its abort on a stop "
+                    "string", self.request_id, STOP_DRAIN_S)
+        return None
 
     def _all_outputs(self) -> Iterator[GenerationOutput | None]:
         """The outputs, with ``None`` for every keep-alive interval that passed without
@@ -250,6 +284,8 @@ class Generation:
             yield first
         while True:
             output = self._handle.next_output(None if self._started else self._keepalive_s)
+            if output is not None:
+                output = self._with_piled_up(output)
             if output is not None and not self._started:
                 self._started = True
                 self._events.admitted(self.model_id, self.prompt_tokens,
@@ -258,11 +294,21 @@ class Generation:
             if output is not None and output.finished:
                 return
 
+    def _with_piled_up(self, output: GenerationOutput) -> GenerationOutput:
+        """``output`` merged with the outputs already waiting behind it: a reader that fell
+        behind the engine (a slow client, a busy machine) catches up in one delta."""
+        piled = [output]
+        while not piled[-1].finished:
+            more = self._handle.next_output(0)
+            if more is None:
+                break
+            piled.append(more)
+        return output if len(piled) == 1 else merge_outputs(piled)
+
     def _finish(self, output: GenerationOutput) -> None:
         reason = output.finish_reason
         if reason in ("stop", "length"):
             self.finish_reason = reason
-            self.stop_sequence = output.stop_sequence
             return
         self.finish_reason = "error"
         self.failure = _failure_of(output)
@@ -279,6 +325,15 @@ class Generation:
             self._handle.close()
         finally:
             self._release()
+
+
+def merge_outputs(outputs: list[GenerationOutput]) -> GenerationOutput:
+    """One output holding the token ids and logprobs of ``outputs``, in order, and the
+    last one's ending."""
+    last = outputs[-1]
+    logprobs = [lp for o in outputs if o.logprobs for lp in o.logprobs]
+    return replace(last, token_ids=tuple(t for o in outputs for t in o.token_ids),
+                   logprobs=tuple(logprobs) if any(o.logprobs is not None for o in outputs) else None)
 
 
 def _failure_of(output: GenerationOutput) -> Exception:
@@ -369,7 +424,10 @@ class ServingPipeline:
             self._check_token_ids(sampling, limits)
             release = self._reserve(engine, request_id, tokens, sampling.max_tokens, images=len(images))
             try:
-                handle = engine.submit(GenerationRequest(request_id, tokens, sampling, images=prepared))
+                # Stop strings are the output processor's: the engine never sees them.
+                handle = engine.submit(GenerationRequest(request_id, tokens,
+                                                         replace(sampling, stop=()),
+                                                         images=prepared))
             except GrammarError as exc:
                 release()
                 raise InvalidRequest(str(exc), exc.field, "invalid_grammar") from None

@@ -5,6 +5,8 @@ module and giving it an ``engine`` fixture that yields a started engine (the tin
 random-weight models of :mod:`omlx_core.testing` are made for this)::
 
     import pytest
+    from omlx_core.models.registry import spec_for_path
+    from omlx_core.testing import make_test_host
     from omlx_core.testing.conformance import EngineConformance
 
     pytest_plugins = ["omlx_core.testing.pytest_fixtures"]   # tiny_model_path
@@ -13,15 +15,16 @@ random-weight models of :mod:`omlx_core.testing` are made for this)::
         @pytest.fixture(scope="class")
         @classmethod
         def engine(cls, tiny_model_path):
-            engine = MyEngine(model_spec_for(tiny_model_path("llama")), config)
+            engine = MyEngine(spec_for_path(tiny_model_path("llama")), make_test_host())
             engine.start()
             yield engine
             engine.shutdown()
 
-It checks, on the engine object itself (no server): streaming, cancellation, stop
-strings (never emitted, named in the final output), ``max_tokens``, seeded
-determinism, the limits and memory hints, and that a forward-gate refusal ends only
-the refused request. The forward gate is installed on the object the real
+It checks, on the engine object itself (no server): streaming token ids, cancellation,
+stop token ids, ``max_tokens``, seeded determinism, the limits and memory hints, that a
+forward-gate refusal ends only the refused request, and that the engine's
+``detokenizer()`` serves the pipeline's output processor: a stop string is cut where
+the pipeline cuts it and the engine request it aborts then ends with ``"abort"``. The forward gate is installed on the object the real
 ``resolve_scheduler`` hook finds for the engine (the installed plugins answer), so a
 receiver that is never reached fails here rather than in production.
 """
@@ -43,6 +46,7 @@ from omlx_core.engine import (
 )
 from omlx_core.memory.gate import ForwardGate, MemoryReceiver, PrefillStep, Refusals
 from omlx_core.memory.types import Rejection, RequestRejected
+from omlx_core.serving.output import OutputProcessor
 
 #: a prompt long enough that every engine prefills it before its first token
 PROMPT = [(17 * i) % 90 + 20 for i in range(40)]
@@ -82,8 +86,47 @@ def collect(handle: RequestHandle) -> list[GenerationOutput]:
     return outputs
 
 
-def text_of(outputs: list[GenerationOutput]) -> str:
-    return "".join(o.text for o in outputs)
+def text_of(engine: Engine, outputs: list[GenerationOutput]) -> str:
+    """The text of a request's outputs, as the serving pipeline makes it."""
+    processor = OutputProcessor(engine.detokenizer())
+    text = "".join(processor.add(o.token_ids).text for o in outputs)
+    return text + processor.finish().text
+
+
+def run_until_stop(engine: Engine, request: GenerationRequest,
+                   stop: str) -> tuple[str, list[GenerationOutput], OutputProcessor]:
+    """What the pipeline does with a stop string: outputs through an output processor
+    until the stop matches, then the handle is closed (aborting the engine request) and
+    read to its final output. Returns the text, every output the engine sent, and the
+    processor."""
+    request_id = request.request_id
+    handle = engine.submit(request)
+    processor = OutputProcessor(engine.detokenizer(), (stop,))
+    outputs: list[GenerationOutput] = []
+    text: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            while True:
+                output = handle.next_output()
+                if output is None:
+                    continue
+                outputs.append(output)
+                text.append(processor.add(output.token_ids).text)
+                if processor.stopped and not output.finished:
+                    handle.close()
+                if output.finished:
+                    if not processor.stopped:
+                        text.append(processor.finish().text)
+                    return
+        finally:
+            done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert done.wait(TIMEOUT_S), f"request {request_id} did not finish in {TIMEOUT_S} s"
+    handle.close()
+    return "".join(text), outputs, processor
 
 
 def tokens_of(outputs: list[GenerationOutput]) -> list[int]:
@@ -161,17 +204,25 @@ class EngineConformance:
         if final.finish_reason == "length":
             assert final.usage.completion_tokens == max_tokens
 
-    def test_stop_strings_are_never_emitted(self, engine: Engine) -> None:
-        reference = text_of(run(engine, "stop-ref", max_tokens=24))
+    def test_a_stop_string_is_cut_by_the_pipeline_and_aborts_the_request(self, engine: Engine) -> None:
+        reference = text_of(engine, run(engine, "stop-ref", max_tokens=24))
         stop = next((reference[i:i + 3] for i in range(2, len(reference) - 3)
                      if reference[i:i + 3].strip()), None)
         if stop is None:
             pytest.skip(f"the greedy text {reference!r} has no 3 visible characters to stop on")
-        outputs = run(engine, "stop", max_tokens=24, stop=(stop,))
-        text = text_of(outputs)
+        # No max_tokens to end it: only the abort the stop string causes does (or an
+        # end-of-sequence token past the 24 the reference shows none in).
+        text, outputs, processor = run_until_stop(engine, GenerationRequest(
+            "stop", PROMPT, SamplingParams(temperature=0.0, max_tokens=10_000)), stop)
         assert stop not in text
         assert text == reference[:reference.index(stop)]
-        assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_sequence == stop
+        assert processor.stop_sequence == stop
+        final = outputs[-1]
+        ran_past_reference = len(tokens_of(outputs)) >= 24
+        assert final.finish_reason == "abort" or (ran_past_reference and final.finish_reason == "stop"), (
+            f"the engine did not end the request the stop string aborted: {final}")
+        after = run(engine, "after-stop", max_tokens=3)
+        assert after[-1].finish_reason in ("stop", "length")
 
     def test_stop_token_ids_end_the_request(self, engine: Engine) -> None:
         reference = tokens_of(run(engine, "stop-id-ref", max_tokens=6))

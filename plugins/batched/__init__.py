@@ -3,17 +3,17 @@
 Registered like any third-party plugin (entry point ``batched`` in the ``omlx_core``
 group). What it provides through the public hooks:
 
-- ``register_engines``: ``"batched"`` -> :class:`~.engine.BatchedEngine`;
-- ``register_caches``: ``"memory"`` -> the in-memory :class:`~.prefix_cache.PrefixCache`;
+- ``register_engines``: ``"batched"`` -> :class:`~.engine.BatchedEngine`, built with
+  its :class:`~omlx_core.host.EngineHost`: its scheduler reports boundary snapshots and
+  finished requests to the host's sinks, and its in-memory
+  :class:`~.prefix_cache.PrefixCache` puts the host's first lower cache tier (e.g.
+  ``ssd_cache``'s) behind it;
 - ``resolve_scheduler``: a batched engine's :class:`~.scheduler.Scheduler`, its
-  :class:`~omlx_core.memory.gate.MemoryReceiver`;
-- ``startup``: connects each batched engine to ``on_boundary_snapshot`` and puts the
-  first lower cache tier another plugin registered (e.g. ``ssd_cache``) behind its
-  prefix cache.
+  :class:`~omlx_core.memory.gate.MemoryReceiver`.
 
 Threads: every mlx operation, model loading included, runs on the process's one MLX
 thread (:mod:`omlx_core.mlx_thread`). ``submit`` only validates and enqueues; outputs come back
-through a queue per request that the :class:`~.engine.BatchedRequestHandle` iterates;
+through a queue per request that a :class:`~omlx_core.engine.QueuedRequestHandle` iterates;
 closing the handle aborts the request within one scheduler step.
 
 Forward-gate seam (for the memory guard): before each step's prefill forwards, the
@@ -24,7 +24,7 @@ The contract is in :mod:`omlx_core.memory.gate`; the scheduling around it in
 :mod:`.scheduler`.
 
 Throughput against plain ``mlx_lm.stream_generate``:
-``python -m omlx_core.plugins.batched.benchmark`` (see :mod:`.benchmark`).
+``python -m benchmarks.batched_engine`` from the repository root.
 """
 
 from __future__ import annotations
@@ -34,9 +34,7 @@ from typing import Any, Callable
 from omlx_core.hookspecs import hookimpl
 from omlx_core.settings import Setting
 from omlx_core.plugins.batched.engine import (
-    MEMORY_CACHE_NAME,
     BatchedEngine,
-    BatchedRequestHandle,
     EngineSettings,
     create_prefix_cache,
 )
@@ -78,24 +76,12 @@ def register_engines(register: Callable[..., None]) -> None:
 
 
 @hookimpl
-def register_caches(register: Callable[..., None]) -> None:
-    register(MEMORY_CACHE_NAME, create_prefix_cache)
-
-
-@hookimpl
 def resolve_scheduler(engine: Any) -> Scheduler | None:
     return engine.scheduler if isinstance(engine, BatchedEngine) else None
 
 
-@hookimpl
-def startup(context: Any) -> None:
-    for engine in context.engines.values():
-        if isinstance(engine, BatchedEngine):
-            engine.bind_plugins(context.plugins)
-
-
 __all__ = [
-    "ENGINE_NAME", "BatchedEngine", "BatchedRequestHandle", "BlockStore", "CachedBlock",
+    "ENGINE_NAME", "BatchedEngine", "BlockStore", "CachedBlock",
     "EngineSettings", "PrefixCache", "Scheduler",
     "create_prefix_cache",
 ]

@@ -7,10 +7,9 @@ import ctypes
 import ctypes.util
 import logging
 import platform
-import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Sequence
 
 from omlx_core.engine import (
     OPTIONAL_SAMPLING,
@@ -20,20 +19,17 @@ from omlx_core.engine import (
     GuardedEngine,
     MemoryHints,
     QueuedRequestHandle,
+    RequestProgress,
 )
-from omlx_core.mlx_thread import MLXThread, mlx_thread
 from omlx_core.plugins.batched.prefix_cache import PrefixCache
 from omlx_core.plugins.batched.sampling import check_sampling
 from omlx_core.plugins.batched.scheduler import Scheduler, new_sequence
 
 if TYPE_CHECKING:
+    from omlx_core.host import EngineHost
     from omlx_core.models.registry import ModelSpec
-    from omlx_core.pluginmanager import PluginManager
 
 log = logging.getLogger(__name__)
-
-#: the name the in-memory prefix cache is registered under with ``register_caches``
-MEMORY_CACHE_NAME = "memory"
 
 
 @dataclass(frozen=True)
@@ -61,10 +57,21 @@ class EngineSettings:
         )
 
 
-def create_prefix_cache(model: ModelSpec, config: Any) -> PrefixCache:
-    """The in-memory prefix cache for ``model`` (``register_caches`` factory)."""
-    settings = EngineSettings.from_config(config)
-    return PrefixCache(settings.block_size, settings.cache_budget, namespace=f"{model.id}\0{model.path}")
+def create_prefix_cache(model: ModelSpec, host: EngineHost) -> PrefixCache:
+    """The in-memory prefix cache for ``model``, the first of the host's lower cache
+    tiers behind it."""
+    settings = EngineSettings.from_config(host.config)
+    cache = PrefixCache(settings.block_size, settings.cache_budget, namespace=f"{model.id}\0{model.path}")
+    if host.lower_tiers:
+        if len(host.lower_tiers) > 1:
+            log.warning("model %r: %d lower cache tiers; the prefix cache uses the first",
+                        model.id, len(host.lower_tiers))
+        cache.attach_lower(host.lower_tiers[0])
+        if not cache.enabled:
+            log.warning("model %r: plugin.batched.prefix_cache_budget is 0, so the prefix cache "
+                        "is off and the cache tier behind it is never used; set "
+                        "plugin.batched.prefix_cache_budget above 0 to use it", model.id)
+    return cache
 
 
 def _model_context_length(config: Mapping[str, Any]) -> int | None:
@@ -89,41 +96,6 @@ def _trim_malloc_heap() -> None:
         pass
 
 
-class BatchedRequestHandle(QueuedRequestHandle):
-    """A request's output stream; outputs that piled up are merged into one item."""
-
-    def next_output(self, timeout: float | None = None) -> GenerationOutput | None:
-        try:
-            pending = [self._outputs.get(timeout=timeout)]
-        except queue.Empty:
-            return None
-        while not pending[-1].finished:
-            try:
-                pending.append(self._outputs.get_nowait())
-            except queue.Empty:
-                break
-        output = pending[0] if len(pending) == 1 else _merge(pending)
-        self._finished = output.finished
-        return output
-
-
-def _merge(outputs: list[GenerationOutput]) -> GenerationOutput:
-    last = outputs[-1]
-    logprobs = [lp for o in outputs if o.logprobs for lp in o.logprobs]
-    return GenerationOutput(
-        request_id=last.request_id,
-        text="".join(o.text for o in outputs),
-        token_ids=tuple(t for o in outputs for t in o.token_ids),
-        logprobs=tuple(logprobs) if any(o.logprobs is not None for o in outputs) else None,
-        finish_reason=last.finish_reason,
-        error=last.error,
-        error_type=last.error_type,
-        rejected=last.rejected,
-        stop_sequence=last.stop_sequence,
-        usage=last.usage,
-    )
-
-
 class BatchedEngine(GuardedEngine):
     """Serves one mlx-lm model with continuous batching, chunked prefill and a prefix cache.
 
@@ -132,26 +104,24 @@ class BatchedEngine(GuardedEngine):
 
     supported_sampling = OPTIONAL_SAMPLING
 
-    def __init__(self, model: ModelSpec, config: Any, *, thread: MLXThread | None = None,
+    def __init__(self, model: ModelSpec, host: EngineHost, *,
                  loaded: tuple[Any, Any] | None = None) -> None:
-        self.model = model
+        super().__init__(model, host)
         #: ``(model, tokenizer)`` another engine already loaded: served without a second
         #: copy of the weights (a speculative engine's fallback path)
         self._preloaded = loaded
-        self.config = config
-        self.settings = EngineSettings.from_config(config)
-        self.prefix_cache = create_prefix_cache(model, config)
+        self.config = host.config
+        self.settings = EngineSettings.from_config(host.config)
+        self.prefix_cache = create_prefix_cache(model, host)
         self.scheduler: Scheduler | None = None
         self.tokenizer: Any = None
         self.vocab_size = 0
         self._lm: Any = None
         #: bytes per activation element of the loaded model (None until started)
         self.activation_dtype_bytes: int | None = None
-        self._thread = thread or mlx_thread()
+        self._thread = host.thread
         self._tokenizer_lock = threading.Lock()
         self._start_lock = threading.Lock()
-        self._boundary_listener: Callable[..., None] | None = None
-        self._finish_listener: Callable[..., None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -179,8 +149,8 @@ class BatchedEngine(GuardedEngine):
             batch_window_s=self.settings.batch_window_s,
             batch_window_max_s=self.settings.batch_window_max_s,
             fused_sampling=self.settings.fused_sampling,
-            wake=self._thread.wake, boundary_listener=self._on_boundary,
-            finish_listener=self._on_finished,
+            wake=self._thread.wake, boundary_listener=self.host.on_boundary_snapshot,
+            finish_listener=self.host.on_request_finished,
         )
 
     def shutdown(self) -> None:
@@ -206,45 +176,6 @@ class BatchedEngine(GuardedEngine):
         gc.collect()
         mx.clear_cache()
         _trim_malloc_heap()
-
-    def bind_plugins(self, plugins: PluginManager) -> None:
-        """Route boundary snapshots to ``on_boundary_snapshot`` and request ends to
-        ``on_request_finished``, and put the first lower cache tier other plugins
-        registered (``register_caches``) behind the prefix cache."""
-        hook = plugins.hook.on_boundary_snapshot
-        self._boundary_listener = (lambda snapshot: hook(snapshot=snapshot)) if hook.get_hookimpls() else None
-        finished = plugins.hook.on_request_finished
-        model_id = self.model.id
-        self._finish_listener = (
-            (lambda request_id, reason: finished(model_id=model_id, request_id=request_id,
-                                                 finish_reason=reason))
-            if finished.get_hookimpls() else None)
-        tiers = []
-        for name, factory in plugins.caches().items():
-            if name == MEMORY_CACHE_NAME:
-                continue
-            store = factory(self.model, self.config)
-            if store is not None:
-                tiers.append((name, store))
-        if tiers:
-            if len(tiers) > 1:
-                log.warning("model %r: several lower cache tiers (%s); using %r", self.model.id,
-                            ", ".join(n for n, _ in tiers), tiers[0][0])
-            self.prefix_cache.attach_lower(tiers[0][1])
-            if not self.prefix_cache.enabled:
-                log.warning("model %r: plugin.batched.prefix_cache_budget is 0, so the prefix cache is off and "
-                            "the %r cache tier behind it is never used; set plugin.batched.prefix_cache_budget "
-                            "above 0 to use it", self.model.id, tiers[0][0])
-
-    def _on_boundary(self, snapshot: Any) -> None:
-        listener = self._boundary_listener
-        if listener is not None:
-            listener(snapshot)
-
-    def _on_finished(self, request_id: str, reason: str) -> None:
-        listener = self._finish_listener
-        if listener is not None:
-            listener(request_id, reason)
 
     # -- what the pipeline and the memory guard ask -------------------------------------
 
@@ -288,6 +219,10 @@ class BatchedEngine(GuardedEngine):
         self._require_started()
         return frozenset(special_tokens(self.tokenizer))
 
+    def detokenizer(self) -> Any:
+        self._require_started()
+        return self.tokenizer.detokenizer
+
     def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
         self._require_started()
         with self._tokenizer_lock:
@@ -302,7 +237,7 @@ class BatchedEngine(GuardedEngine):
 
     # -- requests --------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> BatchedRequestHandle:
+    def submit(self, request: GenerationRequest) -> QueuedRequestHandle:
         """Queue ``request`` (checked against :meth:`limits` by the pipeline); raises
         ``ValueError`` naming what makes it unservable."""
         scheduler = self._require_started()
@@ -318,7 +253,7 @@ class BatchedEngine(GuardedEngine):
             compiled = compiler_for(self.tokenizer, vocab_size=self.vocab_size).compile(
                 request.sampling.grammar)
             sequence.grammar = GrammarConstraint(compiled)
-        handle = BatchedRequestHandle(request.request_id, sequence.outputs, self.abort)
+        handle = QueuedRequestHandle(request.request_id, sequence.outputs, self.abort)
         scheduler.enqueue(sequence)
         return handle
 
@@ -346,3 +281,7 @@ class BatchedEngine(GuardedEngine):
         if scheduler is None:
             return {"model": self.model.id, "started": False}
         return {"model": self.model.id, "started": True, **scheduler.stats()}
+
+    def progress(self) -> list[RequestProgress]:
+        scheduler = self.scheduler
+        return scheduler.progress() if scheduler is not None else []

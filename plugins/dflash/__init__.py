@@ -15,9 +15,11 @@ group). What it provides through the public hooks:
   scheduler, so the enforcer reaches whichever path serves on every poll (seed 002);
 - ``estimate_peak`` (a wrapper): adds what speculation allocates (draft weights not yet
   loaded, draft KV, the verify forward's width) to every estimate of a dflash model, so
-  preflight, admission and the forward gate all count it;
-- ``startup``: connects each dflash engine's fallback to the cache tiers and the
-  ``on_request_finished`` hook, as the batched plugin does for its own engines.
+  preflight, admission and the forward gate all count it.
+
+Built with its :class:`~omlx_core.host.EngineHost` (its drafter from the model's own
+``[models.<id>]`` choices over ``[plugin.dflash]``); both paths report finished requests
+to the host's sink, and the fallback keeps the host's lower cache tiers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Callable, Generator
 from omlx_core.hookspecs import hookimpl
 from omlx_core.memory.gate import MemoryReceiver
 from omlx_core.plugins.dflash.engine import DRAFTERS, DFlashEngine, DFlashSettings, engine_for_model
+from omlx_core.plugins.dflash.memory import with_speculation
 from omlx_core.settings import Setting
 
 ENGINE_NAME = "dflash"
@@ -73,14 +76,8 @@ def estimate_peak(query: Any) -> Generator[None, Any, Any]:
     engine = engine_for_model(query.model_id)
     if result is None or engine is None:
         return result
-    return int(result) + engine.extra_bytes(query)
-
-
-@hookimpl
-def startup(context: Any) -> None:
-    for engine in context.engines.values():
-        if isinstance(engine, DFlashEngine):
-            engine.bind_plugins(context.plugins)
+    footprint = engine.drafter.footprint() if engine.speculation_off is None else None
+    return with_speculation(result, footprint, engine.extra_bytes(query))
 
 
 __all__ = ["ENGINE_NAME", "DFlashEngine", "DFlashSettings"]

@@ -24,8 +24,8 @@ from omlx_core.engine import (
     GuardedEngine,
     MemoryHints,
     RequestHandle,
+    RequestProgress,
 )
-from omlx_core.mlx_thread import MLXThread, mlx_thread
 from omlx_core.models.errors import ModelError
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.plugins.batched.sampling import check_sampling
@@ -35,9 +35,9 @@ from omlx_core.plugins.dflash.rollback import unsupported_layers
 from omlx_core.plugins.dflash.speculative import PrimaryPath, SpeculativeRequestHandle
 
 if TYPE_CHECKING:
+    from omlx_core.host import EngineHost
     from omlx_core.memory.types import PeakQuery
     from omlx_core.models.registry import ModelSpec
-    from omlx_core.pluginmanager import PluginManager
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,10 @@ class DFlashSettings:
     draft_token_cost: float = 0.1
 
     @classmethod
-    def for_model(cls, model: ModelSpec, config: Any) -> "DFlashSettings":
-        def value(key: str) -> Any:
-            entry = getattr(config, "models", {}).get(model.id)
-            own = entry.get(key) if entry is not None else None
-            return own if own not in (None, "") else config[f"plugin.dflash.{key}"]
-
-        return cls(drafter=str(value("drafter")), draft_path=str(value("draft_path") or ""),
+    def for_model(cls, host: EngineHost) -> "DFlashSettings":
+        config = host.config
+        return cls(drafter=str(host.model_setting("drafter", "plugin.dflash.drafter")),
+                   draft_path=str(host.model_setting("draft_path", "plugin.dflash.draft_path") or ""),
                    block_size=int(config["plugin.dflash.block_size"]),
                    ngram_min=int(config["plugin.dflash.ngram_min"]),
                    ngram_max=int(config["plugin.dflash.ngram_max"]),
@@ -124,14 +121,12 @@ class DFlashEngine(GuardedEngine):
 
     supported_sampling = OPTIONAL_SAMPLING
 
-    def __init__(self, model: ModelSpec, config: Any, *, thread: MLXThread | None = None,
-                 drafter: Drafter | None = None) -> None:
-        self.model = model
-        self.config = config
-        self.settings = DFlashSettings.for_model(model, config)
+    def __init__(self, model: ModelSpec, host: EngineHost, *, drafter: Drafter | None = None) -> None:
+        super().__init__(model, host)
+        self.settings = DFlashSettings.for_model(host)
         self.drafter = drafter if drafter is not None else self.settings.make_drafter(model)
-        self.prefill_step_size = int(config["plugin.batched.prefill_step_size"])
-        self._thread = thread or mlx_thread()
+        self.prefill_step_size = int(host.config["plugin.batched.prefill_step_size"])
+        self._thread = host.thread
         self.guard = PrimaryPathGuard()
         self.fallback: BatchedEngine | None = None
         self.primary: PrimaryPath | None = None
@@ -140,7 +135,6 @@ class DFlashEngine(GuardedEngine):
         self.speculation_off: str | None = None
         self.fallback_requests = 0
         self._start_lock = threading.Lock()
-        self._finish_listener: Any = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -149,15 +143,17 @@ class DFlashEngine(GuardedEngine):
             if self.fallback is not None:
                 return
             lm, tokenizer = self._thread.run(self._load)
-            fallback = BatchedEngine(self.model, self.config, thread=self._thread,
-                                     loaded=(lm, tokenizer))
+            # Over the same host: the fallback reports to the same sinks and keeps the
+            # host's lower cache tiers behind its prefix cache.
+            fallback = BatchedEngine(self.model, self.host, loaded=(lm, tokenizer))
             fallback.start()
             self.fallback = fallback
-            self.receiver = BothPaths(self.guard, fallback)
+            self.receiver = BothPaths(self.guard, fallback.scheduler)
             self.primary = PrimaryPath(
                 model=lm, tokenizer=tokenizer, model_id=self.model.id,
                 model_config=self.model.config, drafter=self.drafter, guard=self.guard,
-                prefill_step_size=self.prefill_step_size, on_finished=self._on_finished)
+                prefill_step_size=self.prefill_step_size,
+                on_finished=self.host.on_request_finished)
             self._thread.attach(self.primary)
             with _ENGINES_LOCK:
                 _ENGINES[self.model.id] = self
@@ -193,23 +189,6 @@ class DFlashEngine(GuardedEngine):
                 self._thread.detach(primary)
             if fallback is not None:
                 fallback.shutdown()
-
-    def bind_plugins(self, plugins: PluginManager) -> None:
-        """Route request ends to ``on_request_finished`` (both paths) and give the
-        fallback its lower cache tiers, as the batched plugin does for its engines."""
-        fallback = self._require_started()
-        fallback.bind_plugins(plugins)
-        finished = plugins.hook.on_request_finished
-        model_id = self.model.id
-        self._finish_listener = (
-            (lambda request_id, reason: finished(model_id=model_id, request_id=request_id,
-                                                 finish_reason=reason))
-            if finished.get_hookimpls() else None)
-
-    def _on_finished(self, request_id: str, reason: str) -> None:
-        listener = self._finish_listener
-        if listener is not None:
-            listener(request_id, reason)
 
     def _require_started(self) -> BatchedEngine:
         fallback = self.fallback
@@ -259,6 +238,9 @@ class DFlashEngine(GuardedEngine):
     def special_tokens(self) -> frozenset[str]:
         return self._require_started().special_tokens()
 
+    def detokenizer(self) -> Any:
+        return self._require_started().detokenizer()
+
     def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
         return self._require_started().tokenize_chat(messages, **template_kwargs)
 
@@ -304,6 +286,11 @@ class DFlashEngine(GuardedEngine):
         fallback = self.fallback
         if fallback is not None:
             fallback.abort(request_id)
+
+    def progress(self) -> list[RequestProgress]:
+        fallback, primary = self.fallback, self.primary
+        return ((primary.progress() if primary is not None else [])
+                + (fallback.progress() if fallback is not None else []))
 
     def stats(self) -> dict[str, Any]:
         fallback, primary = self.fallback, self.primary

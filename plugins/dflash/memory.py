@@ -11,11 +11,13 @@ path is serving is reached on every poll, and a path that starts later already h
 the latest limits.
 
 What speculation adds to a prefill's peak (:func:`speculative_extra_bytes`) is added to
-every estimate of the engine's model by the plugin's ``estimate_peak`` wrapper, so
-preflight (413), admission and the forward gate all see it: the draft's weights while
-they are not loaded yet, the draft's KV (or the target hidden states a DFlash draft
-reads) for every token, and the verify forward's transient, ``block_size`` positions of
-full logits and attention scores over the whole context.
+every estimate of the engine's model by the plugin's ``estimate_peak`` wrapper
+(:func:`with_speculation`, as the estimate's extra bytes), so preflight (413),
+admission and the forward gate all see it: the draft's weights while they are not
+loaded yet, the draft's KV (or the target hidden states a DFlash draft reads) for every
+token, and the verify forward's transient, ``block_size`` positions of full logits and
+attention scores over the whole context. The draft's KV per token is added to the
+estimate's KV per token too, since decode grows both caches.
 
 A prefix-cache hit on the primary path would be copied into the request's own cache
 (there is no resident paged cache to extend), so its prefill costs the whole prompt:
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from omlx_core.memory.gate import ForwardGate, MemoryReceiver
 
 if TYPE_CHECKING:
-    from omlx_core.memory.types import LimitSnapshot
+    from omlx_core.memory.types import LimitSnapshot, PeakEstimate
     from omlx_core.plugins.dflash.drafters import DraftFootprint
 
 
@@ -51,17 +53,13 @@ class PrimaryPathGuard(MemoryReceiver):
 class BothPaths(MemoryReceiver):
     """Publishes to the primary guard and to the fallback engine's scheduler alike."""
 
-    def __init__(self, primary: PrimaryPathGuard, fallback: Any) -> None:
+    def __init__(self, primary: PrimaryPathGuard, fallback: MemoryReceiver | None) -> None:
         self.primary = primary
-        #: the fallback batched engine (its scheduler exists once it is started)
+        #: the started fallback engine's scheduler
         self.fallback = fallback
 
     def receivers(self) -> list[MemoryReceiver]:
-        receivers: list[MemoryReceiver] = [self.primary]
-        scheduler = getattr(self.fallback, "scheduler", None)
-        if isinstance(scheduler, MemoryReceiver):
-            receivers.append(scheduler)
-        return receivers
+        return [self.primary] if self.fallback is None else [self.primary, self.fallback]
 
     def apply_memory_limits(self, snapshot: LimitSnapshot) -> None:
         for receiver in self.receivers():
@@ -97,4 +95,13 @@ def speculative_extra_bytes(model_config: Mapping[str, Any], footprint: DraftFoo
     return footprint.pending_weight_bytes + draft_kv + verify + draft_transient
 
 
-__all__ = ["BothPaths", "PrimaryPathGuard", "speculative_extra_bytes"]
+def with_speculation(estimate: PeakEstimate, footprint: DraftFootprint | None,
+                     extra_bytes: int) -> PeakEstimate:
+    """The target's ``estimate`` with what speculation adds: ``extra_bytes``
+    (:func:`speculative_extra_bytes`) held beside the target's cache, and the draft's KV
+    per token (``footprint``; ``None`` while speculation is off) on every token."""
+    per_token = footprint.kv_bytes_per_token if footprint is not None else 0
+    return estimate.plus_extra(extra_bytes, kv_bytes_per_token=per_token)
+
+
+__all__ = ["BothPaths", "PrimaryPathGuard", "speculative_extra_bytes", "with_speculation"]

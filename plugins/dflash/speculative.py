@@ -20,19 +20,25 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
 
-from omlx_core.engine import GenerationOutput, GenerationRequest, QueuedRequestHandle, Usage
+from omlx_core.engine import (
+    GenerationOutput,
+    GenerationRequest,
+    QueuedRequestHandle,
+    RequestProgress,
+    Usage,
+)
 from omlx_core.memory.gate import PrefillChunk, PrefillStep
 from omlx_core.plugins.dflash.acceptance import KeyStream, accept_greedy, accept_sampled
 from omlx_core.plugins.dflash.drafters import Drafter, DraftState
 from omlx_core.plugins.dflash.memory import PrimaryPathGuard
 from omlx_core.plugins.dflash.rollback import TargetCache
-from omlx_core.text import TextAssembler
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +67,6 @@ class _Request:
     request: GenerationRequest
     outputs: queue.SimpleQueue
     cache: TargetCache
-    text: TextAssembler
     draft: DraftState
     keys: KeyStream | None
     history: list[int]
@@ -70,8 +75,10 @@ class _Request:
     drafted: int = 0
     accepted: int = 0
     finished: bool = False
-    pending_text: list[str] = field(default_factory=list)
     pending_tokens: list[int] = field(default_factory=list)
+    #: ``time.monotonic()`` when the path began it, and when its first token came
+    began: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0
 
     @property
     def request_id(self) -> str:
@@ -129,6 +136,21 @@ class PrimaryPath:
     @property
     def busy(self) -> bool:
         return self._claimed is not None
+
+    def progress(self) -> list[RequestProgress]:
+        """The request this path runs (none while it is idle or about to begin one)."""
+        current = self._current
+        if current is None:
+            return []
+        now, prompt = time.monotonic(), len(current.request.prompt_tokens)
+        decoding = current.prefilled >= prompt - 1 and current.completion > 0
+        return [RequestProgress(
+            request_id=current.request_id, phase="decoding" if decoding else "prefilling",
+            prompt_tokens=prompt, prefilled_tokens=current.prefilled,
+            prefill_tokens=max(0, prompt - 1), completion_tokens=current.completion,
+            max_tokens=int(current.request.sampling.max_tokens or 0), age_s=now - current.began,
+            prefill_s=0.0 if decoding else now - current.began,
+            decode_s=now - current.first_token_at if current.first_token_at else 0.0)]
 
     # -- the Worker contract, on the MLX thread ------------------------------------------
 
@@ -191,9 +213,8 @@ class PrimaryPath:
             keys = KeyStream(sampling.seed if sampling.seed is not None else secrets.randbits(63))
         prompt = [int(t) for t in request.prompt_tokens]
         self.counters.requests += 1
-        return _Request(request, outputs, TargetCache(self.model),
-                        TextAssembler(self.tokenizer.detokenizer, sampling.stop),
-                        self.drafter.begin(prompt), keys, history=list(prompt))
+        return _Request(request, outputs, TargetCache(self.model), self.drafter.begin(prompt), keys,
+                        history=list(prompt))
 
     def _prefill_chunk(self, current: _Request) -> None:
         prompt = current.history
@@ -278,35 +299,23 @@ class PrimaryPath:
         """Add one generated token; ``True`` when it ended the request."""
         sampling = current.request.sampling
         current.completion += 1
+        current.first_token_at = current.first_token_at or time.monotonic()
         current.history.append(token)
         request_id = current.request_id
         eos = getattr(self.tokenizer, "eos_token_ids", ()) or ()
         if token in eos or token in sampling.stop_token_ids:
-            text, _ = current.text.finish()
-            current.pending_text.append(text)
             self._end(current, GenerationOutput(request_id, finish_reason="stop"))
             return True
-        text, stopped = current.text.add(token)
-        current.pending_text.append(text)
         current.pending_tokens.append(token)
-        if stopped:
-            self._end(current, GenerationOutput(request_id, finish_reason="stop",
-                                                stop_sequence=current.text.stop_sequence))
-            return True
         if current.completion >= sampling.max_tokens:
-            tail, stopped = current.text.finish()
-            current.pending_text.append(tail)
-            self._end(current, GenerationOutput(request_id,
-                                                finish_reason="stop" if stopped else "length",
-                                                stop_sequence=current.text.stop_sequence))
+            self._end(current, GenerationOutput(request_id, finish_reason="length"))
             return True
         return False
 
     def _flush(self, current: _Request) -> None:
-        if current.pending_tokens or any(current.pending_text):
-            current.outputs.put(GenerationOutput(current.request_id, "".join(current.pending_text),
-                                                 tuple(current.pending_tokens)))
-        current.pending_text.clear()
+        if current.pending_tokens:
+            current.outputs.put(GenerationOutput(current.request_id,
+                                                 token_ids=tuple(current.pending_tokens)))
         current.pending_tokens.clear()
 
     def _end(self, current: _Request, output: GenerationOutput) -> None:
@@ -318,11 +327,9 @@ class PrimaryPath:
         usage = Usage(len(current.request.prompt_tokens), current.completion,
                       draft_tokens=current.drafted, accepted_draft_tokens=current.accepted)
         current.outputs.put(GenerationOutput(
-            output.request_id, "".join(current.pending_text) + output.text,
-            tuple(current.pending_tokens) + output.token_ids, finish_reason=output.finish_reason,
-            error=output.error, error_type=output.error_type, rejected=output.rejected,
-            stop_sequence=output.stop_sequence, usage=usage))
-        current.pending_text.clear()
+            output.request_id, token_ids=tuple(current.pending_tokens) + output.token_ids,
+            finish_reason=output.finish_reason, error=output.error,
+            error_type=output.error_type, rejected=output.rejected, usage=usage))
         current.pending_tokens.clear()
         with self._lock:
             self._aborted.discard(current.request_id)

@@ -1,12 +1,14 @@
 """The built-in ``estimator`` plugin: ``estimate_peak`` from a model's ``config.json``.
 
-It answers with :func:`omlx_core.memory.estimate.estimate_prefill_peak` (for a vision
-model's prompt with images, combined with
-:func:`~omlx_core.memory.estimate.estimate_vision_peak`: the vision tower's activations
-and the merged embeddings are part of the prefill peak). A config it
-cannot read (a dim missing or not a positive integer, an architecture whose layers it
-does not model) is logged as an error once per model and answered with ``None``, so the
-guard reports that no estimator covers the model instead of trusting a guess.
+It reads the language model's dims (:mod:`.dims`), simulates the prefill chunk by chunk
+as mlx-lm allocates it (:mod:`.prefill`) and, for a vision model's prompt with images,
+adds the vision tower's activations and the image features (:mod:`.vision`). It
+answers with a :class:`~omlx_core.memory.types.PeakEstimate`: the worst step's
+transient, the KV per token and the cache the prefill leaves held, and the image
+features as extra bytes. A config it cannot read (a dim missing or not a positive
+integer, an architecture whose layers it does not model) is logged as an error once per
+model and answered with ``None``, so the guard reports that no estimator covers the
+model instead of trusting a guess.
 """
 
 from __future__ import annotations
@@ -14,14 +16,10 @@ from __future__ import annotations
 import logging
 
 from omlx_core.hookspecs import hookimpl
-from omlx_core.memory.estimate import (
-    EstimatorDisabledError,
-    ModelDims,
-    VisionDims,
-    estimate_prefill_peak,
-    estimate_with_images,
-)
-from omlx_core.memory.types import PeakQuery
+from omlx_core.memory.types import PeakEstimate, PeakQuery
+from omlx_core.plugins.estimator.dims import EstimatorDisabledError, ModelDims
+from omlx_core.plugins.estimator.prefill import PeakBreakdown, estimate_prefill_peak
+from omlx_core.plugins.estimator.vision import VisionDims, estimate_with_images
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +30,14 @@ _defaulted_logged: set[str] = set()
 
 
 @hookimpl
-def estimate_peak(query: PeakQuery) -> int | None:
+def estimate_peak(query: PeakQuery) -> PeakEstimate | None:
+    breakdown = estimate_breakdown(query)
+    return None if breakdown is None else breakdown.as_estimate()
+
+
+def estimate_breakdown(query: PeakQuery) -> PeakBreakdown | None:
+    """The named parts of the estimate for ``query`` (``None``: the model's config cannot
+    be estimated; the reason is logged once and listed by :func:`disabled_models`)."""
     key = query.model_id or str(query.model_config.get("model_type", ""))
     try:
         dims = ModelDims.from_config(query.model_config)
@@ -65,7 +70,7 @@ def estimate_peak(query: PeakQuery) -> int | None:
             dims, vision_dims, breakdown, images=query.images, new_tokens=query.new_tokens,
             dtype_bytes=query.dtype_bytes, kv_bits=query.kv_bits, kv_group_size=query.kv_group_size)
     log.debug("prefill estimate for model %r: %s", key, breakdown.describe())
-    return breakdown.total
+    return breakdown
 
 
 def disabled_models() -> dict[str, str]:

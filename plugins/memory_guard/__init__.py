@@ -1,9 +1,11 @@
 """The built-in ``memory_guard`` plugin: the generic answers of two memory hooks.
 
 - ``resolve_scheduler`` answers, last, with the engine itself when the engine is its own
-  :class:`~omlx_core.memory.gate.MemoryReceiver` (a simple engine that schedules its own
-  prefills, like the example ``sequential`` engine). An engine whose scheduler is a
-  separate object, or a wrapper around another engine, has its plugin answer first.
+  :class:`~omlx_core.memory.gate.MemoryReceiver`, else with its host's
+  :class:`~omlx_core.host.HostMemory` (a simple engine that schedules its own prefills,
+  like the example ``sequential`` engine, reads the limits and the gate there). An
+  engine whose scheduler is a separate object, or a wrapper around another engine, has
+  its plugin answer first.
 - ``preflight`` refuses a request that can never fit: its estimated peak plus the
   transient margin, on top of the memory the server holds when idle with every cache
   emptied (weights and runtime, not the current load, not the prefix cache), is over the
@@ -18,15 +20,24 @@ from __future__ import annotations
 
 from omlx_core.engine import Engine
 from omlx_core.hookspecs import hookimpl
-from omlx_core.memory.estimate import KV_STEP
 from omlx_core.memory.gate import MemoryReceiver
-from omlx_core.memory.types import PreflightRequest, Rejection, RequestRejected
+from omlx_core.memory.types import (
+    KV_STEP,
+    PreflightRequest,
+    Rejection,
+    RequestRejected,
+    kv_capacity,
+)
 from omlx_core.settings import format_size
 
 
 @hookimpl(trylast=True)
 def resolve_scheduler(engine: Engine) -> MemoryReceiver | None:
-    return engine if isinstance(engine, MemoryReceiver) else None
+    if isinstance(engine, MemoryReceiver):
+        return engine
+    if isinstance(engine, Engine) and engine.host is not None:
+        return engine.host.memory
+    return None
 
 
 @hookimpl(trylast=True)
@@ -56,7 +67,3 @@ def preflight(request: PreflightRequest) -> None:
         max_tokens=request.max_tokens,
         fitting_max_tokens=fitting if fitting is not None and fitting >= 1 else None))
 
-
-def kv_capacity(tokens: int) -> int:
-    """The KV tokens a cache holding ``tokens`` has allocated (it grows in blocks)."""
-    return -(-tokens // KV_STEP) * KV_STEP

@@ -8,7 +8,8 @@ for the writer are host copies, bounded by ``plugin.ssd_cache.queue_bytes`` and 
 by the engine as memory it can give back (the memory guard drops them before it refuses
 work). Through the public hooks:
 
-- ``register_caches``: ``"ssd"`` -> a :class:`~.store.PagedSSDStore` per model, which the
+- ``register_caches``: ``"ssd"`` -> a :class:`~.store.PagedSSDStore` per model, which core
+  hands to the model's engine as a lower tier (``EngineHost.lower_tiers``) and the
   batched engine puts behind its prefix cache: every block the prefix cache stores is
   written to disk, a lookup that misses in memory reads blocks back, and a restarted
   server serves the blocks the previous process wrote;
@@ -22,7 +23,7 @@ work). Through the public hooks:
 Counters (``saves`` passed the quota gate, ``saves_persisted`` renamed into place, loads,
 hits, misses, evictions, drops, declined, errors) appear in ``/metrics`` as
 ``omlx_engine_prefix_cache_lower_<counter>``. Benchmark:
-``python -m omlx_core.plugins.ssd_cache.benchmark``.
+``python -m benchmarks.ssd_cache``.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def ssd_directory(config: Any) -> Path | None:
 
 
 def create_store(model: Any, config: Any) -> PagedSSDStore | None:
-    """The ``register_caches`` factory: the model's store, or ``None`` when the tier is off.
+    """The ``register_caches`` factory (core calls it when it builds the model's engine
+    host): the model's store, or ``None`` when the tier is off.
 
     With ``dir = "auto"`` a directory that cannot be used (another server holds it, or
     it is not writable) turns the tier off for this model with a warning: the default

@@ -23,6 +23,7 @@ from omlx_core.plugins.vlm.model import (
 from omlx_core.plugins.vlm.scheduler import VLMScheduler, VLMSequence, image_spans, keyed_prompt
 
 if TYPE_CHECKING:
+    from omlx_core.host import EngineHost
     from omlx_core.models.registry import ModelSpec
 
 
@@ -49,10 +50,10 @@ class VLMEngine(BatchedEngine):
 
     accepts_images = True
 
-    def __init__(self, model: ModelSpec, config: Any, **kwargs: Any) -> None:
-        super().__init__(model, config, **kwargs)
+    def __init__(self, model: ModelSpec, host: EngineHost, **kwargs: Any) -> None:
+        super().__init__(model, host, **kwargs)
         self.family = family_of(model.config)
-        self.vlm_settings = VLMSettings.from_config(config)
+        self.vlm_settings = VLMSettings.from_config(host.config)
         self.layout: ImageLayout | None = None
         self.bound: ImageTokenBound | None = None
         self.image_processor: Any = None
@@ -93,8 +94,8 @@ class VLMEngine(BatchedEngine):
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
             prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,
             batch_window_s=self.settings.batch_window_s,
-            wake=self._thread.wake, boundary_listener=self._on_boundary,
-            finish_listener=self._on_finished,
+            wake=self._thread.wake, boundary_listener=self.host.on_boundary_snapshot,
+            finish_listener=self.host.on_request_finished,
         )
 
     # -- images ----------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 Everything text does is the batched engine's :class:`~omlx_core.plugins.batched.scheduler.Scheduler`
 unchanged: admission, chunked and gated prefill, mlx-lm's ``BatchGenerator`` for
-decode, preemption, the prefix cache. What images change:
+decode, preemption, the prefix cache. What images change, it changes through the
+scheduler's declared extension points (:mod:`omlx_core.plugins.batched.extensions`):
+:class:`ImageInputs` is its ``inputs`` and :func:`image_key` its ``cache_key``.
 
 - **encoding**: a request's images go through the vision tower once, on the MLX
   thread, right before the first prefill chunk that reaches an image token (so a
@@ -12,24 +14,23 @@ decode, preemption, the prefix cache. What images change:
   prefill has passed the last image.
 - **prefill**: a chunk that covers image tokens feeds input embeddings (its tokens'
   own, the image rows written over the image tokens') in place of token ids, and runs
-  alone; every other chunk,
-  the first-token forward and decode feed tokens, as for text.
+  alone; every other chunk, the first-token forward and decode feed tokens, as for
+  text. The forward gate is told which chunk's forward encodes the images.
 - **prefix cache**: blocks are keyed by the prompt with every image token replaced by
   a value derived from the sha256 of that image's bytes
-  (:meth:`VLMScheduler.cache_key`): the same image with the same text hits, a
+  (:func:`image_key`): the same image with the same text hits, a
   different image behind the same text never does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
 
-from omlx_core.memory.gate import PrefillStep
-from omlx_core.plugins.batched.scheduler import PREFILLING, Scheduler, SequenceState
+from omlx_core.plugins.batched.batch_state import SequenceState
+from omlx_core.plugins.batched.scheduler import Scheduler
 
 
 @dataclass(eq=False)
@@ -81,99 +82,49 @@ def keyed_prompt(prompt: Sequence[int], spans: Sequence[tuple[int, int]],
     return keyed
 
 
-class VLMScheduler(Scheduler):
-    """A :class:`Scheduler` whose requests' prompts may hold images (see the module)."""
+def image_key(sequence: SequenceState, tokens: Sequence[int]) -> Sequence[int]:
+    """The prefix cache's key of ``tokens`` (a prefix of ``sequence``'s prompt and
+    completion): its image tokens replaced by their images' keys (:func:`keyed_prompt`)."""
+    key = sequence.key_prompt if isinstance(sequence, VLMSequence) else None
+    if not key:
+        return tokens
+    if len(tokens) <= len(key):
+        return key[:len(tokens)]
+    return key + list(tokens[len(key):])
 
-    def __init__(self, *, vlm: Any, family: str, image_token_id: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+
+def _covers_image(sequence: SequenceState, start: int, end: int) -> bool:
+    return isinstance(sequence, VLMSequence) and any(s < end and start < e for s, e in sequence.image_spans)
+
+
+class ImageInputs:
+    """The scheduler's :class:`~omlx_core.plugins.batched.extensions.ChunkInputs` for
+    prompts with images: a chunk that covers image tokens feeds input embeddings."""
+
+    def __init__(self, *, vlm: Any, language_model: Any, family: str, image_token_id: int) -> None:
         self.vlm = vlm
+        self.language_model = language_model
         self.family = family
         self.image_token_id = image_token_id
-        #: requests whose images went through the vision tower
+        #: images that went through the vision tower
         self.images_encoded = 0
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        self.vlm = None
+    def embeds(self, sequence: SequenceState, start: int, end: int) -> bool:
+        return _covers_image(sequence, start, end)
 
-    def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "images_encoded": self.images_encoded}
+    def encodes(self, sequence: SequenceState, start: int, end: int) -> int:
+        if not isinstance(sequence, VLMSequence) or sequence.features is not None:
+            return 0
+        return len(sequence.images) if _covers_image(sequence, start, end) else 0
 
-    # -- the prefix-cache key --------------------------------------------------------
-
-    def cache_key(self, sequence: SequenceState) -> list[int]:
-        return self._keyed(sequence, sequence.context)
-
-    @staticmethod
-    def _keyed(sequence: SequenceState, tokens: Sequence[int]) -> list[int]:
-        key = getattr(sequence, "key_prompt", None)
-        if not key:
-            return list(tokens)
-        if len(tokens) <= len(key):
-            return key[:len(tokens)]
-        return key + list(tokens[len(key):])
-
-    def _store_finished_blocks(self, sequence: SequenceState, cache: list[Any], tokens: list[int]) -> None:
-        super()._store_finished_blocks(sequence, cache, self._keyed(sequence, tokens))
-
-    # -- prefill with images ---------------------------------------------------------
-
-    @staticmethod
-    def _covers_image(sequence: SequenceState, start: int, end: int) -> bool:
-        return any(s < end and start < e for s, e in getattr(sequence, "image_spans", ()))
-
-    def _forward_groups(self, plan: list[tuple[SequenceState, int, int]]
-                        ) -> list[list[tuple[SequenceState, int, int]]]:
-        # A chunk fed as embeddings cannot share the batched forward, which feeds ids.
-        alone = [chunk for chunk in plan if self._covers_image(*chunk)]
-        if not alone:
-            return super()._forward_groups(plan)
-        alone_ids = {id(chunk) for chunk in alone}
-        groups = super()._forward_groups([chunk for chunk in plan if id(chunk) not in alone_ids])
-        groups += [[chunk] for chunk in alone]
-        order = {id(chunk): index for index, chunk in enumerate(plan)}
-        return sorted(groups, key=lambda group: order[id(group[0])])
-
-    def _prefill_step_of(self, plan: list[tuple[SequenceState, int, int]],
-                         groups: list[list[tuple[SequenceState, int, int]]] | None = None
-                         ) -> PrefillStep:
-        """The base step, with the images each chunk's forward encodes first: the gate
-        counts their vision-tower activations and features."""
-        step = super()._prefill_step_of(plan, groups)
-        ordered = [chunk for group in (groups if groups is not None else [[c] for c in plan])
-                   for chunk in group]
-        chunks = []
-        encoding: set[int] = set()
-        for (sequence, start, end), chunk in zip(ordered, step.chunks):
-            if (isinstance(sequence, VLMSequence) and sequence.features is None
-                    and id(sequence) not in encoding and self._covers_image(sequence, start, end)):
-                encoding.add(id(sequence))
-                chunk = replace(chunk, images=len(sequence.images))
-            chunks.append(chunk)
-        return replace(step, chunks=tuple(chunks))
-
-    def _prefill_chunk(self, sequence: SequenceState, start: int, end: int) -> None:
-        if not self._covers_image(sequence, start, end):
-            super()._prefill_chunk(sequence, start, end)
-            return
-        assert isinstance(sequence, VLMSequence)
-        with mx.stream(generation_stream):
-            embeddings = self._embeddings(sequence, start, end)
-            self.model(mx.array(sequence.context[start:end])[None], cache=sequence.cache,
-                       input_embeddings=embeddings[None])
-            mx.eval([layer.state for layer in sequence.cache])
-        del embeddings
-        if end >= sequence.image_spans[-1][1]:
-            sequence.features = None
-        self.counters.prefill_forwards += 1
-        self._chunk_done(sequence, start, end, self._check_after_forward([(sequence, start, end)]))
-
-    def _embeddings(self, sequence: VLMSequence, start: int, end: int) -> mx.array:
+    def embeddings(self, sequence: SequenceState, start: int, end: int) -> mx.array:
         """Input embeddings of context positions ``[start, end)``: the tokens' own, with
-        the image features written over the image tokens'."""
+        the image features written over the image tokens'. The features are dropped once
+        prefill has passed the last image."""
+        assert isinstance(sequence, VLMSequence)
         if sequence.features is None:
             sequence.features = self._encode(sequence)
-        embeddings = self.model.model.embed_tokens(mx.array(sequence.context[start:end]))
+        embeddings = self.language_model.model.embed_tokens(mx.array(sequence.context[start:end]))
         local, rows = [], []
         row = 0  # the feature row of the span's first token
         for span_start, span_end in sequence.image_spans:
@@ -183,6 +134,8 @@ class VLMScheduler(Scheduler):
                 rows.extend(range(row + first - span_start, row + last - span_start))
             row += span_end - span_start
         embeddings[mx.array(local)] = sequence.features[mx.array(rows)].astype(embeddings.dtype)
+        if end >= sequence.image_spans[-1][1]:
+            sequence.features = None
         return embeddings
 
     def _encode(self, sequence: VLMSequence) -> mx.array:
@@ -203,16 +156,30 @@ class VLMScheduler(Scheduler):
         self.images_encoded += len(sequence.images)
         return features
 
-    def _finish(self, sequence: SequenceState, reason: str, **kwargs: Any) -> None:
+    def release(self, sequence: SequenceState) -> None:
         if isinstance(sequence, VLMSequence):
             sequence.features = None
-        super()._finish(sequence, reason, **kwargs)
 
-    def _requeue(self, sequences: list[SequenceState], *, tell_gate: bool) -> None:
-        for sequence in sequences:
-            if isinstance(sequence, VLMSequence) and sequence.phase == PREFILLING:
-                sequence.features = None
-        super()._requeue(sequences, tell_gate=tell_gate)
+    def stats(self) -> Mapping[str, Any]:
+        return {"images_encoded": self.images_encoded}
+
+    def close(self) -> None:
+        self.vlm = self.language_model = None
 
 
-__all__ = ["VLMScheduler", "VLMSequence", "image_spans", "keyed_prompt"]
+class VLMScheduler(Scheduler):
+    """A :class:`Scheduler` whose requests' prompts may hold images (see the module):
+    its ``inputs`` are :class:`ImageInputs`, its ``cache_key`` :func:`image_key`."""
+
+    def __init__(self, *, vlm: Any, family: str, image_token_id: int, **kwargs: Any) -> None:
+        self.images = ImageInputs(vlm=vlm, language_model=kwargs["model"], family=family,
+                                  image_token_id=image_token_id)
+        super().__init__(inputs=self.images, cache_key=image_key, **kwargs)
+
+    @property
+    def vlm(self) -> Any:
+        """The mlx-vlm model (``None`` once shut down)."""
+        return self.images.vlm
+
+
+__all__ = ["ImageInputs", "VLMScheduler", "VLMSequence", "image_key", "image_spans", "keyed_prompt"]

@@ -3,7 +3,7 @@ loopback HTTP (SSE through waitress, the full request path) against the same ser
 pipeline driven in-process (what an embedding program gets), in one run, same model,
 same prompts' shape.
 
-    python -m omlx_core.bench.http_cost [--model DIR] [--streams 8] [--max-tokens 128]
+    python -m benchmarks.http_cost [--model DIR] [--streams 8] [--max-tokens 128]
 
 Rounds come in pairs, one of each path back to back, in alternating order (engine
 first, then HTTP first), and the cost is the median of the pairs' ratios: load from
@@ -179,7 +179,7 @@ def summarize(rounds: Sequence[Round]) -> tuple[float, float, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.http_cost", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.http_cost", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tier", help="configuration tier (default: the one that fits)")
     parser.add_argument("--model", type=Path,
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ensure_optimized_blas()
     from tqdm import tqdm
 
-    from omlx_core.bootstrap import load_setup, start_engines, stop_engines
+    from omlx_core.bootstrap import load_setup, served_models, start_engines, stop_engines
     from omlx_core.http.serve import HTTPServer
 
     overrides: list[tuple[str, str, str]] = [
@@ -206,9 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = load_setup(args.tier, [], overrides)
     model_ids = None
     if args.model is not None:
-        from omlx_core.cli import _served_models
-
-        model_ids = _served_models(setup, [str(args.model)])
+        model_ids = served_models(setup, [str(args.model)])
     context = start_engines(setup, model_ids, progress=True)
     try:
         model_id, engine = next(iter(context.engines.items()))

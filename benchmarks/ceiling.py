@@ -15,7 +15,7 @@ run's own peak), preemptions, and the ratios of the ceiling run to the free run.
 Targets: every request completes under the ceiling too, wall time <= 2x, goodput
 >= 0.5x, peak <= the ceiling.
 
-    python -m omlx_core.bench.ceiling [--ceiling 1GiB] [--out docs/ceiling-bench.md]
+    python -m benchmarks.ceiling [--ceiling 1GiB] [--out docs/ceiling-bench.md]
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def render(runs: Sequence[ServerRun], header: Sequence[str], ceiling: int) -> st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.ceiling", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ceiling", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ceiling", default="1GiB",
                         help="the --memory-ceiling of the capped server (default 1GiB)")

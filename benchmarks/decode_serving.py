@@ -1,6 +1,6 @@
 """Served decode throughput, before and after the fused sampling step, against mlx_lm.server.
 
-    python -m omlx_core.bench.decode_serving [--rounds 2] [--max-tokens 128] [--out FILE]
+    python -m benchmarks.decode_serving [--rounds 2] [--max-tokens 128] [--out FILE]
 
 Three servers, one at a time, in rounds whose order rotates so that none always runs
 first (the machine's load drifts):
@@ -148,7 +148,7 @@ def render(per_round: Sequence[dict[str, dict[int, tuple[float, float]]]],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.decode_serving",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_serving",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)

@@ -4,7 +4,7 @@ decode speed with and without a constraint in a bare loop, and aggregate decode 
 at 1 and 16 streams through the serving pipeline and the batched engine (the server's
 own path), unconstrained against every stream constrained by a JSON schema.
 
-    python -m omlx_core.bench.grammar [--decode-tokens 48] [--out docs/grammar-bench.md]
+    python -m benchmarks.grammar [--decode-tokens 48] [--out docs/grammar-bench.md]
 
 Run it on a quiet machine; it takes about a minute after the default model is converted.
 """

@@ -1,6 +1,6 @@
 """Decode throughput of the batched engine against plain ``mlx_lm.stream_generate``.
 
-    python -m omlx_core.plugins.batched.benchmark [--model DIR] [--tokens 128]
+    python -m benchmarks.batched_engine [--model DIR] [--tokens 128]
         [--concurrency 8 16] [--repeats 3]
 
 Without ``--model`` it uses the default model (SmolLM2-135M-Instruct). Requests go
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from omlx_core.bench.client import BANNED_BIAS, special_token_ids
-    from omlx_core.bootstrap import load_setup, start_engines, stop_engines
-    from omlx_core.cli import _served_models
+    from omlx_core.bootstrap import load_setup, served_models, start_engines, stop_engines
     from omlx_core.models.loader import load_model
     from omlx_core.mlx_thread import mlx_thread
 
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     batch = max(args.concurrency + [1])
     print(f"override: plugin.batched.max_batch_size={batch} (every stream runs at once)")
     setup = load_setup("base", [], [("plugin.batched.max_batch_size", str(batch), "benchmark")])
-    context = start_engines(setup, _served_models(setup, [str(args.model)]), progress=True)
+    context = start_engines(setup, served_models(setup, [str(args.model)]), progress=True)
     pipeline = ServingPipeline(context)
     model_id, engine = next(iter(context.engines.items()))
     # Exactly --tokens per stream: no end-of-sequence token ends a benchmark stream.

@@ -1,6 +1,6 @@
 """Benchmark of the paged SSD cache: long-prompt TTFT across a restart, and write throughput.
 
-    python -m omlx_core.plugins.ssd_cache.benchmark [--model DIR] [--prompt-tokens 4096]
+    python -m benchmarks.ssd_cache [--model DIR] [--prompt-tokens 4096]
         [--quick] [--out docs/ssd-cache-bench.md]
 
 **TTFT.** ``omlx-core serve``, started as ``./setup.sh serve`` starts it (the tier it
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omlx_core.platform.blas import ensure_optimized_blas
 
     ensure_optimized_blas()
-    parser = argparse.ArgumentParser(prog="python -m omlx_core.plugins.ssd_cache.benchmark",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ssd_cache",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="mlx-lm model directory (default: the default model)")

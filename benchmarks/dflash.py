@@ -1,7 +1,7 @@
 """Single-stream decode speed of the dflash engine (ngram drafter) against the batched
 engine, on input-grounded and open-ended prompts.
 
-    python -m omlx_core.plugins.dflash.benchmark [--model DIR] [--tokens 160]
+    python -m benchmarks.dflash [--model DIR] [--tokens 160]
         [--rounds 3] [--out docs/dflash-bench.md]
 
 Without ``--model`` it uses the default model (SmolLM2-135M-Instruct). The model is served
@@ -161,7 +161,7 @@ def _report(table: str, load_before: float) -> str:
     return "\n".join([
         "# dflash (ngram drafter) vs the batched engine, single stream",
         "",
-        "Written by `python -m omlx_core.plugins.dflash.benchmark --out docs/dflash-bench.md`.",
+        "Written by `python -m benchmarks.dflash --out docs/dflash-bench.md`.",
         "The default model is served twice in one process, once per engine, with the tier a",
         "user gets; greedy requests go through the serving pipeline; the engines alternate",
         "prompt by prompt (order swapped every round) and the figures are medians. The",

@@ -1,6 +1,6 @@
 """Where a batched decode step spends its time on this machine (issue 12, item 5).
 
-    python -m omlx_core.bench.decode_step [--rows 16] [--context 512] [--steps 40] [--ab]
+    python -m benchmarks.decode_step [--rows 16] [--context 512] [--steps 40] [--ab]
 
 Runs mlx-lm's ``BatchGenerator`` (what the batched engine and ``mlx_lm.server`` both
 decode with) on the default model with ``--rows`` sequences of ``--context`` tokens
@@ -243,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omlx_core.platform.blas import ensure_optimized_blas
 
     ensure_optimized_blas()
-    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.decode_step",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_step",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)

@@ -4,13 +4,13 @@ For each model, prompt length and chunk size it runs a prefill exactly as the ba
 engine does -- chunks over an mlx-lm prompt cache, evaluating only the cache state per
 chunk, the prompt's last token fed through mlx-lm's ``BatchGenerator`` -- and compares
 ``mx.get_peak_memory()`` (minus the memory in use before) with
-:func:`omlx_core.memory.estimate.estimate_prefill_peak`. The target is a ratio
+:func:`omlx_core.plugins.estimator.prefill.estimate_prefill_peak`. The target is a ratio
 (estimate / measured) of at least 1.00 and at most 1.15.
 
 Run it with OpenBLAS preloaded (see the README)::
 
-    python -m omlx_core.bench.estimator --out docs/estimator-accuracy.md
-    python -m omlx_core.bench.estimator --quick
+    python -m benchmarks.estimator --out docs/estimator-accuracy.md
+    python -m benchmarks.estimator --quick
 """
 
 from __future__ import annotations
@@ -26,13 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from omlx_core.memory.estimate import (
-    ModelDims,
-    PeakBreakdown,
-    VisionDims,
-    estimate_prefill_peak,
-    estimate_with_images,
-)
+from omlx_core.plugins.estimator.dims import ModelDims
+from omlx_core.plugins.estimator.prefill import PeakBreakdown, estimate_prefill_peak
+from omlx_core.plugins.estimator.vision import VisionDims, estimate_with_images
 from omlx_core.models.loader import activation_dtype_bytes
 
 #: estimate / measured must stay within these bounds
@@ -385,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omlx_core.platform.blas import ensure_optimized_blas
 
     ensure_optimized_blas()  # the 8k prefills take minutes on the reference BLAS
-    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.estimator",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.estimator",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (a minute or two)")
     parser.add_argument("--out", type=Path, help="write the results as markdown to this file")
@@ -430,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
 
     print(format_table(rows))
-    command = "python -m omlx_core.bench.estimator" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.estimator" + (" --quick" if args.quick else "")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(render_markdown(rows, command, elapsed))

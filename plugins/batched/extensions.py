@@ -1,0 +1,135 @@
+"""The scheduler's declared extension points, each with the behaviour text models get.
+
+An engine that serves more than token prompts, or decodes more than one token per row
+and step, hands the :class:`~.scheduler.Scheduler` its own implementations; it never
+overrides the scheduler's methods.
+
+- :class:`ChunkInputs`: what a prefill chunk's forward feeds (token ids, or input
+  embeddings for a chunk that reaches an image), and what it encodes first.
+- :class:`CacheKey`: what the prefix cache keys a request's tokens by.
+- :class:`DraftVerify`: draft tokens for the decoding rows, verified in the decode
+  step's forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    from omlx_core.plugins.batched.batch_state import SequenceState
+
+
+@runtime_checkable
+class ChunkInputs(Protocol):
+    """The inputs of a prefill chunk's forward over context positions ``[start, end)``.
+
+    Asked on the MLX thread only. A chunk fed as embeddings runs in a forward of its
+    own (shared forwards feed token ids)."""
+
+    def embeds(self, sequence: SequenceState, start: int, end: int) -> bool:
+        """Whether the chunk's forward feeds input embeddings (:meth:`embeddings`)."""
+        ...
+
+    def encodes(self, sequence: SequenceState, start: int, end: int) -> int:
+        """How many inputs (images) the chunk's forward encodes before it runs, for the
+        forward gate (:attr:`~omlx_core.memory.gate.PrefillChunk.images`); 0 when it
+        encodes nothing or already did."""
+        ...
+
+    def embeddings(self, sequence: SequenceState, start: int, end: int) -> mx.array:
+        """The ``(end - start, hidden)`` input embeddings of the chunk's positions; may
+        encode first, and may drop what no later chunk needs."""
+        ...
+
+    def release(self, sequence: SequenceState) -> None:
+        """Drop what is held for ``sequence``: it finished, or gave its cache up."""
+        ...
+
+    def stats(self) -> Mapping[str, Any]:
+        """Counters merged into the scheduler's :meth:`~.scheduler.Scheduler.stats`."""
+        ...
+
+    def close(self) -> None:
+        """The scheduler shut down: drop every path to weights."""
+        ...
+
+
+class TokenInputs:
+    """Every chunk feeds its token ids: nothing to encode or hold."""
+
+    def embeds(self, sequence: SequenceState, start: int, end: int) -> bool:
+        return False
+
+    def encodes(self, sequence: SequenceState, start: int, end: int) -> int:
+        return 0
+
+    def embeddings(self, sequence: SequenceState, start: int, end: int) -> mx.array:
+        raise TypeError("token prompts feed token ids; TokenInputs.embeds is never true")
+
+    def release(self, sequence: SequenceState) -> None:
+        pass
+
+    def stats(self) -> Mapping[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@runtime_checkable
+class CacheKey(Protocol):
+    """What the prefix cache keys ``tokens`` by: they are a prefix of ``sequence``'s
+    prompt followed by its completion. Equal keys must mean equal KV, so a prompt that
+    holds more than its tokens (images) keys that in; the key of a prefix is the prefix
+    of the key."""
+
+    def __call__(self, sequence: SequenceState, tokens: Sequence[int]) -> Sequence[int]: ...
+
+
+def token_key(sequence: SequenceState, tokens: Sequence[int]) -> Sequence[int]:
+    """A text prompt's tokens are its key."""
+    return tokens
+
+
+@runtime_checkable
+class DraftVerify(Protocol):
+    """Draft tokens for the decode batch's rows, verified in the step's one forward.
+
+    Once per decode step the scheduler asks :meth:`drafting` with the rows by uid. When
+    it answers ``False`` the decode batch runs mlx-lm's plain step: one token per row.
+    When it answers ``True`` the scheduler calls :meth:`verify` instead, which owns that
+    step: it drafts, feeds every row's latest token and drafts in one forward over the
+    batch, keeps each row's longest accepted prefix plus the token sampled after it,
+    and rolls the rest back out of that row's KV cache.
+
+    The tokens must be those plain decoding gives under the rows' samplers and logits
+    processors (greedy: identical; sampling: the same distribution), and a row's stop
+    tokens and ``max_tokens`` apply as in the plain step: the response that finishes a
+    row is its last, and the row has left the generator.
+    """
+
+    def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
+        """Whether this step verifies drafts."""
+        ...
+
+    def verify(self, generator: BatchGenerator, rows: Mapping[int, SequenceState]) -> Sequence[Any]:
+        """Run one step over ``generator``'s batch; return its responses (mlx-lm's
+        ``GenerationBatch.Response``: uid, token, logprobs, finish_reason, prompt_cache,
+        all_tokens), one per token handed out, each row's in generation order."""
+        ...
+
+
+class NoDrafts:
+    """No row drafts: every step is mlx-lm's plain one."""
+
+    def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
+        return False
+
+    def verify(self, generator: BatchGenerator, rows: Mapping[int, SequenceState]) -> Sequence[Any]:
+        raise TypeError("NoDrafts never drafts; the plain decode step runs")
+
+
+__all__ = ["CacheKey", "ChunkInputs", "DraftVerify", "NoDrafts", "TokenInputs", "token_key"]

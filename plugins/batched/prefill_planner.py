@@ -1,0 +1,183 @@
+"""Which prompt chunks a scheduler step prefills, which share a forward, and what the
+forward gate says about them.
+
+Each step prefills at most ``plugin.batched.prefill_step_size`` prompt tokens in all,
+split into chunks, then runs one decode step: a long prompt never stalls the running
+streams for more than one chunk budget. Chunk ends fall on ``plugin.batched.block_size``
+boundaries where they can, so full blocks (and, for models with non-cuttable layers,
+their boundary states) go into the prefix cache as prefill crosses them. Chunks cover
+all prompt tokens but the last, which the first-token forward feeds. Chunks of
+different requests with similar lengths share one forward where the model's caches
+allow (:mod:`~omlx_core.plugins.batched.batch_prefill`); each request keeps its own
+cache. A chunk fed as input embeddings (:class:`~.extensions.ChunkInputs`) runs alone.
+
+**Forward gate seam.** Before a step's prefill forwards run, the planned chunks are
+handed to the installed :class:`~omlx_core.memory.gate.ForwardGate` as one
+:class:`~omlx_core.memory.gate.PrefillStep`: request ids, chunk token counts,
+cached-token counts, the inputs each forward encodes first, the decode batch size and
+the latest limit snapshot (:meth:`PrefillPlanner.ask_gate`). The gate is also asked after
+each forward (the post-forward backstop, :meth:`PrefillPlanner.check_after_forward`):
+once per shared forward, which then loses at most one request, the one holding the
+most KV. A restored prefix is evaluated at admission, so the gate's current-use
+reading already holds it. See :mod:`omlx_core.memory.gate` for the contract.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from omlx_core.memory.gate import PrefillChunk, PrefillStep
+from omlx_core.plugins.batched.batch_prefill import can_batch, group_spans
+from omlx_core.plugins.batched.batch_state import BatchState, SequenceState
+from omlx_core.plugins.batched.cache_layout import CacheLayout
+from omlx_core.plugins.batched.extensions import ChunkInputs
+from omlx_core.plugins.batched.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from omlx_core.memory.types import RequestRejected
+
+log = logging.getLogger(__name__)
+
+#: a request's chunk ``[start, end)`` of its context
+Chunk = tuple[SequenceState, int, int]
+
+
+class PrefillPlanner:
+    """Plans a step's chunks and forwards, and asks the gate about them."""
+
+    def __init__(self, *, state: BatchState, prefix_cache: PrefixCache, layout: CacheLayout,
+                 prefill_step_size: int, inputs: ChunkInputs) -> None:
+        self.state = state
+        self.prefix_cache = prefix_cache
+        self.layout = layout
+        self.prefill_step_size = prefill_step_size
+        self.inputs = inputs
+
+    def _chunk_end(self, start: int, target: int, budget: int) -> int:
+        end = min(target, start + budget)
+        block = self.prefix_cache.block_size
+        aligned = end - end % block
+        if not self.prefix_cache.enabled or aligned <= start or aligned == end:
+            return end
+        # Budget-limited chunks end on a block boundary; a final chunk is split at its
+        # last boundary only when that boundary needs a state captured there.
+        if end < target or self.layout.needs_boundaries:
+            return aligned
+        return end
+
+    def plan(self) -> list[Chunk]:
+        """This step's chunks, in the order the prefilling requests were admitted."""
+        plan: list[Chunk] = []
+        budget = self.prefill_step_size
+        for sequence in self.state.prefilling:
+            position, target = sequence.prefilled, sequence.prefill_target
+            while budget > 0 and position < target:
+                reach = min(target, position + budget)
+                end = self._chunk_end(position, target, budget)
+                plan.append((sequence, position, end))
+                budget -= end - position
+                position = end
+                if end < reach < target:
+                    # Cut back to a block boundary: resume there next step rather than
+                    # spend the sliver of budget left on a tiny unaligned chunk.
+                    break
+            if budget <= 0:
+                break
+        return plan
+
+    def forward_groups(self, plan: list[Chunk]) -> list[list[Chunk]]:
+        """``plan``'s chunks cut into the forwards that run them, in plan order.
+
+        Chunks share a forward only if their requests' caches are all plain KVCache
+        layers, the request has no other chunk in this step (its chunks must run in
+        order) and the chunk feeds token ids; :func:`group_spans` bounds the padding
+        and the cached prefix copied.
+        """
+        chunks_of: dict[int, int] = {}
+        for sequence, _, _ in plan:
+            chunks_of[id(sequence)] = chunks_of.get(id(sequence), 0) + 1
+        batchable = [i for i, (sequence, start, end) in enumerate(plan)
+                     if chunks_of[id(sequence)] == 1 and can_batch(sequence.cache or ())
+                     and not self.inputs.embeds(sequence, start, end)]
+        if len(batchable) < 2:
+            return [[chunk] for chunk in plan]
+        spans = [(plan[i][1], plan[i][2] - plan[i][1]) for i in batchable]
+        groups = [[batchable[j] for j in group]
+                  for group in group_spans(spans, max_start=self.prefill_step_size)]
+        alone = set(range(len(plan))) - set(batchable)
+        groups += [[i] for i in sorted(alone)]
+        return [[plan[i] for i in group] for group in sorted(groups, key=lambda group: group[0])]
+
+    def step_of(self, plan: list[Chunk], groups: list[list[Chunk]] | None = None) -> PrefillStep:
+        """What the gate is asked: the chunks in the order their forwards run (``groups``,
+        when given), those sharing a forward numbered alike, each with the inputs its
+        forward encodes first."""
+        state = self.state
+        groups = groups if groups is not None else [[chunk] for chunk in plan]
+        encoding: set[int] = set()
+        chunks = []
+        for index, group in enumerate(groups):
+            for sequence, start, end in group:
+                images = 0
+                if id(sequence) not in encoding:
+                    images = self.inputs.encodes(sequence, start, end)
+                    if images:
+                        encoding.add(id(sequence))
+                chunks.append(PrefillChunk(sequence.request_id, end - start, start, len(sequence.context),
+                                           sequence.reused, forward=index if len(group) > 1 else None,
+                                           images=images))
+        return PrefillStep(
+            model_id=state.model_id,
+            chunks=tuple(chunks),
+            decoding=len(state.decoding),
+            chunk_size=self.prefill_step_size,
+            limits=state.limits,
+            running=state.running(),
+            model_config=state.model_config,
+        )
+
+    def ask_gate(self, plan: list[Chunk], groups: list[list[Chunk]] | None = None
+                 ) -> tuple[dict[str, RequestRejected], str | None]:
+        """The gate's refusals, and the error that makes them all internal failures
+        (a gate that raised) or ``None``."""
+        gate = self.state.gate
+        if gate is None:
+            return {}, None
+        try:
+            refused = gate.check_prefill(self.step_of(plan, groups))
+        except Exception as exc:
+            log.exception("forward gate %r failed; refusing this prefill step", gate)
+            # A broken guard is a bug, not a memory shortage the client could wait out.
+            return {}, f"memory check before prefill failed: {type(exc).__name__}: {exc}"
+        return dict(refused), None
+
+    def check_after_forward(self, members: list[Chunk]) -> tuple[SequenceState, RequestRejected] | None:
+        """The request the post-forward backstop stops after a forward over ``members``'
+        chunks, with its reason, if any. Asked once per forward: of several requests it
+        refuses, only the one holding the most KV is stopped; freeing that is the
+        likeliest to bring use back under the limit, and the next check before a
+        forward still guards the others."""
+        gate = self.state.gate
+        if gate is None:
+            return None
+        # The forward's transient sits in mlx's buffer cache until emptied; a reading
+        # that included it would count memory already free.
+        mx.clear_cache()
+        try:
+            refused = gate.check_after_prefill(self.step_of(members, [members]))
+        except Exception:
+            log.exception("post-forward memory check %r failed; requests %s go on", gate,
+                          ", ".join(s.request_id for s, _, _ in members))
+            return None
+        stoppable = [(end, sequence) for sequence, _, end in members
+                     if sequence.request_id in (refused or {})]
+        if not stoppable:
+            return None
+        _, sequence = max(stoppable, key=lambda item: item[0])
+        return sequence, refused[sequence.request_id]
+
+
+__all__ = ["Chunk", "PrefillPlanner"]

@@ -1,0 +1,126 @@
+"""What the scheduler puts into the prefix cache, and when.
+
+Prefill chunk ends fall on ``plugin.batched.block_size`` boundaries where they can
+(:mod:`~omlx_core.plugins.batched.prefill_planner`), so full blocks go into the prefix
+cache as prefill crosses them (:meth:`PrefixCacheWriter.store_prefill_blocks`). For a
+model with layers that cannot be cut at any token (sliding windows, recurrent
+states), the state at a block boundary is captured as prefill passes it and announced
+to the ``boundary_listener`` (the ``on_boundary_snapshot`` hook) as a
+:class:`~omlx_core.memory.types.BoundarySnapshot`. A request that finishes, is aborted
+or is preempted leaves the full blocks its prompt and completion filled, and the tokens
+after the last one as a tail (:meth:`PrefixCacheWriter.store_finished_blocks`), so the
+next request continuing them (the next chat turn, a resumed request) reuses them all.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from omlx_core.plugins.batched.batch_state import SequenceState
+from omlx_core.plugins.batched.cache_layout import CacheLayout
+from omlx_core.plugins.batched.extensions import CacheKey
+from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
+
+if TYPE_CHECKING:
+    from omlx_core.memory.types import BoundarySnapshot
+
+log = logging.getLogger(__name__)
+
+
+class PrefixCacheWriter:
+    """Stores a request's blocks, boundary states and tails as its KV comes to hold them."""
+
+    def __init__(self, *, prefix_cache: PrefixCache, layout: CacheLayout, cache_key: CacheKey,
+                 model_id: str, boundary_listener: Callable[[BoundarySnapshot], None] | None) -> None:
+        self.prefix_cache = prefix_cache
+        self.layout = layout
+        self.cache_key = cache_key
+        self.model_id = model_id
+        self.boundary_listener = boundary_listener
+
+    def store_prefill_blocks(self, sequence: SequenceState) -> None:
+        """Put the blocks prefill just completed into the prefix cache."""
+        if not self.prefix_cache.enabled:
+            return
+        block_size = self.prefix_cache.block_size
+        complete = sequence.prefilled // block_size
+        at_boundary = sequence.prefilled % block_size == 0
+        key = None
+        blocks = []
+        for index in range(sequence.stored_blocks, complete):
+            block_hash = sequence.block_hashes[index]
+            captures_here = at_boundary and index == complete - 1 and self.layout.needs_boundaries
+            existing = self.prefix_cache.get(block_hash)
+            if existing is not None and (existing.reusable_end or not captures_here):
+                continue
+            if key is None:
+                key = self.cache_key(sequence, sequence.context[:complete * block_size])
+            boundary = self.layout.capture(sequence.cache) if captures_here else None
+            parent = sequence.block_hashes[index - 1] if index else self.prefix_cache.root
+            kv = self.layout.cut(sequence.cache, index * block_size, (index + 1) * block_size)
+            blocks.append(self.layout.make_block(
+                block_hash, parent, index, block_size, kv, boundary,
+                list(key[index * block_size:(index + 1) * block_size])))
+            if boundary is not None and self.boundary_listener is not None:
+                self._announce_boundary(sequence, blocks[-1])
+        self.prefix_cache.insert(blocks, chain=sequence.block_hashes[:complete])
+        sequence.stored_blocks = complete
+
+    def store_prefill_tail(self, sequence: SequenceState) -> None:
+        """Keep the prompt's last partial block (prefill has fed all but its last token)
+        as a tail."""
+        end = sequence.prefilled
+        self._store_tail(sequence.cache, self.cache_key(sequence, sequence.context[:end]),
+                         sequence.block_hashes)
+
+    def _announce_boundary(self, sequence: SequenceState, block: CachedBlock) -> None:
+        from omlx_core.memory.types import BoundarySnapshot
+
+        snapshot = BoundarySnapshot(sequence.request_id, block.index, block.end_token,
+                                    block.block_hash, block.boundary or (), self.model_id)
+        try:
+            self.boundary_listener(snapshot)  # type: ignore[misc]
+        except Exception:
+            log.exception("on_boundary_snapshot listener failed; the snapshot is dropped")
+
+    def store_finished_blocks(self, sequence: SequenceState, cache: list[Any], tokens: Sequence[int]) -> None:
+        """Cache the full blocks (and the tail after them) that ``tokens``, a prefix of
+        ``sequence``'s prompt and completion, filled in ``cache``.
+
+        Only for models whose every layer can be cut: a boundary state at a block end
+        inside the completion was never captured.
+        """
+        if not self.prefix_cache.enabled or self.layout.needs_boundaries or not cache:
+            return
+        # The cache holds every token of ``tokens`` (its offset equals their count); the
+        # clamp only guards against a cache shorter than them, whose KV it cannot cover.
+        keys = list(self.cache_key(sequence, list(tokens[:cache[0].offset])))
+        block_size = self.prefix_cache.block_size
+        hashes = self.prefix_cache.extend_hashes(sequence.block_hashes[:sequence.stored_blocks], keys)
+        blocks = []
+        for index in range(sequence.stored_blocks, len(hashes)):
+            if self.prefix_cache.get(hashes[index]) is not None:
+                continue
+            parent = hashes[index - 1] if index else self.prefix_cache.root
+            kv = self.layout.cut(cache, index * block_size, (index + 1) * block_size)
+            blocks.append(self.layout.make_block(hashes[index], parent, index, block_size, kv, None,
+                                                 keys[index * block_size:(index + 1) * block_size]))
+        self.prefix_cache.insert(blocks, chain=hashes)
+        self._store_tail(cache, keys, hashes)
+
+    def _store_tail(self, cache: list[Any] | None, tokens: Sequence[int], hashes: list[bytes]) -> None:
+        """Keep the tokens after the last full block of ``tokens`` (all in ``cache``;
+        ``hashes``: the chain of their full blocks) as a prefix-cache tail, so the next
+        request continuing them reuses them all."""
+        if not self.prefix_cache.enabled or self.layout.needs_boundaries or not cache:
+            return
+        full = len(tokens) // self.prefix_cache.block_size
+        if full * self.prefix_cache.block_size == len(tokens):
+            return
+        parent = hashes[full - 1] if full else self.prefix_cache.root
+        start = full * self.prefix_cache.block_size
+        self.prefix_cache.insert_tail(self.layout.make_tail(parent, list(tokens[start:]), cache, start))
+
+
+__all__ = ["PrefixCacheWriter"]
