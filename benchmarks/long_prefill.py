@@ -27,7 +27,7 @@ and process CPU time, times the model's layers. Run it with ``OPENBLAS_NUM_THREA
 to read the CPU column as each op's work on one core (OpenBLAS's worker threads
 otherwise spin after a matmul and bill the next op).
 
-    python benchmarks/long_prefill.py [--offsets 0,1024,2048,3840] [--repeats 5] [--ops] [--out FILE]
+    python -m benchmarks.long_prefill [--offsets 0,1024,2048,3840] [--repeats 5] [--ops] [--out FILE]
 """
 
 from __future__ import annotations

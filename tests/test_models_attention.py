@@ -222,10 +222,12 @@ def greedy_engine_outputs(path, prompts: list[list[int]]) -> list[list[int]]:
     from omlx_core.mlx_thread import mlx_thread
     from omlx_core.models.registry import spec_for_path
     from omlx_core.plugins.batched import BatchedEngine
+    from omlx_core.testing.host import make_test_host
 
     settings = {"plugin.batched.prefill_step_size": 128, "plugin.batched.block_size": 16}
     config = load_config("base", overrides=[(k, str(v), "test") for k, v in settings.items()], env={})
-    engine = BatchedEngine(spec_for_path(path), config)
+    spec = spec_for_path(path)
+    engine = BatchedEngine(spec, make_test_host(config, model_id=spec.id))
     engine.start()
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=10)
