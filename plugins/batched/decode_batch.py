@@ -70,6 +70,7 @@ class DecodeBatch:
         )[0]
         sequence.cache = None
         sequence.phase = DECODING
+        sequence.first_token_at = sequence.first_token_at or time.monotonic()
         sequence.kv_allowance = None
         sequence.kv_lookahead = self.drafts.lookahead
         self.state.decoding[sequence.uid] = sequence
