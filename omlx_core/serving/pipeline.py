@@ -317,7 +317,7 @@ class Generation:
 def _failure_of(output: GenerationOutput) -> Exception:
     """The typed error of a final output that is not a completion."""
     if output.finish_reason == "abort":
-        return RequestAborted(ABORTED)
+        return RequestAborted(output.error or ABORTED)
     if output.rejected is not None:
         return output.rejected
     message = output.error or "the engine reported an error"
