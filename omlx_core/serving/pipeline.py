@@ -454,8 +454,8 @@ class ServingPipeline:
             return None
         if first.finish_reason == "abort":
             self._abandon(request_id, handle, release)
-            raise RequestAborted("the request was aborted before its first token (the client "
-                                 "disconnected or the server is shutting down)")
+            raise RequestAborted(first.error or "the request was aborted before its first token "
+                                 "(the client disconnected or the server is shutting down)")
         if first.finished and first.finish_reason not in ("stop", "length"):
             self._abandon(request_id, handle, release)
             failure = _failure_of(first)

@@ -165,6 +165,10 @@ class StepSync(Protocol):
         """The forward gate the scheduler asks, given the one the memory guard installed."""
         ...
 
+    def failed(self, exc: BaseException) -> None:
+        """A step raised ``exc`` (the scheduler then fails its in-flight requests)."""
+        ...
+
     def close(self) -> None:
         """The scheduler shut down."""
         ...
@@ -185,6 +189,9 @@ class LocalSteps:
 
     def gate(self, gate: ForwardGate | None) -> ForwardGate | None:
         return gate
+
+    def failed(self, exc: BaseException) -> None:
+        pass
 
     def close(self) -> None:
         pass

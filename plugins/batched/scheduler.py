@@ -247,6 +247,7 @@ class Scheduler(MemoryReceiver):
 
     def fail(self, exc: BaseException) -> None:
         """End every in-flight request with an error and start over with an empty batch."""
+        self.step_sync.failed(exc)
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         state = self.state
         for sequence in list(state.by_id.values()):

@@ -8,10 +8,19 @@ every in-flight request with an error and refuses new ones (the listeners regist
 with :meth:`Cluster.on_death`), keeps answering ``/health`` for
 ``plugin.distributed.exit_after_s``, then exits with :data:`EXIT_GROUP_DEAD` so a
 supervisor restarts the whole group. A follower whose rank 0 is gone exits at once.
+
+A collective stuck in ``mx.eval`` releases the GIL, but some mlx calls made meanwhile
+from other threads (``mx.set_cache_limit``, which the memory guard makes every poll)
+wait for it while holding the GIL, which freezes every Python thread, this watchdog's
+too. So each step also arms :func:`faulthandler.dump_traceback_later`, whose C thread
+needs no GIL: past the timeout plus ``exit_after_s`` plus :data:`BACKSTOP_GRACE_S` it
+prints every thread's stack and exits with status 1. Requests in flight then see their
+connection close instead of an error event.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import pickle
@@ -27,6 +36,8 @@ log = logging.getLogger(__name__)
 EXIT_GROUP_DEAD = 75
 #: bytes every exchange carries in its first collective; longer payloads take a second
 HEADER_BYTES = 4096
+#: how long after the graceful exit was due the GIL-free backstop ends the process
+BACKSTOP_GRACE_S = 5.0
 _LENGTH_BYTES = 8
 
 
@@ -97,15 +108,21 @@ class Cluster:
         if self.dead is not None:
             raise GroupDead(self.dead)
         self._step_since = time.monotonic()
+        faulthandler.dump_traceback_later(
+            self.collective_timeout_s + self.exit_after_s + BACKSTOP_GRACE_S, exit=True)
 
     def step_ended(self) -> None:
-        self._step_since = None
+        if self._step_since is not None:
+            self._step_since = None
+            faulthandler.cancel_dump_traceback_later()
 
     def on_death(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(reason)`` (on the watchdog thread) when the group dies."""
         self._listeners.append(listener)
 
     def declare_dead(self, reason: str) -> None:
+        """Mark the group dead, tell the listeners, and exit the process: rank 0 after
+        ``exit_after_s`` (``/health`` names the missing rank meanwhile), others at once."""
         with self._lock:
             if self.dead is not None or self._closed.is_set():
                 return
@@ -116,11 +133,14 @@ class Cluster:
                 listener(reason)
             except Exception:
                 log.exception("a listener of the group's death failed")
+        threading.Thread(target=self._exit_later, name="omlx-dist-exit", daemon=True).start()
+
+    def _exit_later(self) -> None:
         if self.leader and self.exit_after_s > 0:
-            # /health keeps naming the missing rank for a moment before the exit.
             self._closed.wait(self.exit_after_s)
         log.error("rank %d exits with status %d so a supervisor restarts the group",
                   self.rank, EXIT_GROUP_DEAD)
+        logging.shutdown()
         self._exit(EXIT_GROUP_DEAD)
 
     def missing(self) -> str:
@@ -133,6 +153,7 @@ class Cluster:
 
     def close(self) -> None:
         self._closed.set()
+        faulthandler.cancel_dump_traceback_later()
 
     def _watch(self) -> None:
         while not self._closed.wait(0.25):

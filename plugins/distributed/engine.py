@@ -16,6 +16,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from omlx_core.engine import GenerationOutput
+from omlx_core.pluginmanager import PluginError
 from omlx_core.plugins.batched import BatchedEngine, BatchedRequestHandle, PrefixCache, Scheduler
 from omlx_core.plugins.batched.batch_state import DONE, new_sequence
 from omlx_core.plugins.distributed.cluster import Cluster, cluster
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: the clusters that already serve a model (one model per group)
+_ENGINES: set[Cluster] = set()
+
 
 class DistributedEngine(BatchedEngine):
     """Serves one mlx-lm model sharded over the ranks ``mlx.launch`` started."""
@@ -42,6 +46,12 @@ class DistributedEngine(BatchedEngine):
         self.cluster: Cluster = cluster(
             collective_timeout_s=float(config["plugin.distributed.collective_timeout_s"]),
             exit_after_s=float(config["plugin.distributed.exit_after_s"]))
+        if self.cluster in _ENGINES:
+            # Each engine's steps are exchanged on the one group: two would interleave
+            # differently on rank 0 (which steps on demand) and the followers.
+            raise PluginError(f"model {model.id!r}: a distributed group serves one model, and "
+                              "this one already serves another; start a group per model")
+        _ENGINES.add(self.cluster)
         self.prefix_cache = PrefixCache(self.settings.block_size, 0,
                                         namespace=f"{model.id}\0{model.path}")
         self.step_sync: CollectiveSteps | None = None
@@ -58,7 +68,7 @@ class DistributedEngine(BatchedEngine):
         self.vocab_size = int(getattr(args, "vocab_size", 0) or self.model.config.get("vocab_size")
                               or len(tokenizer))
         self.step_sync = CollectiveSteps(self.cluster, heartbeat_s=self.heartbeat_s,
-                                         make_sequence=self._follow, on_stop=_stop_this_process)
+                                         make_sequence=self._follow, on_stop=self._stop_following)
         return Scheduler(
             model=lm, tokenizer=tokenizer, model_id=self.model.id, model_config=self.model.config,
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
@@ -89,6 +99,7 @@ class DistributedEngine(BatchedEngine):
         """A follower's state for the request rank 0 admitted, with rank 0's seed."""
         sequence = new_sequence(request)
         sequence.seed = seed
+        self._live.add(sequence)
         if request.sampling.grammar is not None:
             from omlx_core.grammar import GrammarConstraint, compiler_for
 
@@ -96,6 +107,16 @@ class DistributedEngine(BatchedEngine):
                 request.sampling.grammar)
             sequence.grammar = GrammarConstraint(compiled)
         return sequence
+
+    def _stop_following(self) -> list[str]:
+        """Rank 0 shut down: abort what this follower still runs, then stop."""
+        _stop_this_process()
+        return [s.request_id for s in list(self._live) if s.phase != DONE]
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        _ENGINES.discard(self.cluster)
+        self.cluster.close()
 
     def _end_in_flight(self, reason: str) -> None:
         """The group died: the MLX thread is stuck in a collective, so every request
@@ -125,7 +146,7 @@ def _group_dead_output(request_id: str, reason: str) -> GenerationOutput:
 
 
 def _stop_this_process() -> None:
-    """Rank 0 shut down: stop this follower as a SIGTERM would (``omlx-core serve``
-    handles it and stops its engines)."""
+    """Stop this follower as a SIGTERM would (``omlx-core serve`` handles it and stops
+    its engines)."""
     log.info("rank 0 shut the group down; this rank stops")
     os.kill(os.getpid(), signal.SIGTERM)

@@ -13,10 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from omlx_core.models.errors import ModelError
+
 MODES = ("tensor", "pipeline")
 
 
-class ShardingError(ValueError):
+class ShardingError(ModelError):
     """The model cannot be split the way asked; the message says what would work."""
 
 

@@ -44,12 +44,13 @@ class CollectiveSteps:
 
     :param make_sequence: builds a follower's scheduler state for rank 0's request
         and seed.
-    :param on_stop: called on a follower when rank 0 shut down.
+    :param on_stop: called on a follower when rank 0 shut down; returns the ids of
+        the requests it still runs (they are aborted).
     """
 
     def __init__(self, cluster: Cluster, *, heartbeat_s: float,
                  make_sequence: Callable[[GenerationRequest, int], SequenceState],
-                 on_stop: Callable[[], None]) -> None:
+                 on_stop: Callable[[], list[str]]) -> None:
         self.cluster = cluster
         self.heartbeat_s = heartbeat_s
         self._make_sequence = make_sequence
@@ -71,8 +72,7 @@ class CollectiveSteps:
         message = cluster.broadcast(None)
         if message == STOP:
             self._stopped = True
-            self._on_stop()
-            return [], []
+            return [], self._on_stop()
         return ([self._make_sequence(request, seed) for request, seed in message["arrivals"]],
                 list(message["aborts"]))
 
@@ -91,6 +91,13 @@ class CollectiveSteps:
 
     def gate(self, gate: ForwardGate | None) -> ForwardGate:
         return CollectiveGate(self.cluster, gate)
+
+    def failed(self, exc: BaseException) -> None:
+        # The ranks no longer take the same steps (a collective broke, or one rank's
+        # step raised): the group cannot go on.
+        self.cluster.declare_dead(
+            f"a step failed on rank {self.cluster.rank} ({type(exc).__name__}: {exc}); "
+            f"{self.cluster.missing()} is gone or out of step")
 
     def close(self) -> None:
         if self.cluster.leader and self.cluster.dead is None and not self._stopped:
