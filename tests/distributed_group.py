@@ -27,7 +27,7 @@ class RankGroup:
 
     def __init__(self, tmp_path: Path, model_dir: Path, size: int = 2, *, mode: str = "tensor",
                  extra: list[str] | None = None, ready_timeout_s: float = 300,
-                 distributed: bool = True) -> None:
+                 distributed: bool = True, rank_extra: dict[int, list[str]] | None = None) -> None:
         self.tmp_path = tmp_path
         self.size = size
         self.port = free_port()
@@ -44,7 +44,7 @@ class RankGroup:
             if distributed:
                 env.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(self.hostfile))
             with open(self.logs[rank], "w") as log:
-                self.processes.append(subprocess.Popen(command, env=env, stdout=log,
+                self.processes.append(subprocess.Popen(command + (rank_extra or {}).get(rank, []), env=env, stdout=log,
                                                        stderr=subprocess.STDOUT))
         self._wait_ready(ready_timeout_s)
 

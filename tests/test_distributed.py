@@ -95,6 +95,33 @@ def test_a_cancelled_stream_leaves_the_ranks_in_step(group) -> None:
     assert status == 200 and result["usage"]["completion_tokens"] == 8, result
 
 
+def test_a_request_that_cannot_fit_on_one_rank_gets_a_413_naming_it(tmp_path, model_dir) -> None:
+    # Rank 1's ceiling sits below what it already holds: nothing can ever fit there,
+    # while rank 0 (no ceiling of its own) would serve the request.
+    group = RankGroup(tmp_path, model_dir, 2, rank_extra={1: ["--memory-ceiling", "64MiB"]})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            status, body = group.post("/v1/completions", {**PROMPT, "max_tokens": 8})
+            if status == 413 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)  # rank 1's reading reaches rank 0 with the next step
+        assert status == 413, body
+        assert "on rank 1 of 2, whose custom ceiling binds there" in body["error"]["message"], body
+        assert body["error"]["code"] == "prefill_memory_exceeded"
+    finally:
+        group.close()
+
+
+def test_the_estimate_is_one_ranks_share_of_the_kv_cache() -> None:
+    from omlx_core.memory.types import PeakEstimate
+    from omlx_core.plugins.distributed.rank_memory import per_rank_estimate
+
+    whole = PeakEstimate(transient_bytes=1000, kv_bytes_per_token=64, kv_bytes=6400)
+    half = per_rank_estimate(whole, 0.5)
+    assert (half.kv_bytes, half.kv_bytes_per_token, half.transient_bytes) == (3200, 32, 1000)
+
+
 def test_a_refused_split_names_what_would_work(tmp_path, model_dir) -> None:
     with pytest.raises(AssertionError) as failed:
         RankGroup(tmp_path, model_dir, 3, ready_timeout_s=120)

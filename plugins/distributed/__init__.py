@@ -9,6 +9,11 @@ What it provides through the public hooks:
   batched engine with its model sharded through mlx-lm's ``shard`` (tensor parallel) or
   ``model.pipeline`` (pipeline) and its scheduler stepped in lockstep on every rank
   (:mod:`.step_sync`, over the scheduler's ``StepSync`` extension point);
+- ``estimate_peak`` (a wrapper): a sharded model's estimate is one rank's share
+  (:func:`~.rank_memory.per_rank_estimate`);
+- ``preflight``: a request that can never fit on some rank is refused with a 413 naming
+  the rank and its binding ceiling (every rank's readings are gathered on rank 0,
+  :mod:`.rank_memory`);
 - ``resolve_scheduler`` comes from the batched plugin (the engine is a batched one).
 
 Rank 0 serves HTTP; ``omlx-core serve`` on any other rank only follows. A rank that
@@ -19,7 +24,7 @@ See docs/distributed.md.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Generator
 
 from omlx_core.hookspecs import hookimpl
 from omlx_core.settings import Setting
@@ -55,3 +60,37 @@ def register_engines(register: Callable[..., None]) -> None:
 
 
 __all__ = ["ENGINE_NAME", "SETTINGS"]
+
+
+@hookimpl(wrapper=True)
+def estimate_peak(query: Any) -> Generator[None, Any, Any]:
+    from omlx_core.plugins.distributed.rank_memory import BOARDS, per_rank_estimate
+
+    estimate = yield
+    board = BOARDS.get(getattr(query, "model_id", ""))
+    if estimate is None or board is None:
+        return estimate
+    return per_rank_estimate(estimate, board.kv_share)
+
+
+@hookimpl
+def preflight(request: Any) -> None:
+    from omlx_core.memory.types import Rejection, RequestRejected
+    from omlx_core.plugins.distributed.rank_memory import BOARDS
+
+    board = BOARDS.get(request.model_id)
+    if board is None or request.estimated_bytes is None:
+        return
+    needed = request.estimated_bytes + request.margin_bytes
+    for reading in board.readings():
+        if reading.rank == 0 or reading.hard_bytes is None:
+            continue  # rank 0's own guard checks rank 0
+        if reading.baseline_bytes + needed > reading.hard_bytes:
+            raise RequestRejected(Rejection(
+                estimated_bytes=needed, limit_bytes=reading.hard_bytes, breakdown=None,
+                request_id=request.request_id, model_id=request.model_id,
+                prompt_tokens=request.prompt_tokens, stage="preflight",
+                base_bytes=reading.baseline_bytes, cause="never_fits",
+                margin_bytes=request.margin_bytes,
+                detail=f"on rank {reading.rank} of {board.cluster.size}, whose "
+                       f"{reading.binding} ceiling binds there"))

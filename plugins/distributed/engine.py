@@ -20,6 +20,7 @@ from omlx_core.pluginmanager import PluginError
 from omlx_core.plugins.batched import BatchedEngine, BatchedRequestHandle, PrefixCache, Scheduler
 from omlx_core.plugins.batched.batch_state import DONE, new_sequence
 from omlx_core.plugins.distributed.cluster import Cluster, cluster
+from omlx_core.plugins.distributed.rank_memory import BOARDS, RankMemoryBoard
 from omlx_core.plugins.distributed.sharding import load_sharded
 from omlx_core.plugins.distributed.step_sync import CollectiveSteps
 
@@ -67,8 +68,12 @@ class DistributedEngine(BatchedEngine):
         args = getattr(lm, "args", None)
         self.vocab_size = int(getattr(args, "vocab_size", 0) or self.model.config.get("vocab_size")
                               or len(tokenizer))
+        board = RankMemoryBoard(self.cluster, self.mode, _layers(self.model.config),
+                                lambda: self.scheduler.limits if self.scheduler else None)
+        BOARDS[self.model.id] = board
         self.step_sync = CollectiveSteps(self.cluster, heartbeat_s=self.heartbeat_s,
-                                         make_sequence=self._follow, on_stop=self._stop_following)
+                                         make_sequence=self._follow, on_stop=self._stop_following,
+                                         memory=board)
         return Scheduler(
             model=lm, tokenizer=tokenizer, model_id=self.model.id, model_config=self.model.config,
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
@@ -115,6 +120,7 @@ class DistributedEngine(BatchedEngine):
 
     def shutdown(self) -> None:
         super().shutdown()
+        BOARDS.pop(self.model.id, None)
         _ENGINES.discard(self.cluster)
         self.cluster.close()
 
@@ -131,6 +137,14 @@ class DistributedEngine(BatchedEngine):
                      distributed_ranks=self.cluster.size, distributed_error=self.cluster.dead,
                      distributed_exchanges=self.step_sync.exchanges if self.step_sync else 0)
         return stats
+
+
+def _layers(config: Any) -> int:
+    for table in (config, config.get("text_config") or {}):
+        value = table.get("num_hidden_layers")
+        if isinstance(value, int):
+            return value
+    return 0
 
 
 def _queue() -> Any:

@@ -28,6 +28,7 @@ from omlx_core.memory.types import RequestRejected
 
 if TYPE_CHECKING:
     from omlx_core.engine import GenerationRequest
+    from omlx_core.plugins.distributed.rank_memory import RankMemoryBoard
     from omlx_core.plugins.batched.batch_state import SequenceState
     from omlx_core.plugins.distributed.cluster import Cluster
 
@@ -50,11 +51,13 @@ class CollectiveSteps:
 
     def __init__(self, cluster: Cluster, *, heartbeat_s: float,
                  make_sequence: Callable[[GenerationRequest, int], SequenceState],
-                 on_stop: Callable[[], list[str]]) -> None:
+                 on_stop: Callable[[], list[str]],
+                 memory: RankMemoryBoard | None = None) -> None:
         self.cluster = cluster
         self.heartbeat_s = heartbeat_s
         self._make_sequence = make_sequence
         self._on_stop = on_stop
+        self.memory = memory
         self._last = time.monotonic()
         self._stopped = False
         self.exchanges = 0
@@ -68,13 +71,20 @@ class CollectiveSteps:
         if cluster.leader:
             cluster.broadcast({"arrivals": [(s.request, s.seed) for s in arrivals],
                                "aborts": list(aborts)})
+            self._gather_memory()
             return arrivals, aborts
         message = cluster.broadcast(None)
+        if message != STOP:
+            self._gather_memory()
         if message == STOP:
             self._stopped = True
             return [], self._on_stop()
         return ([self._make_sequence(request, seed) for request, seed in message["arrivals"]],
                 list(message["aborts"]))
+
+    def _gather_memory(self) -> None:
+        if self.memory is not None:
+            self.memory.gather()
 
     def has_work(self, local: bool) -> bool:
         self.cluster.step_ended()
