@@ -181,3 +181,19 @@ def test_a_hung_rank_makes_rank_0_exit_in_bounded_time(tmp_path, model_dir) -> N
     finally:
         group.processes[1].send_signal(signal.SIGCONT)
         group.close()
+
+
+def test_pipeline_split_gives_the_greedy_tokens_of_one_process(tmp_path_factory) -> None:
+    model = cached_model("qwen3_next", 0, cache_dir=tmp_path_factory.mktemp("qwen3next"))
+    single = RankGroup.single(tmp_path_factory.mktemp("qwen3next-single"), model)
+    group = RankGroup(tmp_path_factory.mktemp("qwen3next-group"), model, 2, mode="pipeline")
+    try:
+        body = {**PROMPT, "model": model.name, "max_tokens": 16}
+        status, sharded = group.post("/v1/completions", body)
+        assert status == 200, sharded
+        _, whole = single.post("/v1/completions", body)
+        assert sharded["choices"][0]["text"] == whole["choices"][0]["text"]
+        assert group.health()["engines"][model.name]["distributed_mode"] == "pipeline"
+    finally:
+        group.close()
+        single.close()
