@@ -16,7 +16,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from omlx_core.engine import GenerationOutput
-from omlx_core.pluginmanager import PluginError
+from omlx_core.models.errors import ModelError
 from omlx_core.plugins.batched import BatchedEngine, BatchedRequestHandle, PrefixCache, Scheduler
 from omlx_core.plugins.batched.batch_state import DONE, new_sequence
 from omlx_core.plugins.distributed.cluster import Cluster, cluster
@@ -50,7 +50,7 @@ class DistributedEngine(BatchedEngine):
         if self.cluster in _ENGINES:
             # Each engine's steps are exchanged on the one group: two would interleave
             # differently on rank 0 (which steps on demand) and the followers.
-            raise PluginError(f"model {model.id!r}: a distributed group serves one model, and "
+            raise ModelError(f"model {model.id!r}: a distributed group serves one model, and "
                               "this one already serves another; start a group per model")
         _ENGINES.add(self.cluster)
         self.prefix_cache = PrefixCache(self.settings.block_size, 0,
