@@ -138,14 +138,14 @@ def test_a_killed_rank_ends_the_stream_with_an_error_and_the_group_exits(tmp_pat
             group.processes[1].send_signal(signal.SIGKILL)
             rest = list(events)
         errors = [e["error"] for e in rest if "error" in e]
-        assert errors, rest[-3:]
+        assert errors, (rest[-3:], group.output())
         assert "rank 1" in errors[-1]["message"] or "peer" in errors[-1]["message"], errors
         engine = group.health()["engines"]["llama-seed0"]
-        assert "rank 1" in engine["distributed_error"], engine
+        assert "rank 1" in engine["distributed_error"], (engine, group.output())
         status, refused = group.post("/v1/completions", {**PROMPT, "max_tokens": 4})
-        assert status == 503, refused
+        assert status == 503, (refused, group.output())
         assert "distributed group serving this model is dead" in refused["error"]["message"]
-        assert group.processes[0].wait(timeout=120) == 75
+        assert group.processes[0].wait(timeout=120) == 75, group.output()
     finally:
         group.close()
 
