@@ -92,15 +92,25 @@ class Cluster:
         """Every rank's ``values`` (the same length on each), by rank."""
         mine = mx.array(values, dtype=mx.float32)[None]
         everyone = mx.distributed.all_gather(mine, group=self.group, stream=_model_stream())
-        mx.eval(everyone)
+        self._evaluate(everyone)
         return everyone.tolist()
 
     def _sum_bytes(self, data: bytes) -> bytes:
         # Only rank 0 contributes non-zero bytes, so the sum is its bytes on every rank.
         array = mx.array(memoryview(data), dtype=mx.uint8) if data else mx.zeros((0,), mx.uint8)
         total = mx.distributed.all_sum(array, group=self.group, stream=_model_stream())
-        mx.eval(total)
+        self._evaluate(total)
         return bytes(memoryview(total))
+
+    def _evaluate(self, array: Any) -> None:
+        # Whoever asked (a scheduler part that logs and goes on, say) the group is dead
+        # once a collective breaks: the ranks are out of step.
+        try:
+            mx.eval(array)
+        except Exception as exc:
+            self.declare_dead(f"a collective failed on rank {self.rank} ({type(exc).__name__}: "
+                              f"{exc}); {self.missing()} is gone or out of step")
+            raise
 
     # -- liveness ---------------------------------------------------------------------
 
