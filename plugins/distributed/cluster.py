@@ -41,8 +41,13 @@ BACKSTOP_GRACE_S = 5.0
 _LENGTH_BYTES = 8
 
 
-class GroupDead(RuntimeError):
-    """A rank of the group stopped answering; the group cannot serve any more."""
+class GroupDead(BaseException):
+    """A rank of the group stopped answering; the group cannot serve any more.
+
+    Not an ``Exception``: a scheduler part that logs an ``Exception`` and goes on (a
+    forward gate that raised) would run the next forward against the dead peer, which
+    can hang with the GIL held. This ends the MLX thread instead; the process exits
+    after ``exit_after_s`` anyway."""
 
 
 class Cluster:
@@ -110,7 +115,7 @@ class Cluster:
         except Exception as exc:
             self.declare_dead(f"a collective failed on rank {self.rank} ({type(exc).__name__}: "
                               f"{exc}); {self.missing()} is gone or out of step")
-            raise
+            raise GroupDead(self.dead) from exc
 
     # -- liveness ---------------------------------------------------------------------
 
