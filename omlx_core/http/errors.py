@@ -152,6 +152,7 @@ def rejection_error(error: RequestRejected) -> APIError:
         "base_bytes": rejection.base_bytes, "binding_ceiling": rejection.binding,
         "ceilings": breakdown.ceilings() if breakdown is not None else {},
         "prompt_tokens": rejection.prompt_tokens, "advice": list(error.advice),
+        "request_id": rejection.request_id,
     }
     code = rejection_code(rejection.stage, rejection.cause)
     if not error.retryable:
