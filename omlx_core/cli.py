@@ -1,4 +1,4 @@
-"""The ``omlx-core`` command: serve, plugins, config, models, doctor, bench."""
+"""The ``omlx-core`` command: serve, launch, plugins, config, models, doctor, bench."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def _overrides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         value = getattr(args, flag, None)
         if value is not None:
             items.append((key, str(value), f"cli --{flag}"))
+    distributed = getattr(args, "distributed", None)
+    if distributed is not None:
+        items.append(("plugin.distributed.mode", distributed, "cli --distributed"))
     ceiling = getattr(args, "memory_ceiling", None)
     if ceiling is not None:
         items.append(("memory.tier", "custom", "cli --memory-ceiling"))
@@ -64,6 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine", metavar="NAME",
                        help="serve every model with this engine (e.g. dflash), whatever its "
                             "configuration names; `omlx-core plugins` lists the engines")
+    serve.add_argument("--distributed", choices=("tensor", "pipeline"),
+                       help="serve each model sharded over the ranks mlx.launch started "
+                            "(engine 'distributed'): rank 0 serves HTTP, the others follow; "
+                            "see docs/distributed.md")
+
+    launch = commands.add_parser(
+        "launch", help="start `omlx-core serve` on N ranks with mlx.launch",
+        description="Runs mlx.launch -n N [--hostfile H] [--backend B] -- omlx-core serve ARGS. "
+                    "Give serve's arguments after --, e.g. omlx-core launch -n 2 -- "
+                    "--distributed tensor --model DIR")
+    launch.add_argument("-n", "--ranks", type=int, default=2, help="processes per host (default 2)")
+    launch.add_argument("--hostfile", help="mlx.launch hostfile (JSON): one entry per machine")
+    launch.add_argument("--backend", default=None,
+                        help="ring (TCP, the default), jaccl (Thunderbolt RDMA) or mpi")
+    launch.add_argument("serve_args", nargs=argparse.REMAINDER,
+                        help="arguments of omlx-core serve (after --)")
 
     plugins = commands.add_parser("plugins", help="list installed plugins and their hooks")
     _config_arguments(plugins)
@@ -115,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         ensure_optimized_blas()
     handler = {
-        "serve": cmd_serve, "plugins": cmd_plugins, "config": cmd_config,
+        "serve": cmd_serve, "launch": cmd_launch, "plugins": cmd_plugins, "config": cmd_config,
         "models": cmd_models, "doctor": cmd_doctor, "bench": cmd_bench,
     }[args.command]
     try:
@@ -135,19 +154,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for warning in setup.warnings:
         logging.getLogger("omlx_core").warning(warning)
     model_ids = served_models(setup, args.model)
-    if args.engine:
-        _override_engine(setup, model_ids, args.engine)
+    if args.engine or args.distributed:
+        _override_engine(setup, model_ids, "distributed" if args.distributed else args.engine)
     context = start_engines(setup, model_ids)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        from omlx_core.http.serve import serve_forever
+        if args.distributed and _rank() != 0:
+            # A follower's engines step with rank 0's; it serves no HTTP.
+            stop.wait()
+        else:
+            from omlx_core.http.serve import serve_forever
 
-        serve_forever(context, stop)
+            serve_forever(context, stop)
     finally:
         stop_engines(context)
     return 0
+
+
+def _rank() -> int:
+    import mlx.core as mx
+
+    return mx.distributed.init().rank()
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    import shutil
+    import subprocess
+
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    launcher_cmd = [str(launcher)] if launcher.exists() else [shutil.which("mlx.launch") or "mlx.launch"]
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else list(args.serve_args)
+    if "--distributed" not in serve_args:
+        serve_args = ["--distributed", "tensor", *serve_args]
+    command = [*launcher_cmd, "-n", str(args.ranks)]
+    if args.hostfile:
+        command += ["--hostfile", args.hostfile]
+    if args.backend:
+        command += ["--backend", args.backend]
+    command += ["--", sys.executable, "-m", "omlx_core", "serve", *serve_args]
+    print("omlx-core: " + " ".join(command), file=sys.stderr)
+    return subprocess.call(command)
 
 
 def _override_engine(setup: Any, model_ids: list[str] | None, engine: str) -> None:

@@ -339,7 +339,7 @@ def merge_outputs(outputs: list[GenerationOutput]) -> GenerationOutput:
 def _failure_of(output: GenerationOutput) -> Exception:
     """The typed error of a final output that is not a completion."""
     if output.finish_reason == "abort":
-        return RequestAborted(ABORTED)
+        return RequestAborted(output.error or ABORTED)
     if output.rejected is not None:
         return output.rejected
     message = output.error or "the engine reported an error"
@@ -476,8 +476,8 @@ class ServingPipeline:
             return None
         if first.finish_reason == "abort":
             self._abandon(request_id, handle, release)
-            raise RequestAborted("the request was aborted before its first token (the client "
-                                 "disconnected or the server is shutting down)")
+            raise RequestAborted(first.error or "the request was aborted before its first token "
+                                 "(the client disconnected or the server is shutting down)")
         if first.finished and first.finish_reason not in ("stop", "length"):
             self._abandon(request_id, handle, release)
             failure = _failure_of(first)
