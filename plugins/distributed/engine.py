@@ -15,9 +15,9 @@ import signal
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from omlx_core.engine import GenerationOutput
+from omlx_core.engine import GenerationOutput, QueuedRequestHandle
 from omlx_core.models.errors import ModelError
-from omlx_core.plugins.batched import BatchedEngine, BatchedRequestHandle, PrefixCache, Scheduler
+from omlx_core.plugins.batched import BatchedEngine, PrefixCache, Scheduler
 from omlx_core.plugins.batched.batch_state import DONE, new_sequence
 from omlx_core.plugins.distributed.cluster import Cluster, cluster
 from omlx_core.plugins.distributed.rank_memory import BOARDS, RankMemoryBoard
@@ -87,11 +87,11 @@ class DistributedEngine(BatchedEngine):
 
     # -- requests --------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> BatchedRequestHandle:
+    def submit(self, request: GenerationRequest) -> QueuedRequestHandle:
         dead = self.cluster.dead
         if dead is None:
             return super().submit(request)
-        handle = BatchedRequestHandle(request.request_id, _queue(), self.abort)
+        handle = QueuedRequestHandle(request.request_id, _queue(), self.abort)
         handle._outputs.put(_group_dead_output(request.request_id, dead))
         return handle
 
