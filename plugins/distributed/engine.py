@@ -74,6 +74,8 @@ class DistributedEngine(BatchedEngine):
         self.step_sync = CollectiveSteps(self.cluster, heartbeat_s=self.heartbeat_s,
                                          make_sequence=self._follow, on_stop=self._stop_following,
                                          memory=board)
+        # No in-batch speculation and no decode-gap chunk sizing: both decide from step
+        # timings, which differ from rank to rank, and every rank must take rank 0's steps.
         return Scheduler(
             model=lm, tokenizer=tokenizer, model_id=self.model.id, model_config=self.model.config,
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
