@@ -166,7 +166,9 @@ class ModelPool:
         self.retry_s = float(config["server.model_load_retry_s"])
         self.default_keep_alive_s = parse_keep_alive(config["server.keep_alive"])
         self.counters = PoolCounters()
-        self._lock = threading.Lock()
+        # Re-entrant: describing a refusal under it reads the guard, whose readings may
+        # ask the pool again.
+        self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._records: dict[str, ModelRecord] = {}
         self._closed = False
@@ -272,10 +274,13 @@ class ModelPool:
                             raise record.error
                         self._begin_load(record)
                     attempt = record.attempt
+                    # A load in progress ends on its own (its wait for room is bounded),
+                    # with the one answer every waiter gets; an unload or a drain is waited
+                    # for up to the deadline.
                     remaining = deadline - time.monotonic()
-                    if remaining <= 0:
+                    if remaining <= 0 and record.state != LOADING:
                         raise self._wait_timeout(record)
-                    self._changed.wait(min(remaining, 1.0))
+                    self._changed.wait(min(max(remaining, 0.05), 1.0))
                     if record.attempt != attempt and record.state != RESIDENT \
                             and record.error is not None:
                         raise record.error
