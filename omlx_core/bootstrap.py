@@ -140,6 +140,7 @@ def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
         for engine in context.engines.values():
             engine.shutdown()
         raise
+    context.pool.plan_local()
     context.pool.start()
     plugins.hook.startup(context=context)
     return context

@@ -39,7 +39,8 @@ class _Usage:
 
 class ScriptedMemory:
     """The guard as the pool reads it: a hard limit, and memory in use that is a fixed
-    base plus the planned bytes of every resident model (what the pool claimed)."""
+    base plus the weights of every loaded model (the working set the pool plans on top
+    is what its requests use, and none runs while the pool decides here)."""
 
     backend = "cpu"
 
@@ -51,7 +52,7 @@ class ScriptedMemory:
 
     def in_use(self) -> int:
         records = self.pool.records() if self.pool is not None else []
-        return BASE + sum(r.planned_bytes or 0 for r in records if r.state == RESIDENT)
+        return BASE + sum(r.weights_bytes or 0 for r in records if r.engine is not None)
 
     @property
     def snapshot(self) -> LimitSnapshot:
@@ -114,18 +115,20 @@ def context(tmp_path: Path, model_dirs: dict[str, Path]) -> Iterator[ServerConte
         close_engine(context, model_id)
 
 
-def planned(context: ServerContext, model_id: str) -> int:
-    """The bytes the pool plans for ``model_id`` (loading it once in a pool without limit)."""
+def plans(context: ServerContext) -> dict[str, tuple[int, int]]:
+    """(weights, planned bytes) of each model, from a pool without limit (headers only)."""
     probe = make_pool(context, None)
-    probe.load(model_id)
-    probe.unload(model_id)
-    return probe.record(model_id).planned_bytes
+    probe.plan_local()
+    return {r.id: (r.weights_bytes, r.planned_bytes) for r in probe.records()}
 
 
 def room_for_two(context: ServerContext) -> ScriptedMemory:
-    sizes = sorted(planned(context, model_id) for model_id in IDS)
-    # The two largest fit together, never all three.
-    return ScriptedMemory(BASE + sizes[-1] + sizes[-2] + sizes[0] // 2)
+    sizes = plans(context)
+    weights = [w for w, _ in sizes.values()]
+    planned = [p for _, p in sizes.values()]
+    # Any one model loads next to any other; a third never fits next to two.
+    assert min(planned) + 2 * min(weights) > max(planned) + max(weights)
+    return ScriptedMemory(BASE + max(weights) + max(planned))
 
 
 def use(pool: ModelPool, model_id: str) -> None:
@@ -186,8 +189,11 @@ def test_pinned_and_busy_models_are_never_evicted_the_load_waits_then_503(contex
 
 
 def test_a_model_that_can_never_fit_is_refused_at_once_with_advice(context):
-    sizes = {model_id: planned(context, model_id) for model_id in IDS}
-    memory = ScriptedMemory(BASE + sizes["tiny-a"] + sizes["tiny-b"] // 2)
+    sizes = {model_id: planned for model_id, (_, planned) in plans(context).items()}
+    weights_a = plans(context)["tiny-a"][0]
+    # a loads alone; b never fits next to a's weights, and a is pinned.
+    assert weights_a + sizes["tiny-b"] > sizes["tiny-a"]
+    memory = ScriptedMemory(BASE + sizes["tiny-a"])
     pool = make_pool(context, memory)
     use(pool, "tiny-a")
     pool.pin("tiny-a")

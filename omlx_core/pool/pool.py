@@ -109,6 +109,11 @@ class ModelRecord:
         """What the model holds while resident: measured when known, else planned."""
         return self.measured_bytes or self.planned_bytes or self.weights_bytes or 0
 
+    def held_bytes(self) -> int:
+        """At least its weights: a footprint growth measured while other models were
+        unloaded can read low."""
+        return max(self.measured_bytes or 0, self.weights_bytes or 0)
+
 
 class Lease:
     """A running request's hold on a resident model; :meth:`release` once it ends."""
@@ -172,9 +177,23 @@ class ModelPool:
         self._changed = threading.Condition(self._lock)
         self._records: dict[str, ModelRecord] = {}
         self._closed = False
+        #: the least the process was seen to hold without any model (learned at settles)
+        self._bare_bytes: int | None = None
         self._reaper: threading.Thread | None = None
         for model_id in config.models:
             self.add(model_id)
+
+    def plan_local(self) -> None:
+        """Plan every model whose directory is already local (headers only: cheap), so
+        that the listing shows planned bytes before a first load."""
+        for record in self.records():
+            entry = self.config.models[record.id]
+            if record.planned_bytes is not None or not entry.get("path"):
+                continue
+            try:
+                self._plan(record, self._resolve(record.id))
+            except Exception as exc:  # the load reports it, with the model's name
+                log.debug("model %r cannot be planned yet: %s", record.id, exc)
 
     # -- the catalog ----------------------------------------------------------------------
 
@@ -387,9 +406,7 @@ class ModelPool:
                 if need <= room:
                     record.claimed_bytes = need
                     return
-                evictable = sum(r.bytes() for r in self._records.values()
-                                if r.state == RESIDENT and not r.pinned)
-                floor = snapshot.baseline_bytes - evictable
+                floor = self._floor(snapshot, claimed)
                 if floor + need + snapshot.margin_bytes > snapshot.hard_bytes:
                     raise self._never_fits(record, snapshot, floor)
                 victim = self._victim()
@@ -403,6 +420,20 @@ class ModelPool:
             log.info("unloading idle model %r (last used %.0f s ago) to make room for %r",
                      victim.id, time.monotonic() - victim.last_used, record.id)
             self._unload(victim, "evicted")
+
+    def _floor(self, snapshot: Any, claimed: int) -> int:
+        """What stays held with every unpinned model gone (under the lock): the lowest
+        footprint without models seen at a settled reading, plus the pinned models.
+        The idle baseline alone can be stale (it is read only while no request runs)
+        and other loads in progress may be in it, so it only bounds this from above;
+        a floor too low only turns a 413 into a bounded wait."""
+        resident = [r for r in self._records.values() if r.state in (RESIDENT, UNLOADING)]
+        pinned = sum(r.held_bytes() for r in resident if r.pinned)
+        from_baseline = (snapshot.baseline_bytes - claimed
+                         - sum(r.held_bytes() for r in resident if not r.pinned))
+        if self._bare_bytes is None:
+            return from_baseline
+        return min(from_baseline, self._bare_bytes + pinned)
 
     def _victim(self) -> ModelRecord | None:
         """The least recently used resident model that may be unloaded now (under the lock)."""
@@ -479,10 +510,22 @@ class ModelPool:
         trim_heap()
 
     def _settle(self) -> None:
-        """Wait for a memory reading taken after now (the enforcer's next poll)."""
+        """Wait for a memory reading taken after now (the enforcer's next poll), and
+        learn from it what the process holds without any model."""
         guard = self._guard()
-        if guard is not None:
-            guard.fresh_snapshot()
+        if guard is None:
+            return
+        snapshot = guard.fresh_snapshot()
+        if snapshot is None:
+            return
+        with self._lock:
+            # A model whose engine exists is in the reading; a claim of a load not yet
+            # done may not be (taking it off can only make the floor lower).
+            models = sum(r.held_bytes() for r in self._records.values() if r.engine is not None)
+            claimed = sum(r.claimed_bytes for r in self._records.values() if r.engine is None)
+            bare = snapshot.in_use_bytes - snapshot.reclaimable_bytes - models - claimed
+            if bare > 0 and (self._bare_bytes is None or bare < self._bare_bytes):
+                self._bare_bytes = bare
 
     def _footprint(self) -> int | None:
         guard = self._guard()
