@@ -308,11 +308,11 @@ def test_a_pinned_model_outlives_its_keep_alive(context):
     assert wait_for(lambda: pool.record("tiny-a").state == AVAILABLE, timeout=30)
 
 
-@pytest.mark.parametrize("value, seconds", [
+@pytest.mark.parametrize("value, expected", [
     ("5m", 300.0), ("30s", 30.0), ("1h", 3600.0), (-1, None), ("-1", None), (0, 0.0),
     ("0", 0.0), (2.5, 2.5), ("250ms", 0.25)])
-def test_keep_alive_forms(value, seconds):
-    assert parse_keep_alive(value) == seconds
+def test_keep_alive_forms(value, expected):
+    assert parse_keep_alive(value) == expected
 
 
 @pytest.mark.parametrize("value", ["soon", "5 minutes", "", True, [1], float("nan")])
