@@ -319,3 +319,73 @@ def test_keep_alive_forms(value, expected):
 def test_bad_keep_alive_is_refused_naming_the_forms(value):
     with pytest.raises(ValueError, match="duration"):
         parse_keep_alive(value)
+
+
+# -- over HTTP -------------------------------------------------------------------------------
+
+
+def _http(url: str, method: str, path: str, body: Any = None,
+          key: str | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url + path, json.dumps(body).encode() if body is not None
+                                     else None, headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read() or b"{}"), dict(response.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}"), dict(error.headers)
+
+
+@pytest.fixture
+def served(context: ServerContext) -> Iterator[str]:
+    from omlx_core.http.app import build_frontend
+    from omlx_core.http.serve import HTTPServer
+
+    make_pool(context, None).start()
+    frontend = build_frontend(context, api_keys=["sekrit"])
+    with HTTPServer(context, port=0, frontend=frontend) as server:
+        yield server.url
+
+
+def test_admin_routes_need_a_key_and_steer_the_pool(served, context):
+    status, body, _ = _http(served, "POST", "/admin/models/tiny-a/load")
+    assert status == 401 and body["error"]["code"] == "missing_api_key"
+    assert context.pool.record("tiny-a").state == AVAILABLE
+    status, body, _ = _http(served, "POST", "/admin/models/tiny-a/load", key="sekrit")
+    assert status == 200 and body["state"] == RESIDENT and body["changed"]
+    status, body, _ = _http(served, "POST", "/admin/models/tiny-a/pin", key="sekrit")
+    assert status == 200 and body["pinned"] is True
+    status, body, _ = _http(served, "GET", "/v1/models", key="sekrit")
+    listed = {m["id"]: m for m in body["data"]}
+    assert body["object"] == "list" and set(listed) == set(IDS)
+    assert listed["tiny-a"]["state"] == RESIDENT and listed["tiny-a"]["pinned"]
+    assert listed["tiny-b"]["state"] == AVAILABLE and listed["tiny-b"]["resident_bytes"] == 0
+    status, body, _ = _http(served, "POST", "/admin/models/tiny-a/unload", key="sekrit")
+    assert status == 200 and body["state"] == AVAILABLE and "tiny-a" not in context.engines
+    status, body, _ = _http(served, "POST", "/admin/models/nope/load", key="sekrit")
+    assert status == 404 and "tiny-a" in body["error"]["message"]
+    status, body, _ = _http(served, "POST", "/admin/models/tiny-a/explode", key="sekrit")
+    assert status == 404 and body["error"]["code"] == "unknown_action"
+
+
+def test_a_chat_loads_its_model_and_a_bad_keep_alive_is_a_400_naming_it(served, context):
+    chat = {"model": "tiny-b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, body, _ = _http(served, "POST", "/v1/chat/completions",
+                            {**chat, "keep_alive": "soon"}, key="sekrit")
+    assert status == 400 and body["error"]["param"] == "keep_alive"
+    assert context.pool.record("tiny-b").state == AVAILABLE  # refused before any load
+    status, body, _ = _http(served, "POST", "/v1/chat/completions",
+                            {**chat, "keep_alive": "-1"}, key="sekrit")
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+    record = context.pool.record("tiny-b")
+    assert record.state == RESIDENT and record.keep_alive_s is None
+    status, health, _ = _http(served, "GET", "/health")
+    assert status == 200 and health["pool"]["models"]["tiny-b"]["state"] == RESIDENT
+    request = urllib.request.Request(served + "/metrics",
+                                     headers={"Authorization": "Bearer sekrit"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        metrics = response.read().decode()
+    assert "omlx_model_loads_total 1.0" in metrics and "omlx_models_resident 1.0" in metrics
+    assert "omlx_model_load_seconds_count 1.0" in metrics
