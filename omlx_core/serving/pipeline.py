@@ -362,11 +362,13 @@ class ServingPipeline:
         return engine
 
     def available(self) -> list[str]:
-        """Every model a request may name: the pool's, or the engines of a hand-built context."""
+        """Every model a request may name: the pool's, or the engines of a hand-built
+        context; resident ones first, in the order they were loaded (the default first)."""
+        resident = list(self.context.engines)
         pool = self.context.pool
         if pool is None:
-            return list(self.context.engines)
-        return [record.id for record in pool.records()]
+            return resident
+        return resident + [r.id for r in pool.records() if r.id not in self.context.engines]
 
     def lease(self, model_id: str, keep_alive: Any = None) -> Lease | _FixedLease:
         """A hold on ``model_id``'s engine, loading the model when it is not resident.
