@@ -389,3 +389,28 @@ def test_a_chat_loads_its_model_and_a_bad_keep_alive_is_a_400_naming_it(served, 
         metrics = response.read().decode()
     assert "omlx_model_loads_total 1.0" in metrics and "omlx_models_resident 1.0" in metrics
     assert "omlx_model_load_seconds_count 1.0" in metrics
+
+
+def test_an_engine_loaded_on_demand_gets_the_enforcers_limits(tmp_path, model_dirs):
+    """Through the real bootstrap and memory guard: the pool's settle barrier waits for
+    a poll after the load, and every poll publishes to every engine in the context."""
+    from omlx_core.bootstrap import start_engines, stop_engines
+
+    config = tmp_path / "omlx.toml"
+    config.write_text(f'[server]\nmodels = ["tiny-a"]\n\n[models.tiny-a]\npath = "{model_dirs["tiny-a"]}"\n'
+                      f'\n[models.tiny-b]\npath = "{model_dirs["tiny-b"]}"\n')
+    context = start_engines(load_setup("cpu-small", [config]), progress=False)
+    try:
+        pool = context.pool
+        assert pool.record("tiny-a").pinned and not pool.record("tiny-b").pinned
+        assert pool.record("tiny-b").planned_bytes > 0  # planned at start, from the headers
+        lease = pool.acquire("tiny-b")
+        try:
+            receiver = context.plugins.hook.resolve_scheduler(engine=lease.engine)
+            assert receiver.state.limits is not None
+            assert receiver.state.limits.sequence >= 1
+        finally:
+            lease.release()
+        assert pool.unload("tiny-b") and "tiny-b" not in context.engines
+    finally:
+        stop_engines(context)
