@@ -414,3 +414,21 @@ def test_an_engine_loaded_on_demand_gets_the_enforcers_limits(tmp_path, model_di
         assert pool.unload("tiny-b") and "tiny-b" not in context.engines
     finally:
         stop_engines(context)
+
+
+def test_an_unloaded_engine_and_its_mlx_buffers_are_freed(context):
+    import gc
+    import weakref
+
+    import mlx.core as mx
+
+    pool = make_pool(context, None)
+    lease = pool.acquire("tiny-a")
+    engine = weakref.ref(lease.engine)
+    lease.release()
+    del lease
+    assert pool.unload("tiny-a")
+    gc.collect()
+    assert engine() is None and "tiny-a" not in context.engines
+    assert pool.counters.unloads == {"admin": 1}
+    assert mx.get_active_memory() < pool.record("tiny-a").weights_bytes // 100

@@ -27,6 +27,7 @@ import gc
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -50,6 +51,8 @@ AVAILABLE, LOADING, RESIDENT, UNLOADING, FAILED = (
 UNLOAD_REASONS = ("evicted", "keep_alive", "admin", "shutdown")
 #: how often the keep-alive reaper looks at idle models, at most
 REAP_INTERVAL_S = 0.5
+#: loads of different models that may run at once (one model loads once at a time)
+LOADER_THREADS = 2
 
 
 class ModelLoadFailed(Exception):
@@ -177,6 +180,10 @@ class ModelPool:
         self._changed = threading.Condition(self._lock)
         self._records: dict[str, ModelRecord] = {}
         self._closed = False
+        # Long-lived loader threads: a fresh thread per load gets a fresh malloc arena,
+        # and what a load leaves in each stays resident (it showed as growth per cycle).
+        self._loaders = ThreadPoolExecutor(max_workers=LOADER_THREADS,
+                                           thread_name_prefix="omlx-load")
         #: the least the process was seen to hold without any model (learned at settles)
         self._bare_bytes: int | None = None
         self._reaper: threading.Thread | None = None
@@ -259,6 +266,7 @@ class ModelPool:
             self._changed.notify_all()
         if self._reaper is not None:
             self._reaper.join(timeout=5)
+        self._loaders.shutdown(wait=False, cancel_futures=True)
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -318,8 +326,7 @@ class ModelPool:
     def _begin_load(self, record: ModelRecord) -> None:
         """Start ``record``'s one load (under the lock)."""
         record.state, record.error = LOADING, None
-        threading.Thread(target=self._load, args=(record,), name=f"omlx-load-{record.id}",
-                         daemon=True).start()
+        self._loaders.submit(self._load, record)
 
     def _load(self, record: ModelRecord) -> None:
         started = time.monotonic()
