@@ -52,6 +52,10 @@ class Run:
     seconds: float
     completion_tokens: int
     note: str = ""
+    #: the server's memory in use with both models resident, and their measured bytes
+    in_use_bytes: int = 0
+    models_bytes: dict[str, int] | None = None
+    measured_bytes: dict[str, int] | None = None
 
     def p(self, q: float) -> float:
         values = sorted(self.ttfts)
@@ -110,6 +114,11 @@ def omlx_run(dirs: dict[str, Path], requests: int, max_tokens: int, ceiling: int
             stream_chat("127.0.0.1", port, chat_body(name, PROMPT, 1))
         run = alternate(port, names, requests, max_tokens, label)
         models = {m["id"]: m for m in _get(port, "/v1/models")["data"]}
+        memory = _get(port, "/health").get("memory") or {}
+        run.in_use_bytes = int(memory.get("baseline_bytes") or 0)
+        run.models_bytes = {n: int(models[n]["planned_bytes"] or 0) for n in names}
+        run.measured_bytes = {n: int(models[n]["measured_bytes"] or models[n]["weights_bytes"]
+                                     or 0) for n in names}
         metrics = _get_text(port, "/metrics")
         evictions = next((line.split()[-1] for line in metrics.splitlines()
                           if line.startswith('omlx_model_unloads_total{reason="evicted"}')), "0")
@@ -139,12 +148,13 @@ def mlx_lm_run(dirs: dict[str, Path], requests: int, max_tokens: int) -> Run:
         return alternate(port, names, requests, max_tokens, "mlx_lm.server (swaps per request)")
 
 
-def ceiling_for_one(dirs: dict[str, Path]) -> int:
-    """Room for the larger model next to an idle server, not for both."""
-    from omlx_core.pool.catalog import weights_bytes
-
-    sizes = sorted(weights_bytes(p) for p in dirs.values())
-    return 400 * MIB + sizes[-1] + sizes[0] // 2
+def ceiling_for_one(both: Run) -> int:
+    """Room for the larger model next to the idle server, not for both: from the first
+    run's idle baseline with both resident, less both models, plus the larger one's
+    plan, the transient margin and half the smaller one's plan."""
+    planned = sorted((both.models_bytes or {}).values())
+    idle = both.in_use_bytes - sum((both.measured_bytes or {}).values())
+    return max(0, idle) + planned[-1] + 64 * MIB + planned[0] // 2
 
 
 def report(runs: list[Run], args: argparse.Namespace, ceiling: int) -> str:
@@ -183,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     root = args.models_dir or Path(tempfile.mkdtemp(prefix="omlx-pool-models-"))
     root.mkdir(parents=True, exist_ok=True)
     dirs = convert_models(root)
-    ceiling = ceiling_for_one(dirs)
-    runs = [omlx_run(dirs, args.requests, args.max_tokens, None, "omlx-core, both resident"),
-            omlx_run(dirs, args.requests, args.max_tokens, ceiling,
-                     "omlx-core, ceiling fits one"),
+    both = omlx_run(dirs, args.requests, args.max_tokens, None, "omlx-core, both resident")
+    ceiling = ceiling_for_one(both)
+    runs = [both, omlx_run(dirs, args.requests, args.max_tokens, ceiling,
+                           "omlx-core, ceiling fits one"),
             mlx_lm_run(dirs, args.requests, args.max_tokens)]
     publish_report(report(runs, args, ceiling), args.out)
     return 0
