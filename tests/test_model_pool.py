@@ -432,3 +432,21 @@ def test_an_unloaded_engine_and_its_mlx_buffers_are_freed(context):
     assert engine() is None and "tiny-a" not in context.engines
     assert pool.counters.unloads == {"admin": 1}
     assert mx.get_active_memory() < pool.record("tiny-a").weights_bytes // 100
+
+
+def test_omlx_core_ps_prints_the_running_servers_pool(served, context, capsys):
+    from urllib.parse import urlparse
+
+    from omlx_core.cli import main
+
+    context.pool.load("tiny-a")
+    port = str(urlparse(served).port)
+    assert main(["ps", "--port", port]) == 1  # keys are configured and none was sent
+    assert "401" in capsys.readouterr().err
+    assert main(["ps", "--port", port, "--api-key", "sekrit"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["NAME", "STATE", "SIZE"]
+    assert [line.split()[:2] for line in lines[1:]] == [["tiny-a", "resident"]]
+    assert main(["ps", "--port", port, "--api-key", "sekrit", "--all"]) == 0
+    listed = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert listed == {"tiny-a": RESIDENT, "tiny-b": AVAILABLE, "tiny-c": AVAILABLE}
