@@ -26,6 +26,14 @@ if [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null \
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread
 fi
 
+# The dashboard's tests drive a real headless browser: Debian's chromium and chromedriver.
+if [ "$mode" = test ] && [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null \
+   && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
+  echo "== installing chromium and chromedriver (dashboard browser tests)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "== creating $VENV"
   "$PYTHON" -m venv "$VENV"

@@ -306,6 +306,31 @@ class EngineLimits:
 
 
 @dataclass(frozen=True)
+class RequestProgress:
+    """Where one request stands inside an engine right now (:meth:`Engine.progress`)."""
+
+    request_id: str
+    #: ``"waiting"`` (queued in the engine, or preempted and waiting to resume),
+    #: ``"prefilling"`` or ``"decoding"``
+    phase: str
+    prompt_tokens: int
+    #: of ``prefill_tokens``, those prefilled so far
+    prefilled_tokens: int = 0
+    prefill_tokens: int = 0
+    completion_tokens: int = 0
+    max_tokens: int = 0
+    #: 1 for the next request the engine starts (``"waiting"`` only)
+    queue_position: int | None = None
+    #: taken out of the decode batch for memory; it resumes where it was
+    preempted: bool = False
+    #: seconds since the engine took the request, since its prefill began, since its
+    #: first token (0 until then)
+    age_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class MemoryHints:
     """How an engine allocates, for the memory estimate (``estimate_peak``).
 
@@ -438,6 +463,12 @@ class Engine(abc.ABC):
         """Counters for metrics and ``/health``; include ``queue_depth`` (requests
         waiting in the engine) and ``running``. Nested dicts are flattened."""
         return {}
+
+    def progress(self) -> list[RequestProgress]:
+        """Each request the engine holds, with its phase and token counts (the
+        dashboard's "requests now"). Called from any thread; an engine that cannot tell
+        returns an empty list."""
+        return []
 
 
 class GuardedEngine(Engine):

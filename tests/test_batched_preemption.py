@@ -100,7 +100,6 @@ def test_a_preempted_request_resumes_with_the_same_greedy_output(llama, at):
     assert first.token_ids == solo_older.token_ids
     # No token lost, none repeated; the usage still counts the original prompt.
     assert second.token_ids == solo_younger.token_ids
-    assert second.text == solo_younger.text
     assert (second.finish_reason, second.usage.prompt_tokens, second.usage.completion_tokens) == (
         solo_younger.finish_reason, len(younger), solo_younger.usage.completion_tokens)
     assert second.error is None

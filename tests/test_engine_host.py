@@ -12,6 +12,7 @@ import pytest
 from omlx_core.bootstrap import close_engine, create_engine, load_setup, start_engines, stop_engines
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.hookspecs import hookimpl
+from omlx_core.kvblocks import BlockStore
 from omlx_core.memory.gate import ForwardGate
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.serving import Job, ServingPipeline
@@ -20,7 +21,7 @@ from omlx_core.testing import SPECIAL_TOKENS, cached_model, special_token_id
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 
 
-class DictTier:
+class DictTier(BlockStore):
     """A lower cache tier that keeps blocks in a dict."""
 
     def __init__(self, model_id: str) -> None:

@@ -37,6 +37,13 @@ CORE_SETTINGS: list[Setting] = [
             "the engines run and the admission queue holds, each stream holding one",
             minimum=1, maximum=4096, allow=("auto",)),
     Setting("server.max_body", "size", "largest accepted request body", minimum=1024),
+    Setting("server.request_timeout_s", "float", "a request must arrive whole (headers and "
+            "body) this soon after its first byte, and a new connection send its first byte "
+            "this soon, or it gets 408 / is closed: slow clients cannot hold connections",
+            minimum=0.5, maximum=3600),
+    Setting("server.connection_limit", "int", "open client connections; near it the ones "
+            "idle longest are closed to make room (the open-files limit is raised to fit)",
+            minimum=16, maximum=1_000_000),
     Setting("server.stream_keepalive_s", "float", "a stream whose first token takes longer "
             "starts anyway and sends a keep-alive comment this often until it comes",
             minimum=0.05, maximum=300),

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 import falcon
 
 from omlx_core.http.admin import AdminModels
+from omlx_core.dashboard import DashboardRecorder, ServingEventsFanOut
 from omlx_core.http.anthropic_api import Messages
 from omlx_core.http.auth import APIKeyAuth
+from omlx_core.http.dashboard import add_dashboard_routes
 from omlx_core.http.errors import install_error_handlers
 from omlx_core.http.metrics import CONTENT_TYPE, Metrics
 from omlx_core.http.openai_api import ChatCompletions, Models, TextCompletions
@@ -117,9 +119,12 @@ class Frontend:
     pipeline: ServingPipeline
     metrics: Metrics
     max_body: int
+    dashboard: DashboardRecorder | None = None
 
     def shutdown(self) -> int:
         """Abort every in-flight request (their streams end with an in-band error)."""
+        if self.dashboard is not None:
+            self.dashboard.close()
         return self.pipeline.close()
 
 
@@ -131,7 +136,8 @@ def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = N
     body_limit = parse_size(config.get("server.max_body", "8MiB")) if max_body is None else max_body
     holder: dict[str, ServingPipeline] = {}
     metrics = Metrics(context, lambda: len(holder["pipeline"].in_flight))
-    pipeline = holder["pipeline"] = ServingPipeline(context, metrics)
+    dashboard = DashboardRecorder(context)
+    pipeline = holder["pipeline"] = ServingPipeline(context, ServingEventsFanOut(metrics, dashboard))
     responder = Responder(pipeline, metrics)
     auth = APIKeyAuth(keys)
     app = falcon.App(middleware=[RequestCounter(metrics), auth])
@@ -150,7 +156,9 @@ def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = N
     app.add_route("/metrics", MetricsResource(metrics))
     app.add_route("/openapi.json", OpenAPIResource(openapi_document(list(context.engines),
                                                                     auth.enabled)))
-    return Frontend(app, pipeline, metrics, body_limit)
+    add_dashboard_routes(app, context, dashboard)
+    dashboard.start()
+    return Frontend(app, pipeline, metrics, body_limit, dashboard)
 
 
 def create_app(context: ServerContext) -> falcon.App:

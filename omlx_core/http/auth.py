@@ -2,7 +2,8 @@
 
 Keys come from ``server.api_keys`` (or ``OMLX_SERVER_API_KEYS``, comma-separated). Each
 presented key is compared with every configured key in constant time, and no key is
-ever logged. ``/health`` and ``/openapi.json`` stay open for load balancers and tools.
+ever logged. ``/health`` and ``/openapi.json`` stay open for load balancers and tools,
+and so does the dashboard page (not its data), which asks for a key.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import falcon
 
 from omlx_core.http.errors import AuthenticationError
 
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/dashboard"})
+#: the dashboard page's scripts and styles: they hold no data, and the page must load
+#: to ask for a key
+PUBLIC_PREFIXES = ("/dashboard/assets/",)
 REALM = "omlx-core"
 
 
@@ -34,7 +38,7 @@ class APIKeyAuth:
         return bool(self._keys)
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if not self._keys or req.path in PUBLIC_PATHS:
+        if not self._keys or req.path in PUBLIC_PATHS or req.path.startswith(PUBLIC_PREFIXES):
             return
         presented = self._presented(req)
         if not presented:

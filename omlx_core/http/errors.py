@@ -162,6 +162,7 @@ def rejection_error(error: RequestRejected) -> APIError:
         "base_bytes": rejection.base_bytes, "binding_ceiling": rejection.binding,
         "ceilings": breakdown.ceilings() if breakdown is not None else {},
         "prompt_tokens": rejection.prompt_tokens, "advice": list(error.advice),
+        "request_id": rejection.request_id,
     }
     if rejection.stage == "load":
         extra.update(model=rejection.model_id, model_bytes=rejection.estimated_bytes,

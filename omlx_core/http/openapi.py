@@ -94,6 +94,53 @@ def _admin(error_ref: str, protected: bool, model_schema: dict[str, Any]) -> dic
         ],
         "responses": responses,
     }}
+def _dashboard_paths(error: str, protected: bool) -> dict[str, Any]:
+    """The page at /dashboard and the JSON it draws (the same data for scripts)."""
+    def query(name: str, schema: dict[str, Any], text: str) -> dict[str, Any]:
+        return {"parameters": [{"name": name, "in": "query", "required": False,
+                                "schema": schema, "description": text}]}
+
+    one = _get("", _json({"type": "object"}), error, protected)["get"]
+    one["responses"].pop("200")
+    one["responses"].update({
+        "200": {"description": "the request was aborted; its client gets an in-band error",
+                "content": _json({"type": "object"})},
+        "404": {"description": "no request with that id is in flight",
+                "content": _json({"$ref": error})},
+        "409": {"description": "the request waits for memory and has not reached its engine",
+                "content": _json({"$ref": error})}})
+    one.update(summary="cancel a request in flight (dashboard)", parameters=[
+        {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}])
+    return {
+        "/dashboard": _get("the operator's dashboard (an HTML page; it asks for an API key "
+                           "when the server has them)",
+                           {"text/html": {"schema": {"type": "string"}}}, error, False),
+        "/dashboard/api/history": _get(
+            "the last 15 minutes, one sample per memory enforcer poll, as columns: memory in "
+            "use, reclaimable, reserved, hard limit, each ceiling, binding ceiling, prefill "
+            "and decode tok/s, TTFT p50/p95, queued/running/preempted, prefix-cache and "
+            "SSD-tier hit rates", _json({"type": "object"}), error, protected,
+            {**query("since", {"type": "number"}, "unix time of the last sample you have: "
+                                                   "only later ones are sent"),
+             "responses": {**_get("", {}, error, protected)["get"]["responses"],
+                           "200": {"description": "the history",
+                                   "content": _json({"type": "object"})},
+                           "400": {"description": "since is not a number",
+                                   "content": _json({"$ref": error})}}}),
+        "/dashboard/api/requests": _get(
+            "requests in flight: model, stage (queued with position, prefilling n/m with ETA, "
+            "decoding with tok/s, preempted), tokens, age", _json({"type": "object"}), error,
+            protected),
+        "/dashboard/api/requests/{request_id}": {"delete": one},
+        "/dashboard/api/refusals": _get(
+            "the last 100 requests the memory guard refused: status, stage, binding ceiling, "
+            "estimated vs limit bytes, advice", _json({"type": "object"}), error, protected,
+            query("request_id", {"type": "string"}, "only refusals whose request id contains "
+                                                     "this")),
+        "/dashboard/api/models": _get(
+            "each served model: engine, weights bytes, context, cache counters",
+            _json({"type": "object"}), error, protected),
+    }
 
 
 def openapi_document(model_ids: Sequence[str], api_keys: bool) -> dict[str, Any]:
@@ -141,6 +188,7 @@ def openapi_document(model_ids: Sequence[str], api_keys: bool) -> dict[str, Any]
             "/metrics": _get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}},
                              error, api_keys),
             "/openapi.json": _get("this document", _json({"type": "object"}), error, False),
+            **_dashboard_paths(error, api_keys),
         },
         "components": {"schemas": {
             "ChatCompletionRequest": {**schemas.CHAT_COMPLETION_REQUEST, "properties": {

@@ -2,7 +2,9 @@
 
 Waitress runs with ``channel_request_lookahead = 1`` so its event loop keeps reading a
 connection while a request on it is being served; that is how it notices a client
-that hangs up mid-stream (see :mod:`omlx_core.serving.inflight`).
+that hangs up mid-stream (see :mod:`omlx_core.serving.inflight`). The server is
+waitress's, extended by :mod:`omlx_core.http.connection_guard` so that slow and idle
+clients cannot lock others out (``server.request_timeout_s``, ``server.connection_limit``).
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-import waitress
 from waitress import wasyncore
 
 from omlx_core.http.app import Frontend, build_frontend
+from omlx_core.http.connection_guard import create_server
 
 if TYPE_CHECKING:
     from omlx_core.server_context import ServerContext
@@ -71,8 +73,10 @@ class HTTPServer:
         threads = thread_count(context, threads)
         self.threads = threads
         max_body = self.frontend.max_body
-        self._server = waitress.create_server(
+        self._server = create_server(
             self.frontend.app, host=host, port=port, threads=threads,
+            request_timeout=float(config.get("server.request_timeout_s", 10.0)),
+            connection_limit=int(config.get("server.connection_limit", 2048)),
             channel_request_lookahead=1,
             max_request_body_size=max(max_body * WAITRESS_BODY_LIMIT_FACTOR, max_body + 2**20),
             ident="omlx-core", clear_untrusted_proxy_headers=True, expose_tracebacks=False)

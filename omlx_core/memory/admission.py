@@ -64,6 +64,19 @@ class _Waiter:
     reserve_bytes: int
     batch: Hashable | None
     since: float = 0.0
+    model_id: str = ""
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WaitingRequest:
+    """A request waiting for memory (:meth:`AdmissionQueue.waiting_requests`)."""
+
+    request_id: str
+    model_id: str
+    prompt_tokens: int
+    reserve_bytes: int
+    waited_s: float
 
 
 def reservation_cost(reservations: Iterable[tuple[int, Hashable | None]]) -> int:
@@ -160,6 +173,13 @@ class AdmissionQueue:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def waiting_requests(self) -> list[WaitingRequest]:
+        """The requests waiting for memory, in queue order."""
+        now = self.clock()
+        with self._cond:
+            return [WaitingRequest(w.request_id, w.model_id, w.prompt_tokens, w.reserve_bytes,
+                                   now - w.since) for w in self._waiting]
+
     def idle(self) -> bool:
         """No request holds a reservation or waits for one."""
         with self._cond:
@@ -220,7 +240,7 @@ class AdmissionQueue:
                     request_id, reserve_bytes, model_id, prompt_tokens, "queue_full",
                     f"{len(self._waiting)} requests are already waiting for memory; retry later "
                     "or raise memory.queue_size", batch, decode_bytes, max_tokens)
-            waiter = _Waiter(request_id, reserve_bytes, batch, start)
+            waiter = _Waiter(request_id, reserve_bytes, batch, start, model_id, prompt_tokens)
             self._waiting.append(waiter)
             log.info("request %s waits for memory (%s; %s held by %d running, budget %s, "
                      "%d waiting)", request_id, format_size(reserve_bytes),

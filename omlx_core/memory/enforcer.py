@@ -84,6 +84,8 @@ class MemoryEnforcer:
         self._logged_notes: set[str] = set()
         self.polls = 0
         self.last_error: str | None = None
+        #: called with every snapshot after the engines have it (the dashboard's history)
+        self.listeners: list[Callable[[LimitSnapshot], None]] = []
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -160,6 +162,11 @@ class MemoryEnforcer:
         self._publish_first(snapshot)
         self._publish(snapshot)
         self.polls += 1
+        for listener in list(self.listeners):
+            try:
+                listener(snapshot)
+            except Exception:  # an observer must not stop the limits from being published
+                log.exception("memory snapshot listener %r failed", listener)
         if self._sequence == 1:
             log.info("memory limit %s (%s ceiling binds, tier %s); baseline in use %s",
                      format_size(snapshot.hard_bytes) if snapshot.hard_bytes else "none",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import platform
 import threading
 import time
@@ -83,6 +84,26 @@ def footprint_bytes() -> int:
     trim_heap()
     footprint = probes.probe_process_footprint()
     return footprint.rss_bytes if footprint else 0
+
+
+def resident_now() -> int | None:
+    """This process's resident set now, cheaply (one read of ``/proc/self/statm``, no
+    heap trim), or ``None`` where there is no such file (macOS: ``ps`` is too slow to
+    run every scheduler step).
+
+    For the readings taken every step: between two polls, memory outside mlx grows
+    without mlx seeing it (host copies of the blocks queued for the SSD tier, file
+    pages of libraries touched for the first time), so the last poll's figure for it
+    can be tens of MiB low (docs/reliability.md).
+    """
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class MemoryUsage:

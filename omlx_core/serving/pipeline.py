@@ -292,6 +292,8 @@ class Generation:
             yield first
         while True:
             output = self._handle.next_output(None if self._started else self._keepalive_s)
+            if output is not None:
+                output = self._with_piled_up(output)
             if output is not None and not self._started:
                 self._started = True
                 self._events.admitted(self.model_id, self.prompt_tokens,
@@ -299,6 +301,17 @@ class Generation:
             yield output
             if output is not None and output.finished:
                 return
+
+    def _with_piled_up(self, output: GenerationOutput) -> GenerationOutput:
+        """``output`` merged with the outputs already waiting behind it: a reader that fell
+        behind the engine (a slow client, a busy machine) catches up in one delta."""
+        piled = [output]
+        while not piled[-1].finished:
+            more = self._handle.next_output(0)
+            if more is None:
+                break
+            piled.append(more)
+        return output if len(piled) == 1 else merge_outputs(piled)
 
     def _finish(self, output: GenerationOutput) -> None:
         reason = output.finish_reason
@@ -320,6 +333,15 @@ class Generation:
             self._handle.close()
         finally:
             self._release()
+
+
+def merge_outputs(outputs: list[GenerationOutput]) -> GenerationOutput:
+    """One output holding the token ids and logprobs of ``outputs``, in order, and the
+    last one's ending."""
+    last = outputs[-1]
+    logprobs = [lp for o in outputs if o.logprobs for lp in o.logprobs]
+    return replace(last, token_ids=tuple(t for o in outputs for t in o.token_ids),
+                   logprobs=tuple(logprobs) if any(o.logprobs is not None for o in outputs) else None)
 
 
 def _failure_of(output: GenerationOutput) -> Exception:

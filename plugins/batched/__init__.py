@@ -13,7 +13,7 @@ group). What it provides through the public hooks:
 
 Threads: every mlx operation, model loading included, runs on the process's one MLX
 thread (:mod:`omlx_core.mlx_thread`). ``submit`` only validates and enqueues; outputs come back
-through a queue per request that the :class:`~.engine.BatchedRequestHandle` iterates;
+through a queue per request that a :class:`~omlx_core.engine.QueuedRequestHandle` iterates;
 closing the handle aborts the request within one scheduler step.
 
 Forward-gate seam (for the memory guard): before each step's prefill forwards, the
@@ -35,7 +35,6 @@ from omlx_core.hookspecs import hookimpl
 from omlx_core.settings import Setting
 from omlx_core.plugins.batched.engine import (
     BatchedEngine,
-    BatchedRequestHandle,
     EngineSettings,
     create_prefix_cache,
 )
@@ -82,7 +81,7 @@ def resolve_scheduler(engine: Any) -> Scheduler | None:
 
 
 __all__ = [
-    "ENGINE_NAME", "BatchedEngine", "BatchedRequestHandle", "BlockStore", "CachedBlock",
+    "ENGINE_NAME", "BatchedEngine", "BlockStore", "CachedBlock",
     "EngineSettings", "PrefixCache", "Scheduler",
     "create_prefix_cache",
 ]

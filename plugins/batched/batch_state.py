@@ -71,6 +71,9 @@ class SequenceState:
     preemptions: int = 0
     #: the completion's token ids so far
     generated: list[int] = field(default_factory=list)
+    #: ``time.monotonic()`` when its latest prefill began and its first token came
+    prefill_started: float = 0.0
+    first_token_at: float = 0.0
 
     @property
     def request_id(self) -> str:

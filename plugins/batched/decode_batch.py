@@ -10,6 +10,8 @@ rows: :mod:`~omlx_core.plugins.batched.decode_step`), or, where a
 
 from __future__ import annotations
 
+import time
+
 from typing import Any, Sequence
 
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -66,6 +68,7 @@ class DecodeBatch:
         )[0]
         sequence.cache = None
         sequence.phase = DECODING
+        sequence.first_token_at = sequence.first_token_at or time.monotonic()
         sequence.kv_allowance = None
         self.state.decoding[sequence.uid] = sequence
 

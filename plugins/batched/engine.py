@@ -7,7 +7,6 @@ import ctypes
 import ctypes.util
 import logging
 import platform
-import queue
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Sequence
@@ -20,6 +19,7 @@ from omlx_core.engine import (
     GuardedEngine,
     MemoryHints,
     QueuedRequestHandle,
+    RequestProgress,
 )
 from omlx_core.plugins.batched.prefix_cache import PrefixCache
 from omlx_core.plugins.batched.sampling import check_sampling
@@ -94,39 +94,6 @@ def _trim_malloc_heap() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # musl and others have no malloc_trim
         pass
-
-
-class BatchedRequestHandle(QueuedRequestHandle):
-    """A request's output stream; outputs that piled up are merged into one item."""
-
-    def next_output(self, timeout: float | None = None) -> GenerationOutput | None:
-        try:
-            pending = [self._outputs.get(timeout=timeout)]
-        except queue.Empty:
-            return None
-        while not pending[-1].finished:
-            try:
-                pending.append(self._outputs.get_nowait())
-            except queue.Empty:
-                break
-        output = pending[0] if len(pending) == 1 else _merge(pending)
-        self._finished = output.finished
-        return output
-
-
-def _merge(outputs: list[GenerationOutput]) -> GenerationOutput:
-    last = outputs[-1]
-    logprobs = [lp for o in outputs if o.logprobs for lp in o.logprobs]
-    return GenerationOutput(
-        request_id=last.request_id,
-        token_ids=tuple(t for o in outputs for t in o.token_ids),
-        logprobs=tuple(logprobs) if any(o.logprobs is not None for o in outputs) else None,
-        finish_reason=last.finish_reason,
-        error=last.error,
-        error_type=last.error_type,
-        rejected=last.rejected,
-        usage=last.usage,
-    )
 
 
 class BatchedEngine(GuardedEngine):
@@ -270,7 +237,7 @@ class BatchedEngine(GuardedEngine):
 
     # -- requests --------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> BatchedRequestHandle:
+    def submit(self, request: GenerationRequest) -> QueuedRequestHandle:
         """Queue ``request`` (checked against :meth:`limits` by the pipeline); raises
         ``ValueError`` naming what makes it unservable."""
         scheduler = self._require_started()
@@ -286,7 +253,7 @@ class BatchedEngine(GuardedEngine):
             compiled = compiler_for(self.tokenizer, vocab_size=self.vocab_size).compile(
                 request.sampling.grammar)
             sequence.grammar = GrammarConstraint(compiled)
-        handle = BatchedRequestHandle(request.request_id, sequence.outputs, self.abort)
+        handle = QueuedRequestHandle(request.request_id, sequence.outputs, self.abort)
         scheduler.enqueue(sequence)
         return handle
 
@@ -314,3 +281,7 @@ class BatchedEngine(GuardedEngine):
         if scheduler is None:
             return {"model": self.model.id, "started": False}
         return {"model": self.model.id, "started": True, **scheduler.stats()}
+
+    def progress(self) -> list[RequestProgress]:
+        scheduler = self.scheduler
+        return scheduler.progress() if scheduler is not None else []

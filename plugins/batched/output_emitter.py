@@ -105,6 +105,9 @@ class OutputEmitter:
         the prefix cache first)."""
         if sequence.phase == DONE:
             return
+        # Counted before the request leaves its phase: whoever sees the engine idle sees
+        # every ending counted.
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         self.inputs.release(sequence)
         state = self.state
         if sequence.phase == PREFILLING:
@@ -112,7 +115,9 @@ class OutputEmitter:
                 state.prefilling.remove(sequence)
             sequence.cache = None
         elif sequence.phase == DECODING and sequence.uid is not None:
-            if remove and state.decoding.pop(sequence.uid, None) is not None:
+            # The row counts as running until its blocks are stored: whoever sees the
+            # engine idle sees every request's ending done.
+            if remove and sequence.uid in state.decoding:
                 extracted = self.batch.remove([sequence.uid], caches=store)
                 if store and sequence.uid in extracted:
                     cache, tokens = extracted[sequence.uid]
@@ -120,7 +125,6 @@ class OutputEmitter:
             state.decoding.pop(sequence.uid, None)
         sequence.phase = DONE
         state.by_id.pop(sequence.request_id, None)
-        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         if self.finish_listener is not None:
             # Before the final output: whoever sees the request end sees its cleanup begun.
             try:

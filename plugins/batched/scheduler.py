@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import mlx.core as mx
 
+from omlx_core.engine import RequestProgress
 from omlx_core.memory.gate import ForwardGate, MemoryReceiver
-from omlx_core.memory.usage import trim_heap
+from omlx_core.memory.usage import resident_now, trim_heap
 from omlx_core.plugins.batched.batch_state import (
     DECODING,
     DONE,
@@ -203,6 +204,28 @@ class Scheduler(MemoryReceiver):
             **self.inputs.stats(),
         }
 
+    def progress(self) -> list[RequestProgress]:
+        """Each request taken in, with its phase; read from any thread (copies only)."""
+        now = time.monotonic()
+        state = self.state
+        queued = {s.request_id: i for i, s in enumerate(list(state.waiting) + list(self._inbox), 1)}
+        rows = []
+        # A request moving from the inbox to the table may be in both copies.
+        held = {s.request_id: s for s in list(self._inbox) + list(state.by_id.values())}
+        for sequence in held.values():
+            phase = sequence.phase
+            rows.append(RequestProgress(
+                request_id=sequence.request_id, phase=phase if phase != DONE else DECODING,
+                prompt_tokens=len(sequence.prompt), prefilled_tokens=sequence.prefilled,
+                prefill_tokens=max(0, len(sequence.context) - 1),
+                completion_tokens=sequence.completion_tokens, max_tokens=sequence.max_tokens,
+                queue_position=queued.get(sequence.request_id) if phase == WAITING else None,
+                preempted=phase == WAITING and sequence.preemptions > 0,
+                age_s=now - sequence.arrived if sequence.arrived else 0.0,
+                prefill_s=now - sequence.prefill_started if phase == PREFILLING else 0.0,
+                decode_s=now - sequence.first_token_at if sequence.first_token_at else 0.0))
+        return rows
+
     # -- the Worker protocol (MLX thread) --------------------------------------------
 
     def has_work(self) -> bool:
@@ -272,7 +295,8 @@ class Scheduler(MemoryReceiver):
         for one copy of the decode batch's KV (a cache that grows copies itself). Use is
         read cheaply between polls: what mlx holds now, the rest of the process as of
         the last poll (:meth:`~omlx_core.memory.types.LimitSnapshot.over_by`). That
-        reading still holds host copies dropped since the poll, so they are subtracted.
+        reading still holds host copies dropped since the poll, so they are subtracted;
+        it misses host copies made since, so the resident set read now bounds it below.
         """
         limits = self.state.limits
         if limits is None or not self.prefix_cache.reclaimable_bytes():
@@ -284,6 +308,11 @@ class Scheduler(MemoryReceiver):
             self._host_freed_snapshot, self._host_freed = limits, 0
         over = limits.over_by(int(mx.get_active_memory() + mx.get_cache_memory()), keep_free)
         over -= self._host_freed
+        # That reading misses what grew outside mlx since the poll (host copies queued
+        # for the SSD tier above all): the resident set now is the truth when higher.
+        resident = resident_now()
+        if resident is not None and limits.hard_bytes is not None:
+            over = max(over, resident + keep_free - limits.hard_bytes)
         if over > 0:
             held = self.prefix_cache.nbytes
             freed = self.prefix_cache.release(over)
@@ -343,6 +372,7 @@ class Scheduler(MemoryReceiver):
                 return
             state.waiting.popleft()
             sequence.phase = PREFILLING
+            sequence.prefill_started = time.monotonic()
             blocks: list[CachedBlock] = []
             tail, tail_tokens = None, 0
             if self.prefix_cache.enabled:

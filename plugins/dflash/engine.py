@@ -24,6 +24,7 @@ from omlx_core.engine import (
     GuardedEngine,
     MemoryHints,
     RequestHandle,
+    RequestProgress,
 )
 from omlx_core.models.errors import ModelError
 from omlx_core.plugins.batched import BatchedEngine
@@ -285,6 +286,11 @@ class DFlashEngine(GuardedEngine):
         fallback = self.fallback
         if fallback is not None:
             fallback.abort(request_id)
+
+    def progress(self) -> list[RequestProgress]:
+        fallback, primary = self.fallback, self.primary
+        return ((primary.progress() if primary is not None else [])
+                + (fallback.progress() if fallback is not None else []))
 
     def stats(self) -> dict[str, Any]:
         fallback, primary = self.fallback, self.primary

@@ -20,13 +20,20 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
 
-from omlx_core.engine import GenerationOutput, GenerationRequest, QueuedRequestHandle, Usage
+from omlx_core.engine import (
+    GenerationOutput,
+    GenerationRequest,
+    QueuedRequestHandle,
+    RequestProgress,
+    Usage,
+)
 from omlx_core.memory.gate import PrefillChunk, PrefillStep
 from omlx_core.plugins.dflash.acceptance import KeyStream, accept_greedy, accept_sampled
 from omlx_core.plugins.dflash.drafters import Drafter, DraftState
@@ -69,6 +76,9 @@ class _Request:
     accepted: int = 0
     finished: bool = False
     pending_tokens: list[int] = field(default_factory=list)
+    #: ``time.monotonic()`` when the path began it, and when its first token came
+    began: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0
 
     @property
     def request_id(self) -> str:
@@ -126,6 +136,21 @@ class PrimaryPath:
     @property
     def busy(self) -> bool:
         return self._claimed is not None
+
+    def progress(self) -> list[RequestProgress]:
+        """The request this path runs (none while it is idle or about to begin one)."""
+        current = self._current
+        if current is None:
+            return []
+        now, prompt = time.monotonic(), len(current.request.prompt_tokens)
+        decoding = current.prefilled >= prompt - 1 and current.completion > 0
+        return [RequestProgress(
+            request_id=current.request_id, phase="decoding" if decoding else "prefilling",
+            prompt_tokens=prompt, prefilled_tokens=current.prefilled,
+            prefill_tokens=max(0, prompt - 1), completion_tokens=current.completion,
+            max_tokens=int(current.request.sampling.max_tokens or 0), age_s=now - current.began,
+            prefill_s=0.0 if decoding else now - current.began,
+            decode_s=now - current.first_token_at if current.first_token_at else 0.0)]
 
     # -- the Worker contract, on the MLX thread ------------------------------------------
 
@@ -274,6 +299,7 @@ class PrimaryPath:
         """Add one generated token; ``True`` when it ended the request."""
         sampling = current.request.sampling
         current.completion += 1
+        current.first_token_at = current.first_token_at or time.monotonic()
         current.history.append(token)
         request_id = current.request_id
         eos = getattr(self.tokenizer, "eos_token_ids", ()) or ()

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
-from safetensors import SafetensorError, TensorSpec, deserialize, safe_open, serialize
+from safetensors import SafetensorError, TensorSpec, safe_open, serialize
 
 FORMAT_VERSION = "1"
 BLOCK_KIND = "omlx-kv-block"
@@ -52,7 +52,6 @@ _DTYPES: dict[str, tuple[str, Any]] = {
     "int64": ("I64", np.int64), "uint8": ("U8", np.uint8), "uint16": ("U16", np.uint16),
     "uint32": ("U32", np.uint32), "uint64": ("U64", np.uint64), "bool": ("BOOL", np.bool_),
 }
-_MLX_OF_SAFETENSORS = {st: name for name, (st, _) in _DTYPES.items()}
 _SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
 
 log = logging.getLogger(__name__)
@@ -216,30 +215,31 @@ def check_metadata(metadata: dict[str, str], *, kind: str, block_hash: bytes, id
 
 
 def read_arrays(path: Path) -> tuple[dict[str, str], dict[str, mx.array]]:
-    """Metadata and tensors of a cache file, every tensor's CRC checked (MLX thread)."""
+    """Metadata and tensors of a cache file, every tensor's CRC checked (MLX thread).
+
+    mlx reads the file straight into its own buffers and the CRC is taken through a
+    view of them: no host copy of the file exists beside them. (Reading the bytes into
+    Python first held two copies of every block, one of them outside mlx's accounting,
+    and its freed pages stayed resident in the heap: loads of cached blocks took the
+    server past its memory ceiling, docs/reliability.md.)
+    """
     try:
-        data = path.read_bytes()
-        entries = deserialize(data)
-        # deserialize validated the header; its metadata sits under "__metadata__"
-        header_length = int.from_bytes(data[:8], "little")
-        metadata = json.loads(data[8:8 + header_length]).get("__metadata__") or {}
-    except (SafetensorError, OSError, ValueError) as exc:
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+        for array in arrays.values():
+            mx.eval(array)
+    except (RuntimeError, ValueError, OSError) as exc:
         raise BlockFileError(f"{path.name}: unreadable: {exc}") from None
     try:
         crcs = json.loads(metadata["crc32"])
     except (KeyError, json.JSONDecodeError):
         raise BlockFileError(f"{path.name}: no checksums in its metadata") from None
-    arrays = {}
-    for name, spec in entries:
-        raw = spec["data"]
-        if zlib.crc32(raw) != crcs.get(name):
+    for name, array in arrays.items():
+        dtype = str(array.dtype).removeprefix("mlx.core.")
+        if dtype not in _DTYPES:
+            raise BlockFileError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
+        raw = array.view(mx.uint16) if dtype == "bfloat16" else array
+        if zlib.crc32(memoryview(raw)) != crcs.get(name):
             raise BlockFileError(f"{path.name}: tensor {name} fails its CRC check (corrupt file)")
-        dtype = _MLX_OF_SAFETENSORS.get(spec["dtype"])
-        if dtype is None:
-            raise BlockFileError(f"{path.name}: tensor {name} has unsupported dtype {spec['dtype']}")
-        host = np.frombuffer(raw, dtype=_DTYPES[dtype][1]).reshape(spec["shape"])
-        array = mx.array(host)
-        arrays[name] = array.view(mx.bfloat16) if dtype == "bfloat16" else array
     if set(arrays) != set(crcs):
         raise BlockFileError(f"{path.name}: tensors {sorted(set(crcs) - set(arrays))} are missing")
     return metadata, arrays

@@ -7,7 +7,7 @@ import threading
 #: ``saves`` passed the quota gate, ``saves_persisted`` were renamed into place; the rest
 #: as named (``declined``: over the quota, ``drops``: no room in the write queue)
 COUNTERS = ("saves", "saves_persisted", "loads", "hits", "misses", "evictions", "drops",
-            "declined", "errors", "snapshots", "snapshots_persisted")
+            "declined", "errors", "snapshots", "snapshots_persisted", "tokens_loaded")
 
 
 class Counters:

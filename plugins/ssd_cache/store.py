@@ -159,6 +159,8 @@ class PagedSSDStore(BlockStore):
                           for a in _arrays_of(layer.state))
         needs_boundary = any(pair is None for pair in kv)
         self._counts.add("loads")
+        # A partial block (a prompt's tail) holds fewer tokens than a full one.
+        self._counts.add("tokens_loaded", min(block_size, len(tokens) or block_size))
         return CachedBlock(block_hash=block_hash, parent_hash=parent, index=index,
                            block_size=block_size, kv=kv, boundary=boundary,
                            reusable_end=boundary is not None or not needs_boundary, nbytes=nbytes,

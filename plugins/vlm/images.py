@@ -10,12 +10,16 @@ a single pixel is decompressed (a decompression bomb stops there).
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import io
+import os
+import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, BinaryIO, Sequence
 
 from omlx_core.engine import ImagePart
 from omlx_core.settings import format_size
@@ -50,22 +54,66 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes" if nbytes < 1024 else format_size(nbytes)
 
 
-def _local_file(part: ImagePart, limits: ImageLimits) -> Path:
+def _outside(part: ImagePart, raw: str, limits: ImageLimits) -> ValueError:
+    # One answer whether or not the file exists: anything else lets a client probe the
+    # server's file system through error messages.
+    return ValueError(f"{part.param}: image file {raw!r} is not in the directories this server "
+                      f"reads images from ({', '.join(str(d) for d in limits.allowed_dirs)})")
+
+
+def _inside(path: Path, limits: ImageLimits) -> bool:
+    return any(path.is_relative_to(root) for root in limits.allowed_dirs)
+
+
+def _opened_path(fd: int) -> Path | None:
+    """The path the kernel has for an open descriptor: what was really opened, whatever
+    was swapped on the way there (``None`` where the platform cannot say)."""
+    proc = Path(f"/proc/self/fd/{fd}")
+    if proc.parent.is_dir():
+        return Path(os.readlink(proc))
+    if hasattr(fcntl, "F_GETPATH"):  # macOS
+        return Path(fcntl.fcntl(fd, fcntl.F_GETPATH, bytes(1024)).rstrip(b"\0").decode())
+    return None
+
+
+def _open_local_file(part: ImagePart, limits: ImageLimits) -> BinaryIO:
+    """The client's image file, opened: checked to lie in an allowed directory and to be
+    a regular file *after* it was opened, by the descriptor's own path and ``fstat``, so
+    what was checked is what is read. ``ValueError`` naming the part otherwise."""
     raw = part.path or ""
     if not limits.allowed_dirs:
         raise ValueError(f"{part.param}: local image files are not allowed on this server; send "
                          "the image inline as a data URL (data:image/png;base64,...), or ask the "
                          "operator to allow a directory (plugin.vlm.allowed_image_dirs)")
     try:
-        path = Path(raw).expanduser().resolve(strict=True)
-    except (OSError, RuntimeError):
+        path = Path(raw).expanduser().resolve(strict=False)
+    except (OSError, RuntimeError):  # a symlink loop, an unknown ~user
+        raise _outside(part, raw, limits) from None
+    if not _inside(path, limits):
+        raise _outside(part, raw, limits)
+    # O_NOFOLLOW: a symlink put in the resolved path's place after resolving is refused,
+    # O_NONBLOCK: a FIFO put there does not hang the request's thread.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
         raise ValueError(f"{part.param}: image file {raw!r} does not exist") from None
-    if not any(path.is_relative_to(root) for root in limits.allowed_dirs):
-        raise ValueError(f"{part.param}: image file {raw!r} is outside the directories this server "
-                         f"reads images from ({', '.join(str(d) for d in limits.allowed_dirs)})")
-    if not path.is_file():
-        raise ValueError(f"{part.param}: {raw!r} is not a file")
-    return path
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _outside(part, raw, limits) from None
+        raise ValueError(f"{part.param}: image file {raw!r} cannot be read "
+                         f"({exc.strerror})") from None
+    try:
+        opened = _opened_path(fd)
+        if opened is not None and not _inside(opened, limits):
+            raise _outside(part, raw, limits)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{part.param}: {raw!r} is not a file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def check_parts(parts: Sequence[ImagePart], limits: ImageLimits) -> None:
@@ -79,7 +127,8 @@ def check_parts(parts: Sequence[ImagePart], limits: ImageLimits) -> None:
         if part.data is not None:
             size = len(part.data)
         else:
-            size = _local_file(part, limits).stat().st_size
+            with _open_local_file(part, limits) as handle:
+                size = os.fstat(handle.fileno()).st_size
         if size == 0:
             raise ValueError(f"{part.param}: the image is empty (0 bytes)")
         if size > limits.max_image_bytes:
@@ -91,8 +140,7 @@ def check_parts(parts: Sequence[ImagePart], limits: ImageLimits) -> None:
 def read_bytes(part: ImagePart, limits: ImageLimits) -> bytes:
     if part.data is not None:
         return part.data
-    path = _local_file(part, limits)
-    with open(path, "rb") as handle:
+    with _open_local_file(part, limits) as handle:
         data = handle.read(limits.max_image_bytes + 1)
     if len(data) > limits.max_image_bytes:
         raise ValueError(f"{part.param}: the image is over the {_size(limits.max_image_bytes)} "

@@ -1,0 +1,103 @@
+"""Screenshots of the dashboard under load, for the README (``docs/dashboard*.png``).
+
+    .venv/bin/python scripts/dashboard_screenshots.py
+
+Serves the real default model on loopback under a 1 GiB custom ceiling, runs several
+concurrent streaming chats through the openai SDK (some repeating a prompt, so the
+prefix cache has hits), sends one prompt that can never fit (a 413 for the refusals
+table), and photographs the page in headless Chromium while the chats run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import threading
+import time
+from pathlib import Path
+
+import openai
+
+from omlx_core.bootstrap import load_setup, start_engines, stop_engines
+from omlx_core.http import HTTPServer
+from omlx_core.platform.blas import ensure_optimized_blas
+from omlx_core.testing.browser import headless_chromium
+from omlx_core.testing.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m-instruct"
+QUESTIONS = ["Name three rivers in Europe and where they flow.",
+             "Write a short poem about memory and forgetting.",
+             "Explain what a prefix cache is to a new programmer.",
+             "List five prime numbers and explain why each is prime.",
+             "Describe the water cycle in a few sentences.",
+             "What makes a good error message? Give examples."]
+
+
+def chat_forever(url: str, stop: threading.Event, offset: int) -> None:
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+        for question in itertools.islice(itertools.cycle(QUESTIONS), offset, None):
+            if stop.is_set():
+                return
+            try:
+                for _ in client.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": question}],
+                        max_tokens=96, temperature=0.7, stream=True):
+                    if stop.is_set():
+                        break
+            except openai.APIError:
+                time.sleep(0.5)
+
+
+def refuse_one(url: str) -> None:
+    """A prompt of most of the context: its prefill can never fit in 1 GiB."""
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+        try:
+            client.completions.create(model=MODEL, prompt="word " * 7000, max_tokens=8)
+        except openai.APIStatusError as exc:
+            print(f"refused as expected: {exc.status_code}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--load-s", type=float, default=60.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    args = parser.parse_args()
+    ensure_optimized_blas()
+    setup = load_setup("cpu-small", [], [("memory.tier", "custom", "script"),
+                                         ("memory.custom_ceiling", "1GiB", "script")])
+    context = start_engines(setup, progress=True)
+    stop = threading.Event()
+    try:
+        with HTTPServer(context, port=0) as server:
+            browser = headless_chromium(1500, 1200)
+            try:
+                browser.get(server.url + "/dashboard")
+                threads = [threading.Thread(target=chat_forever, args=(server.url, stop, i))
+                           for i in range(args.streams)]
+                for thread in threads:
+                    thread.start()
+                time.sleep(args.load_s / 2)
+                refuse_one(server.url)
+                time.sleep(args.load_s / 2)
+                wait_for(lambda: browser.execute_script(
+                    "return document.querySelectorAll('#requests tbody tr[data-request-id]').length"
+                ) >= 2, 30)
+                args.out.mkdir(parents=True, exist_ok=True)
+                browser.save_screenshot(str(args.out / "dashboard.png"))
+                height = browser.execute_script("return document.body.scrollHeight")
+                browser.set_window_size(1500, height + 300)
+                browser.save_screenshot(str(args.out / "dashboard-full.png"))
+                print(f"wrote {args.out / 'dashboard.png'} and {args.out / 'dashboard-full.png'}")
+            finally:
+                stop.set()
+                browser.quit()
+            for thread in threads:
+                thread.join(60)
+    finally:
+        stop_engines(context)
+
+
+if __name__ == "__main__":
+    main()
