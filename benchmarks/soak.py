@@ -59,6 +59,7 @@ OVERSIZED_WORDS = 7000
 #: refused requests replayed on the fresh server (the distinct ones, at most this many)
 MAX_REPLAYS = 24
 RSS_CHECK = "RSS under the ceiling at every sample (VmRSS and VmHWM)"
+DRIFT_CHECK = f"RSS drift after warm-up <= {MAX_DRIFT:.0%}"
 
 
 # -- what one request did ---------------------------------------------------------------------
@@ -421,7 +422,7 @@ class SoakResult:
             "every refusal is a fresh server's": not self.disagreements,
             RSS_CHECK:
                 self.peak_hwm <= self.ceiling and self.peak_rss <= self.ceiling,
-            f"RSS drift after warm-up <= {MAX_DRIFT:.0%}": abs(self.drift()) <= MAX_DRIFT,
+            DRIFT_CHECK: abs(self.drift()) <= MAX_DRIFT,
             "no growth in open fds": self.quiet[1].fds <= self.quiet[0].fds,
             "no growth in threads": self.quiet[1].threads <= self.quiet[0].threads,
         }
@@ -541,7 +542,7 @@ def render(result: SoakResult, header: Sequence[str]) -> str:
         RSS_CHECK:
             f"peak VmRSS {result.peak_rss / MIB:.1f} MiB, VmHWM {result.peak_hwm / MIB:.1f} MiB, "
             f"ceiling {result.ceiling / MIB:.1f} MiB ({len(result.samples)} samples)",
-        f"RSS drift after warm-up <= {MAX_DRIFT:.0%}":
+        DRIFT_CHECK:
             f"{result.drift():+.2%} quiet ({result.quiet[0].rss / MIB:.1f} -> "
             f"{result.quiet[1].rss / MIB:.1f} MiB); less the caches it could give back "
             f"{result.drift_without_caches():+.2%} ("

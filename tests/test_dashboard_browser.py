@@ -190,7 +190,7 @@ def oversized_prompt(context: ServerContext) -> list[int]:
     while tokens < 2_000_000:
         prompt = [(7 * i) % 200 + 10 for i in range(tokens)]
         estimate = guard.estimate(guard.peak_query(engine, prompt))
-        if estimate is not None and estimate > guard.snapshot.hard_bytes:
+        if estimate is not None and estimate.total > guard.snapshot.hard_bytes:
             return prompt
         tokens *= 2
     pytest.fail("no prompt within 2M tokens is estimated over the ceiling")
@@ -237,6 +237,7 @@ def test_the_memory_plot_limit_line_is_the_health_hard_limit(
     until(browser, lambda d: page_state(
         d, f"omlxDashboard.plots.memory.data[{limit_series}].at(-1)") == hard_limit,
         "the limit line never reached /health's hard limit")
+    assert "custom ceiling (binding)" in labels, labels
     custom = labels.index("custom ceiling (binding)")
     assert page_state(browser, f"omlxDashboard.plots.memory.data[{custom}].at(-1)") == hard_limit
     assert console_errors(browser) == []

@@ -9,21 +9,13 @@ from omlx_core.models.registry import ModelError
 
 
 def load_model(path: Path | str) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from an mlx-lm directory; the tokenizer is mlx-lm's wrapper.
-
-    The model's attention takes :mod:`omlx_core.models.attention`'s route, which splits
-    long prefill chunks over the cores on the CPU backend and is mlx-lm's own elsewhere.
-    """
+    """``(model, tokenizer)`` from an mlx-lm directory; the tokenizer is mlx-lm's wrapper."""
     from mlx_lm import load
 
-    from omlx_core.models.attention import install_cpu_attention
-
     try:
-        model, tokenizer = load(str(path))
+        return load(str(path))
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load model from {path}: {type(exc).__name__}: {exc}") from exc
-    install_cpu_attention(model)
-    return model, tokenizer
 
 
 def activation_dtype_bytes(model: Any) -> int:
