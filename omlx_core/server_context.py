@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from omlx_core.engine import Engine
     from omlx_core.memory.guard import MemoryGuard
     from omlx_core.pluginmanager import PluginManager
+    from omlx_core.pool import ModelPool
 
 
 @dataclass
@@ -21,6 +22,9 @@ class ServerContext:
     engines: dict[str, Engine] = field(default_factory=dict)
     #: set by the memory package at start-up; None only when memory guarding is off
     memory_guard: MemoryGuard | None = None
+    #: the models available and resident; None where a context is built by hand (the
+    #: pipeline then serves exactly ``engines``)
+    pool: ModelPool | None = None
 
     @property
     def default_model(self) -> str | None:

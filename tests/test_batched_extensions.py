@@ -32,8 +32,14 @@ class TwoTokensPerStep:
     that accepted one draft per row would: it runs the plain step twice, so its tokens
     are plain decoding's by construction."""
 
+    #: the second plain step feeds one more token per row
+    lookahead = 1
+
     def __init__(self) -> None:
         self.asked: list[int] = []
+
+    def stats(self) -> Mapping[str, Any]:
+        return {"two_token_steps": len(self.asked)}
 
     def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
         self.asked.append(len(rows))

@@ -21,9 +21,9 @@ from omlx_core.models.errors import ModelError
 from omlx_core.models.loader import load_model
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.dflash import DFlashEngine
-from omlx_core.plugins.dflash.acceptance import KeyStream, accept_greedy, accept_sampled, target_log_probs
-from omlx_core.plugins.dflash.drafters import (Draft, Drafter, ModelDrafter, NgramDrafter,
-                                              best_draft_length)
+from omlx_core.plugins.batched.acceptance import KeyStream, accept_greedy, accept_sampled, target_log_probs
+from omlx_core.plugins.batched.drafters import Draft, Drafter, NgramDrafter, best_draft_length
+from omlx_core.plugins.dflash.drafters import ModelDrafter
 from omlx_core.testing.conformance import EngineConformance
 from omlx_core.testing.host import make_test_host
 from omlx_core.testing.models import build_model

@@ -21,7 +21,8 @@ from omlx_core.memory.gate import PrefillStep
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins import estimator as estimator_plugin
 from omlx_core.plugins.dflash import DFlashEngine
-from omlx_core.plugins.dflash.drafters import ModelDrafter, NgramDrafter
+from omlx_core.plugins.batched.drafters import NgramDrafter
+from omlx_core.plugins.dflash.drafters import ModelDrafter
 from omlx_core.plugins.dflash.memory import BothPaths, speculative_extra_bytes
 from omlx_core.server_context import ServerContext
 from omlx_core.testing import cached_model

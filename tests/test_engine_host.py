@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from omlx_core.bootstrap import close_engine, create_engine, load_setup, start_engines, stop_engines
+from omlx_core.bootstrap import load_setup, start_engines, stop_engines
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.hookspecs import hookimpl
 from omlx_core.kvblocks import BlockStore
@@ -72,7 +72,10 @@ def served(tmp_path: Path):
 
 def test_an_engine_created_while_serving_gets_what_one_created_at_start_gets(served) -> None:
     context, listener = served
-    second = create_engine(context, "second", progress=False)
+    # Loaded on demand through the model pool, which builds it with create_engine.
+    lease = context.pool.acquire("second")
+    second = lease.engine
+    lease.release()
     assert list(context.engines) == ["first", "second"]
     assert isinstance(second, BatchedEngine) and second.host is not None
     # Its own lower tier, built by core from register_caches, behind its prefix cache.
@@ -92,7 +95,8 @@ def test_an_engine_created_while_serving_gets_what_one_created_at_start_gets(ser
     # Its finish sink reached the hook, with its model's id.
     assert ("second", generation.request_id, generation.finish_reason) in listener.finished
 
-    close_engine(context, "second")
+    # Unloaded through the pool, which closes it with close_engine.
+    assert context.pool.unload("second")
     assert list(context.engines) == ["first"] and second.scheduler is None
     pipeline.close()
 

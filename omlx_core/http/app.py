@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import falcon
 
+from omlx_core.http.admin import AdminModels
 from omlx_core.dashboard import DashboardRecorder, ServingEventsFanOut
 from omlx_core.http.anthropic_api import Messages
 from omlx_core.http.auth import APIKeyAuth
@@ -57,10 +58,20 @@ class Health:
                 stats = {"error": f"{type(exc).__name__}: {exc}"}
             engines[model_id] = {str(k): v for k, v in stats.items()
                                  if isinstance(v, (str, int, float, bool)) or v is None}
-        resp.status = 200 if self.context.engines else 503
-        resp.media = {"status": "ok" if self.context.engines else "no models loaded",
+        serving = bool(self.context.engines) or bool(
+            self.context.pool is not None and self.context.pool.records())
+        resp.status = 200 if serving else 503
+        resp.media = {"status": "ok" if serving else "no models loaded",
                       "models": list(self.context.engines), "in_flight": len(self.in_flight),
-                      "engines": engines, "memory": self._memory()}
+                      "engines": engines, "memory": self._memory(), "pool": self._pool()}
+
+    def _pool(self) -> dict[str, Any] | None:
+        """Each available model's state in the pool, and the bytes resident ones hold."""
+        pool = self.context.pool
+        if pool is None:
+            return None
+        return {"resident_bytes": pool.resident_bytes(),
+                "models": {record.id: pool.describe(record) for record in pool.records()}}
 
     def _memory(self) -> dict[str, Any] | None:
         """The guard's latest reading: what is in use, what of it the server would give
@@ -140,6 +151,7 @@ def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = N
     app.add_route("/v1/responses", Responses(responder, body_limit))
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="one")
+    app.add_route("/admin/models/{model_id}/{action}", AdminModels(context))
     app.add_route("/health", Health(context, pipeline))
     app.add_route("/metrics", MetricsResource(metrics))
     app.add_route("/openapi.json", OpenAPIResource(openapi_document(list(context.engines),

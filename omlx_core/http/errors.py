@@ -25,6 +25,7 @@ import falcon
 
 from omlx_core.grammar import GrammarError
 from omlx_core.memory.types import RequestRejected
+from omlx_core.pool import ModelLoadFailed, PoolError
 from omlx_core.serving import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 
 log = logging.getLogger(__name__)
@@ -33,17 +34,19 @@ ANTHROPIC_PATH_PREFIX = "/v1/messages"
 
 _OPENAI_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-    415: "invalid_request_error", 503: "overloaded_error",
+    404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
+    413: "invalid_request_error", 415: "invalid_request_error", 503: "overloaded_error",
 }
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+    404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+    413: "request_too_large",
     415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
 }
 
 #: the typed errors of the serving pipeline a responder lets through
-SERVING_ERRORS = (InvalidRequest, RequestRejected, GrammarError, RequestAborted, EngineFailed)
+SERVING_ERRORS = (InvalidRequest, RequestRejected, GrammarError, RequestAborted, EngineFailed,
+                  ModelLoadFailed, PoolError)
 
 
 # -- the errors -----------------------------------------------------------------------------
@@ -119,6 +122,13 @@ class OverloadedError(falcon.HTTPServiceUnavailable, APIError):
         super().__init__(description=message, code=code, retry_after=retry_after, extra=extra)
 
 
+class ConflictError(falcon.HTTPConflict, APIError):
+    """409: an operator's request conflicts with what the server is doing (a model loading)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(description=message, code=code)
+
+
 class ServerError(falcon.HTTPInternalServerError, APIError):
     """500: an engine failure or a bug."""
 
@@ -154,6 +164,9 @@ def rejection_error(error: RequestRejected) -> APIError:
         "prompt_tokens": rejection.prompt_tokens, "advice": list(error.advice),
         "request_id": rejection.request_id,
     }
+    if rejection.stage == "load":
+        extra.update(model=rejection.model_id, model_bytes=rejection.estimated_bytes,
+                     pinned_models=list(rejection.pinned_models))
     code = rejection_code(rejection.stage, rejection.cause)
     if not error.retryable:
         return ContentTooLargeError(str(error), code, extra)
@@ -178,6 +191,10 @@ def api_error(error: Exception) -> APIError:
         return OverloadedError(str(error), "aborted")
     if isinstance(error, EngineFailed):
         return ServerError(str(error), "engine_error")
+    if isinstance(error, ModelLoadFailed):
+        return ServerError(str(error), "model_load_failed")
+    if isinstance(error, PoolError):
+        return ConflictError(str(error), "model_busy")
     return ServerError(f"internal error ({type(error).__name__}: {error})", "internal_error")
 
 

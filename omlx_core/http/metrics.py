@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from omlx_core.serving import ServingEvents
@@ -120,6 +120,10 @@ class _LiveValues(Collector):
             yield from self._memory_values()
         except Exception:
             log.warning("reading the memory guard for /metrics failed", exc_info=True)
+        try:
+            yield from self._pool_values()
+        except Exception:
+            log.warning("reading the model pool for /metrics failed", exc_info=True)
 
     def _engine_values(self) -> Iterator[GaugeMetricFamily]:
         queue = GaugeMetricFamily("omlx_queue_depth", "requests waiting in the engine",
@@ -150,6 +154,42 @@ class _LiveValues(Collector):
         yield queue
         yield hits
         yield from stats_by_name.values()
+
+    def _pool_values(self) -> Iterator[Any]:
+        """The model pool: loads, unloads by reason (evicted, keep_alive, admin), load
+        refusals by cause, load seconds, resident models and the bytes they hold."""
+        pool = self._context.pool
+        if pool is None:
+            return
+        counters = pool.counters
+        yield CounterMetricFamily("omlx_model_loads", "models loaded (at start and on demand)",
+                                  value=counters.loads)
+        yield CounterMetricFamily("omlx_model_load_failures",
+                                  "model loads that failed (missing or corrupt files, "
+                                  "unsupported architecture)", value=counters.load_failures)
+        unloads = CounterMetricFamily("omlx_model_unloads", "models unloaded, by reason "
+                                      "(evicted: to make room for another; keep_alive: idle "
+                                      "past its keep_alive; admin: asked for)", labels=["reason"])
+        for reason in ("evicted", "keep_alive", "admin"):
+            unloads.add_metric([reason], counters.unloads.get(reason, 0))
+        yield unloads
+        refusals = CounterMetricFamily("omlx_model_load_refusals", "model loads refused for "
+                                       "memory, by cause (never_fits: 413; memory_short, "
+                                       "queue_timeout: 503)", labels=["cause"])
+        for cause, count in sorted(counters.refusals.items()):
+            refusals.add_metric([cause], count)
+        yield refusals
+        seconds = list(counters.load_seconds)
+        yield SummaryMetricFamily("omlx_model_load_seconds", "seconds a model load took",
+                                  count_value=len(seconds), sum_value=sum(seconds))
+        records = pool.records()
+        yield GaugeMetricFamily("omlx_models_resident", "models resident now",
+                                value=sum(1 for r in records if r.state == "resident"))
+        yield GaugeMetricFamily("omlx_models_available", "models that can be loaded",
+                                value=len(records))
+        yield GaugeMetricFamily("omlx_model_resident_bytes", "bytes the resident models hold "
+                                "(measured at load; planned where not measured)",
+                                value=pool.resident_bytes())
 
     def _memory_values(self) -> Iterator[GaugeMetricFamily]:
         guard = self._context.memory_guard

@@ -7,6 +7,8 @@ from typing import Any, Iterator, Mapping
 
 import falcon
 
+from omlx_core.config.keep_alive import parse_keep_alive
+
 from omlx_core.engine import ImagePart, SamplingParams
 from omlx_core.grammar import GrammarSpec
 from omlx_core.http.body import read_request
@@ -135,7 +137,8 @@ def chat_job(body: Mapping[str, Any]) -> Job:
         tools = ToolRequest(body["tools"], body.get("tool_choice") or "auto",
                             body.get("parallel_tool_calls") is not False)
     return Job(body["model"], sampling, messages=messages, prompt_param="messages",
-               max_tokens_param=param, id_prefix="chatcmpl-", tools=tools)
+               max_tokens_param=param, id_prefix="chatcmpl-", tools=tools,
+               keep_alive=_keep_alive(body))
 
 
 def completion_job(body: Mapping[str, Any]) -> Job:
@@ -152,7 +155,19 @@ def completion_job(body: Mapping[str, Any]) -> Job:
     sampling = sampling_from(body, int(given) if given is not None else None,
                              int(logprobs) if logprobs is not None else None)
     return Job(body["model"], sampling, text=text, token_ids=token_ids, prompt_param="prompt",
-               id_prefix="cmpl-")
+               id_prefix="cmpl-", keep_alive=_keep_alive(body))
+
+
+def _keep_alive(body: Mapping[str, Any]) -> Any:
+    """The request's ``keep_alive`` (an omlx-core extension in Ollama's forms), checked."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    try:
+        parse_keep_alive(value)
+    except ValueError as exc:
+        raise bad_request(f"keep_alive: {exc}", "keep_alive", "invalid_keep_alive") from None
+    return value
 
 
 def usage_of(generation: Generation) -> dict[str, Any]:
@@ -388,17 +403,29 @@ class TextCompletions(_Completions):
 
 
 class Models:
+    """``GET /v1/models``: every available model, in OpenAI's list shape, each with the
+    pool's view of it (state, bytes, pinned, last used, engine, context length)."""
+
     def __init__(self, responder: Responder):
         self.pipeline = responder.pipeline
         self.started = int(time.time())
 
     def _entry(self, model_id: str) -> dict[str, Any]:
-        return {"id": model_id, "object": "model", "created": self.started, "owned_by": "omlx-core"}
+        entry: dict[str, Any] = {"id": model_id, "object": "model", "created": self.started,
+                                 "owned_by": "omlx-core"}
+        pool = self.pipeline.context.pool
+        record = pool.record(model_id) if pool is not None else None
+        if record is not None:
+            entry.update(pool.describe(record))
+        elif model_id in self.pipeline.context.engines:
+            entry["state"] = "resident"
+        return entry
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.media = {"object": "list",
-                      "data": [self._entry(m) for m in self.pipeline.context.engines]}
+                      "data": [self._entry(m) for m in self.pipeline.available()]}
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
-        self.pipeline.engine(model_id)
+        if model_id not in self.pipeline.available():
+            self.pipeline.engine(model_id)  # the 404 naming the available models
         resp.media = self._entry(model_id)

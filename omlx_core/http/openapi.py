@@ -12,19 +12,25 @@ _ERROR_STATUSES = {
     "400": "invalid request: the message names the parameter",
     "401": "missing or invalid API key",
     "404": "unknown model",
-    "413": "request_too_large (body over server.max_body) or prefill_memory_exceeded (the "
+    "413": "request_too_large (body over server.max_body), prefill_memory_exceeded (the "
            "prompt can never fit in memory; the body has estimated_bytes, limit_bytes, "
-           "binding_ceiling and advice)",
+           "binding_ceiling and advice) or load_never_fits (the model cannot be loaded even "
+           "with every unpinned model unloaded; the body has model, model_bytes, limit_bytes, "
+           "binding_ceiling, pinned_models and advice)",
     "415": "the body is not JSON",
     "503": "memory is short now; retry after Retry-After seconds. code: admission_queue_full "
            "(no room in the admission queue), admission_queue_timeout (waited "
            "memory.queue_timeout_s without room), forward_memory_short (a prefill chunk did "
            "not fit next to the running requests), forward_over_limit (memory passed the "
-           "limit after a forward) or forward_no_estimate (no plugin estimates this model); "
+           "limit after a forward), forward_no_estimate (no plugin estimates this model), "
+           "load_memory_short (busy or pinned models held the room the model needs for "
+           "server.model_load_wait_s) or load_queue_timeout (the model did not finish "
+           "loading within server.model_load_wait_s); "
            "the body has stage, cause, reason and advice. aborted: the server is shutting "
            "down",
-    "500": "engine_error (an engine failure before the first token) or internal_error (a "
-           "server bug)",
+    "500": "engine_error (an engine failure before the first token), model_load_failed (the "
+           "model's files are missing or corrupt, or its architecture is unsupported; the "
+           "message names the model and the cause) or internal_error (a server bug)",
 }
 
 
@@ -64,6 +70,30 @@ def _get(summary: str, content: dict[str, Any], error_ref: str, protected: bool,
     return {"get": operation}
 
 
+def _admin(error_ref: str, protected: bool, model_schema: dict[str, Any]) -> dict[str, Any]:
+    responses: dict[str, Any] = {
+        "200": {"description": "the model as GET /v1/models lists it, after the action",
+                "content": _json({"type": "object"})},
+        "404": {"description": "no such model or action", "content": _json({"$ref": error_ref})},
+        "409": {"description": "model_busy: the model is loading, or its requests did not end "
+                               "within server.model_load_wait_s",
+                "content": _json({"$ref": error_ref})},
+        **{status: {"description": _ERROR_STATUSES[status], "content": _json({"$ref": error_ref})}
+           for status in ("413", "503", "500")},
+    }
+    if protected:
+        responses["401"] = {"description": _ERROR_STATUSES["401"],
+                            "content": _json({"$ref": error_ref})}
+    return {"post": {
+        "summary": "load, unload, pin or unpin a model (an unload waits for its requests "
+                   "to end; a pinned model is never unloaded to make room or when idle)",
+        "parameters": [
+            {"name": "model_id", "in": "path", "required": True, "schema": model_schema},
+            {"name": "action", "in": "path", "required": True,
+             "schema": {"enum": ["load", "unload", "pin", "unpin"]}},
+        ],
+        "responses": responses,
+    }}
 def _dashboard_paths(error: str, protected: bool) -> dict[str, Any]:
     """The page at /dashboard and the JSON it draws (the same data for scripts)."""
     def query(name: str, schema: dict[str, Any], text: str) -> dict[str, Any]:
@@ -144,13 +174,16 @@ def openapi_document(model_ids: Sequence[str], api_keys: bool) -> dict[str, Any]
                 "OpenAI Responses (text output; nothing is stored)",
                 "#/components/schemas/ResponsesRequest", error,
                 "server-sent response.* events ending with response.completed", api_keys),
-            "/v1/models": _get("served models", _json({"type": "object"}), error, api_keys),
+            "/v1/models": _get("available models with their pool state (resident, loading, "
+                               "available, failed), bytes, pinned, last use, engine and "
+                               "context length", _json({"type": "object"}), error, api_keys),
+            "/admin/models/{model_id}/{action}": _admin(error, api_keys, model_schema),
             "/v1/models/{model_id}": _get(
                 "one served model", _json({"type": "object"}), error, api_keys, {
                     "parameters": [{"name": "model_id", "in": "path", "required": True,
                                     "schema": model_schema}],
                 }),
-            "/health": _get("liveness and engine counters", _json({"type": "object"}), error,
+            "/health": _get("liveness, engine counters, memory and the model pool", _json({"type": "object"}), error,
                             False),
             "/metrics": _get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}},
                              error, api_keys),

@@ -110,6 +110,10 @@ class MemoryEnforcer:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def forget(self, engine: Engine) -> None:
+        """Drop the receiver kept for an unloaded engine."""
+        self._gated.pop(id(engine), None)
+
     def poll_soon(self) -> None:
         """Poll now rather than at the end of the interval (the next poll starts over)."""
         self._wake.set()

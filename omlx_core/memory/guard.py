@@ -120,6 +120,31 @@ class MemoryGuard:
             # them, so that its cache never takes the process over the limit unasked.
             limit_cache(snapshot.margin_bytes)
 
+    def fresh_snapshot(self) -> LimitSnapshot | None:
+        """A snapshot whose memory was read after this call (the settle barrier of a
+        model load or unload): the recent high-water mark is dropped, and the enforcer
+        polls twice, so a poll already under way when this was called does not count."""
+        enforcer = self.enforcer
+        if enforcer is None or not enforcer.running:
+            return self._snapshot
+        self.usage.forget_recent()
+        for _ in range(2):
+            with self._published:
+                sequence = self._snapshot.sequence if self._snapshot is not None else 0
+            enforcer.poll_soon()
+            with self._published:
+                self._published.wait_for(
+                    lambda: self._snapshot is not None and self._snapshot.sequence > sequence,
+                    timeout=self.retry_after_s + 5.0)
+        return self._snapshot
+
+    def forget(self, engine: Engine) -> None:
+        """Drop what the guard keeps of an unloaded engine (its forward gate), so that
+        the engine's memory can go."""
+        self._gates.pop(id(engine), None)
+        if self.enforcer is not None:
+            self.enforcer.forget(engine)
+
     def idle(self) -> bool:
         return self.admission.idle()
 

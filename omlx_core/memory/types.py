@@ -200,9 +200,10 @@ class PreflightRequest:
     kv_bytes_per_token: int = 0
 
 
-#: where a request was refused: before any work (it can never fit), while waiting for
+#: where a request was refused: before any work (it can never fit), while its model
+#: was to be loaded (the model cannot fit, or the room did not come), while waiting for
 #: memory next to the running requests, or at a prefill forward (memory ran short)
-STAGES = ("preflight", "admission", "forward")
+STAGES = ("preflight", "load", "admission", "forward")
 
 #: why: the request cannot fit even alone on an idle server; the admission queue is
 #: full; it waited past ``memory.queue_timeout_s``; memory in use left no room for its
@@ -238,6 +239,8 @@ class Rejection:
     fitting_max_tokens: int | None = None
     #: the transient margin included in ``estimated_bytes``
     margin_bytes: int = 0
+    #: stage ``"load"``: the resident pinned models (unpinning one may make room)
+    pinned_models: tuple[str, ...] = ()
 
     @property
     def binding(self) -> str | None:
@@ -265,9 +268,11 @@ class RequestRejected(Exception):
     """The one way a memory guard refuses a request, at any stage.
 
     ``stage`` says where (:data:`STAGES`): ``"preflight"`` means the request can never
-    fit here (the front end answers 413 before any byte); ``"admission"`` and
-    ``"forward"`` mean memory is short right now, so the same request can succeed
-    later (503 with ``Retry-After`` before the first byte, an in-band error after it).
+    fit here (the front end answers 413 before any byte), and so does ``"load"`` with
+    cause ``"never_fits"`` (its model cannot be loaded even with every unpinned model
+    unloaded); ``"admission"``, ``"forward"`` and the other ``"load"`` causes mean
+    memory is short right now, so the same request can succeed later (503 with
+    ``Retry-After`` before the first byte, an in-band error after it).
 
     :param rejection: the structured reason: estimate, limit, ceilings, cause.
     :param advice: what an operator or client can do, from the ``on_rejection`` hook.
@@ -287,7 +292,9 @@ class RequestRejected(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.rejection.stage != "preflight"
+        rejection = self.rejection
+        return not (rejection.stage == "preflight"
+                    or (rejection.stage == "load" and rejection.cause == "never_fits"))
 
     def with_advice(self, advice: list[str]) -> "RequestRejected":
         return RequestRejected(self.rejection, advice, self.retry_after_s)

@@ -3,7 +3,10 @@
 :meth:`ServingPipeline.start` does everything that can refuse a request before any work
 is done for it or any byte is sent, then submits it and waits for its first output:
 
-1. the model (:class:`UnknownModel`) and the sampling fields its engine honours
+1. the model (:class:`UnknownModel`): a lease on its engine from the model pool, which
+   loads a model that is not resident (a refusal of stage ``"load"``, or
+   :class:`~omlx_core.pool.ModelLoadFailed`); the request holds the lease until it ends,
+   so its model is not unloaded under it. Then the sampling fields its engine honours
    (:class:`InvalidRequest` naming the parameter);
 2. tokenization with the engine's own tokenizer and chat template;
 3. the engine's :meth:`~omlx_core.engine.Engine.limits`: the context settles
@@ -51,6 +54,7 @@ from omlx_core.engine import (
 )
 from omlx_core.grammar import GrammarError
 from omlx_core.memory.types import RequestRejected
+from omlx_core.pool import Lease
 from omlx_core.serving.inflight import InFlight
 from omlx_core.serving.output import LogprobEntry, OutputProcessor, ProcessedText
 from omlx_core.grammar.toolcalls import ContentDelta
@@ -96,6 +100,10 @@ class Job:
     prompt_param: str = "messages"
     max_tokens_param: str = "max_tokens"
     id_prefix: str = "req-"
+    #: how long the model stays resident once idle, from this request on (Ollama's
+    #: ``keep_alive``: seconds, a duration string, -1 forever, 0 unload when idle);
+    #: ``None`` leaves the model's setting as it is
+    keep_alive: Any = None
 
 
 # -- what can go wrong before the first byte ------------------------------------------------
@@ -339,7 +347,7 @@ def merge_outputs(outputs: list[GenerationOutput]) -> GenerationOutput:
 def _failure_of(output: GenerationOutput) -> Exception:
     """The typed error of a final output that is not a completion."""
     if output.finish_reason == "abort":
-        return RequestAborted(ABORTED)
+        return RequestAborted(output.error or ABORTED)
     if output.rejected is not None:
         return output.rejected
     message = output.error or "the engine reported an error"
@@ -369,10 +377,35 @@ class ServingPipeline:
     # -- lookups -------------------------------------------------------------------------
 
     def engine(self, model_id: str) -> Engine:
+        """The engine of a resident model (:class:`UnknownModel` when none serves it)."""
         engine = self.context.engines.get(model_id)
         if engine is None:
-            raise UnknownModel(model_id, list(self.context.engines))
+            raise UnknownModel(model_id, self.available())
         return engine
+
+    def available(self) -> list[str]:
+        """Every model a request may name: the pool's, or the engines of a hand-built
+        context; resident ones first, in the order they were loaded (the default first)."""
+        resident = list(self.context.engines)
+        pool = self.context.pool
+        if pool is None:
+            return resident
+        return resident + [r.id for r in pool.records() if r.id not in self.context.engines]
+
+    def lease(self, model_id: str, keep_alive: Any = None) -> Lease | _FixedLease:
+        """A hold on ``model_id``'s engine, loading the model when it is not resident.
+
+        :raises UnknownModel: no such model is available.
+        :raises InvalidRequest: ``keep_alive`` is malformed.
+        """
+        pool = self.context.pool
+        if pool is None or pool.record(model_id) is None:
+            return _FixedLease(self.engine(model_id))
+        try:
+            return pool.acquire(model_id, keep_alive=keep_alive)
+        except ValueError as exc:
+            raise InvalidRequest(f"keep_alive: {exc}", "keep_alive",
+                                 "invalid_keep_alive") from None
 
     def context_length(self, limits: EngineLimits) -> int | None:
         """``engine.max_context`` when the operator set it, else the engine's own."""
@@ -381,12 +414,16 @@ class ServingPipeline:
     def count_tokens(self, job: Job) -> int:
         """The prompt tokens ``job`` would prefill (chat template applied), without running
         it: what Anthropic's ``count_tokens`` answers."""
-        engine = self.engine(job.model_id)
-        job, _ = self._with_tools(engine, job)
-        images = images_of(job.messages)
-        if images:
-            self._require_image_support(engine, job, images)
-        return len(self._tokenize(engine, job, engine.limits()))
+        lease = self.lease(job.model_id, job.keep_alive)
+        try:
+            engine = lease.engine
+            job, _ = self._with_tools(engine, job)
+            images = images_of(job.messages)
+            if images:
+                self._require_image_support(engine, job, images)
+            return len(self._tokenize(engine, job, engine.limits()))
+        finally:
+            lease.release()
 
     # -- starting a request --------------------------------------------------------------
 
@@ -400,13 +437,28 @@ class ServingPipeline:
 
         :raises InvalidRequest: the request cannot be served as sent (its subclass
             :class:`UnknownModel` for a model not served here).
-        :raises RequestRejected: the memory guard refused it (preflight, admission, or a
-            forward gate before its first token).
+        :raises RequestRejected: the memory guard refused it (its model's load,
+            preflight, admission, or a forward gate before its first token).
+        :raises ModelLoadFailed: its model failed to load.
         :raises EngineFailed: the engine failed before the first output.
         :raises RequestAborted: it was aborted before its first output.
         """
         arrived = time.monotonic()
-        engine = self.engine(job.model_id)
+        try:
+            lease = self.lease(job.model_id, job.keep_alive)
+        except RequestRejected as error:
+            self.events.rejected(job.model_id, error)
+            raise
+        try:
+            return self._start(job, lease, arrived, client_gone, first_output_wait_s)
+        except BaseException:
+            lease.release()
+            raise
+
+    def _start(self, job: Job, lease: Lease | _FixedLease, arrived: float,
+               client_gone: Callable[[], bool] | None,
+               first_output_wait_s: float | None) -> Generation:
+        engine = lease.engine
         # The engine may hold a batch window open for this request until it is
         # submitted: requests sent together then share one prefill forward.
         with engine.expecting():
@@ -449,7 +501,10 @@ class ServingPipeline:
 
         def release_all() -> None:
             self.in_flight.remove(request_id)
-            release()
+            try:
+                release()
+            finally:
+                lease.release()
 
         return Generation(request_id=request_id, engine=engine, model_id=job.model_id,
                           prompt_tokens=len(tokens), sampling=sampling, handle=handle,
@@ -476,8 +531,8 @@ class ServingPipeline:
             return None
         if first.finish_reason == "abort":
             self._abandon(request_id, handle, release)
-            raise RequestAborted("the request was aborted before its first token (the client "
-                                 "disconnected or the server is shutting down)")
+            raise RequestAborted(first.error or "the request was aborted before its first token "
+                                 "(the client disconnected or the server is shutting down)")
         if first.finished and first.finish_reason not in ("stop", "length"):
             self._abandon(request_id, handle, release)
             failure = _failure_of(first)
@@ -623,6 +678,16 @@ class ServingPipeline:
         aborted = self.in_flight.abort_all()
         self.in_flight.stop()
         return aborted
+
+
+class _FixedLease:
+    """The engine of a context built without a pool: nothing to hold or release."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def release(self) -> None:
+        pass
 
 
 def _image_param(exc: Exception, images: list[ImagePart]) -> str:

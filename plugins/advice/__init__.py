@@ -16,6 +16,11 @@ A request refused at admission (it waited for room that never came) is also told
 largest ``max_tokens`` that would have been admitted when the completion's reservation
 is what did not fit.
 
+A request refused at the ``load`` stage (its model cannot be loaded: it can never fit,
+or busy and pinned models hold the room) is told to use a smaller or more quantized
+variant of the model instead of a shorter prompt, and which pinned models it could
+unpin to make room (``POST /admin/models/<id>/unpin``).
+
 A third-party plugin adds advice with its own ``on_rejection``, or replaces this
 plugin's with ``@hookimpl(wrapper=True)`` returning its own list.
 """
@@ -49,6 +54,9 @@ def _size_flag(size: int) -> str:
 
 
 def _shorten(rejection: Rejection) -> str:
+    if rejection.stage == "load":
+        return ("use a smaller or more quantized variant of the model (e.g. `omlx-core models "
+                "convert-gguf --dtype keep` keeps a GGUF's quantization; float16 halves float32)")
     if rejection.stage in ("forward", "admission"):
         return "send a shorter prompt, or retry when fewer requests are running"
     return "shorten the prompt"
@@ -142,8 +150,18 @@ def on_rejection(rejection: Rejection) -> str | None:
     if not isinstance(rejection, Rejection):
         return None
     ladder = _ladder(rejection)
-    knob = _max_tokens(rejection)
+    knob = _max_tokens(rejection) or _unpin(rejection)
     return ladder if knob is None else f"{knob} {ladder}"
+
+
+def _unpin(rejection: Rejection) -> str | None:
+    if rejection.stage != "load" or not rejection.pinned_models:
+        return None
+    names = ", ".join(repr(name) for name in rejection.pinned_models)
+    first = rejection.pinned_models[0]
+    return (f"Pinned models hold memory that is never given up for another model: {names}. "
+            f"Unpin one (POST /admin/models/{first}/unpin, or pinned = false in its "
+            "[models.<id>]) so that it can be unloaded when idle.")
 
 
 def _ladder(rejection: Rejection) -> str:

@@ -60,6 +60,17 @@ SETTINGS = (
     Setting("fused_sampling", "bool", "sample a decode step's rows together (one scatter for "
             "their logit biases, one argmax for greedy rows, log-softmax only where read); "
             "false: mlx-lm's row-by-row step", default=True),
+    Setting("speculation", "bool", "draft tokens for decoding rows by prompt lookup (the "
+            "continuation of an earlier occurrence of their last tokens in prompt and "
+            "output) and verify every row's drafts in the decode step's one forward; a cost "
+            "model drafts only where it pays; false: one token per row and step",
+            default=True),
+    Setting("max_draft_tokens", "int", "most draft tokens a decoding row carries in one step",
+            minimum=1, maximum=64, default=6),
+    Setting("max_decode_gap_ms", "float", "while requests decode, prefill chunks are sized so "
+            "that a step (chunk and decode) is expected to take at most this long, from "
+            "measured step times; 0: chunks of prefill_step_size always", minimum=0.0,
+            maximum=600000.0, default=250.0),
 )
 
 

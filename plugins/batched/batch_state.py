@@ -67,6 +67,9 @@ class SequenceState:
     #: KV tokens the memory guard lets the request hold before it is asked again
     #: (``None``: not asked yet since it joined the decode batch)
     kv_allowance: int | None = None
+    #: KV tokens beyond the next one a decode step may add to the request (the drafts
+    #: a step verifies: :attr:`~.extensions.DraftVerify.lookahead`)
+    kv_lookahead: int = 0
     #: times the request was preempted
     preemptions: int = 0
     #: the completion's token ids so far
@@ -91,8 +94,9 @@ class SequenceState:
 
     @property
     def kv_after_step(self) -> int:
-        """KV tokens the request holds once the next decode step has fed its latest token."""
-        return len(self.prompt) + self.completion_tokens
+        """KV tokens the request may hold once the next decode step has fed its latest
+        token (and, while it verifies, drafts)."""
+        return len(self.prompt) + self.completion_tokens + self.kv_lookahead
 
 
 def new_sequence(request: GenerationRequest) -> SequenceState:

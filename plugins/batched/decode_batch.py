@@ -11,7 +11,6 @@ rows: :mod:`~omlx_core.plugins.batched.decode_step`), or, where a
 from __future__ import annotations
 
 import time
-
 from typing import Any, Sequence
 
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -32,6 +31,9 @@ class DecodeBatch:
         self.fused_sampling = fused_sampling
         self.drafts = drafts
         self.eos = tuple(sorted(eos_token_ids))
+        #: seconds of the latest decode step, averaged (``None``: none ran yet); the
+        #: prefill planner keeps a chunk plus a step within the decode latency budget
+        self.step_seconds: float | None = None
         self._default_stops = StopSequences([(t,) for t in self.eos])
         self.generator: BatchGenerator | None = self._new_generator()
 
@@ -70,15 +72,21 @@ class DecodeBatch:
         sequence.phase = DECODING
         sequence.first_token_at = sequence.first_token_at or time.monotonic()
         sequence.kv_allowance = None
+        sequence.kv_lookahead = self.drafts.lookahead
         self.state.decoding[sequence.uid] = sequence
 
     def step(self) -> Sequence[Any]:
         """One step over every row: the responses (uid, token, logprobs, finish_reason,
         prompt_cache, all_tokens), a finished row's last."""
         decoding = self.state.decoding
+        started = time.perf_counter()
         if self.drafts.drafting(decoding):
-            return self.drafts.verify(self.generator, decoding)  # type: ignore[arg-type]
-        _, responses = self.generator.next()  # type: ignore[union-attr]
+            responses = self.drafts.verify(self.generator, decoding)  # type: ignore[arg-type]
+        else:
+            _, responses = self.generator.next()  # type: ignore[union-attr]
+        seconds = time.perf_counter() - started
+        previous = self.step_seconds
+        self.step_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
         return responses
 
     def remove(self, uids: list[int], *, caches: bool) -> dict[int, tuple[list[Any], list[int]]]:

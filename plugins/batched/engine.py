@@ -24,6 +24,7 @@ from omlx_core.engine import (
 from omlx_core.plugins.batched.prefix_cache import PrefixCache
 from omlx_core.plugins.batched.sampling import check_sampling
 from omlx_core.plugins.batched.scheduler import Scheduler, new_sequence
+from omlx_core.plugins.batched.speculation import PromptLookupDrafts
 
 if TYPE_CHECKING:
     from omlx_core.host import EngineHost
@@ -43,6 +44,9 @@ class EngineSettings:
     batch_window_s: float = 0.01
     batch_window_max_s: float = 0.1
     fused_sampling: bool = True
+    speculation: bool = True
+    max_draft_tokens: int = 6
+    max_decode_gap_ms: float = 250.0
 
     @classmethod
     def from_config(cls, config: Any) -> "EngineSettings":
@@ -54,6 +58,9 @@ class EngineSettings:
             batch_window_s=float(config["plugin.batched.batch_window_s"]),
             batch_window_max_s=float(config["plugin.batched.batch_window_max_s"]),
             fused_sampling=bool(config["plugin.batched.fused_sampling"]),
+            speculation=bool(config["plugin.batched.speculation"]),
+            max_draft_tokens=int(config["plugin.batched.max_draft_tokens"]),
+            max_decode_gap_ms=float(config["plugin.batched.max_decode_gap_ms"]),
         )
 
 
@@ -149,6 +156,9 @@ class BatchedEngine(GuardedEngine):
             batch_window_s=self.settings.batch_window_s,
             batch_window_max_s=self.settings.batch_window_max_s,
             fused_sampling=self.settings.fused_sampling,
+            drafts=(PromptLookupDrafts(max_drafts=self.settings.max_draft_tokens)
+                    if self.settings.speculation else None),
+            max_decode_gap_s=self.settings.max_decode_gap_ms / 1000.0,
             wake=self._thread.wake, boundary_listener=self.host.on_boundary_snapshot,
             finish_listener=self.host.on_request_finished,
         )

@@ -9,6 +9,8 @@ overrides the scheduler's methods.
 - :class:`CacheKey`: what the prefix cache keys a request's tokens by.
 - :class:`DraftVerify`: draft tokens for the decoding rows, verified in the decode
   step's forward.
+- :class:`StepSync`: how the processes that serve one model together (``mx.distributed``
+  ranks) agree on each step's arrivals, aborts and forward-gate answers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
+    from omlx_core.memory.gate import ForwardGate
     from omlx_core.plugins.batched.batch_state import SequenceState
 
 
@@ -111,6 +114,10 @@ class DraftVerify(Protocol):
     row is its last, and the row has left the generator.
     """
 
+    #: KV tokens beyond one that a step may add to a row (a verify forward feeds the
+    #: anchor and drafts): the memory guard's decode budget covers them
+    lookahead: int
+
     def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
         """Whether this step verifies drafts."""
         ...
@@ -121,9 +128,18 @@ class DraftVerify(Protocol):
         all_tokens), one per token handed out, each row's in generation order."""
         ...
 
+    def stats(self) -> Mapping[str, Any]:
+        """Counters merged into the scheduler's :meth:`~.scheduler.Scheduler.stats`."""
+        ...
+
 
 class NoDrafts:
     """No row drafts: every step is mlx-lm's plain one."""
+
+    lookahead = 0
+
+    def stats(self) -> Mapping[str, Any]:
+        return {}
 
     def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
         return False
@@ -132,4 +148,67 @@ class NoDrafts:
         raise TypeError("NoDrafts never drafts; the plain decode step runs")
 
 
-__all__ = ["CacheKey", "ChunkInputs", "DraftVerify", "NoDrafts", "TokenInputs", "token_key"]
+@runtime_checkable
+class StepSync(Protocol):
+    """Makes every process that serves one model take the same steps.
+
+    A model sharded over several processes runs each forward on all of them at once, so
+    each must admit, prefill, preempt and abort exactly what the others do. The
+    scheduler hands what it drained this step to :meth:`exchange` and applies what that
+    returns; it asks the forward gate :meth:`gate` returns (one that answers the same on
+    every process); it steps when :meth:`has_work` says so. Asked on the MLX thread,
+    except :meth:`gate`.
+    """
+
+    def exchange(self, arrivals: list[SequenceState], aborts: list[str]
+                 ) -> tuple[list[SequenceState], list[str]]:
+        """The step's new requests and aborted request ids, as every process applies them."""
+        ...
+
+    def has_work(self, local: bool) -> bool:
+        """Whether to step now; ``local`` is this scheduler's own answer."""
+        ...
+
+    def wake_at(self, local: float | None) -> float | None:
+        """When :meth:`has_work` turns true (``time.monotonic()``); ``local`` is this
+        scheduler's own answer."""
+        ...
+
+    def gate(self, gate: ForwardGate | None) -> ForwardGate | None:
+        """The forward gate the scheduler asks, given the one the memory guard installed."""
+        ...
+
+    def failed(self, exc: BaseException) -> None:
+        """A step raised ``exc`` (the scheduler then fails its in-flight requests)."""
+        ...
+
+    def close(self) -> None:
+        """The scheduler shut down."""
+        ...
+
+
+class LocalSteps:
+    """One process serves the model: its steps are its own."""
+
+    def exchange(self, arrivals: list[SequenceState], aborts: list[str]
+                 ) -> tuple[list[SequenceState], list[str]]:
+        return arrivals, aborts
+
+    def has_work(self, local: bool) -> bool:
+        return local
+
+    def wake_at(self, local: float | None) -> float | None:
+        return local
+
+    def gate(self, gate: ForwardGate | None) -> ForwardGate | None:
+        return gate
+
+    def failed(self, exc: BaseException) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+__all__ = ["CacheKey", "ChunkInputs", "DraftVerify", "LocalSteps", "NoDrafts", "StepSync",
+           "TokenInputs", "token_key"]

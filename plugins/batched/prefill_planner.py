@@ -3,7 +3,13 @@ forward gate says about them.
 
 Each step prefills at most ``plugin.batched.prefill_step_size`` prompt tokens in all,
 split into chunks, then runs one decode step: a long prompt never stalls the running
-streams for more than one chunk budget. Chunk ends fall on ``plugin.batched.block_size``
+streams for more than one chunk budget. While requests decode, that budget shrinks to
+what keeps the step (its prefill and its decode step) within
+``plugin.batched.max_decode_gap_ms``: :class:`ChunkCost`, learned from the measured time
+of every prefill step, predicts a chunk's seconds from its size and the context it
+attends over (a chunk late in a long prompt costs several times one at its start), and
+the largest budget predicted to fit is taken (at least :data:`MIN_CHUNK` tokens, so a
+prompt always moves on). When nothing decodes, the budget is the whole step again. Chunk ends fall on ``plugin.batched.block_size``
 boundaries where they can, so full blocks (and, for models with non-cuttable layers,
 their boundary states) go into the prefix cache as prefill crosses them. Chunks cover
 all prompt tokens but the last, which the first-token forward feeds. Chunks of
@@ -28,11 +34,13 @@ import logging
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 
 from omlx_core.memory.gate import PrefillChunk, PrefillStep
 from omlx_core.plugins.batched.batch_prefill import can_batch, group_spans
 from omlx_core.plugins.batched.batch_state import BatchState, SequenceState
 from omlx_core.plugins.batched.cache_layout import CacheLayout
+from omlx_core.plugins.batched.decode_batch import DecodeBatch
 from omlx_core.plugins.batched.extensions import ChunkInputs
 from omlx_core.plugins.batched.prefix_cache import PrefixCache
 
@@ -44,17 +52,95 @@ log = logging.getLogger(__name__)
 #: a request's chunk ``[start, end)`` of its context
 Chunk = tuple[SequenceState, int, int]
 
+#: fewest prompt tokens a step prefills under the decode latency budget
+MIN_CHUNK = 16
+
+
+class ChunkCost:
+    """A prefill step's seconds as ``per_forward * forwards + per_token * tokens +
+    per_attended * sum(chunk tokens * context they attend over)``, fitted online by
+    exponentially weighted least squares (with a little ridge, so the first few steps
+    give a usable answer) over every measured prefill step."""
+
+    def __init__(self, *, decay: float = 0.97, ridge: float = 1e-6) -> None:
+        self.decay = decay
+        self.ridge = ridge
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
+        self.steps = 0
+
+    @staticmethod
+    def features(chunks: list[tuple[int, int]], forwards: int) -> np.ndarray:
+        """``chunks``: (start, end) of each chunk of a step run in ``forwards`` forwards."""
+        tokens = sum(end - start for start, end in chunks)
+        attended = sum((end - start) * (start + end) / 2.0 for start, end in chunks)
+        # Scaled so the three columns are of like size for the solver.
+        return np.array([float(forwards), tokens / 256.0, attended / 65536.0])
+
+    def observe(self, features: np.ndarray, seconds: float) -> None:
+        self._xx = self.decay * self._xx + np.outer(features, features)
+        self._xy = self.decay * self._xy + features * seconds
+        self.steps += 1
+
+    def coefficients(self) -> np.ndarray:
+        scale = max(float(np.trace(self._xx)), 1e-12)
+        beta = np.linalg.solve(self._xx + self.ridge * scale * np.eye(3), self._xy)
+        return np.maximum(beta, 0.0)
+
+    def seconds(self, start: int, tokens: int) -> float:
+        """Predicted seconds of one forward over ``tokens`` prompt tokens from ``start``."""
+        return float(self.features([(start, start + tokens)], 1) @ self.coefficients())
+
 
 class PrefillPlanner:
     """Plans a step's chunks and forwards, and asks the gate about them."""
 
     def __init__(self, *, state: BatchState, prefix_cache: PrefixCache, layout: CacheLayout,
-                 prefill_step_size: int, inputs: ChunkInputs) -> None:
+                 prefill_step_size: int, inputs: ChunkInputs, batch: DecodeBatch | None = None,
+                 max_decode_gap_s: float = 0.0) -> None:
         self.state = state
         self.prefix_cache = prefix_cache
         self.layout = layout
         self.prefill_step_size = prefill_step_size
         self.inputs = inputs
+        self.batch = batch
+        self.max_decode_gap_s = max_decode_gap_s
+        self.cost = ChunkCost()
+        #: the features of the step planned last, for :meth:`observe`
+        self._planned: np.ndarray | None = None
+
+    def step_budget(self) -> int:
+        """Prompt tokens this step may prefill: the whole step while nothing decodes,
+        else the most that keep the step within the decode latency budget."""
+        full = self.prefill_step_size
+        state = self.state
+        if not state.decoding or self.max_decode_gap_s <= 0 or not state.prefilling:
+            return full
+        if self.cost.steps < 2:
+            # Nothing measured yet: a small first chunk to learn from.
+            return max(MIN_CHUNK, min(full, full // 4))
+        decode_s = (self.batch.step_seconds if self.batch is not None else None) or 0.0
+        # A decode step alone may take most of the budget (a loaded machine, a big
+        # batch): the chunk then still gets half of it, or prefill would crawl at the
+        # smallest chunk while the gap it buys is lost in the decode step anyway.
+        room = max(self.max_decode_gap_s - decode_s, self.max_decode_gap_s / 2)
+        start = state.prefilling[0].prefilled
+        low, high = MIN_CHUNK, full
+        if self.cost.seconds(start, high) <= room:
+            return high
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self.cost.seconds(start, middle) <= room:
+                low = middle
+            else:
+                high = middle
+        return low
+
+    def observe(self, seconds: float) -> None:
+        """The prefill step planned last took ``seconds``."""
+        if self._planned is not None:
+            self.cost.observe(self._planned, seconds)
+            self._planned = None
 
     def _chunk_end(self, start: int, target: int, budget: int) -> int:
         end = min(target, start + budget)
@@ -71,7 +157,7 @@ class PrefillPlanner:
     def plan(self) -> list[Chunk]:
         """This step's chunks, in the order the prefilling requests were admitted."""
         plan: list[Chunk] = []
-        budget = self.prefill_step_size
+        budget = self.step_budget()
         for sequence in self.state.prefilling:
             position, target = sequence.prefilled, sequence.prefill_target
             while budget > 0 and position < target:
@@ -96,6 +182,12 @@ class PrefillPlanner:
         order) and the chunk feeds token ids; :func:`group_spans` bounds the padding
         and the cached prefix copied.
         """
+        groups = self._forward_groups(plan)
+        self._planned = (ChunkCost.features([(start, end) for _, start, end in plan], len(groups))
+                         if plan else None)
+        return groups
+
+    def _forward_groups(self, plan: list[Chunk]) -> list[list[Chunk]]:
         chunks_of: dict[int, int] = {}
         for sequence, _, _ in plan:
             chunks_of[id(sequence)] = chunks_of.get(id(sequence), 0) + 1
@@ -180,4 +272,4 @@ class PrefillPlanner:
         return sequence, refused[sequence.request_id]
 
 
-__all__ = ["Chunk", "PrefillPlanner"]
+__all__ = ["Chunk", "ChunkCost", "MIN_CHUNK", "PrefillPlanner"]

@@ -23,7 +23,8 @@ there):
 
 An engine extends it through declared extension points (:mod:`.extensions`): what a
 chunk's forward feeds (``inputs``), what the prefix cache keys tokens by
-(``cache_key``), and draft/verify for the decoding rows (``drafts``).
+(``cache_key``), draft/verify for the decoding rows (``drafts``), and how processes
+serving one model together agree on each step (``step_sync``).
 
 **Memory limits.** The scheduler is the engine's
 :class:`~omlx_core.memory.gate.MemoryReceiver` (the ``resolve_scheduler`` hook returns
@@ -63,7 +64,9 @@ from omlx_core.plugins.batched.extensions import (
     CacheKey,
     ChunkInputs,
     DraftVerify,
+    LocalSteps,
     NoDrafts,
+    StepSync,
     TokenInputs,
     token_key,
 )
@@ -93,7 +96,8 @@ class Scheduler(MemoryReceiver):
                  finish_listener: Callable[[str, str], None] | None = None,
                  batch_window_s: float = 0.0, batch_window_max_s: float = 0.0,
                  fused_sampling: bool = True, inputs: ChunkInputs | None = None,
-                 cache_key: CacheKey = token_key, drafts: DraftVerify | None = None) -> None:
+                 cache_key: CacheKey = token_key, drafts: DraftVerify | None = None,
+                 max_decode_gap_s: float = 0.0, step_sync: StepSync | None = None) -> None:
         self.model_id = model_id
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
@@ -103,6 +107,7 @@ class Scheduler(MemoryReceiver):
         self.layout = CacheLayout(model)
         self.cache_key = cache_key
         self.inputs = inputs if inputs is not None else TokenInputs()
+        self.step_sync = step_sync if step_sync is not None else LocalSteps()
         self._wake = wake
         #: requests the pipeline is preparing for this engine (:meth:`expecting`)
         self._expected = 0
@@ -120,10 +125,12 @@ class Scheduler(MemoryReceiver):
 
         self.state = state = BatchState(model_id=model_id, model_config=model_config,
                                         max_batch_size=max_batch_size)
+        state.gate = self.step_sync.gate(None)
         self.counters = state.counters
+        self.drafts = drafts if drafts is not None else NoDrafts()
         self.decode = DecodeBatch(model=model, state=state, eos_token_ids=tokenizer.eos_token_ids,
                                   prefill_step_size=prefill_step_size, fused_sampling=fused_sampling,
-                                  drafts=drafts if drafts is not None else NoDrafts())
+                                  drafts=self.drafts)
         self.writer = PrefixCacheWriter(prefix_cache=prefix_cache, layout=self.layout,
                                         cache_key=cache_key, model_id=model_id,
                                         boundary_listener=boundary_listener)
@@ -132,7 +139,8 @@ class Scheduler(MemoryReceiver):
         self.budgeter = DecodeBudgeter(state=state, batch=self.decode, writer=self.writer,
                                        inputs=self.inputs)
         self.planner = PrefillPlanner(state=state, prefix_cache=prefix_cache, layout=self.layout,
-                                      prefill_step_size=prefill_step_size, inputs=self.inputs)
+                                      prefill_step_size=prefill_step_size, inputs=self.inputs,
+                                      batch=self.decode, max_decode_gap_s=max_decode_gap_s)
         self.prefill = PrefillRunner(model=model, state=state, vocab_size=vocab_size,
                                      planner=self.planner, inputs=self.inputs, writer=self.writer,
                                      budgeter=self.budgeter, batch=self.decode, emitter=self.emitter)
@@ -175,7 +183,7 @@ class Scheduler(MemoryReceiver):
 
     def set_forward_gate(self, gate: ForwardGate | None) -> None:
         """Install (or with ``None`` remove) the gate asked before every prefill step."""
-        self.state.gate = gate
+        self.state.gate = self.step_sync.gate(gate)
 
     @property
     def forward_gate(self) -> ForwardGate | None:
@@ -202,6 +210,7 @@ class Scheduler(MemoryReceiver):
             "finished": dict(c.finished),
             "prefix_cache": self.prefix_cache.stats(),
             **self.inputs.stats(),
+            **self.drafts.stats(),
         }
 
     def progress(self) -> list[RequestProgress]:
@@ -230,6 +239,9 @@ class Scheduler(MemoryReceiver):
 
     def has_work(self) -> bool:
         """Whether there is work to do now: not while the batch window is open."""
+        return self.step_sync.has_work(self._has_local_work())
+
+    def _has_local_work(self) -> bool:
         state = self.state
         if self._abort_inbox or state.prefilling or state.decoding:
             return True
@@ -247,20 +259,23 @@ class Scheduler(MemoryReceiver):
         A window that closed since :meth:`has_work` said no still answers its (past)
         time: the MLX thread asks the two one after the other, and a ``None`` here would
         leave it asleep with a request waiting."""
-        return self._window_closes() or self._resume_at
+        return self.step_sync.wake_at(self._window_closes() or self._resume_at)
 
     def step(self) -> None:
         self.counters.steps += 1
         self._fit_prefix_cache()
-        self._drain_inbox()
+        self._drain_inbox(sync=True)
         self._admit()
         if self.state.prefilling:
+            started = time.perf_counter()
             self.prefill.step()
+            self.planner.observe(time.perf_counter() - started)
         if self.state.decoding:
             self._decode_step()
 
     def fail(self, exc: BaseException) -> None:
         """End every in-flight request with an error and start over with an empty batch."""
+        self.step_sync.failed(exc)
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         state = self.state
         for sequence in list(state.by_id.values()):
@@ -276,6 +291,7 @@ class Scheduler(MemoryReceiver):
         with self._lock:
             self._stopped = True
         self._drain_inbox()
+        self.step_sync.close()
         for sequence in list(self.state.by_id.values()):
             # The model goes away with the engine: nothing is worth caching for it.
             self.emitter.abort(sequence, store=False)
@@ -346,17 +362,19 @@ class Scheduler(MemoryReceiver):
         longest = self.batch_window_max_s if self._expected else self.batch_window_s
         return inbox[0].arrived + longest
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self, *, sync: bool = False) -> None:
         state = self.state
-        while self._inbox:
-            sequence = self._inbox.popleft()
+        arrivals = [self._inbox.popleft() for _ in range(len(self._inbox))]
+        aborts = [self._abort_inbox.popleft() for _ in range(len(self._abort_inbox))]
+        if sync:
+            arrivals, aborts = self.step_sync.exchange(arrivals, aborts)
+        for sequence in arrivals:
             if sequence.request_id in state.by_id:
                 self.emitter.reject_duplicate(sequence)
                 continue
             state.by_id[sequence.request_id] = sequence
             state.waiting.append(sequence)
-        while self._abort_inbox:
-            request_id = self._abort_inbox.popleft()
+        for request_id in aborts:
             sequence = state.by_id.get(request_id)
             if sequence is not None:
                 self.emitter.abort(sequence)

@@ -65,12 +65,27 @@ def target_log_probs(logits: mx.array, sampling: SamplingParams) -> mx.array:
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
 
 
+def accepted_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """How many leading ``drafts`` equal the target's own tokens: ``targets[i]`` is the
+    token the target picks after the anchor and ``drafts[:i]``.
+
+    For a deterministic draft (a point mass on ``d_i``) this is also exact rejection
+    sampling when ``targets[i]`` is the target's own *sample* from ``p``: ``d_i`` is then
+    kept with probability ``p(d_i) = min(1, p(d_i) / 1)``, and on a rejection the sample
+    is distributed as ``p`` without ``d_i``, renormalized: the residual. So a seeded row
+    that draws ``targets[i]`` with the key plain decoding would use emits plain
+    decoding's very tokens.
+    """
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return accepted
+
+
 def accept_greedy(logits: mx.array, drafts: Sequence[int]) -> Verdict:
     """Accept drafts while they equal the target's argmax; then add the argmax."""
     choices = mx.argmax(logits, axis=-1).tolist()
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
-        accepted += 1
+    accepted = accepted_prefix(drafts, choices)
     return Verdict(accepted, tuple(drafts[:accepted]) + (int(choices[accepted]),))
 
 
@@ -118,4 +133,4 @@ def accept_sampled(logits: mx.array, drafts: Sequence[int], sampling: SamplingPa
     return Verdict(accepted, tuple(drafts[:accepted]) + (token,))
 
 
-__all__ = ["KeyStream", "Verdict", "accept_greedy", "accept_sampled", "target_log_probs"]
+__all__ = ["KeyStream", "Verdict", "accept_greedy", "accepted_prefix", "accept_sampled", "target_log_probs"]

@@ -1,0 +1,633 @@
+"""The model pool: which models are resident, loading them on demand inside the memory
+budget, and unloading the idle ones.
+
+A request takes a :class:`Lease` on its model (:meth:`ModelPool.acquire`) for as long
+as it runs. A model that is not resident is loaded first, on a loader thread (one load
+per model: concurrent first requests wait for the same one). The load is planned
+before a byte of the model is read: its weights' bytes from the safetensors headers
+plus the engine's working set (the ``estimate_peak`` answer for one prefill chunk),
+against the memory guard's latest snapshot (hard limit, memory in use less what the
+server gives back on demand, the transient margin), less what other loads in progress
+have claimed. When it does not fit, idle models are unloaded, least recently used
+first: never a pinned one, never one with a request running or waiting for it. When
+busy or pinned models hold the room, the load waits (``server.model_load_wait_s``) and
+then refuses with stage ``"load"`` (HTTP 503 with ``Retry-After``); when it could never
+fit, even with every unpinned model gone, it refuses at once (HTTP 413, with advice).
+
+An unload drains the model (no new lease; the running ones end), closes its engine
+through the same closer that start-up uses, collects, returns mlx's buffers and the
+heap's free pages to the OS, and counts the room free only once the enforcer has
+read memory again (the settle barrier). A load that fails is remembered for
+``server.model_load_retry_s``: requests in that window get the same error at once.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from omlx_core.memory.types import PeakQuery, Rejection, RequestRejected
+from omlx_core.models.errors import ModelError
+from omlx_core.config.keep_alive import parse_keep_alive
+from omlx_core.pool.catalog import weights_bytes
+from omlx_core.settings import format_size
+
+if TYPE_CHECKING:
+    from omlx_core.config import Config
+    from omlx_core.engine import Engine
+    from omlx_core.memory.guard import MemoryGuard
+    from omlx_core.models.registry import ModelSpec
+
+log = logging.getLogger(__name__)
+
+AVAILABLE, LOADING, RESIDENT, UNLOADING, FAILED = (
+    "available", "loading", "resident", "unloading", "failed")
+#: why a model was unloaded (the ``reason`` label of the unload metrics)
+UNLOAD_REASONS = ("evicted", "keep_alive", "admin", "shutdown")
+#: how often the keep-alive reaper looks at idle models, at most
+REAP_INTERVAL_S = 0.5
+#: loads of different models that may run at once (one model loads once at a time)
+LOADER_THREADS = 2
+
+
+class ModelLoadFailed(Exception):
+    """Loading a model failed (missing file, corrupt weights, unsupported architecture):
+    the message names the model and the cause."""
+
+    def __init__(self, model_id: str, cause: str):
+        super().__init__(f"model {model_id!r} failed to load: {cause}")
+        self.model_id = model_id
+        self.cause = cause
+
+
+class PoolError(Exception):
+    """An operator's pool request cannot be done as asked (HTTP 409), e.g. unloading a
+    model that is loading."""
+
+
+@dataclass
+class ModelRecord:
+    """One available model as the pool tracks it."""
+
+    id: str
+    engine_name: str
+    pinned: bool
+    #: seconds an idle model stays resident (``None``: forever)
+    keep_alive_s: float | None
+    state: str = AVAILABLE
+    engine: Engine | None = None
+    #: leases held now (requests running) and requests waiting for the model to load
+    users: int = 0
+    waiters: int = 0
+    last_used: float = 0.0
+    #: weights bytes from the safetensors headers, the planned total (weights plus the
+    #: working set), and the footprint growth the load was measured at
+    weights_bytes: int | None = None
+    planned_bytes: int | None = None
+    measured_bytes: int | None = None
+    context_length: int | None = None
+    #: bytes a load in progress has claimed that the last memory reading does not show
+    claimed_bytes: int = 0
+    #: the error of the latest load (a refusal or a failure) and, for a failure, until
+    #: when it is answered without another attempt
+    error: Exception | None = None
+    failed_until: float = 0.0
+    load_seconds: float | None = None
+    loaded_at: float | None = None
+    #: an operator asked for an unload: new leases wait until it is done
+    draining: bool = False
+    #: bumped by each finished load attempt (waiters know theirs ended)
+    attempt: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return self.users == 0 and self.waiters == 0
+
+    def bytes(self) -> int:
+        """What the model holds while resident: measured when known, else planned."""
+        return self.measured_bytes or self.planned_bytes or self.weights_bytes or 0
+
+    def held_bytes(self) -> int:
+        """At least its weights: a footprint growth measured while other models were
+        unloaded can read low."""
+        return max(self.measured_bytes or 0, self.weights_bytes or 0)
+
+
+class Lease:
+    """A running request's hold on a resident model; :meth:`release` once it ends."""
+
+    def __init__(self, pool: ModelPool, record: ModelRecord, engine: Engine):
+        self.engine = engine
+        self.model_id = record.id
+        self._pool = pool
+        self._record = record
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._pool._release(self._record)
+
+
+@dataclass
+class PoolCounters:
+    """What the pool has done since start (the metrics read these)."""
+
+    loads: int = 0
+    load_failures: int = 0
+    load_seconds: list[float] = field(default_factory=list)
+    unloads: dict[str, int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
+
+
+class ModelPool:
+    """Resident and available models under one memory budget (see the module docstring).
+
+    :param config: the effective configuration (``server.*`` pool keys, ``[models.*]``).
+    :param create: builds and starts the engine of a model id (``bootstrap.create_engine``
+        bound to the server context); it resolves the model (a GGUF is converted then).
+    :param close: stops and forgets the engine of a model id (``bootstrap.close_engine``).
+    :param resolve: the model's :class:`ModelSpec` without loading it (its directory and
+        config), for the plan.
+    :param guard: the memory guard whose snapshot the plan reads (``None``: no limit).
+    :param estimate_peak: the ``estimate_peak`` hook, for the working set.
+    """
+
+    def __init__(self, config: Config, *, create: Callable[[str], Engine],
+                 close: Callable[[str], None], resolve: Callable[[str], ModelSpec],
+                 guard: Callable[[], MemoryGuard | None] = lambda: None,
+                 estimate_peak: Callable[..., Any] | None = None,
+                 advice: Callable[[Rejection], list[str]] | None = None):
+        self.config = config
+        self._create = create
+        self._close = close
+        self._resolve = resolve
+        self._guard = guard
+        self._estimate_peak = estimate_peak
+        self._advice = advice or (lambda rejection: [])
+        self.wait_s = float(config["server.model_load_wait_s"])
+        self.retry_s = float(config["server.model_load_retry_s"])
+        self.default_keep_alive_s = parse_keep_alive(config["server.keep_alive"])
+        self.counters = PoolCounters()
+        # Re-entrant: describing a refusal under it reads the guard, whose readings may
+        # ask the pool again.
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._records: dict[str, ModelRecord] = {}
+        self._closed = False
+        # Long-lived loader threads: a fresh thread per load gets a fresh malloc arena,
+        # and what a load leaves in each stays resident (it showed as growth per cycle).
+        self._loaders = ThreadPoolExecutor(max_workers=LOADER_THREADS,
+                                           thread_name_prefix="omlx-load")
+        #: the least the process was seen to hold without any model (learned at settles)
+        self._bare_bytes: int | None = None
+        self._reaper: threading.Thread | None = None
+        for model_id in config.models:
+            self.add(model_id)
+
+    def plan_local(self) -> None:
+        """Plan every model whose directory is already local (headers only: cheap), so
+        that the listing shows planned bytes before a first load."""
+        for record in self.records():
+            entry = self.config.models[record.id]
+            if record.planned_bytes is not None or not entry.get("path"):
+                continue
+            try:
+                self._plan(record, self._resolve(record.id))
+            except Exception as exc:  # the load reports it, with the model's name
+                log.debug("model %r cannot be planned yet: %s", record.id, exc)
+
+    # -- the catalog ----------------------------------------------------------------------
+
+    def add(self, model_id: str, *, pinned: bool | None = None) -> ModelRecord:
+        """Make a configured model available (idempotent)."""
+        with self._lock:
+            record = self._records.get(model_id)
+            if record is None:
+                entry = self.config.models[model_id]
+                own = entry.get("keep_alive")
+                keep_alive = (parse_keep_alive(own) if own not in (None, "")
+                              else self.default_keep_alive_s)
+                record = self._records[model_id] = ModelRecord(
+                    model_id, entry.engine, bool(entry.get("pinned", False)), keep_alive)
+            if pinned is not None:
+                record.pinned = pinned
+            return record
+
+    def records(self) -> list[ModelRecord]:
+        with self._lock:
+            return list(self._records.values())
+
+    def record(self, model_id: str) -> ModelRecord | None:
+        return self._records.get(model_id)
+
+    def resident(self) -> list[str]:
+        with self._lock:
+            return [r.id for r in self._records.values() if r.state == RESIDENT]
+
+    def _known(self, model_id: str) -> ModelRecord:
+        record = self._records.get(model_id)
+        if record is None:
+            raise KeyError(model_id)
+        return record
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def adopt(self, model_id: str, engine: Engine, *, pinned: bool, seconds: float,
+              footprint_growth: int | None) -> None:
+        """Record an engine loaded at start-up (``server.models``) as resident."""
+        record = self.add(model_id)
+        with self._lock:
+            record.pinned = pinned
+            record.state, record.engine = RESIDENT, engine
+            record.last_used = record.loaded_at = time.monotonic()
+            record.load_seconds = seconds
+            record.measured_bytes = footprint_growth
+            self._describe(record, engine.model)
+            self.counters.loads += 1
+            self.counters.load_seconds.append(seconds)
+
+    def start(self) -> None:
+        """Start the keep-alive reaper."""
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap, name="omlx-pool-reaper",
+                                            daemon=True)
+            self._reaper.start()
+
+    def close(self) -> None:
+        """Stop the reaper; the engines themselves are stopped by ``stop_engines``."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        self._loaders.shutdown(wait=False, cancel_futures=True)
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def acquire(self, model_id: str, *, keep_alive: object = None,
+                wait_s: float | None = None) -> Lease:
+        """A lease on ``model_id``'s engine, loading the model first when it is not resident.
+
+        :param keep_alive: the request's ``keep_alive`` (Ollama's convention): how long
+            the model stays resident once idle, from now on.
+        :raises KeyError: no such model is available.
+        :raises RequestRejected: stage ``"load"``: it can never fit (not retryable), or
+            the room did not come within the wait (retryable).
+        :raises ModelLoadFailed: its load failed (now, or within the retry back-off).
+        """
+        keep_alive_s = parse_keep_alive(keep_alive) if keep_alive is not None else ...
+        deadline = time.monotonic() + (self.wait_s if wait_s is None else wait_s)
+        with self._changed:
+            record = self._known(model_id)
+            if keep_alive_s is not ...:
+                record.keep_alive_s = keep_alive_s
+            record.waiters += 1
+            try:
+                while True:
+                    if self._closed:
+                        raise ModelLoadFailed(model_id, "the server is shutting down")
+                    if record.state == RESIDENT and not record.draining:
+                        record.users += 1
+                        record.last_used = time.monotonic()
+                        return Lease(self, record, record.engine)
+                    if record.state in (AVAILABLE, FAILED):
+                        if record.state == FAILED and time.monotonic() < record.failed_until:
+                            raise record.error
+                        self._begin_load(record)
+                    attempt = record.attempt
+                    # A load in progress ends on its own (its wait for room is bounded),
+                    # with the one answer every waiter gets; an unload or a drain is waited
+                    # for up to the deadline.
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 and record.state != LOADING:
+                        raise self._wait_timeout(record)
+                    self._changed.wait(min(max(remaining, 0.05), 1.0))
+                    if record.attempt != attempt and record.state != RESIDENT \
+                            and record.error is not None:
+                        raise record.error
+            finally:
+                record.waiters -= 1
+                self._changed.notify_all()
+
+    def _release(self, record: ModelRecord) -> None:
+        with self._changed:
+            record.users -= 1
+            record.last_used = time.monotonic()
+            self._changed.notify_all()
+
+    # -- loading --------------------------------------------------------------------------
+
+    def _begin_load(self, record: ModelRecord) -> None:
+        """Start ``record``'s one load (under the lock)."""
+        record.state, record.error = LOADING, None
+        self._loaders.submit(self._load, record)
+
+    def _load(self, record: ModelRecord) -> None:
+        started = time.monotonic()
+        try:
+            spec = self._resolve(record.id)
+            self._plan(record, spec)
+            self._make_room(record)
+            before = self._footprint()
+            engine = self._create(record.id)
+            growth = max(0, self._footprint() - before) if before is not None else None
+        except RequestRejected as refusal:
+            self._end_load(record, AVAILABLE, error=refusal)
+            self.counters.refusals[refusal.rejection.cause] = (
+                self.counters.refusals.get(refusal.rejection.cause, 0) + 1)
+            return
+        except Exception as exc:
+            cause = str(exc) if isinstance(exc, ModelError) else f"{type(exc).__name__}: {exc}"
+            log.error("model %r failed to load: %s", record.id, cause,
+                      exc_info=not isinstance(exc, ModelError))
+            self.counters.load_failures += 1
+            self._end_load(record, FAILED, error=ModelLoadFailed(record.id, cause),
+                           failed_until=time.monotonic() + self.retry_s)
+            self._collect()
+            return
+        seconds = time.monotonic() - started
+        with self._changed:
+            record.engine = engine
+            record.measured_bytes = growth or None
+            record.load_seconds = seconds
+            record.loaded_at = record.last_used = time.monotonic()
+            self._describe(record, engine.model)
+            self.counters.loads += 1
+            self.counters.load_seconds.append(seconds)
+        log.info("model %r loaded in %.1f s (planned %s, measured %s)", record.id, seconds,
+                 format_size(record.planned_bytes or 0),
+                 format_size(growth) if growth else "unknown")
+        self._settle()
+        self._end_load(record, RESIDENT)
+
+    def _end_load(self, record: ModelRecord, state: str, *, error: Exception | None = None,
+                  failed_until: float = 0.0) -> None:
+        with self._changed:
+            record.state, record.error, record.failed_until = state, error, failed_until
+            record.claimed_bytes = 0
+            record.attempt += 1
+            self._changed.notify_all()
+
+    def _describe(self, record: ModelRecord, spec: ModelSpec) -> None:
+        config = dict(spec.config)
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        record.context_length = config.get("max_position_embeddings") or text.get(
+            "max_position_embeddings")
+
+    def _plan(self, record: ModelRecord, spec: ModelSpec) -> None:
+        """The bytes loading ``record`` takes: weights from the headers, plus the working
+        set of one prefill chunk."""
+        weights = weights_bytes(spec.path)
+        working = 0
+        if self._estimate_peak is not None:
+            guard = self._guard()
+            query = PeakQuery(model_config=dict(spec.config), new_tokens=512, model_id=spec.id,
+                              backend=guard.backend if guard is not None else "cpu")
+            estimate = self._estimate_peak(query=query)
+            working = estimate.total if estimate is not None else 0
+        with self._lock:
+            record.weights_bytes = weights
+            record.planned_bytes = weights + working
+            self._describe(record, spec)
+
+    def _make_room(self, record: ModelRecord) -> None:
+        """Return once ``record``'s planned bytes fit (claimed for it), unloading idle
+        models least recently used first; raise :class:`RequestRejected` otherwise."""
+        need = record.planned_bytes or 0
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            guard = self._guard()
+            snapshot = guard.snapshot if guard is not None else None
+            if snapshot is None or snapshot.hard_bytes is None:
+                return
+            with self._changed:
+                claimed = sum(r.claimed_bytes for r in self._records.values() if r is not record)
+                in_use = snapshot.in_use_bytes - snapshot.reclaimable_bytes + claimed
+                room = snapshot.hard_bytes - snapshot.margin_bytes - in_use
+                if need <= room:
+                    record.claimed_bytes = need
+                    return
+                floor = self._floor(snapshot, claimed)
+                if floor + need + snapshot.margin_bytes > snapshot.hard_bytes:
+                    raise self._never_fits(record, snapshot, floor)
+                victim = self._victim()
+                if victim is not None:
+                    victim.state = UNLOADING
+                elif time.monotonic() >= deadline:
+                    raise self._no_room(record, snapshot, room)
+                else:
+                    self._changed.wait(min(1.0, deadline - time.monotonic()))
+                    continue
+            log.info("unloading idle model %r (last used %.0f s ago) to make room for %r",
+                     victim.id, time.monotonic() - victim.last_used, record.id)
+            self._unload(victim, "evicted")
+
+    def _floor(self, snapshot: Any, claimed: int) -> int:
+        """What stays held with every unpinned model gone (under the lock): the lowest
+        footprint without models seen at a settled reading, plus the pinned models.
+        The idle baseline alone can be stale (it is read only while no request runs)
+        and other loads in progress may be in it, so it only bounds this from above;
+        a floor too low only turns a 413 into a bounded wait."""
+        resident = [r for r in self._records.values() if r.state in (RESIDENT, UNLOADING)]
+        pinned = sum(r.held_bytes() for r in resident if r.pinned)
+        from_baseline = (snapshot.baseline_bytes - claimed
+                         - sum(r.held_bytes() for r in resident if not r.pinned))
+        if self._bare_bytes is None:
+            return from_baseline
+        return min(from_baseline, self._bare_bytes + pinned)
+
+    def _victim(self) -> ModelRecord | None:
+        """The least recently used resident model that may be unloaded now (under the lock)."""
+        candidates = [r for r in self._records.values()
+                      if r.state == RESIDENT and not r.pinned and r.idle and not r.draining]
+        return min(candidates, key=lambda r: r.last_used) if candidates else None
+
+    # -- refusals -------------------------------------------------------------------------
+
+    def _rejection(self, record: ModelRecord, snapshot: Any, cause: str, detail: str,
+                   base: int) -> Rejection:
+        return Rejection(
+            estimated_bytes=record.planned_bytes or 0, limit_bytes=snapshot.hard_bytes,
+            breakdown=snapshot.breakdown, model_id=record.id, stage="load", base_bytes=base,
+            cause=cause, detail=detail, margin_bytes=snapshot.margin_bytes,
+            pinned_models=tuple(sorted(r.id for r in self._records.values()
+                                       if r.pinned and r.state == RESIDENT)))
+
+    def _never_fits(self, record: ModelRecord, snapshot: Any, floor: int) -> RequestRejected:
+        detail = (f"model {record.id!r} needs {format_size(record.planned_bytes or 0)} to load "
+                  f"({format_size(record.weights_bytes or 0)} of weights plus its working "
+                  f"set), over the {format_size(snapshot.hard_bytes)} memory limit with "
+                  f"{format_size(max(0, floor))} held even with every unpinned model unloaded")
+        rejection = self._rejection(record, snapshot, "never_fits", detail, max(0, floor))
+        return RequestRejected(rejection, self._advice(rejection))
+
+    def _no_room(self, record: ModelRecord, snapshot: Any, room: int) -> RequestRejected:
+        busy = sorted(r.id for r in self._records.values() if r.state == RESIDENT and not r.idle)
+        detail = (f"model {record.id!r} needs {format_size(record.planned_bytes or 0)} to load "
+                  f"and only {format_size(max(0, room))} is free; the models holding the rest "
+                  f"are busy or pinned ({', '.join(busy) or 'none busy'}) and stayed so for "
+                  f"{self.wait_s:g} s (server.model_load_wait_s)")
+        rejection = self._rejection(record, snapshot, "memory_short", detail, 0)
+        return RequestRejected(rejection, self._advice(rejection), retry_after_s=self.retry_s)
+
+    def _wait_timeout(self, record: ModelRecord) -> RequestRejected:
+        guard = self._guard()
+        snapshot = guard.snapshot if guard is not None else None
+        detail = (f"model {record.id!r} is {record.state} and did not become ready within "
+                  f"{self.wait_s:g} s (server.model_load_wait_s)")
+        rejection = Rejection(
+            estimated_bytes=record.planned_bytes or 0,
+            limit_bytes=snapshot.hard_bytes if snapshot is not None else None,
+            breakdown=snapshot.breakdown if snapshot is not None else None, model_id=record.id,
+            stage="load", cause="queue_timeout", detail=detail)
+        return RequestRejected(rejection, [], retry_after_s=self.retry_s)
+
+    # -- unloading ------------------------------------------------------------------------
+
+    def _unload(self, record: ModelRecord, reason: str) -> None:
+        """Close ``record``'s engine (marked ``UNLOADING``, idle), free its memory and
+        wait until a memory reading shows it."""
+        try:
+            self._close(record.id)
+        except Exception:
+            log.exception("closing the engine of model %r failed; it is dropped anyway",
+                          record.id)
+        with self._changed:
+            record.engine = None
+        self._collect()
+        self._settle()
+        with self._changed:
+            record.state, record.draining = AVAILABLE, False
+            self.counters.unloads[reason] = self.counters.unloads.get(reason, 0) + 1
+            self._changed.notify_all()
+        log.info("model %r unloaded (%s)", record.id, reason)
+
+    def _collect(self) -> None:
+        from omlx_core.memory.usage import trim_heap
+        from omlx_core.platform.backend import clear_cache
+
+        gc.collect()
+        clear_cache()
+        trim_heap()
+
+    def _settle(self) -> None:
+        """Wait for a memory reading taken after now (the enforcer's next poll), and
+        learn from it what the process holds without any model."""
+        guard = self._guard()
+        if guard is None:
+            return
+        snapshot = guard.fresh_snapshot()
+        if snapshot is None:
+            return
+        with self._lock:
+            # A model whose engine exists is in the reading; a claim of a load not yet
+            # done may not be (taking it off can only make the floor lower).
+            models = sum(r.held_bytes() for r in self._records.values() if r.engine is not None)
+            claimed = sum(r.claimed_bytes for r in self._records.values() if r.engine is None)
+            bare = snapshot.in_use_bytes - snapshot.reclaimable_bytes - models - claimed
+            if bare > 0 and (self._bare_bytes is None or bare < self._bare_bytes):
+                self._bare_bytes = bare
+
+    def _footprint(self) -> int | None:
+        guard = self._guard()
+        return guard.usage.resident() if guard is not None else None
+
+    def unload(self, model_id: str, reason: str = "admin") -> bool:
+        """Drain and unload ``model_id`` (waits for its running requests to end, up to
+        ``server.model_load_wait_s``). Returns whether it was resident.
+
+        :raises PoolError: it is loading, or its requests did not end within the wait.
+        """
+        deadline = time.monotonic() + self.wait_s
+        with self._changed:
+            record = self._known(model_id)
+            if record.state in (AVAILABLE, FAILED):
+                return False
+            if record.state == LOADING:
+                raise PoolError(f"model {model_id!r} is loading; unload it once it is resident")
+            record.draining = True
+            while record.state == RESIDENT and record.users > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    record.draining = False
+                    self._changed.notify_all()
+                    raise PoolError(f"model {model_id!r} still runs {record.users} request(s) "
+                                    f"after {self.wait_s:g} s; retry when they end")
+                self._changed.wait(min(remaining, 1.0))
+            if record.state != RESIDENT:
+                return False
+            record.state = UNLOADING
+        self._unload(record, reason)
+        return True
+
+    def load(self, model_id: str) -> ModelRecord:
+        """Load ``model_id`` now (as a request would) and return its record."""
+        self.acquire(model_id).release()
+        return self._known(model_id)
+
+    def pin(self, model_id: str, pinned: bool = True) -> ModelRecord:
+        with self._changed:
+            record = self._known(model_id)
+            record.pinned = pinned
+            self._changed.notify_all()
+            return record
+
+    # -- keep-alive -----------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        while True:
+            with self._changed:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                expired = [r for r in self._records.values()
+                           if r.state == RESIDENT and not r.pinned and r.idle and not r.draining
+                           and r.keep_alive_s is not None and now - r.last_used >= r.keep_alive_s]
+                for record in expired:
+                    record.state = UNLOADING
+                if not expired:
+                    self._changed.wait(REAP_INTERVAL_S)
+                    continue
+            for record in expired:
+                self._unload(record, "keep_alive")
+
+    # -- what the surface shows -----------------------------------------------------------
+
+    def describe(self, record: ModelRecord) -> dict[str, Any]:
+        """One model as ``GET /v1/models`` and ``omlx-core ps`` show it."""
+        now = time.monotonic()
+        with self._lock:
+            state = record.state
+            if state == AVAILABLE and isinstance(record.error, ModelLoadFailed):
+                state = FAILED
+            expires = None
+            if (state == RESIDENT and not record.pinned and record.keep_alive_s is not None):
+                expires = max(0.0, record.keep_alive_s - (now - record.last_used)) \
+                    if record.idle else record.keep_alive_s
+            return {
+                "state": state, "engine": record.engine_name, "pinned": record.pinned,
+                "planned_bytes": record.planned_bytes, "weights_bytes": record.weights_bytes,
+                "measured_bytes": record.measured_bytes,
+                "resident_bytes": record.bytes() if state == RESIDENT else 0,
+                "context_length": record.context_length,
+                "last_used_s_ago": (round(now - record.last_used, 3)
+                                    if record.last_used else None),
+                "keep_alive_s": record.keep_alive_s, "expires_in_s": expires,
+                "in_flight": record.users, "waiting": record.waiters,
+                "load_seconds": record.load_seconds,
+                "error": str(record.error) if record.error is not None else None,
+            }
+
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(r.bytes() for r in self._records.values() if r.state == RESIDENT)
+
+
+__all__ = ["AVAILABLE", "FAILED", "LOADING", "Lease", "ModelLoadFailed", "ModelPool",
+           "ModelRecord", "PoolError", "RESIDENT", "UNLOADING", "UNLOAD_REASONS"]

@@ -1,0 +1,161 @@
+"""Every rank takes rank 0's steps: the batched scheduler's :class:`StepSync` over
+``mx.distributed`` collectives.
+
+Once per step rank 0 broadcasts what it drained (new requests with their prompt tokens,
+sampling and seeds; aborted request ids); the other ranks build the same sequences and
+apply the same aborts. Whatever the memory guard decides inside a step (prefill
+refusals, decode allowances and preemptions, resumes) rank 0's real forward gate
+answers and :class:`CollectiveGate` broadcasts, so the other ranks follow it instead of
+judging their own memory. Admission order, batch composition and sampling seeds are
+then the same everywhere, and so is every forward. An idle rank 0 still steps every
+``heartbeat_s`` (an empty exchange) so the others can tell it is alive.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from omlx_core.memory.gate import (
+    UNLIMITED_TOKENS,
+    DecodePlan,
+    DecodeStep,
+    ForwardGate,
+    PrefillStep,
+    Refusals,
+)
+from omlx_core.memory.types import RequestRejected
+
+if TYPE_CHECKING:
+    from omlx_core.engine import GenerationRequest
+    from omlx_core.plugins.distributed.rank_memory import RankMemoryBoard
+    from omlx_core.plugins.batched.batch_state import SequenceState
+    from omlx_core.plugins.distributed.cluster import Cluster
+
+#: what rank 0 broadcasts when its scheduler shuts down
+STOP = "stop"
+
+
+class FollowerStopped(RuntimeError):
+    """Rank 0 shut its scheduler down; this rank stops too."""
+
+
+class CollectiveSteps:
+    """The step exchange of one model's scheduler on one rank.
+
+    :param make_sequence: builds a follower's scheduler state for rank 0's request
+        and seed.
+    :param on_stop: called on a follower when rank 0 shut down; returns the ids of
+        the requests it still runs (they are aborted).
+    """
+
+    def __init__(self, cluster: Cluster, *, heartbeat_s: float,
+                 make_sequence: Callable[[GenerationRequest, int], SequenceState],
+                 on_stop: Callable[[], list[str]],
+                 memory: RankMemoryBoard | None = None) -> None:
+        self.cluster = cluster
+        self.heartbeat_s = heartbeat_s
+        self._make_sequence = make_sequence
+        self._on_stop = on_stop
+        self.memory = memory
+        self._last = time.monotonic()
+        self._stopped = False
+        self.exchanges = 0
+
+    def exchange(self, arrivals: list[SequenceState], aborts: list[str]
+                 ) -> tuple[list[SequenceState], list[str]]:
+        cluster = self.cluster
+        cluster.step_started()
+        self._last = time.monotonic()
+        self.exchanges += 1
+        if cluster.leader:
+            cluster.broadcast({"arrivals": [(s.request, s.seed) for s in arrivals],
+                               "aborts": list(aborts)})
+            self._gather_memory()
+            return arrivals, aborts
+        message = cluster.broadcast(None)
+        if message != STOP:
+            self._gather_memory()
+        if message == STOP:
+            self._stopped = True
+            return [], self._on_stop()
+        return ([self._make_sequence(request, seed) for request, seed in message["arrivals"]],
+                list(message["aborts"]))
+
+    def _gather_memory(self) -> None:
+        if self.memory is not None:
+            self.memory.gather()
+
+    def has_work(self, local: bool) -> bool:
+        self.cluster.step_ended()
+        if self.cluster.dead is not None or self._stopped:
+            return False
+        if not self.cluster.leader:
+            # A follower waits in the next exchange for rank 0's step.
+            return True
+        return local or time.monotonic() >= self._last + self.heartbeat_s
+
+    def wake_at(self, local: float | None) -> float | None:
+        heartbeat = self._last + self.heartbeat_s
+        return heartbeat if local is None else min(local, heartbeat)
+
+    def gate(self, gate: ForwardGate | None) -> ForwardGate:
+        return CollectiveGate(self.cluster, gate)
+
+    def failed(self, exc: BaseException) -> None:
+        # The ranks no longer take the same steps (a collective broke, or one rank's
+        # step raised): the group cannot go on.
+        self.cluster.declare_dead(
+            f"a step failed on rank {self.cluster.rank} ({type(exc).__name__}: {exc}); "
+            f"{self.cluster.missing()} is gone or out of step")
+
+    def close(self) -> None:
+        if self.cluster.leader and self.cluster.dead is None and not self._stopped:
+            self._stopped = True
+            self.cluster.step_started()
+            self.cluster.broadcast(STOP)
+            self.cluster.step_ended()
+
+
+class CollectiveGate(ForwardGate):
+    """Rank 0's forward gate, its answers broadcast: every rank asks it at the same
+    point of the same step, so each gets the same answer."""
+
+    def __init__(self, cluster: Cluster, gate: ForwardGate | None) -> None:
+        self.cluster = cluster
+        self.inner = gate
+
+    def _agree(self, ask: Callable[[ForwardGate], Any], default: Any) -> Any:
+        answer = None
+        if self.cluster.leader:
+            answer = ask(self.inner) if self.inner is not None else default
+        return self.cluster.broadcast(answer)
+
+    def _refusals(self, ask: Callable[[ForwardGate], Refusals]) -> Refusals:
+        local: Refusals = {}
+        if self.cluster.leader and self.inner is not None:
+            local = ask(self.inner)
+        # An exception pickles as its message only: send the parts it is made of.
+        shared = self.cluster.broadcast(
+            {rid: (r.rejection, r.advice, r.retry_after_s) for rid, r in local.items()}
+            if self.cluster.leader else None)
+        if self.cluster.leader:
+            return local
+        return {rid: RequestRejected(*parts) for rid, parts in shared.items()}
+
+    def check_prefill(self, step: PrefillStep) -> Refusals:
+        return self._refusals(lambda gate: gate.check_prefill(step))
+
+    def check_after_prefill(self, step: PrefillStep) -> Refusals:
+        return self._refusals(lambda gate: gate.check_after_prefill(step))
+
+    def check_decode(self, step: DecodeStep) -> DecodePlan:
+        return self._agree(lambda gate: gate.check_decode(step),
+                           DecodePlan({row.request_id: UNLIMITED_TOKENS for row in step.rows}))
+
+    def may_resume(self, request_id: str) -> bool:
+        return bool(self._agree(lambda gate: gate.may_resume(request_id), True))
+
+    def suspend(self, request_id: str) -> None:
+        if self.cluster.leader and self.inner is not None:
+            self.inner.suspend(request_id)

@@ -1,0 +1,199 @@
+"""One model served by two ranks on loopback (``mx.distributed`` ring on the CPU):
+the same greedy tokens as one process, streaming, cancellation, and a rank killed
+mid-stream."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from distributed_group import RankGroup
+from omlx_core.testing import cached_model
+
+PROMPT = {"model": "llama-seed0", "prompt": "The quick brown fox", "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # 4 attention heads and 2 KV heads: both divide by 2 ranks.
+    return cached_model("llama", 0, cache_dir=tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory, model_dir):
+    group = RankGroup(tmp_path_factory.mktemp("group"), model_dir, 2)
+    yield group
+    group.close()
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, model_dir):
+    """The same model served by the plain batched engine in one process."""
+    group = RankGroup.single(tmp_path_factory.mktemp("single"), model_dir)
+    yield group
+    group.close()
+
+
+def _wait_idle(group: RankGroup) -> dict:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        health = group.health()
+        engine = health["engines"]["llama-seed0"]
+        if health["in_flight"] == 0 and engine["running"] == 0 and engine["prefilling"] == 0:
+            return health
+        time.sleep(0.1)
+    raise AssertionError(f"requests still running: {health}")
+
+
+def test_two_ranks_give_the_greedy_tokens_of_one_process(group, one_process) -> None:
+    for prompt in ("The quick brown fox", "hello world, hello", "a"):
+        body = {**PROMPT, "prompt": prompt, "max_tokens": 24, "logprobs": 0}
+        status, sharded = group.post("/v1/completions", body)
+        assert status == 200, sharded
+        status, single = one_process.post("/v1/completions", body)
+        assert status == 200, single
+        assert sharded["choices"][0]["logprobs"]["tokens"] == single["choices"][0]["logprobs"]["tokens"]
+        assert sharded["choices"][0]["text"] == single["choices"][0]["text"]
+        assert sharded["usage"]["completion_tokens"] == 24
+    engine = group.health()["engines"]["llama-seed0"]
+    assert engine["distributed_ranks"] == 2 and engine["distributed_mode"] == "tensor"
+
+
+def test_concurrent_requests_batch_identically_on_both_ranks(group, one_process) -> None:
+    import concurrent.futures
+
+    bodies = [{**PROMPT, "prompt": f"story number {i}", "max_tokens": 12} for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        sharded = list(pool.map(lambda b: group.post("/v1/completions", b), bodies))
+    for body, (status, result) in zip(bodies, sharded):
+        assert status == 200, result
+        _, single = one_process.post("/v1/completions", body)
+        assert result["choices"][0]["text"] == single["choices"][0]["text"]
+
+
+def test_streaming_matches_the_whole_response(group) -> None:
+    body = {**PROMPT, "max_tokens": 16}
+    _, whole = group.post("/v1/completions", body)
+    response, events = group.stream("/v1/completions", body)
+    with response:
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+    assert text == whole["choices"][0]["text"]
+
+
+def test_a_cancelled_stream_leaves_the_ranks_in_step(group) -> None:
+    response, events = group.stream("/v1/completions", {**PROMPT, "max_tokens": 3000})
+    first = next(events)
+    assert first["choices"][0]["text"] is not None
+    response.close()
+    health = _wait_idle(group)
+    assert health["engines"]["llama-seed0"]["finished"]["abort"] >= 1 if isinstance(
+        health["engines"]["llama-seed0"].get("finished"), dict) else True
+    # Both ranks still take the same steps: the next request completes.
+    status, result = group.post("/v1/completions", {**PROMPT, "max_tokens": 8})
+    assert status == 200 and result["usage"]["completion_tokens"] == 8, result
+
+
+def test_a_request_that_cannot_fit_on_one_rank_gets_a_413_naming_it(tmp_path, model_dir) -> None:
+    # Rank 1's ceiling sits below what it already holds: nothing can ever fit there,
+    # while rank 0 (no ceiling of its own) would serve the request.
+    group = RankGroup(tmp_path, model_dir, 2, rank_extra={1: ["--memory-ceiling", "64MiB"]})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            status, body = group.post("/v1/completions", {**PROMPT, "max_tokens": 8})
+            if status == 413 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)  # rank 1's reading reaches rank 0 with the next step
+        assert status == 413, body
+        assert "on rank 1 of 2, whose custom ceiling binds there" in body["error"]["message"], body
+        assert body["error"]["code"] == "prefill_memory_exceeded"
+    finally:
+        group.close()
+
+
+def test_the_estimate_is_one_ranks_share_of_the_kv_cache() -> None:
+    from omlx_core.memory.types import PeakEstimate
+    from omlx_core.plugins.distributed.rank_memory import per_rank_estimate
+
+    whole = PeakEstimate(transient_bytes=1000, kv_bytes_per_token=64, kv_bytes=6400)
+    half = per_rank_estimate(whole, 0.5)
+    assert (half.kv_bytes, half.kv_bytes_per_token, half.transient_bytes) == (3200, 32, 1000)
+
+
+def test_a_refused_split_names_what_would_work(tmp_path, model_dir) -> None:
+    with pytest.raises(AssertionError) as failed:
+        RankGroup(tmp_path, model_dir, 3, ready_timeout_s=120)
+    assert ("4 attention heads, 2 KV heads do not divide by 3 ranks: use 2 ranks, or "
+            "--distributed pipeline") in str(failed.value)
+
+
+def test_a_killed_rank_ends_the_stream_with_an_error_and_the_group_exits(tmp_path, model_dir) -> None:
+    group = RankGroup(tmp_path, model_dir, 2, extra=["--set", "plugin.distributed.exit_after_s=20"])
+    try:
+        response, events = group.stream("/v1/completions", {**PROMPT, "max_tokens": 4000})
+        with response:
+            next(events)
+            group.processes[1].send_signal(signal.SIGKILL)
+            rest = list(events)
+        errors = [e["error"] for e in rest if "error" in e]
+        assert errors, (rest[-3:], group.output())
+        assert "rank 1" in errors[-1]["message"] or "peer" in errors[-1]["message"], errors
+        engine = group.health()["engines"]["llama-seed0"]
+        assert "rank 1" in engine["distributed_error"], (engine, group.output())
+        status, refused = group.post("/v1/completions", {**PROMPT, "max_tokens": 4})
+        assert status == 503, (refused, group.output())
+        assert "distributed group serving this model is dead" in refused["error"]["message"]
+        assert group.processes[0].wait(timeout=120) == 75, group.output()
+    finally:
+        group.close()
+
+
+def test_a_hung_rank_makes_rank_0_exit_in_bounded_time(tmp_path, model_dir) -> None:
+    """A rank stopped (SIGSTOP) mid-stream: rank 0's collective never returns. The
+    watchdog declares the group dead, or, when another thread's mlx call froze the
+    interpreter behind the stuck collective, the GIL-free backstop ends the process;
+    either way the stream ends and rank 0 exits non-zero."""
+    import http.client
+
+    group = RankGroup(tmp_path, model_dir, 2, extra=[
+        "--set", "plugin.distributed.collective_timeout_s=3",
+        "--set", "plugin.distributed.exit_after_s=2"])
+    try:
+        response, events = group.stream("/v1/completions", {**PROMPT, "max_tokens": 4000}, timeout=300)
+        with response:
+            next(events)
+            group.processes[1].send_signal(signal.SIGSTOP)
+            rest = []
+            try:
+                rest.extend(events)
+            except (http.client.IncompleteRead, ConnectionError):
+                pass
+        errors = [e["error"] for e in rest if "error" in e]
+        code = group.processes[0].wait(timeout=120)
+        log = group.logs[0].read_text(errors="replace")
+        if errors:
+            assert "rank 1 did not answer" in errors[-1]["message"], errors
+            assert code == 75, log[-3000:]
+        else:
+            assert code == 1 and "Timeout" in log, log[-3000:]
+    finally:
+        group.processes[1].send_signal(signal.SIGCONT)
+        group.close()
+
+
+def test_pipeline_split_gives_the_greedy_tokens_of_one_process(tmp_path_factory) -> None:
+    model = cached_model("qwen3_next", 0, cache_dir=tmp_path_factory.mktemp("qwen3next"))
+    single = RankGroup.single(tmp_path_factory.mktemp("qwen3next-single"), model)
+    group = RankGroup(tmp_path_factory.mktemp("qwen3next-group"), model, 2, mode="pipeline")
+    try:
+        body = {**PROMPT, "model": model.name, "max_tokens": 16}
+        status, sharded = group.post("/v1/completions", body)
+        assert status == 200, sharded
+        _, whole = single.post("/v1/completions", body)
+        assert sharded["choices"][0]["text"] == whole["choices"][0]["text"]
+        assert group.health()["engines"][model.name]["distributed_mode"] == "pipeline"
+    finally:
+        group.close()
+        single.close()
