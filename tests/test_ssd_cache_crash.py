@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from omlx_core.bench.servers import ServerProcess, ServerSpec
+from omlx_core.testing.scrape import metric_value
 from omlx_core.testing.waiting import free_port, wait_for
 
 openai = pytest.importorskip("openai")
@@ -50,19 +51,6 @@ def ask(port: int, text: str):
                                           messages=[{"role": "user", "content": text}])
 
 
-def metric(port: int, name: str) -> float:
-    import http.client
-
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request("GET", "/metrics")
-    body = connection.getresponse().read().decode()
-    connection.close()
-    for line in body.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics:\n{body}")
-
-
 def tokens_of(answer) -> list[str]:
     return [entry.token for entry in answer.choices[0].logprobs.content]
 
@@ -91,9 +79,9 @@ def test_a_server_killed_under_write_load_restarts_serving_only_whole_blocks(
     with serve(port, ssd_dir) as server:
         assert list(ssd_dir.glob("*/blocks/*.tmp")) == [], "orphaned temp files were not cleaned"
         assert list(ssd_dir.glob("*/snapshots/*")) == [], "orphaned staged snapshots remain"
-        assert metric(port, "omlx_engine_prefix_cache_lower_blocks") >= 1
+        assert metric_value(port, "omlx_engine_prefix_cache_lower_blocks") >= 1
         again = [ask(port, prompt(i)) for i in range(PROMPTS)]
-        assert metric(port, "omlx_engine_prefix_cache_lower_errors") == 0, server.log_tail()
+        assert metric_value(port, "omlx_engine_prefix_cache_lower_errors") == 0, server.log_tail()
     hits = [a.usage.prompt_tokens_details.cached_tokens for a in again]
     assert sum(hits) > 0, f"no prompt was served from disk after the restart ({hits})"
 

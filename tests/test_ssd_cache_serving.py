@@ -20,6 +20,7 @@ from omlx_core.pluginmanager import build_plugin_manager
 from omlx_core.plugins import ssd_cache
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.server_context import ServerContext
+from omlx_core.testing.scrape import metric_value
 from omlx_core.testing.waiting import free_port, wait_for
 
 PREFILL_STEP = 16
@@ -227,26 +228,13 @@ def test_server_killed_mid_write_restarts_serving_only_intact_blocks(default_mod
                       model_id="")
     with ServerProcess(spec, port):
         # The rebuilt index holds the two intact blocks: the temp file and the torn one went.
-        assert _metric(port, "omlx_engine_prefix_cache_lower_blocks") == 2
+        assert metric_value(port, "omlx_engine_prefix_cache_lower_blocks") == 2
         assert list(blocks_dir.glob("*.tmp")) == []
         again = _ask(port, text)
-        assert _metric(port, "omlx_engine_prefix_cache_lower_errors") == 0
+        assert metric_value(port, "omlx_engine_prefix_cache_lower_errors") == 0
     # Only the two intact blocks at the front of the prompt were served from disk.
     assert again.usage.prompt_tokens_details.cached_tokens == 2 * 64
     assert again.choices[0].message.content == reference.choices[0].message.content
-
-
-def _metric(port: int, name: str) -> float:
-    import http.client
-
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request("GET", "/metrics")
-    body = connection.getresponse().read().decode()
-    connection.close()
-    for line in body.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics:\n{body}")
 
 
 # -- on by default ----------------------------------------------------------------------------------
