@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 from omlx_core.bootstrap import close_engine, create_engine, load_setup
 from omlx_core.config.keep_alive import parse_keep_alive
+from omlx_core.memory.admission import AdmissionQueue
 from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, RequestRejected
 from omlx_core.models.registry import resolve_model
 from omlx_core.pool import AVAILABLE, FAILED, RESIDENT, ModelLoadFailed, ModelPool
@@ -49,6 +51,8 @@ class ScriptedMemory:
         self.pool: ModelPool | None = None
         self.usage = _Usage(self)
         self.polls = 0
+        #: the real ledger the pool claims its loads in (no request runs here)
+        self.admission = AdmissionQueue(64, 30.0, 1.0)
 
     def in_use(self) -> int:
         records = self.pool.records() if self.pool is not None else []
@@ -57,9 +61,13 @@ class ScriptedMemory:
     @property
     def snapshot(self) -> LimitSnapshot:
         in_use = self.in_use()
-        return LimitSnapshot(hard_bytes=self.hard_bytes,
-                             breakdown=CeilingBreakdown(custom=self.hard_bytes, tier="custom"),
-                             in_use_bytes=in_use, baseline_bytes=in_use)
+        # Read now, so the ledger adds no earlier load or unload to its baseline.
+        snapshot = LimitSnapshot(hard_bytes=self.hard_bytes,
+                                 breakdown=CeilingBreakdown(custom=self.hard_bytes, tier="custom"),
+                                 in_use_bytes=in_use, baseline_bytes=in_use,
+                                 baseline_read_at=time.monotonic())
+        self.admission.update(snapshot)
+        return snapshot
 
     def fresh_snapshot(self) -> LimitSnapshot:
         self.polls += 1

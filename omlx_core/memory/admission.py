@@ -29,6 +29,16 @@ gate), and when growth does not fit, the youngest running request is **suspended
 :meth:`AdmissionQueue.resume` when it fits again). While a request is suspended, new
 requests wait behind it: its need counts as reserved for them.
 
+Model loads and unloads (the model pool) go through the same ledger. A load **claims**
+its planned bytes (:meth:`AdmissionQueue.try_claim`) only when they fit next to the
+running requests and the other claims, and requests are judged next to the claims of
+loads in flight. When a load ends, its claim becomes a **baseline change** (the
+model's bytes; an unload's change is the bytes it freed): the idle baseline is read only
+while no request runs and no model is loading or unloading, so until it is read again
+the ledger adds the changes since the last reading to it (:meth:`AdmissionQueue.baseline`).
+Without that, a server kept busy while models come and go would judge requests against
+the footprint of whatever was resident at its last idle moment.
+
 A full queue raises :class:`~omlx_core.memory.types.RequestRejected` with stage
 ``"admission"`` (HTTP 503 with ``Retry-After``), and so does a wait that outlasts
 ``memory.queue_timeout_s`` *without progress*: the timeout counts from the later of the
@@ -45,6 +55,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Mapping
+
+from dataclasses import replace
 
 from omlx_core.memory.types import LimitSnapshot, Rejection, RequestRejected
 from omlx_core.settings import format_size
@@ -156,6 +168,11 @@ class AdmissionQueue:
         self.finished_total = 0
         #: called (without the lock held) when a release leaves nothing running or waiting
         self._on_idle = on_idle
+        #: model loads (planned bytes) and unloads (0) in flight, by key
+        self._claims: dict[str, int] = {}
+        #: (when it ended, bytes) of model loads (+) and unloads (-) the baseline of the
+        #: latest snapshot was read before
+        self._changes: list[tuple[float, int]] = []
 
     # -- reading ------------------------------------------------------------------------
 
@@ -185,11 +202,38 @@ class AdmissionQueue:
         with self._cond:
             return not self._running and not self._waiting
 
+    def changing(self) -> bool:
+        """A model is loading or unloading (a baseline read now would catch it half-way)."""
+        with self._cond:
+            return bool(self._claims)
+
+    @property
+    def claimed_bytes(self) -> int:
+        """What the model loads in flight have claimed (memory not read yet, in part)."""
+        with self._cond:
+            return sum(self._claims.values())
+
+    def baseline(self, snapshot: LimitSnapshot) -> int:
+        """``snapshot``'s idle baseline plus the model loads and unloads that ended after
+        it was read."""
+        with self._cond:
+            return snapshot.baseline_bytes + sum(
+                delta for ended_at, delta in self._changes
+                if ended_at >= snapshot.baseline_read_at)
+
+    def adjusted(self, snapshot: LimitSnapshot | None) -> LimitSnapshot | None:
+        """``snapshot`` with :meth:`baseline` as its baseline."""
+        if snapshot is None:
+            return None
+        baseline = self.baseline(snapshot)
+        return snapshot if baseline == snapshot.baseline_bytes else replace(
+            snapshot, baseline_bytes=baseline)
+
     def budget_bytes(self, snapshot: LimitSnapshot | None) -> int | None:
         """What running requests may reserve in all under ``snapshot``; None: unlimited."""
         if snapshot is None or snapshot.hard_bytes is None:
             return None
-        return (int(snapshot.hard_bytes * self.admit_watermark) - snapshot.baseline_bytes
+        return (int(snapshot.hard_bytes * self.admit_watermark) - self.baseline(snapshot)
                 - self.margin_bytes(snapshot.hard_bytes))
 
     @property
@@ -210,7 +254,61 @@ class AdmissionQueue:
         """A new limit snapshot: waiters re-check whether they fit now."""
         with self._cond:
             self._snapshot = snapshot
+            self._changes = [(ended_at, delta) for ended_at, delta in self._changes
+                             if ended_at >= snapshot.baseline_read_at]
             self._cond.notify_all()
+
+    # -- model loads and unloads ----------------------------------------------------------
+
+    def try_claim(self, key: str, nbytes: int, *, measured_bytes: int | None = None) -> bool:
+        """Claim ``nbytes`` for loading a model if they fit now; whether they did.
+
+        They fit when, with the transient margin, they stay under the hard limit both
+        on the ledger's account (baseline, running requests' reservations, other
+        claims) and on ``measured_bytes`` (memory in use now, less what the server gives
+        back on demand) plus the other claims. A load is not held to
+        the admission watermark: its bytes come from the weights' headers, not from an
+        estimate. No limit yet: it always fits.
+        """
+        nbytes = max(0, int(nbytes))
+        with self._cond:
+            room = self.claim_room(key, measured_bytes=measured_bytes)
+            if room is not None and nbytes > room:
+                return False
+            self._claims[key] = nbytes
+            return True
+
+    def claim_room(self, key: str = "", *, measured_bytes: int | None = None) -> int | None:
+        """The bytes a load (``key``: not counting its own claim) could claim now
+        (:meth:`try_claim`); ``None``: no limit."""
+        with self._cond:
+            snapshot = self._snapshot
+            if snapshot is None or snapshot.hard_bytes is None:
+                return None
+            claims = sum(v for k, v in self._claims.items() if k != key)
+            held = self.baseline(snapshot) + self._cost() - self._claims.get(key, 0)
+            if measured_bytes is not None:
+                held = max(held, measured_bytes + claims)
+            return snapshot.hard_bytes - self.margin_bytes(snapshot.hard_bytes) - held
+
+    def claim(self, key: str, nbytes: int = 0) -> None:
+        """Mark a model change in flight without a fit check (an unload claims nothing)."""
+        with self._cond:
+            self._claims[key] = max(0, int(nbytes))
+
+    def end_claim(self, key: str, baseline_change: int = 0) -> None:
+        """The load or unload of ``key`` ended: its claim goes, and ``baseline_change``
+        (the bytes the model now holds; minus those an unload freed) counts on top of
+        the baseline until one is read after now."""
+        with self._cond:
+            if self._claims.pop(key, None) is None:
+                return
+            if baseline_change:
+                self._changes.append((time.monotonic(), int(baseline_change)))
+            self._cond.notify_all()
+            idle = not self._running and not self._waiting and not self._claims
+        if idle and self._on_idle is not None:
+            self._on_idle()
 
     def admit(self, request_id: str, reserve_bytes: int, batch: Hashable | None = None, *,
               model_id: str = "", prompt_tokens: int = 0, decode_bytes: int = 0,
@@ -297,7 +395,7 @@ class AdmissionQueue:
             if grows and not force and len(active) > 1 and budget is not None:
                 cost = reservation_cost(
                     (new.get(t.request_id, (0, t.reserve_bytes))[1], t.batch) for t in active)
-                if cost > budget:
+                if cost + sum(self._claims.values()) > budget:
                     return False
             for rid, (tokens, nbytes) in new.items():
                 tickets[rid].kv_tokens, tickets[rid].reserve_bytes = tokens, nbytes
@@ -324,7 +422,8 @@ class AdmissionQueue:
             active = [(t.reserve_bytes, t.batch) for t in self._running.values() if not t.suspended]
             budget = self.budget_bytes(self._snapshot)
             if active and budget is not None and reservation_cost(
-                    active + [(ticket.reserve_bytes, ticket.batch)]) > budget:
+                    active + [(ticket.reserve_bytes, ticket.batch)]) + sum(
+                        self._claims.values()) > budget:
                 return False
             ticket.suspended = False
             return True
@@ -373,8 +472,10 @@ class AdmissionQueue:
         return low if low >= 1 else None
 
     def _cost(self, extra: tuple[int, Hashable | None] | None = None) -> int:
+        """Running requests' reservations and the claims of model loads in flight."""
         held = [(t.reserve_bytes, t.batch) for t in self._running.values()]
-        return reservation_cost(held + ([extra] if extra is not None else []))
+        return (reservation_cost(held + ([extra] if extra is not None else []))
+                + sum(self._claims.values()))
 
     def _may_backfill(self) -> bool:
         """Whether a request behind the head may run now: the head cannot fit yet and
@@ -386,8 +487,8 @@ class AdmissionQueue:
 
     def _fits(self, reserve_bytes: int, batch: Hashable | None) -> bool:
         """Whether a new request fits next to the running and the suspended ones (the
-        latter resume first)."""
-        if not self._running:
+        latter resume first) and the model loads in flight."""
+        if not self._running and not self._claims:
             return True
         budget = self.budget_bytes(self._snapshot)
         return budget is None or self._cost((reserve_bytes, batch)) <= budget

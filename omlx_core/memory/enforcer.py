@@ -44,7 +44,8 @@ class MemoryEnforcer:
     :param policy: the active memory tier.
     :param interval_s: seconds between polls.
     :param usage: where current use is read.
-    :param idle: whether no request runs or waits (the baseline is read then).
+    :param idle: whether no request runs or waits and no model is loading or unloading
+        (the baseline is read then).
     :param publish: receives every snapshot before the engines do (admission
         re-checks its waiters).
     :param gate_for: the forward gate of an engine.
@@ -65,6 +66,7 @@ class MemoryEnforcer:
         self.usage = usage
         self._epoch = epoch
         self._baseline_epoch = 0
+        self._baseline_read_at = 0.0
         self._reclaimable = reclaimable
         self._idle = idle
         self._publish_first = publish
@@ -142,15 +144,20 @@ class MemoryEnforcer:
         usage = self.usage
         # Read before the memory: a request finishing after it makes the baseline count
         # as read before that request finished, and another poll is asked for.
+        # Whether the server is idle is asked before the read as well: a model load or
+        # unload that begins after it ends after the read, so the ledger still adds it.
         epoch = self._epoch()
+        idle = self._idle()
+        read_at = time.monotonic()
         resident = usage.resident()
         usage.observe(resident)
         reclaimable = min(resident, max(0, int(self._reclaimable())))
-        if self._idle() or self._baseline is None:
-            # What is held with no request running, less the caches it would give back
-            # for one, is what every request sits on.
+        if idle or self._baseline is None:
+            # What is held with no request running and no model loading or unloading,
+            # less the caches it would give back for one, is what every request sits on.
             self._baseline = resident - reclaimable
             self._baseline_epoch = epoch
+            self._baseline_read_at = read_at
         self._sequence += 1
         snapshot = LimitSnapshot(
             hard_bytes=breakdown.hard, breakdown=breakdown,
@@ -158,7 +165,8 @@ class MemoryEnforcer:
             sequence=self._sequence, baseline_bytes=self._baseline,
             reclaimable_bytes=reclaimable,
             margin_bytes=self.policy.margin(breakdown.hard) if breakdown.hard else 0,
-            other_bytes=max(0, resident - held_bytes()), baseline_epoch=self._baseline_epoch)
+            other_bytes=max(0, resident - held_bytes()), baseline_epoch=self._baseline_epoch,
+            baseline_read_at=self._baseline_read_at)
         self._publish_first(snapshot)
         self._publish(snapshot)
         self.polls += 1

@@ -19,6 +19,9 @@ projection adds ``2 x rows x (longest cached + longest new) x KV bytes per token
 so refusals of a shared forward are logged at DEBUG and not counted in
 ``refused_total``: only the second answer is final. Nor are refusals of a request
 while others of its engine run, logged at INFO: it waits for them, preempted.)
+Current use here adds what model loads in flight have claimed: a load reads its weights
+as one task on the MLX thread, so between forwards it has either not begun (none of its
+memory shows) or just ended (the pool then turns its claim into a baseline change).
 Admission keeps running requests inside the budget; the gate catches what drifted past
 it (estimates that undercounted, decode growth, memory taken by other processes).
 
@@ -146,7 +149,7 @@ class PrefillForwardGate(ForwardGate):
         hard = limits.hard_bytes
         self.transient_margin = self._margin(hard)
         self._binding = limits.binding_name or self._binding
-        current = self._usage.high_water(record=True)
+        current = self._in_use()
         earlier_kv = 0
         refused: dict[str, RequestRejected] = {}
         # Final refusals: of forwards run alone, of a request running alone. A shared
@@ -166,7 +169,7 @@ class PrefillForwardGate(ForwardGate):
             total = sum(estimate.total for estimate in estimates) + copy
             projected = current + earlier_kv + total + self.transient_margin
             if projected > hard and self._make_room(projected - hard):
-                current = self._usage.high_water(record=True)
+                current = self._in_use()
                 projected = current + earlier_kv + total + self.transient_margin
             if projected > hard:
                 for chunk in forward:
@@ -227,10 +230,19 @@ class PrefillForwardGate(ForwardGate):
     def _decode_fits(self, needed: int, hard: int) -> bool:
         """Whether ``needed`` bytes fit on top of memory in use now (after reclaiming
         caches when they do not)."""
-        current = self._usage.high_water(record=True)
+        current = self._in_use()
         if current + needed > hard and self._make_room(current + needed - hard):
-            current = self._usage.high_water(record=True)
+            current = self._in_use()
         return current + needed <= hard
+
+    def _loading_bytes(self) -> int:
+        """What model loads in flight have claimed in the ledger."""
+        return self._ledger.claimed_bytes if self._ledger is not None else 0
+
+    def _in_use(self) -> int:
+        """Memory in use now (its recent high-water mark) plus what model loads in
+        flight have claimed and not yet taken."""
+        return self._usage.high_water(record=True) + self._loading_bytes()
 
     def may_resume(self, request_id: str) -> bool:
         return self._ledger is None or self._ledger.resume(request_id)

@@ -107,8 +107,9 @@ class MemoryGuard:
 
     @property
     def snapshot(self) -> LimitSnapshot | None:
-        """The latest published limits (one immutable object; read it once per decision)."""
-        return self._snapshot
+        """The latest published limits (one immutable object; read it once per decision),
+        its baseline counting the model loads and unloads since it was read."""
+        return self.admission.adjusted(self._snapshot)
 
     def update(self, snapshot: LimitSnapshot) -> None:
         with self._published:
@@ -126,7 +127,7 @@ class MemoryGuard:
         polls twice, so a poll already under way when this was called does not count."""
         enforcer = self.enforcer
         if enforcer is None or not enforcer.running:
-            return self._snapshot
+            return self.snapshot
         self.usage.forget_recent()
         for _ in range(2):
             with self._published:
@@ -136,7 +137,7 @@ class MemoryGuard:
                 self._published.wait_for(
                     lambda: self._snapshot is not None and self._snapshot.sequence > sequence,
                     timeout=self.retry_after_s + 5.0)
-        return self._snapshot
+        return self.snapshot
 
     def forget(self, engine: Engine) -> None:
         """Drop what the guard keeps of an unloaded engine (its forward gate), so that
@@ -147,6 +148,11 @@ class MemoryGuard:
 
     def idle(self) -> bool:
         return self.admission.idle()
+
+    def quiet(self) -> bool:
+        """No request runs or waits and no model is loading or unloading: what the
+        process holds now is the baseline."""
+        return self.admission.idle() and not self.admission.changing()
 
     @property
     def waiting(self) -> int:
@@ -161,7 +167,7 @@ class MemoryGuard:
             self.enforcer = MemoryEnforcer(
                 engines, lambda engine: self.plugins.hook.resolve_scheduler(engine=engine),
                 self.policy, float(self.config["memory.poll_interval_s"]), usage=self.usage,
-                idle=self.idle, publish=self.update, gate_for=self.forward_gate_for,
+                idle=self.quiet, publish=self.update, gate_for=self.forward_gate_for,
                 reclaimable=self.reclaimable_bytes,
                 epoch=lambda: self.admission.finished_total, **kwargs)
             self.enforcer.start()
@@ -286,15 +292,16 @@ class MemoryGuard:
         with self._published:
             snapshot = self._snapshot
         if (snapshot is None or enforcer is None or not enforcer.running
-                or not self.admission.idle()
+                or not self.quiet()
                 or snapshot.baseline_epoch >= self.admission.finished_total):
-            return snapshot
+            return self.admission.adjusted(snapshot)
         epoch = self.admission.finished_total
         enforcer.poll_soon()
         with self._published:
             self._published.wait_for(lambda: self._snapshot.baseline_epoch >= epoch
-                                     or not self.admission.idle(), timeout=self.retry_after_s)
-            return self._snapshot
+                                     or not self.quiet(), timeout=self.retry_after_s)
+            snapshot = self._snapshot
+        return self.admission.adjusted(snapshot)
 
     def _refresh_baseline(self) -> None:
         """The last running request finished: have the idle baseline read again."""

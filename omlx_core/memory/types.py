@@ -67,6 +67,9 @@ class LimitSnapshot:
     #: requests finished when ``baseline_bytes`` was read (on an idle server): a baseline
     #: read before the latest one finished may miss what it left behind
     baseline_epoch: int = 0
+    #: when ``baseline_bytes`` was read (``time.monotonic``): model loads and unloads that
+    #: ended after it are not in it (the admission ledger adds them)
+    baseline_read_at: float = 0.0
 
     @property
     def headroom_bytes(self) -> int | None:

@@ -338,6 +338,7 @@ class ModelPool:
             engine = self._create(record.id)
             growth = max(0, self._footprint() - before) if before is not None else None
         except RequestRejected as refusal:
+            self._end_claim(record)
             self._end_load(record, AVAILABLE, error=refusal)
             self.counters.refusals[refusal.rejection.cause] = (
                 self.counters.refusals.get(refusal.rejection.cause, 0) + 1)
@@ -347,11 +348,17 @@ class ModelPool:
             log.error("model %r failed to load: %s", record.id, cause,
                       exc_info=not isinstance(exc, ModelError))
             self.counters.load_failures += 1
+            self._end_claim(record)
             self._end_load(record, FAILED, error=ModelLoadFailed(record.id, cause),
                            failed_until=time.monotonic() + self.retry_s)
             self._collect()
             return
         seconds = time.monotonic() - started
+        # The weights are in memory now: the claim becomes a change of the baseline, the
+        # growth measured (other threads' allocations can blur it: at least the weights,
+        # at most the claim).
+        self._end_claim(record, max(record.weights_bytes or 0,
+                                    min(growth or 0, record.planned_bytes or 0)))
         with self._changed:
             record.engine = engine
             record.measured_bytes = growth or None
@@ -365,6 +372,13 @@ class ModelPool:
                  format_size(growth) if growth else "unknown")
         self._settle()
         self._end_load(record, RESIDENT)
+
+    def _end_claim(self, record: ModelRecord, baseline_change: int = 0) -> None:
+        """Give ``record``'s load claim back to the ledger; ``baseline_change``: the bytes
+        the loaded model holds."""
+        guard = self._guard()
+        if guard is not None:
+            guard.admission.end_claim(_load_key(record), baseline_change)
 
     def _end_load(self, record: ModelRecord, state: str, *, error: Exception | None = None,
                   failed_until: float = 0.0) -> None:
@@ -397,8 +411,10 @@ class ModelPool:
             self._describe(record, spec)
 
     def _make_room(self, record: ModelRecord) -> None:
-        """Return once ``record``'s planned bytes fit (claimed for it), unloading idle
-        models least recently used first; raise :class:`RequestRejected` otherwise."""
+        """Return once ``record``'s planned bytes fit and are claimed for it in the memory
+        guard's ledger (next to the running requests' reservations and the other loads'
+        claims: :meth:`~omlx_core.memory.admission.AdmissionQueue.try_claim`), unloading
+        idle models least recently used first; raise :class:`RequestRejected` otherwise."""
         need = record.planned_bytes or 0
         deadline = time.monotonic() + self.wait_s
         while True:
@@ -407,20 +423,19 @@ class ModelPool:
             if snapshot is None or snapshot.hard_bytes is None:
                 return
             with self._changed:
-                claimed = sum(r.claimed_bytes for r in self._records.values() if r is not record)
-                in_use = snapshot.in_use_bytes - snapshot.reclaimable_bytes + claimed
-                room = snapshot.hard_bytes - snapshot.margin_bytes - in_use
-                if need <= room:
+                measured = snapshot.in_use_bytes - snapshot.reclaimable_bytes
+                if guard.admission.try_claim(_load_key(record), need, measured_bytes=measured):
                     record.claimed_bytes = need
                     return
-                floor = self._floor(snapshot, claimed)
+                room = guard.admission.claim_room(_load_key(record), measured_bytes=measured)
+                floor = self._floor(snapshot)
                 if floor + need + snapshot.margin_bytes > snapshot.hard_bytes:
                     raise self._never_fits(record, snapshot, floor)
                 victim = self._victim()
                 if victim is not None:
                     victim.state = UNLOADING
                 elif time.monotonic() >= deadline:
-                    raise self._no_room(record, snapshot, room)
+                    raise self._no_room(record, snapshot, room or 0)
                 else:
                     self._changed.wait(min(1.0, deadline - time.monotonic()))
                     continue
@@ -428,15 +443,15 @@ class ModelPool:
                      victim.id, time.monotonic() - victim.last_used, record.id)
             self._unload(victim, "evicted")
 
-    def _floor(self, snapshot: Any, claimed: int) -> int:
+    def _floor(self, snapshot: Any) -> int:
         """What stays held with every unpinned model gone (under the lock): the lowest
         footprint without models seen at a settled reading, plus the pinned models.
-        The idle baseline alone can be stale (it is read only while no request runs)
-        and other loads in progress may be in it, so it only bounds this from above;
-        a floor too low only turns a 413 into a bounded wait."""
+        The baseline (with the ledger's model changes since it was read) less the
+        unpinned models only bounds this from above (a model can hold more than its
+        weights); a floor too low only turns a 413 into a bounded wait."""
         resident = [r for r in self._records.values() if r.state in (RESIDENT, UNLOADING)]
         pinned = sum(r.held_bytes() for r in resident if r.pinned)
-        from_baseline = (snapshot.baseline_bytes - claimed
+        from_baseline = (snapshot.baseline_bytes
                          - sum(r.held_bytes() for r in resident if not r.pinned))
         if self._bare_bytes is None:
             return from_baseline
@@ -493,6 +508,10 @@ class ModelPool:
     def _unload(self, record: ModelRecord, reason: str) -> None:
         """Close ``record``'s engine (marked ``UNLOADING``, idle), free its memory and
         wait until a memory reading shows it."""
+        guard = self._guard()
+        if guard is not None:
+            guard.admission.claim(_unload_key(record))
+        before = self._footprint()
         try:
             self._close(record.id)
         except Exception:
@@ -501,6 +520,12 @@ class ModelPool:
         with self._changed:
             record.engine = None
         self._collect()
+        if guard is not None:
+            # What the unload gave back leaves the baseline: the footprint's drop (other
+            # threads' allocations can blur it), at most what the model held.
+            after = self._footprint()
+            freed = max(0, before - after) if before is not None and after is not None else 0
+            guard.admission.end_claim(_unload_key(record), -min(freed, record.held_bytes()))
         self._settle()
         with self._changed:
             record.state, record.draining = AVAILABLE, False
@@ -627,6 +652,14 @@ class ModelPool:
     def resident_bytes(self) -> int:
         with self._lock:
             return sum(r.bytes() for r in self._records.values() if r.state == RESIDENT)
+
+
+def _load_key(record: ModelRecord) -> str:
+    return f"load:{record.id}"
+
+
+def _unload_key(record: ModelRecord) -> str:
+    return f"unload:{record.id}"
 
 
 __all__ = ["AVAILABLE", "FAILED", "LOADING", "Lease", "ModelLoadFailed", "ModelPool",
