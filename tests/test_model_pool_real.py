@@ -195,26 +195,44 @@ def test_pinned_model_is_not_evicted_and_a_stream_keeps_its_model(two_of_three):
         _call(server, "POST", "/admin/models/smollm2-q4/unpin")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 20 item 4 is not met yet: each load/unload cycle of the float16 model leaves "
-    "~2 MB of native memory resident (37 MB over 20 cycles, 14 % of its weights); no "
-    "Python object (tracemalloc) and no mlx buffer (mx.get_active_memory() == 0) stays, so "
-    "it is allocator or tokenizer-library state; the engine itself is freed "
-    "(test_model_pool.py checks it)"))
-def test_twenty_load_unload_cycles_do_not_leak(model_dirs: Path, sizes: dict[str, Any],
-                                               tmp_path: Path):
-    """Where it started: after the first cycle, since a first load imports the model's
-    code and tokenizer libraries once (about 50 MB that stay, whatever is loaded next)."""
+@pytest.fixture(scope="module")
+def cycles(model_dirs: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Thirty load/unload cycles of the float16 model on a server without a ceiling:
+    the resident set before the first and after each cycle, and the model's weights."""
     name = "smollm2-f16"
-    with _serve(tmp_path, model_dirs, None) as server:
+    with _serve(tmp_path_factory.mktemp("cycles"), model_dirs, None) as server:
         cold = _proc_kib(server.pid, "VmRSS")
         readings = []
-        for _ in range(21):
+        for _ in range(30):
             assert _call(server, "POST", f"/admin/models/{name}/load")[0] == 200
             assert _call(server, "POST", f"/admin/models/{name}/unload")[0] == 200
             readings.append(_proc_kib(server.pid, "VmRSS"))
         weights = _models(server)[name]["weights_bytes"]
-    start, end = readings[0], readings[-1]
+    return {"cold": cold, "readings": readings, "weights": weights}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 20 item 4 is not met yet: the first ~20 load/unload cycles of the float16 model "
+    "grow the resident set by ~1.5 MB each (28 MB over 20 cycles, 10 % of its weights), "
+    "then it levels off (the test below). No mlx buffer stays; what grows is Python's "
+    "1 MiB allocator arenas, each kept by a few small objects that loading a tokenizer "
+    "through transformers leaves behind (~13 per load, ~1 KB: tracemalloc), so a "
+    "freed tokenizer's arena is not given back. The growth that never stopped, mlx's "
+    "random key left unevaluated by every model build (0.45 MB a cycle), is fixed: "
+    "omlx_core.models.loader.settle_random_state"))
+def test_twenty_load_unload_cycles_do_not_leak(cycles: dict[str, Any]):
+    """Where it started: after the first cycle, since a first load imports the model's
+    code and tokenizer libraries once (about 50 MB that stay, whatever is loaded next)."""
+    cold, readings, weights = cycles["cold"], cycles["readings"], cycles["weights"]
+    start, end = readings[0], readings[20]
     assert abs(end - start) <= 0.05 * weights, (cold, readings, weights)
-    # And the first cycle gave the model's memory back too: what stayed is not its weights.
-    assert start - cold < 0.5 * weights, (cold, readings, weights)
+
+
+def test_load_unload_cycles_level_off_and_the_first_gives_the_weights_back(
+        cycles: dict[str, Any]):
+    """The last ten of thirty cycles grow the resident set by under 1 % of the model's
+    weights (a leak per load, like mlx's unevaluated random key, grew 4.5 MB there), and
+    the first cycle gave the model's memory back (what stayed is not its weights)."""
+    cold, readings, weights = cycles["cold"], cycles["readings"], cycles["weights"]
+    assert readings[-1] - readings[-11] <= 0.01 * weights, (cold, readings, weights)
+    assert readings[0] - cold < 0.5 * weights, (cold, readings, weights)

@@ -71,6 +71,8 @@ def load_sharded(path: Path | str, mode: str, group: Any) -> tuple[Any, Any]:
     import mlx.core as mx
     from mlx_lm.utils import load_model, load_tokenizer
 
+    from omlx_core.models.loader import settle_random_state
+
     path = Path(path)
     model, config = load_model(path, lazy=True, strict=False)
     check_sharding(model, config, mode, group.size())
@@ -82,6 +84,7 @@ def load_sharded(path: Path | str, mode: str, group: Any) -> tuple[Any, Any]:
         else:
             model.model.pipeline(group)
     mx.eval(model.parameters())
+    settle_random_state()
     return model, tokenizer
 
 

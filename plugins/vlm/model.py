@@ -154,6 +154,8 @@ def load_vlm(path: Path) -> tuple[Any, Any, dict[str, Any]]:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
+    from omlx_core.models.loader import settle_random_state
+
     require_vlm_dependencies()
     from mlx_vlm.utils import load_model as load_vlm_model
 
@@ -178,4 +180,5 @@ def load_vlm(path: Path) -> tuple[Any, Any, dict[str, Any]]:
                     class_predicate=lambda p, m: f"{p}.scales" in weights)
     language_model.load_weights(list(weights.items()), strict=True)
     language_model.eval()
+    settle_random_state()
     return vlm, language_model, config
