@@ -131,12 +131,51 @@ def test_the_models_panel_names_engine_weights_context_and_caches(context) -> No
         body = falcon.testing.TestClient(frontend.app).simulate_get("/dashboard/api/models").json
     finally:
         frontend.shutdown()
-    (model,) = body["models"]
+    assert body["pool"] is True
+    models = {m["model"]: m for m in body["models"]}
+    # Every model the pool lists, resident or not (the default model is available too).
+    assert set(models) == {r.id for r in context.pool.records()}
+    model = models["tiny"]
     engine = context.engines["tiny"]
-    assert model["model"] == "tiny" and model["engine"] == "batched"
-    assert model["context_length"] == engine.limits().context_length
-    assert model["weights_bytes"] == sum(f.stat().st_size for f in Path(engine.model.path).glob("*.safetensors"))
+    assert model["state"] == "resident" and model["pinned"] is True
+    assert model["engine"] == "batched" and model["source"] == engine.model.source
+    assert model["max_context"] == engine.limits().context_length
+    assert model["context_length"] == engine.model.config["max_position_embeddings"]
+    files = sum(f.stat().st_size for f in Path(engine.model.path).glob("*.safetensors"))
+    # The safetensors headers' tensor bytes: the files less their (small) JSON headers.
+    assert files - 64 * 1024 < model["weights_bytes"] <= files
+    assert model["weights_bytes"] == context.pool.record("tiny").weights_bytes
     assert model["prefix_cache"]["enabled"] is True
+    others = [m for m in models.values() if m["model"] != "tiny"]
+    assert all(m["state"] == "available" and m["resident_bytes"] == 0 and m["prefix_cache"] is None
+               for m in others)
+
+
+def test_the_models_panel_without_a_pool_lists_the_engines(context) -> None:
+    """A hand-built context (an embedder's) has engines and no pool: each engine is
+    listed resident, with the keys the pool's rows have, and no action applies."""
+    bare = ServerContext(config=context.config, plugins=context.plugins,
+                         engines=dict(context.engines))
+    frontend = build_frontend(bare, api_keys=[])
+    try:
+        client = falcon.testing.TestClient(frontend.app)
+        body = client.simulate_get("/dashboard/api/models").json
+        refused = client.simulate_post("/admin/models/tiny/load")
+    finally:
+        frontend.shutdown()
+    assert body["pool"] is False
+    (model,) = body["models"]
+    with_pool = models_of(context)["tiny"]
+    assert set(model) == set(with_pool)
+    assert model["state"] == "resident" and model["weights_bytes"] == with_pool["weights_bytes"]
+    assert model["max_context"] == with_pool["max_context"]
+    assert refused.status_code == 400 and refused.json["error"]["code"] == "no_pool"
+
+
+def models_of(context: ServerContext) -> dict:
+    from omlx_core.dashboard.views import models
+
+    return {m["model"]: m for m in models(context)}
 
 
 def test_the_uplot_dist_and_its_licence_ship_with_the_package() -> None:
