@@ -101,6 +101,7 @@ def main() -> None:
                     "return document.querySelectorAll('#requests tbody tr[data-request-id]').length"
                 ) >= 2, 30)
                 args.out.mkdir(parents=True, exist_ok=True)
+                browser.execute_script("window.scrollTo(0, 0)")  # the click scrolled down
                 browser.save_screenshot(str(args.out / "dashboard.png"))
                 height = browser.execute_script("return document.body.scrollHeight")
                 browser.set_window_size(1500, height + 300)
