@@ -1,4 +1,5 @@
-"""The ``omlx-core`` command: serve, launch, plugins, config, models, doctor, bench."""
+"""The ``omlx-core`` command: serve, launch, plugins, config, models, ps, top, doctor,
+bench."""
 
 from __future__ import annotations
 
@@ -119,6 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--all", action="store_true", help="list available models too")
     ps.add_argument("--json", action="store_true", help="machine-readable output")
 
+    top = commands.add_parser("top", help="a running server's memory, models and requests, "
+                                          "redrawn every second (the dashboard in a terminal)")
+    top.add_argument("--host", default="127.0.0.1", help="the server's address (default 127.0.0.1)")
+    top.add_argument("--port", type=int, default=8000, help="the server's port (default 8000)")
+    top.add_argument("--api-key", default=os.environ.get("OMLX_API_KEY"),
+                     help="a key of server.api_keys, when the server has any (default "
+                          "$OMLX_API_KEY)")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("-n", "--frames", type=int, default=None,
+                     help="exit after this many frames (default: until Ctrl-C)")
+    top.add_argument("--interval", type=float, default=1.0,
+                     help="seconds between frames (default 1)")
+    top.add_argument("--json", action="store_true",
+                     help="print one frame as JSON (the dashboard endpoints' data)")
+
     doctor = commands.add_parser("doctor", help="check backend, BLAS, memory, the default model "
                                                 "and what each plugin needs")
     _config_arguments(doctor)
@@ -147,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = {
         "serve": cmd_serve, "launch": cmd_launch, "plugins": cmd_plugins, "config": cmd_config,
         "models": cmd_models, "doctor": cmd_doctor, "bench": cmd_bench, "ps": cmd_ps,
+        "top": cmd_top,
     }[args.command]
     try:
         return handler(args)
@@ -378,6 +395,17 @@ def cmd_ps(args: argparse.Namespace) -> int:
         return 0
     print(_table(COLUMNS, ps_rows(models, everything=args.all)))
     return 0
+
+
+# -- top --------------------------------------------------------------------------------
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from omlx_core.dashboard.top import run_top
+
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    return run_top(f"http://{host}:{args.port}", args.api_key, table=_table, once=args.once,
+                   frames=args.frames, interval_s=args.interval, as_json=args.json)
 
 
 # -- doctor -----------------------------------------------------------------------------

@@ -2,16 +2,19 @@
 
     .venv/bin/python scripts/dashboard_screenshots.py
 
-Serves the real default model on loopback under a 1 GiB custom ceiling, runs several
-concurrent streaming chats through the openai SDK (some repeating a prompt, so the
-prefix cache has hits), sends one prompt that can never fit (a 413 for the refusals
-table), and photographs the page in headless Chromium while the chats run.
+Serves the real default model on loopback under a 1 GiB custom ceiling, with two tiny
+random-weight models available in the pool beside it, runs several concurrent
+streaming chats through the openai SDK (some repeating a prompt, so the prefix cache
+has hits), sends one prompt that can never fit (a 413 for the refusals table), presses
+the models panel's Load button of one tiny model (the other stays available), and
+photographs the page in headless Chromium while the chats run.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,11 +24,14 @@ import openai
 from omlx_core.bootstrap import load_setup, start_engines, stop_engines
 from omlx_core.http import HTTPServer
 from omlx_core.platform.blas import ensure_optimized_blas
+from omlx_core.testing import cached_model
 from omlx_core.testing.browser import headless_chromium
 from omlx_core.testing.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
+#: available in the pool beside the default model: the first is loaded from the page
+POOL_MODELS = {"tiny-llama-random": "llama", "tiny-qwen3-random": "qwen3"}
 QUESTIONS = ["Name three rivers in Europe and where they flow.",
              "Write a short poem about memory and forgetting.",
              "Explain what a prefix cache is to a new programmer.",
@@ -65,8 +71,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     args = parser.parse_args()
     ensure_optimized_blas()
-    setup = load_setup("cpu-small", [], [("memory.tier", "custom", "script"),
-                                         ("memory.custom_ceiling", "1GiB", "script")])
+    scratch = tempfile.TemporaryDirectory(prefix="omlx-screenshots-")
+    pool_toml = Path(scratch.name) / "pool.toml"
+    pool_toml.write_text("".join(
+        f'[models.{name}]\npath = "{cached_model(family, cache_dir=Path(scratch.name))}"\n\n'
+        for name, family in POOL_MODELS.items()))
+    setup = load_setup("cpu-small", [pool_toml], [("memory.tier", "custom", "script"),
+                                                  ("memory.custom_ceiling", "1GiB", "script")])
     context = start_engines(setup, progress=True)
     stop = threading.Event()
     try:
@@ -80,11 +91,17 @@ def main() -> None:
                     thread.start()
                 time.sleep(args.load_s / 2)
                 refuse_one(server.url)
+                loaded = next(iter(POOL_MODELS))
+                browser.find_element(
+                    "css selector", f'#models tr[data-model="{loaded}"] button[data-action="load"]'
+                ).click()
                 time.sleep(args.load_s / 2)
+                wait_for(lambda: context.pool.record(loaded).state == "resident", 60)
                 wait_for(lambda: browser.execute_script(
                     "return document.querySelectorAll('#requests tbody tr[data-request-id]').length"
                 ) >= 2, 30)
                 args.out.mkdir(parents=True, exist_ok=True)
+                browser.execute_script("window.scrollTo(0, 0)")  # the click scrolled down
                 browser.save_screenshot(str(args.out / "dashboard.png"))
                 height = browser.execute_script("return document.body.scrollHeight")
                 browser.set_window_size(1500, height + 300)
@@ -97,6 +114,7 @@ def main() -> None:
                 thread.join(60)
     finally:
         stop_engines(context)
+        scratch.cleanup()
 
 
 if __name__ == "__main__":

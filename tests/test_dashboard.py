@@ -1,9 +1,11 @@
 """The dashboard's data side and JSON endpoints without a browser: the ring buffer keeps
 15 minutes, the recorder's samples carry the enforcer's limits and the engines' rates,
-refusals are kept (100) and found by request id, the endpoints are documented and keyed."""
+refusals are kept (100) and found by request id, the endpoints are documented and keyed;
+``omlx-core top`` prints the same data in a terminal."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -131,12 +133,51 @@ def test_the_models_panel_names_engine_weights_context_and_caches(context) -> No
         body = falcon.testing.TestClient(frontend.app).simulate_get("/dashboard/api/models").json
     finally:
         frontend.shutdown()
-    (model,) = body["models"]
+    assert body["pool"] is True
+    models = {m["model"]: m for m in body["models"]}
+    # Every model the pool lists, resident or not (the default model is available too).
+    assert set(models) == {r.id for r in context.pool.records()}
+    model = models["tiny"]
     engine = context.engines["tiny"]
-    assert model["model"] == "tiny" and model["engine"] == "batched"
-    assert model["context_length"] == engine.limits().context_length
-    assert model["weights_bytes"] == sum(f.stat().st_size for f in Path(engine.model.path).glob("*.safetensors"))
+    assert model["state"] == "resident" and model["pinned"] is True
+    assert model["engine"] == "batched" and model["source"] == engine.model.source
+    assert model["max_context"] == engine.limits().context_length
+    assert model["context_length"] == engine.model.config["max_position_embeddings"]
+    files = sum(f.stat().st_size for f in Path(engine.model.path).glob("*.safetensors"))
+    # The safetensors headers' tensor bytes: the files less their (small) JSON headers.
+    assert files - 64 * 1024 < model["weights_bytes"] <= files
+    assert model["weights_bytes"] == context.pool.record("tiny").weights_bytes
     assert model["prefix_cache"]["enabled"] is True
+    others = [m for m in models.values() if m["model"] != "tiny"]
+    assert all(m["state"] == "available" and m["resident_bytes"] == 0 and m["prefix_cache"] is None
+               for m in others)
+
+
+def test_the_models_panel_without_a_pool_lists_the_engines(context) -> None:
+    """A hand-built context (an embedder's) has engines and no pool: each engine is
+    listed resident, with the keys the pool's rows have, and no action applies."""
+    bare = ServerContext(config=context.config, plugins=context.plugins,
+                         engines=dict(context.engines))
+    frontend = build_frontend(bare, api_keys=[])
+    try:
+        client = falcon.testing.TestClient(frontend.app)
+        body = client.simulate_get("/dashboard/api/models").json
+        refused = client.simulate_post("/admin/models/tiny/load")
+    finally:
+        frontend.shutdown()
+    assert body["pool"] is False
+    (model,) = body["models"]
+    with_pool = models_of(context)["tiny"]
+    assert set(model) == set(with_pool)
+    assert model["state"] == "resident" and model["weights_bytes"] == with_pool["weights_bytes"]
+    assert model["max_context"] == with_pool["max_context"]
+    assert refused.status_code == 400 and refused.json["error"]["code"] == "no_pool"
+
+
+def models_of(context: ServerContext) -> dict:
+    from omlx_core.dashboard.views import models
+
+    return {m["model"]: m for m in models(context)}
 
 
 def test_the_uplot_dist_and_its_licence_ship_with_the_package() -> None:
@@ -256,3 +297,52 @@ def test_the_speculative_engine_reports_its_lone_request(tmp_path: Path) -> None
         assert wait_for(lambda: not requests_now(context), 30)
     finally:
         stop_engines(context)
+
+
+# -- omlx-core top: the same data in a terminal ---------------------------------------------
+
+
+def test_omlx_core_top_prints_memory_models_and_requests_once_and_refreshing(
+        server, context, capsys) -> None:
+    from omlx_core.cli import main
+    from omlx_core.dashboard.top import fetch_snapshot
+
+    port = str(server.port)
+    # The recorder of this server's front end takes its first sample at the next poll.
+    assert wait_for(lambda: fetch_snapshot(server.url)["latest"] is not None, 30)
+    assert main(["top", "--port", port, "--once"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"omlx-core top  {server.url}")
+    assert lines[1].startswith("memory     in use ") and "hard limit" in lines[1]
+    assert lines[3] == f"models     1 resident of {len(context.pool.records())} available"
+    header = lines.index(next(line for line in lines if line.startswith("NAME")))
+    assert lines[header].split()[:4] == ["NAME", "STATE", "PINNED", "ENGINE"]
+    rows = {line.split()[0]: line.split() for line in lines[header + 1:] if line.strip()
+            and not line.startswith("no request")}
+    assert set(rows) == {r.id for r in context.pool.records()}
+    assert rows["tiny"][1:4] == ["resident", "yes", "batched"]
+    assert lines[-1] == "no request in flight"
+    # Refreshing: -n frames, each with its header (no screen clearing when not a terminal).
+    assert main(["top", "--port", port, "-n", "3", "--interval", "0.05"]) == 0
+    assert capsys.readouterr().out.count("omlx-core top  ") == 3
+    # --json: the dashboard endpoints' data, as the page reads it.
+    assert main(["top", "--port", port, "--json"]) == 0
+    frame = json.loads(capsys.readouterr().out)
+    assert {m["model"] for m in frame["models"]} == set(rows) and frame["pool"] is True
+    assert frame["latest"]["hard_limit_bytes"] > 0 and frame["requests"] == []
+    assert main(["top", "--port", port, "--interval", "0"]) == 2
+    assert "--interval" in capsys.readouterr().err
+
+
+def test_omlx_core_top_needs_the_key_when_the_server_has_keys(context, capsys) -> None:
+    from omlx_core.cli import main
+    from omlx_core.http.serve import HTTPServer
+
+    frontend = build_frontend(context, api_keys=["top-key"])
+    with HTTPServer(context, port=0, frontend=frontend) as server:
+        port = str(server.port)
+        assert main(["top", "--port", port, "--once"]) == 1
+        err = capsys.readouterr().err
+        assert "401" in err and "--api-key" in err
+        assert main(["top", "--port", port, "--once", "--api-key", "top-key"]) == 0
+        assert "tiny" in capsys.readouterr().out

@@ -3,12 +3,16 @@ page loads with no console error; under concurrent chats on the real default mod
 plots fill and its request table shows each chat, whose cancel button aborts it; a 413
 under a small ceiling appears in the refusals with its advice, found by request id; the
 memory plot's limit line is /health's hard limit; with API keys the page asks for one
-and the JSON behind it refuses requests without one."""
+and the JSON behind it refuses requests without one. The models panel lists every model
+the pool has, and its buttons load, pin, unpin and unload them through the admin
+endpoints (a load that can never fit shows its 413 and advice; without the key an
+action is refused)."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -278,3 +282,184 @@ def test_with_api_keys_the_page_asks_for_one_and_the_json_refuses_without_it(
             assert key not in browser.current_url
     finally:
         stop_engines(context)
+
+
+# -- the model pool: every available model, and its load / pin / unpin / unload buttons ------
+
+SECOND = "tiny-b"
+HUGE = "huge"
+#: a vocabulary that puts the working set of one 512-token chunk in the terabytes
+HUGE_VOCAB = 1 << 40
+
+
+@pytest.fixture(scope="module")
+def pool_toml(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Three models: ``tiny`` loaded (and pinned) at start, ``tiny-b`` only available, and
+    ``huge``: the tiny weights under a config whose vocabulary no memory holds, so its
+    load is refused at once (413 load_never_fits) before a byte of it is read."""
+    root = tmp_path_factory.mktemp("pool")
+    second = cached_model("qwen3", 0, cache_dir=root)
+    huge = root / HUGE
+    shutil.copytree(tiny_dir, huge)
+    config = json.loads((huge / "config.json").read_text())
+    (huge / "config.json").write_text(json.dumps({**config, "vocab_size": HUGE_VOCAB}))
+    return (f'[server]\nmodels = ["{TINY}"]\n\n[models.{TINY}]\npath = "{tiny_dir}"\n\n'
+            f'[models.{SECOND}]\npath = "{second}"\n\n[models.{HUGE}]\npath = "{huge}"\n')
+
+
+def model_cell(driver: Any, model_id: str, field: str) -> str:
+    found = driver.find_elements(By.CSS_SELECTOR,
+                                 f'#models tr[data-model="{model_id}"] td[data-field="{field}"]')
+    return found[0].text if found else ""
+
+
+def model_button(driver: Any, model_id: str, action: str) -> Any:
+    return driver.find_element(
+        By.CSS_SELECTOR, f'#models tr[data-model="{model_id}"] button[data-action="{action}"]')
+
+
+def enabled_actions(driver: Any, model_id: str) -> set[str]:
+    return {action for action in ("load", "unload", "pin", "unpin")
+            if model_button(driver, model_id, action).is_enabled()}
+
+
+def click(driver: Any, model_id: str, action: str) -> None:
+    button = until(driver, lambda d: (b := model_button(d, model_id, action)).is_enabled() and b,
+                   f"the {action} button of {model_id} never became enabled")
+    button.click()
+
+
+def listed(server: HTTPServer, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    status, body = get_json(server, "/dashboard/api/models", headers)
+    assert status == 200, body
+    return {m["model"]: m for m in body["models"]}
+
+
+def test_the_models_panel_loads_pins_and_unloads_through_the_pool(
+        pool_toml: str, tmp_path: Path, browser: Any) -> None:
+    context = start(tmp_path, pool_toml)
+    pool = context.pool
+    try:
+        with HTTPServer(context, port=0) as server:
+            open_dashboard(browser, server)
+            console_errors(browser)  # only what this test's page logs
+            # Every available model is listed, with the pool's own description of it.
+            models = listed(server)
+            assert {TINY, SECOND, HUGE} <= set(models)
+            for model_id in (TINY, SECOND, HUGE):
+                described = pool.describe(pool.record(model_id))
+                for key in ("state", "engine", "pinned", "planned_bytes", "weights_bytes",
+                            "measured_bytes", "resident_bytes", "context_length",
+                            "keep_alive_s", "in_flight", "waiting", "error"):
+                    assert models[model_id][key] == described[key], (model_id, key)
+            assert models[TINY]["state"] == "resident" and models[TINY]["pinned"]
+            assert models[TINY]["max_context"] == context.engines[TINY].limits().context_length
+            assert models[TINY]["prefix_cache"]["enabled"] is True
+            assert models[SECOND]["state"] == "available" and models[SECOND]["resident_bytes"] == 0
+            assert models[SECOND]["planned_bytes"] > models[SECOND]["weights_bytes"] > 0
+            assert models[SECOND]["prefix_cache"] is None
+            until(browser, lambda d: model_cell(d, SECOND, "state") == "available",
+                  "the panel never listed the available model")
+            assert model_cell(browser, TINY, "state") == "resident, pinned"
+            assert enabled_actions(browser, TINY) == {"unload", "unpin"}
+            assert enabled_actions(browser, SECOND) == {"load", "pin"}
+            assert "planned" in model_cell(browser, SECOND, "bytes")
+
+            click(browser, SECOND, "load")
+            until(browser, lambda d: model_cell(d, SECOND, "state") == "resident",
+                  "the loaded model never showed resident")
+            assert pool.record(SECOND).state == "resident" and SECOND in context.engines
+            assert listed(server)[SECOND]["state"] == "resident"
+            result = f'#models tr[data-model="{SECOND}"] .action-result'
+            assert browser.find_element(By.CSS_SELECTOR, result).text.startswith(
+                "load: done, resident")
+            assert enabled_actions(browser, SECOND) == {"unload", "pin"}
+            assert "unloads in" in model_cell(browser, SECOND, "use")
+            assert "resident" in model_cell(browser, SECOND, "bytes")
+
+            click(browser, SECOND, "pin")
+            until(browser, lambda d: model_cell(d, SECOND, "state") == "resident, pinned",
+                  "the pinned model never showed pinned")
+            assert pool.record(SECOND).pinned and listed(server)[SECOND]["pinned"] is True
+            assert "pinned: stays resident" in model_cell(browser, SECOND, "use")
+
+            click(browser, SECOND, "unpin")
+            until(browser, lambda d: model_cell(d, SECOND, "state") == "resident",
+                  "the unpinned model still showed pinned")
+            assert not pool.record(SECOND).pinned
+
+            click(browser, SECOND, "unload")
+            until(browser, lambda d: model_cell(d, SECOND, "state") == "available",
+                  "the unloaded model never showed available again")
+            assert SECOND not in context.engines and pool.record(SECOND).state == "available"
+            assert listed(server)[SECOND]["resident_bytes"] == 0
+            assert enabled_actions(browser, SECOND) == {"load", "pin"}
+            assert console_errors(browser) == []
+
+            # A model that can never fit: the panel shows the 413 with its advice.
+            click(browser, HUGE, "load")
+            until(browser, lambda d: "413" in d.find_element(
+                By.CSS_SELECTOR, f'#models tr[data-model="{HUGE}"] .action-result').text,
+                "the refused load's 413 never showed")
+            text = browser.find_element(
+                By.CSS_SELECTOR, f'#models tr[data-model="{HUGE}"] .action-result').text
+            error = pool.record(HUGE).error
+            assert "load_never_fits" in text and str(error) in text
+            assert error.advice and error.advice[0] in text
+            assert pool.record(HUGE).state == "available" and HUGE not in context.engines
+            until(browser, lambda d: "last load:" in model_cell(d, HUGE, "state"),
+                  "the refused load never showed as the model's last load error")
+            # The browser logs the refused fetch itself; nothing else.
+            assert all("status of 413" in e for e in console_errors(browser))
+    finally:
+        stop_engines(context)
+
+
+def test_with_api_keys_a_model_action_without_the_key_is_refused(
+        pool_toml: str, tmp_path: Path, browser: Any) -> None:
+    key = "pool-admin-key"
+    context = start(tmp_path, pool_toml)
+    try:
+        with HTTPServer(context, port=0, frontend=build_frontend(context, api_keys=[key])) as server:
+            browser.get(server.url + "/dashboard")
+            browser.execute_script("sessionStorage.clear()")
+            browser.refresh()
+            form = until(browser, lambda d: (f := d.find_element(By.ID, "key-form")).is_displayed()
+                         and f, "the page never asked for a key")
+            form.find_element(By.ID, "key-input").send_keys(key)
+            form.find_element(By.CSS_SELECTOR, "button").click()
+            until(browser, lambda d: model_cell(d, SECOND, "state") == "available",
+                  "the panel never listed the models with the key")
+            console_errors(browser)
+            # The key is gone from the tab when the button is pressed: the action is sent
+            # without one, refused, and the page asks for a key again.
+            browser.execute_script(
+                "sessionStorage.clear(); document.querySelector("
+                f"'#models tr[data-model=\"{SECOND}\"] button[data-action=\"load\"]').click()")
+            until(browser, lambda d: "refused" in (page_state(
+                d, f"(omlxDashboard.modelActions[{json.dumps(SECOND)}] || {{}}).text") or ""),
+                "the refused action never showed its refusal")
+            assert "missing API key" in page_state(
+                browser, f"omlxDashboard.modelActions[{json.dumps(SECOND)}].text")
+            until(browser, lambda d: d.find_element(By.ID, "key-form").is_displayed(),
+                  "the page did not ask for the key again")
+            assert pool_state(context, SECOND) == "available" and SECOND not in context.engines
+            assert all("status of 401" in e for e in console_errors(browser))
+            # With the key again, the same button loads it.
+            form.find_element(By.ID, "key-input").send_keys(key)
+            form.find_element(By.CSS_SELECTOR, "button").click()
+            click(browser, SECOND, "load")
+            until(browser, lambda d: model_cell(d, SECOND, "state") == "resident",
+                  "the model never loaded with the key")
+            assert listed(server, {"Authorization": f"Bearer {key}"})[SECOND]["state"] == "resident"
+            requested = browser.execute_script(
+                "return performance.getEntriesByType('resource').map(e => e.name)")
+            assert any("/admin/models/" in url for url in requested)
+            assert not any(key in url for url in requested)
+            assert console_errors(browser) == []
+    finally:
+        stop_engines(context)
+
+
+def pool_state(context: ServerContext, model_id: str) -> str:
+    return context.pool.record(model_id).state

@@ -1,8 +1,9 @@
 """The dashboard's tables, read from the running server when asked: the requests in
 flight (waiting for memory, queued in an engine, prefilling, decoding, preempted) and
-the served models. Each reading goes through the public contract:
-:meth:`~omlx_core.engine.Engine.progress`, :meth:`~omlx_core.engine.Engine.stats`,
-:meth:`~omlx_core.engine.Engine.limits` and the admission queue's waiting list."""
+every available model with its pool state. Each reading goes through the public
+contract: :meth:`~omlx_core.engine.Engine.progress`, :meth:`~omlx_core.engine.Engine.stats`,
+:meth:`~omlx_core.engine.Engine.limits`, the admission queue's waiting list and
+:meth:`~omlx_core.pool.ModelPool.describe`."""
 
 from __future__ import annotations
 
@@ -97,33 +98,61 @@ def cancel(context: ServerContext, request_id: str) -> str:
 
 
 def models(context: ServerContext) -> list[dict[str, Any]]:
-    """Each served model: the engine serving it, its weights' bytes, its context and its
-    caches' counters."""
+    """Every model the server can serve, in the pool's order (the configured ones first,
+    then those found under ``server.model_dirs``): the pool's own view of each
+    (:meth:`~omlx_core.pool.ModelPool.describe`: state, engine, pinned, weights, planned,
+    measured and resident bytes, context length, last use, keep-alive expiry, requests in
+    flight and waiting for the load, the last load error), and for a resident one what
+    its engine reports: the context a request may use, running and queued requests, and
+    its caches' counters. A context built without a pool lists its engines only."""
+    pool = context.pool
+    engines = dict(context.engines)
     rows = []
-    for model_id, engine in list(context.engines.items()):
-        try:
-            stats = engine.stats() or {}
-        except Exception as exc:
-            stats = {"error": f"{type(exc).__name__}: {exc}"}
-        try:
-            context_length = engine.limits().context_length
-        except Exception:  # an engine not started has no limits yet
-            context_length = None
-        cache = stats.get("prefix_cache") if isinstance(stats.get("prefix_cache"), dict) else {}
-        rows.append({
-            "model": model_id, "engine": engine.model.engine, "source": engine.model.source,
-            "weights_bytes": weights_bytes(engine.model.path),
-            "context_length": context_length,
-            "running": stats.get("running"), "queue_depth": stats.get("queue_depth"),
-            "prefix_cache": {k: v for k, v in cache.items() if k != "lower"},
-            "ssd_cache": cache.get("lower") if isinstance(cache.get("lower"), dict) else None,
-        })
+    records = pool.records() if pool is not None else []
+    for record in records:
+        rows.append(_engine_side({"model": record.id, **pool.describe(record)},
+                                 engines.get(record.id)))
+    known = {record.id for record in records}
+    for model_id, engine in engines.items():
+        if model_id not in known:
+            rows.append(_engine_side(_poolless_row(model_id, engine), engine))
     return rows
 
 
-def weights_bytes(path: Path) -> int | None:
-    """Bytes of a model directory's safetensors files (what loading it holds)."""
+def _poolless_row(model_id: str, engine: Engine) -> dict[str, Any]:
+    """The keys ``describe`` gives, for an engine no pool manages (a hand-built context):
+    resident, nothing planned, its weights from the safetensors headers."""
+    from omlx_core.pool.catalog import weights_bytes
+
     try:
-        return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-    except OSError:
-        return None
+        weights: int | None = weights_bytes(Path(engine.model.path))
+    except Exception:  # a model without safetensors (another engine's format)
+        weights = None
+    return {"model": model_id, "state": "resident", "engine": engine.model.engine,
+            "pinned": None, "planned_bytes": None, "weights_bytes": weights,
+            "measured_bytes": None, "resident_bytes": weights, "context_length": None,
+            "last_used_s_ago": None, "keep_alive_s": None, "expires_in_s": None,
+            "in_flight": None, "waiting": None, "load_seconds": None, "error": None}
+
+
+def _engine_side(row: dict[str, Any], engine: Engine | None) -> dict[str, Any]:
+    """``row`` with what a resident ``engine`` reports (``None`` for each when the model
+    is not resident)."""
+    row.update(source=None, max_context=None, running=None, queue_depth=None,
+               prefix_cache=None, ssd_cache=None)
+    if engine is None:
+        return row
+    try:
+        stats = engine.stats() or {}
+    except Exception as exc:
+        stats = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        max_context = engine.limits().context_length
+    except Exception:  # an engine not started has no limits yet
+        max_context = None
+    cache = stats.get("prefix_cache") if isinstance(stats.get("prefix_cache"), dict) else {}
+    row.update(source=engine.model.source, max_context=max_context,
+               running=stats.get("running"), queue_depth=stats.get("queue_depth"),
+               prefix_cache={k: v for k, v in cache.items() if k != "lower"},
+               ssd_cache=cache.get("lower") if isinstance(cache.get("lower"), dict) else None)
+    return row

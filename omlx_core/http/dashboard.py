@@ -139,7 +139,9 @@ class DashboardModels:
         self.context = context
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.media = _jsonable({"models": models(self.context)})
+        # "pool": whether POST /admin/models/{id}/{action} can load, unload and pin here
+        resp.media = _jsonable({"models": models(self.context),
+                                "pool": self.context.pool is not None})
 
 
 def add_dashboard_routes(app: falcon.App, context: ServerContext,

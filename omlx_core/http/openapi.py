@@ -138,7 +138,12 @@ def _dashboard_paths(error: str, protected: bool) -> dict[str, Any]:
             query("request_id", {"type": "string"}, "only refusals whose request id contains "
                                                      "this")),
         "/dashboard/api/models": _get(
-            "each served model: engine, weights bytes, context, cache counters",
+            "every available model with its pool state (available, loading, resident, "
+            "unloading, failed), engine, pinned, weights/planned/measured/resident bytes, "
+            "context length, last use, keep-alive expiry, requests in flight and waiting "
+            "for the load, the last load error, and for a resident model its engine's "
+            "context, running/queued requests and cache counters; pool says whether "
+            "POST /admin/models/{model_id}/{action} can change them",
             _json({"type": "object"}), error, protected),
     }
 

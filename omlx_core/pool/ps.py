@@ -19,13 +19,18 @@ class PsError(Exception):
     """The server could not be asked (not running, wrong port, refused key)."""
 
 
-def fetch_models(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """The ``data`` of ``GET {url}/v1/models``."""
+def fetch_json(url: str, path: str, api_key: str | None = None,
+               timeout_s: float = 10.0) -> Any:
+    """The JSON of ``GET {url}{path}`` (``omlx-core ps`` and ``top`` read the server so).
+
+    :raises PsError: the server did not answer, or answered with an error (its status
+        and body are in the message).
+    """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    request = urllib.request.Request(url.rstrip("/") + "/v1/models", headers=headers)
+    request = urllib.request.Request(url.rstrip("/") + path, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return list(json.loads(response.read())["data"])
+            return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode("utf-8", "replace")[:300]
         hint = " (pass --api-key or set OMLX_API_KEY)" if exc.code == 401 else ""
@@ -35,7 +40,12 @@ def fetch_models(url: str, api_key: str | None = None, timeout_s: float = 10.0) 
                       "`omlx-core serve`, or pass --host/--port") from None
 
 
-def _until(model: dict[str, Any]) -> str:
+def fetch_models(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The ``data`` of ``GET {url}/v1/models``."""
+    return list(fetch_json(url, "/v1/models", api_key, timeout_s)["data"])
+
+
+def until_text(model: dict[str, Any]) -> str:
     if model.get("state") != "resident":
         return ""
     if model.get("pinned"):
@@ -44,11 +54,11 @@ def _until(model: dict[str, Any]) -> str:
     if expires is None:
         return "forever"
     if model.get("in_flight"):
-        return f"{_duration(expires)} after idle"
-    return f"{_duration(expires)} from now"
+        return f"{duration_text(expires)} after idle"
+    return f"{duration_text(expires)} from now"
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 60:
         return f"{seconds} s"
@@ -67,5 +77,5 @@ def ps_rows(models: Sequence[dict[str, Any]], *, everything: bool = False) -> li
         rows.append((str(model["id"]), state, format_size(size) if size else "",
                      "yes" if model.get("pinned") else "no", str(model.get("engine") or ""),
                      str(model.get("context_length") or ""), str(model.get("in_flight", "")),
-                     _until(model)))
+                     until_text(model)))
     return rows

@@ -17,6 +17,10 @@
     seenRequests: new Set(),
     polls: 0,
     needsKey: false,
+    models: null,
+    pool: false,
+    // model id -> the outcome of the last action the page asked for (pending while it runs)
+    modelActions: {},
   };
   window.omlxDashboard = state;
 
@@ -50,15 +54,28 @@
   // -- talking to the server -----------------------------------------------------------
 
   class NeedsKey extends Error {}
+  // A refusal with its HTTP status, error code and advice (a 413 names what to do).
+  class ApiError extends Error {
+    constructor(status, error) {
+      super(error.message || "HTTP " + status);
+      this.status = status;
+      this.code = error.code || null;
+      this.advice = Array.isArray(error.advice) ? error.advice : [];
+    }
+  }
 
   async function api(path, options) {
     const headers = {};
     const key = sessionStorage.getItem(KEY_STORE);
     if (key) headers["Authorization"] = "Bearer " + key;
     const response = await fetch(path, Object.assign({ headers, cache: "no-store" }, options || {}));
-    if (response.status === 401) throw new NeedsKey((await response.json()).error.message);
-    const body = await response.json();
-    if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
+    const text = await response.text();
+    let body = null;
+    try { body = JSON.parse(text); } catch (error) { body = null; }
+    const error = body && body.error ? body.error : { message: (response.statusText || "HTTP " + response.status) + (text ? ": " + text.slice(0, 200) : "") };
+    if (response.status === 401) throw new NeedsKey(error.message);
+    if (!response.ok) throw new ApiError(response.status, error);
+    if (body === null) throw new ApiError(response.status, { message: "the answer is not JSON: " + text.slice(0, 200) });
     return body;
   }
 
@@ -254,31 +271,182 @@
     }
   }
 
-  function renderModels(models) {
-    const tbody = document.querySelector("#models tbody");
-    tbody.replaceChildren();
-    for (const m of models) {
-      const tr = document.createElement("tr");
-      const pc = m.prefix_cache || {};
-      const prefix = pc.enabled === false ? "off" : (pc.hits || 0) + " hits, " + (pc.misses || 0) + " misses, " +
-        (pc.tokens_saved || 0) + " tokens saved, " + size(pc.bytes) + " of " + size(pc.budget_bytes);
-      const ssd = m.ssd_cache ? (m.ssd_cache.hits || 0) + " hits, " + (m.ssd_cache.misses || 0) + " misses, " +
-        (m.ssd_cache.blocks || 0) + " blocks, " + size(m.ssd_cache.bytes) : "none";
-      tr.append(cell(m.model), cell(m.engine), cell(size(m.weights_bytes)),
-                cell(m.context_length ? m.context_length + " tokens" : "–"),
-                cell((m.running ?? "–") + " / " + (m.queue_depth ?? "–")), cell(prefix), cell(ssd));
-      tbody.append(tr);
+  // -- models: the pool's state of each, and its admin actions ---------------------------
+
+  const MODEL_ACTIONS = ["load", "unload", "pin", "unpin"];
+  // Why an action does not apply to a model now (null: it does).
+  function notApplicable(action, m) {
+    if (action === "load") return m.state === "available" || m.state === "failed" ? null : "the model is " + m.state;
+    if (action === "unload") return m.state === "resident" ? null : "the model is " + m.state;
+    if (action === "pin") return m.pinned ? "already pinned" : null;
+    return m.pinned ? null : "not pinned";
+  }
+
+  function bytesText(m) {
+    const lines = [["weights", m.weights_bytes], ["planned", m.planned_bytes],
+                   ["measured", m.measured_bytes], ["resident", m.resident_bytes]];
+    return lines.filter(([, v]) => v !== null && v !== undefined).map(([k, v]) => k + " " + size(v));
+  }
+  function contextText(m) {
+    if (m.max_context && m.context_length && m.max_context !== m.context_length) return m.max_context + " of " + m.context_length + " tokens";
+    const tokens = m.max_context || m.context_length;
+    return tokens ? tokens + " tokens" : "–";
+  }
+  function useText(m) {
+    const lines = [m.last_used_s_ago === null || m.last_used_s_ago === undefined ? "never used" : "used " + seconds(m.last_used_s_ago) + " ago"];
+    if (m.state === "resident") {
+      if (m.pinned) lines.push("pinned: stays resident");
+      else if (m.expires_in_s === null || m.expires_in_s === undefined) lines.push("stays resident (keep-alive forever)");
+      else if (m.in_flight) lines.push("unloads " + seconds(m.expires_in_s) + " after idle");
+      else lines.push("unloads in " + seconds(m.expires_in_s));
+    } else if (m.keep_alive_s !== undefined) {
+      lines.push(m.keep_alive_s === null ? "keep-alive forever" : "keep-alive " + seconds(m.keep_alive_s));
     }
+    return lines;
+  }
+  function requestsText(m) {
+    const lines = [(m.in_flight ?? "–") + " in flight, " + (m.waiting ?? "–") + " waiting"];
+    if (m.running !== null && m.running !== undefined) lines.push("engine: " + m.running + " running, " + (m.queue_depth ?? "–") + " queued");
+    return lines;
+  }
+  function prefixText(m) {
+    const pc = m.prefix_cache;
+    if (!pc) return "–";
+    if (pc.enabled === false) return "off";
+    return (pc.hits || 0) + " hits, " + (pc.misses || 0) + " misses, " + (pc.tokens_saved || 0) +
+      " tokens saved, " + size(pc.bytes) + " of " + size(pc.budget_bytes);
+  }
+  function ssdText(m) {
+    if (!m.ssd_cache) return m.state === "resident" ? "none" : "–";
+    return (m.ssd_cache.hits || 0) + " hits, " + (m.ssd_cache.misses || 0) + " misses, " +
+      (m.ssd_cache.blocks || 0) + " blocks, " + size(m.ssd_cache.bytes);
+  }
+
+  function fill(td, lines, cls) {
+    td.replaceChildren();
+    for (const [i, line] of [].concat(lines).entries()) {
+      if (i) td.append(document.createElement("br"));
+      td.append(document.createTextNode(line));
+    }
+    td.className = cls || "";
+  }
+
+  const MODEL_FIELDS = ["model", "state", "engine", "bytes", "context", "use", "requests", "prefix", "ssd", "actions"];
+
+  // The rows stay in place between polls (only their text changes), so a click is never
+  // lost to a redraw.
+  function modelRow(tbody, id) {
+    for (const tr of tbody.children) if (tr.dataset.model === id) return tr;
+    const tr = document.createElement("tr");
+    tr.dataset.model = id;
+    for (const field of MODEL_FIELDS) {
+      const td = document.createElement("td");
+      td.dataset.field = field;
+      tr.append(td);
+    }
+    const actions = tr.lastChild;
+    const buttons = document.createElement("div");
+    buttons.className = "buttons";
+    for (const action of MODEL_ACTIONS) {
+      const button = document.createElement("button");
+      button.textContent = action;
+      button.dataset.action = action;
+      button.addEventListener("click", () => modelAction(id, action));
+      buttons.append(button);
+    }
+    const result = document.createElement("div");
+    result.className = "action-result";
+    actions.append(buttons, result);
+    return tr;
+  }
+
+  function renderModels(payload) {
+    state.models = payload.models;
+    state.pool = payload.pool;
+    const tbody = document.querySelector("#models tbody");
+    for (const tr of [...tbody.children]) {
+      if (!tr.dataset.model || !payload.models.some((m) => m.model === tr.dataset.model)) tr.remove();
+    }
+    if (!payload.models.length) emptyRow(tbody, MODEL_FIELDS.length, "no model");
+    let previous = null;
+    for (const m of payload.models) {
+      const tr = modelRow(tbody, m.model);
+      const cells = Object.fromEntries([...tr.children].map((td) => [td.dataset.field, td]));
+      fill(cells.model, m.source && m.source !== m.model ? [m.model, m.source] : [m.model], "id");
+      const stateLines = [m.state + (m.pinned ? ", pinned" : "")];
+      fill(cells.state, stateLines, "state-" + m.state);
+      if (m.error) {
+        const error = document.createElement("div");
+        error.className = "error";
+        error.textContent = "last load: " + m.error;
+        cells.state.append(error);
+      }
+      fill(cells.engine, [m.engine || "–"]);
+      fill(cells.bytes, bytesText(m));
+      fill(cells.context, [contextText(m)]);
+      fill(cells.use, useText(m));
+      fill(cells.requests, requestsText(m));
+      fill(cells.prefix, [prefixText(m)]);
+      fill(cells.ssd, [ssdText(m)]);
+      const pending = state.modelActions[m.model] && state.modelActions[m.model].pending;
+      for (const button of cells.actions.querySelectorAll("button")) {
+        const why = !payload.pool ? "this server has no model pool" : pending ? pending + " in progress"
+          : notApplicable(button.dataset.action, m);
+        button.disabled = why !== null;
+        button.title = why || button.dataset.action + " " + m.model;
+      }
+      const result = cells.actions.querySelector(".action-result");
+      const outcome = state.modelActions[m.model];
+      result.textContent = outcome ? outcome.text : "";
+      result.className = "action-result" + (outcome && outcome.bad ? " error" : "");
+      const expected = previous ? previous.nextSibling : tbody.firstChild;
+      if (expected !== tr) tbody.insertBefore(tr, expected);
+      previous = tr;
+    }
+  }
+
+  async function modelAction(id, action) {
+    state.modelActions[id] = { pending: action, text: action + "…", bad: false };
+    if (state.models) renderModels({ models: state.models, pool: state.pool });
+    let outcome;
+    try {
+      const m = await api("/admin/models/" + encodeURIComponent(id) + "/" + action, { method: "POST" });
+      let text = action + ": done, " + m.state + (m.pinned ? ", pinned" : "");
+      if (action === "load" && m.load_seconds !== null && m.load_seconds !== undefined) text += " (loaded in " + seconds(m.load_seconds) + ")";
+      if (!m.changed) text = action + ": nothing to do, the model is " + m.state;
+      outcome = { text, bad: false };
+    } catch (error) {
+      let text = action + " refused";
+      if (error instanceof ApiError) text += " (" + error.status + (error.code ? " " + error.code : "") + ")";
+      text += ": " + error.message;
+      if (error.advice && error.advice.length) text += " " + error.advice.join(" ");
+      outcome = { text, bad: true };
+      if (error instanceof NeedsKey) {
+        state.modelActions[id] = outcome;
+        askForKey(error.message);
+        return;
+      }
+    }
+    state.modelActions[id] = outcome;
+    poll();
   }
 
   // -- the loop ------------------------------------------------------------------------
 
   let searchTerm = "";
   let timer = null;
+  let polling = false;
+  let pollAgain = false;
 
+  // One poll at a time: a poll asked for while one runs (after an action, a search)
+  // runs right after it, so there is only ever one timer.
   async function poll() {
+    if (polling) { pollAgain = true; return; }
     clearTimeout(timer);
     if (state.needsKey) return;
+    polling = true;
+    let next = true;
+    const keyUsed = sessionStorage.getItem(KEY_STORE);
     try {
       const since = state.lastT === null ? "" : "?since=" + state.lastT;
       const [history, requests, refusals, models] = await Promise.all([
@@ -300,13 +468,21 @@
       renderNow(history.latest);
       renderRequests(requests.requests);
       renderRefusals(refusals.refusals);
-      renderModels(models.models);
+      renderModels(models);
       state.polls++;
       setStatus("live, refreshed " + new Date().toLocaleTimeString(), false);
     } catch (error) {
-      if (error instanceof NeedsKey) { askForKey(error.message); return; }
-      setStatus("cannot reach the server: " + error.message, true);
+      // A key given while this poll ran is tried by the next one.
+      if (error instanceof NeedsKey) {
+        if (sessionStorage.getItem(KEY_STORE) === keyUsed) { askForKey(error.message); next = false; }
+        else pollAgain = true;
+      }
+      else setStatus("cannot reach the server: " + error.message, true);
+    } finally {
+      polling = false;
     }
+    if (!next) { pollAgain = false; return; }
+    if (pollAgain) { pollAgain = false; poll(); return; }
     timer = setTimeout(poll, Math.max(250, state.intervalS * 1000));
   }
 
