@@ -112,21 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ps = commands.add_parser("ps", help="a running server's models: resident, loading, "
                                         "failed (like `ollama ps`)")
-    ps.add_argument("--host", default="127.0.0.1", help="the server's address (default 127.0.0.1)")
-    ps.add_argument("--port", type=int, default=8000, help="the server's port (default 8000)")
-    ps.add_argument("--api-key", default=os.environ.get("OMLX_API_KEY"),
-                    help="a key of server.api_keys, when the server has any (default "
-                         "$OMLX_API_KEY)")
+    _server_address_arguments(ps)
     ps.add_argument("--all", action="store_true", help="list available models too")
     ps.add_argument("--json", action="store_true", help="machine-readable output")
 
     top = commands.add_parser("top", help="a running server's memory, models and requests, "
                                           "redrawn every second (the dashboard in a terminal)")
-    top.add_argument("--host", default="127.0.0.1", help="the server's address (default 127.0.0.1)")
-    top.add_argument("--port", type=int, default=8000, help="the server's port (default 8000)")
-    top.add_argument("--api-key", default=os.environ.get("OMLX_API_KEY"),
-                     help="a key of server.api_keys, when the server has any (default "
-                          "$OMLX_API_KEY)")
+    _server_address_arguments(top)
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.add_argument("-n", "--frames", type=int, default=None,
                      help="exit after this many frames (default: until Ctrl-C)")
@@ -146,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     return parser
 
+
+
+def _server_address_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--host``, ``--port`` and ``--api-key`` of a command that asks a running server."""
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the server's address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="the server's port (default 8000)")
+    parser.add_argument("--api-key", default=os.environ.get("OMLX_API_KEY"),
+                        help="a key of server.api_keys, when the server has any (default "
+                             "$OMLX_API_KEY)")
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
