@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from omlx_core.memory.gate import MemoryReceiver
     from omlx_core.memory.types import (
         BoundarySnapshot,
+        LimitSnapshot,
         PeakEstimate,
         PeakQuery,
         PreflightRequest,
@@ -158,6 +159,26 @@ def resolve_scheduler(engine: Engine) -> MemoryReceiver | None:
     :param engine: a loaded engine, possibly a wrapper.
     :returns: a :class:`~omlx_core.memory.gate.MemoryReceiver`, or ``None`` if this
         plugin does not know the engine. firstresult: the first non-``None`` result is used.
+    """
+
+
+@hookspec(firstresult=True)
+def adjust_limits(snapshot: LimitSnapshot) -> LimitSnapshot | None:
+    """Tighten the limits admission and the forward gates judge against.
+
+    Called by :meth:`omlx_core.memory.guard.MemoryGuard.update` on the enforcer's thread
+    with every snapshot it measured, before admission and the engines' receivers get
+    it. For a plugin whose work also takes memory this process cannot measure (the
+    other ranks of a distributed group): it answers the snapshot to judge by instead,
+    e.g. a lower ``hard_bytes`` (the forward gate compares memory in use here with it)
+    and a higher ``baseline_bytes`` (admission's budget is ``hard × admit_watermark -
+    baseline - margin``), its ``margin_bytes`` the least margin charged, and its
+    breakdown's ``elsewhere`` naming where the binding limit is, for refusals to say.
+    Preflight and the reported memory keep the measured snapshot. Must be quick.
+
+    :param snapshot: the :class:`~omlx_core.memory.types.LimitSnapshot` just measured.
+    :returns: the snapshot to judge by, or ``None`` to judge by ``snapshot``
+        (firstresult: the first non-``None`` answer wins).
     """
 
 

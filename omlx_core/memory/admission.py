@@ -234,7 +234,12 @@ class AdmissionQueue:
         if snapshot is None or snapshot.hard_bytes is None:
             return None
         return (int(snapshot.hard_bytes * self.admit_watermark) - self.baseline(snapshot)
-                - self.margin_bytes(snapshot.hard_bytes))
+                - self._margin(snapshot))
+
+    def _margin(self, snapshot: LimitSnapshot) -> int:
+        """The margin charged under ``snapshot``: the tier's for its hard limit, at
+        least the snapshot's own (an adjusted snapshot keeps the margin measured)."""
+        return max(self.margin_bytes(snapshot.hard_bytes), snapshot.margin_bytes)
 
     @property
     def backfill_s(self) -> float:
@@ -289,7 +294,7 @@ class AdmissionQueue:
             held = self.baseline(snapshot) + self._cost() - self._claims.get(key, 0)
             if measured_bytes is not None:
                 held = max(held, measured_bytes + claims)
-            return snapshot.hard_bytes - self.margin_bytes(snapshot.hard_bytes) - held
+            return snapshot.hard_bytes - self._margin(snapshot) - held
 
     def claim(self, key: str, nbytes: int = 0) -> None:
         """Mark a model change in flight without a fit check (an unload claims nothing)."""

@@ -47,7 +47,9 @@ class MemoryEnforcer:
     :param idle: whether no request runs or waits and no model is loading or unloading
         (the baseline is read then).
     :param publish: receives every snapshot before the engines do (admission
-        re-checks its waiters).
+        re-checks its waiters); what it returns, if a snapshot, is what the engines get
+        to judge by (the ``adjust_limits`` hook's answer), while the listeners get the
+        measured one.
     :param gate_for: the forward gate of an engine.
     :param reclaimable: what the server could give back on demand now (caches).
     :param read: returns fresh probe readings (tests pass fixed ones).
@@ -58,7 +60,7 @@ class MemoryEnforcer:
     def __init__(self, engines: Callable[[], Iterable[Engine]],
                  resolve: Callable[[Engine], Any], policy: TierPolicy, interval_s: float, *,
                  usage: MemoryUsage, idle: Callable[[], bool],
-                 publish: Callable[[LimitSnapshot], None],
+                 publish: Callable[[LimitSnapshot], LimitSnapshot | None],
                  gate_for: Callable[[Engine], ForwardGate],
                  reclaimable: Callable[[], int] = lambda: 0,
                  read: Callable[[], ProbeReadings] = read_probes,
@@ -167,8 +169,8 @@ class MemoryEnforcer:
             margin_bytes=self.policy.margin(breakdown.hard) if breakdown.hard else 0,
             other_bytes=max(0, resident - held_bytes()), baseline_epoch=self._baseline_epoch,
             baseline_read_at=self._baseline_read_at)
-        self._publish_first(snapshot)
-        self._publish(snapshot)
+        judged = self._publish_first(snapshot)
+        self._publish(judged if isinstance(judged, LimitSnapshot) else snapshot)
         self.polls += 1
         for listener in list(self.listeners):
             try:

@@ -147,7 +147,7 @@ class PrefillForwardGate(ForwardGate):
                             "run unchecked until the enforcer publishes one", step.model_id)
             return {}
         hard = limits.hard_bytes
-        self.transient_margin = self._margin(hard)
+        self.transient_margin = self._margin_of(limits)
         self._binding = limits.binding_name or self._binding
         current = self._in_use()
         earlier_kv = 0
@@ -193,7 +193,7 @@ class PrefillForwardGate(ForwardGate):
         if per_token is None:
             return unlimited
         hard = limits.hard_bytes
-        margin = self._margin(hard)
+        margin = self._margin_of(limits)
         rows = sorted(step.rows, key=lambda row: row.arrived)
         preempt: list[str] = []
         while True:
@@ -226,6 +226,11 @@ class PrefillForwardGate(ForwardGate):
             log.info("preempting request %s (model %r) so that %d older request(s) can grow "
                      "their KV: it resumes when memory frees up", youngest.request_id,
                      step.model_id, len(rows))
+
+    def _margin_of(self, limits: LimitSnapshot) -> int:
+        """The transient margin charged under ``limits``: the tier's for its hard limit,
+        at least the snapshot's own (an adjusted snapshot keeps the margin measured)."""
+        return max(self._margin(limits.hard_bytes or 0), limits.margin_bytes)
 
     def _decode_fits(self, needed: int, hard: int) -> bool:
         """Whether ``needed`` bytes fit on top of memory in use now (after reclaiming

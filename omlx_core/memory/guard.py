@@ -98,6 +98,8 @@ class MemoryGuard:
         self._engines: Callable[[], Iterable[Engine]] = tuple
         self.reclaimed_bytes_total = 0
         self._snapshot: LimitSnapshot | None = None
+        #: the latest snapshot admission and the forward gates judge by (``adjust_limits``)
+        self.judged: LimitSnapshot | None = None
         #: notified on every published snapshot (preflight may wait for a fresh baseline)
         self._published = threading.Condition()
         self._gates: dict[int, tuple[Engine, PrefillForwardGate]] = {}
@@ -111,15 +113,37 @@ class MemoryGuard:
         its baseline counting the model loads and unloads since it was read."""
         return self.admission.adjusted(self._snapshot)
 
-    def update(self, snapshot: LimitSnapshot) -> None:
+    def update(self, snapshot: LimitSnapshot) -> LimitSnapshot:
+        """A measured snapshot: preflight and the reports read it; admission (and the
+        engines the enforcer publishes to next) get the one to judge by, which the
+        ``adjust_limits`` hook may tighten (returned)."""
+        judged = self.judged_limits(snapshot)
         with self._published:
             self._snapshot = snapshot
+            self.judged = judged
             self._published.notify_all()
-        self.admission.update(snapshot)
+        self.admission.update(judged)
         if snapshot.hard_bytes is not None and snapshot.margin_bytes > 0:
             # Buffers mlx frees are kept for reuse; under a limit, at most the margin of
             # them, so that its cache never takes the process over the limit unasked.
             limit_cache(snapshot.margin_bytes)
+        return judged
+
+    def judged_limits(self, snapshot: LimitSnapshot) -> LimitSnapshot:
+        """The ``adjust_limits`` answer for ``snapshot`` (``snapshot`` itself when no
+        plugin adjusts it). A plugin that fails is logged, and the measured limits hold."""
+        try:
+            judged = self.plugins.hook.adjust_limits(snapshot=snapshot)
+        except Exception:
+            log.exception("an adjust_limits plugin failed; judging by this process's own limits")
+            return snapshot
+        if judged is None:
+            return snapshot
+        if not isinstance(judged, LimitSnapshot):
+            log.error("an adjust_limits plugin answered %s, not a LimitSnapshot; judging by "
+                      "this process's own limits", type(judged).__name__)
+            return snapshot
+        return judged
 
     def fresh_snapshot(self) -> LimitSnapshot | None:
         """A snapshot whose memory was read after this call (the settle barrier of a

@@ -26,6 +26,10 @@ class CeilingBreakdown:
     own_footprint: int | None = None
     device_kind: str | None = None  # "metal", "cuda", "cgroup" or None
     notes: tuple[str, ...] = ()
+    #: where the limit that binds is when it is not this process's own ceiling (the
+    #: ``adjust_limits`` hook judged against memory elsewhere, e.g. another rank of a
+    #: distributed group), in words: refusals say it instead of the ceiling's name
+    elsewhere: str = ""
 
     def ceilings(self) -> dict[str, int]:
         return {name: value for name in CEILING_NAMES
@@ -253,9 +257,16 @@ class Rejection:
     def needed_bytes(self) -> int:
         return self.base_bytes + self.estimated_bytes
 
+    @property
+    def binds(self) -> str:
+        """What binds, in words (``""``: unknown)."""
+        if self.breakdown is not None and self.breakdown.elsewhere:
+            return self.breakdown.elsewhere
+        return f"{self.binding} ceiling binds" if self.binding else ""
+
     def summary(self) -> str:
         if self.detail and self.stage != "preflight":
-            return self.detail + (f" ({self.binding} ceiling binds)" if self.binding else "")
+            return self.detail + (f" ({self.binds})" if self.binds else "")
         limit = format_size(self.limit_bytes) if self.limit_bytes is not None else "unknown"
         text = (f"prefill of {self.prompt_tokens} tokens needs an estimated "
                 f"{format_size(self.estimated_bytes)}")
@@ -263,7 +274,7 @@ class Rejection:
             text += (f" on top of {format_size(self.base_bytes)} already in use "
                      f"({format_size(self.needed_bytes)} in all)")
         text += f", over the {limit} memory limit"
-        text += f" ({self.binding} ceiling binds)" if self.binding else ""
+        text += f" ({self.binds})" if self.binds else ""
         return text + (f"; {self.detail}" if self.detail else "")
 
 

@@ -14,6 +14,8 @@ What it provides through the public hooks:
 - ``preflight``: a request that can never fit on some rank is refused with a 413 naming
   the rank and its binding ceiling (every rank's readings are gathered on rank 0,
   :mod:`.rank_memory`);
+- ``adjust_limits``: rank 0's admission and forward gate judge against the tightest
+  rank (:func:`~.rank_memory.judged_limits`), and their refusals name it;
 - ``resolve_scheduler`` comes from the batched plugin (the engine is a batched one).
 
 Rank 0 serves HTTP; ``omlx-core serve`` on any other rank only follows. A rank that
@@ -81,16 +83,29 @@ def preflight(request: Any) -> None:
     board = BOARDS.get(request.model_id)
     if board is None or request.estimated_bytes is None:
         return
-    needed = request.estimated_bytes + request.margin_bytes
     for reading in board.readings():
         if reading.rank == 0 or reading.hard_bytes is None:
             continue  # rank 0's own guard checks rank 0
+        margin = max(request.margin_bytes, reading.margin_bytes)
+        needed = request.estimated_bytes + margin
         if reading.baseline_bytes + needed > reading.hard_bytes:
             raise RequestRejected(Rejection(
                 estimated_bytes=needed, limit_bytes=reading.hard_bytes, breakdown=None,
                 request_id=request.request_id, model_id=request.model_id,
                 prompt_tokens=request.prompt_tokens, stage="preflight",
                 base_bytes=reading.baseline_bytes, cause="never_fits",
-                margin_bytes=request.margin_bytes,
+                margin_bytes=margin,
                 detail=f"on rank {reading.rank} of {board.cluster.size}, whose "
                        f"{reading.binding} ceiling binds there"))
+
+
+@hookimpl
+def adjust_limits(snapshot: Any) -> Any:
+    from omlx_core.plugins.distributed.rank_memory import BOARDS
+
+    judged = None
+    for board in list(BOARDS.values()):
+        board.observe(snapshot)  # what this rank sends at the next gather
+        if board.cluster.leader and judged is None:
+            judged = board.judged(snapshot)
+    return judged

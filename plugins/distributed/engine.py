@@ -68,8 +68,10 @@ class DistributedEngine(BatchedEngine):
         args = getattr(lm, "args", None)
         self.vocab_size = int(getattr(args, "vocab_size", 0) or self.model.config.get("vocab_size")
                               or len(tokenizer))
+        from omlx_core.memory.ceilings import TierPolicy
+
         board = RankMemoryBoard(self.cluster, self.mode, _layers(self.model.config),
-                                lambda: self.scheduler.limits if self.scheduler else None)
+                                TierPolicy.from_config(self.host.config).admit_watermark)
         BOARDS[self.model.id] = board
         self.step_sync = CollectiveSteps(self.cluster, heartbeat_s=self.heartbeat_s,
                                          make_sequence=self._follow, on_stop=self._stop_following,
@@ -138,6 +140,13 @@ class DistributedEngine(BatchedEngine):
         stats.update(distributed_mode=self.mode, distributed_rank=self.cluster.rank,
                      distributed_ranks=self.cluster.size, distributed_error=self.cluster.dead,
                      distributed_exchanges=self.step_sync.exchanges if self.step_sync else 0)
+        board = BOARDS.get(self.model.id)
+        if board is not None and self.cluster.leader:
+            stats["distributed_memory"] = [
+                {"rank": r.rank, "hard_limit_bytes": r.hard_bytes, "binding_ceiling": r.binding,
+                 "baseline_bytes": r.baseline_bytes, "in_use_bytes": r.in_use_bytes,
+                 "margin_bytes": r.margin_bytes, "admit_watermark": round(r.admit_watermark, 4)}
+                for r in board.readings()]
         return stats
 
 

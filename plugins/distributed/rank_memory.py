@@ -1,11 +1,18 @@
 """Every rank's memory as rank 0 sees it, and what one rank's share of a request costs.
 
 Each rank's own memory guard probes its own machine and ceilings. Once per step (idle:
-once per heartbeat) every rank's latest limit snapshot is gathered onto rank 0 by a
-collective (:meth:`RankMemoryBoard.gather`, called from the step exchange). Rank 0's
-``preflight`` then refuses a request that can never fit on *any* rank with a 413
-naming that rank and its binding ceiling, and the estimator's answer for a sharded
-model is scaled to one rank's share (:func:`per_rank_estimate`).
+once per heartbeat) every rank's latest measured limit snapshot is gathered onto rank 0
+by a collective (:meth:`RankMemoryBoard.gather`, called from the step exchange). Rank
+0 judges against the tightest rank:
+
+- ``preflight`` refuses a request that can never fit on *any* rank with a 413 naming
+  that rank and its binding ceiling;
+- admission and the forward gate judge by :func:`judged_limits`: rank 0's snapshot
+  with the least headroom over the ranks in rank 0's terms (the ``adjust_limits``
+  hook hands it to rank 0's guard, which gives it to the admission ledger and to the
+  scheduler's forward gate);
+- the estimator's answer for a sharded model is scaled to one rank's share
+  (:func:`per_rank_estimate`), the same on every rank.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+
+from omlx_core.settings import format_size
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import LimitSnapshot, PeakEstimate
@@ -32,23 +41,58 @@ class RankMemory:
     baseline_bytes: int
     in_use_bytes: int
     binding: str
+    #: the transient margin that rank charges, and its admission watermark
+    margin_bytes: int = 0
+    admit_watermark: float = 1.0
+
+    @property
+    def forward_room(self) -> float:
+        """What a forward may add there now: hard - in use - margin (inf: no limit)."""
+        if self.hard_bytes is None:
+            return math.inf
+        return self.hard_bytes - self.in_use_bytes - self.margin_bytes
+
+    @property
+    def admission_budget(self) -> float:
+        """What running requests may reserve there in all: hard × watermark - baseline
+        - margin (inf: no limit)."""
+        if self.hard_bytes is None:
+            return math.inf
+        return (int(self.hard_bytes * self.admit_watermark) - self.baseline_bytes
+                - self.margin_bytes)
+
+    def describe(self, size: int) -> str:
+        hard = format_size(self.hard_bytes) if self.hard_bytes is not None else "no"
+        return (f"rank {self.rank} of {size}, whose {self.binding} ceiling ({hard}; "
+                f"{format_size(self.in_use_bytes)} in use there, "
+                f"{format_size(self.baseline_bytes)} idle)")
 
 
 class RankMemoryBoard:
     """The memory readings of every rank serving one model, and its split."""
 
     def __init__(self, cluster: Cluster, mode: str, layers: int,
-                 read: Callable[[], LimitSnapshot | None]) -> None:
+                 admit_watermark: float) -> None:
         self.cluster = cluster
         self.mode = mode
         self.layers = layers
-        self._read = read
+        #: this rank's admission watermark (its memory tier's)
+        self.admit_watermark = admit_watermark
         self._lock = threading.Lock()
         self.ranks: list[RankMemory] = []
+        #: this rank's latest measured snapshot (``adjust_limits`` sees each)
+        self.own: LimitSnapshot | None = None
+
+    def observe(self, snapshot: LimitSnapshot) -> None:
+        """This rank's guard measured ``snapshot`` (the enforcer's thread)."""
+        with self._lock:
+            self.own = snapshot
 
     def gather(self) -> None:
         """Collective: every rank sends its reading; rank 0 keeps them all."""
-        rows = self.cluster.gather(_encode(self._read()))
+        with self._lock:
+            own = self.own
+        rows = self.cluster.gather(_encode(own, self.admit_watermark))
         if self.cluster.leader:
             with self._lock:
                 self.ranks = [_decode(rank, row) for rank, row in enumerate(rows)]
@@ -56,6 +100,11 @@ class RankMemoryBoard:
     def readings(self) -> list[RankMemory]:
         with self._lock:
             return list(self.ranks)
+
+    def judged(self, snapshot: LimitSnapshot) -> LimitSnapshot | None:
+        """Rank 0's measured ``snapshot`` judged against every rank's latest reading
+        (:func:`judged_limits`); ``None`` where rank 0 binds."""
+        return judged_limits(snapshot, self.admit_watermark, self.readings(), self.cluster.size)
 
     @property
     def kv_share(self) -> float:
@@ -78,21 +127,67 @@ def per_rank_estimate(estimate: PeakEstimate, kv_share: float) -> PeakEstimate:
                    kv_bytes_per_token=math.ceil(estimate.kv_bytes_per_token * kv_share))
 
 
-def _encode(snapshot: LimitSnapshot | None) -> list[float]:
+def judged_limits(own: LimitSnapshot, admit_watermark: float, ranks: list[RankMemory],
+                  size: int) -> LimitSnapshot | None:
+    """Rank 0's snapshot ``own`` (its admission watermark ``admit_watermark``) with the
+    least headroom over ``ranks`` (the gathered readings; rank 0's own is ``own``),
+    expressed in rank 0's terms; ``None`` when rank 0 is the tightest for both.
+
+    - the forward gate compares memory in use on rank 0 now + estimate + margin with
+      ``hard_bytes``: that becomes rank 0's hard limit less how much less room the
+      tightest rank had at its last reading, ``min over r of (hard_r - in use_r -
+      margin_r)``, than rank 0 (so rank 0's use now plus the tightest room);
+    - admission's budget ``hard × watermark - baseline - margin`` becomes the least
+      over the ranks, ``min over r of (hard_r × watermark_r - baseline_r - margin_r)``,
+      through the baseline (the ledger still adds model loads and unloads to it);
+    - ``margin_bytes`` stays rank 0's, the least the gate and the ledger charge;
+    - the breakdown's ``elsewhere`` names the binding rank and its ceiling.
+    """
+    mine = RankMemory(rank=0, hard_bytes=own.hard_bytes, baseline_bytes=own.baseline_bytes,
+                      in_use_bytes=own.in_use_bytes, binding=own.binding_name or "unknown",
+                      margin_bytes=own.margin_bytes, admit_watermark=admit_watermark)
+    others = [r for r in ranks if r.rank != 0 and r.hard_bytes is not None]
+    if not others:
+        return None
+    forward = min(others, key=lambda r: r.forward_room)
+    admission = min(others, key=lambda r: r.admission_budget)
+    forward_binds = forward.forward_room < mine.forward_room
+    admission_binds = admission.admission_budget < mine.admission_budget
+    if not forward_binds and not admission_binds:
+        return None
+    # In rank 0's terms: its own use (read again by the gate) plus the least room.
+    hard = own.in_use_bytes + own.margin_bytes + int(
+        forward.forward_room if forward_binds else mine.forward_room)
+    budget = int(admission.admission_budget if admission_binds else mine.admission_budget)
+    baseline = int(hard * admit_watermark) - own.margin_bytes - budget
+    if forward_binds and admission_binds and forward.rank == admission.rank:
+        where = f"on {forward.describe(size)}, which binds admission and the forward gate"
+    else:
+        parts = [f"on {r.describe(size)}, which binds {what}"
+                 for r, what, binds in ((admission, "admission", admission_binds),
+                                        (forward, "the forward gate", forward_binds)) if binds]
+        where = "; ".join(parts)
+    breakdown = replace(own.breakdown, elsewhere=where)
+    return replace(own, hard_bytes=hard, baseline_bytes=baseline, breakdown=breakdown)
+
+
+def _encode(snapshot: LimitSnapshot | None, admit_watermark: float) -> list[float]:
     # float32 carries KiB exactly up to 16 GiB and within a KiB per 16 GiB past it.
     if snapshot is None:
-        return [-1.0, 0.0, 0.0] + [0.0] * _NAME_CHARS
+        return [-1.0, 0.0, 0.0, 0.0, admit_watermark] + [0.0] * _NAME_CHARS
     hard = -1.0 if snapshot.hard_bytes is None else snapshot.hard_bytes / _KIB
     name = (snapshot.breakdown.binding or "")[:_NAME_CHARS] if snapshot.breakdown else ""
-    return ([hard, snapshot.baseline_bytes / _KIB, snapshot.in_use_bytes / _KIB]
+    return ([hard, snapshot.baseline_bytes / _KIB, snapshot.in_use_bytes / _KIB,
+             snapshot.margin_bytes / _KIB, admit_watermark]
             + [float(ord(c)) for c in name.ljust(_NAME_CHARS, "\0")])
 
 
 def _decode(rank: int, row: list[Any]) -> RankMemory:
     hard = None if row[0] < 0 else int(row[0] * _KIB)
-    name = "".join(chr(int(c)) for c in row[3:] if int(c)).strip()
+    name = "".join(chr(int(c)) for c in row[5:] if int(c)).strip()
     return RankMemory(rank=rank, hard_bytes=hard, baseline_bytes=int(row[1] * _KIB),
-                      in_use_bytes=int(row[2] * _KIB), binding=name or "unknown")
+                      in_use_bytes=int(row[2] * _KIB), binding=name or "unknown",
+                      margin_bytes=int(row[3] * _KIB), admit_watermark=float(row[4]))
 
 
 #: the boards of the models this process serves distributed, by model id
