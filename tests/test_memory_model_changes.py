@@ -142,15 +142,23 @@ def per_token(query: PeakQuery) -> PeakEstimate:
     return PeakEstimate(transient_bytes=0, kv_bytes_per_token=MIB, kv_bytes=query.new_tokens * MIB)
 
 
-def test_the_forward_gate_counts_what_a_load_in_flight_will_take():
+def test_a_load_in_flight_is_judged_by_admission_not_again_by_the_forward_gate():
+    """A request admitted next to a load's claim has its room: the gate, which measures
+    memory now (the load's weights not read yet), does not count the claim again and
+    refuse a request running alone before its first token."""
     queue = ledger()
     usage = MemoryUsage(read_active=lambda: 200 * MIB, read_footprint=lambda: 0)
     gate = PrefillForwardGate(per_token, usage, 0, ledger=queue)
+    assert queue.try_claim("load:b", 400 * MIB)
+    ticket = queue.admit("r", 300 * MIB)  # 200 + 400 + 300 <= 1000: admitted
     step = PrefillStep(model_id="tiny", chunks=(PrefillChunk("r", 300, 0, 301),), decoding=0,
                        chunk_size=512, limits=snapshot(), model_config={"model_type": "llama"},
                        running=1)
     assert gate.check_prefill(step) == {}
-    assert queue.try_claim("load:b", 600 * MIB)
-    assert set(gate.check_prefill(step)) == {"r"}
-    queue.end_claim("load:b")
-    assert gate.check_prefill(step) == {}
+    # What does not fit next to the claim waits at admission instead.
+    waiter = admit_on_a_thread(queue, "late", 200 * MIB)
+    assert "ticket" not in waiter and queue.waiting == 1
+    queue.end_claim("load:b", 50 * MIB)
+    assert wait_for(lambda: "ticket" in waiter)
+    ticket.release()
+    waiter["ticket"].release()

@@ -19,9 +19,10 @@ projection adds ``2 x rows x (longest cached + longest new) x KV bytes per token
 so refusals of a shared forward are logged at DEBUG and not counted in
 ``refused_total``: only the second answer is final. Nor are refusals of a request
 while others of its engine run, logged at INFO: it waits for them, preempted.)
-Current use here adds what model loads in flight have claimed: a load reads its weights
-as one task on the MLX thread, so between forwards it has either not begun (none of its
-memory shows) or just ended (the pool then turns its claim into a baseline change).
+Model loads in flight are not counted here: a load claims its bytes in the admission
+ledger next to the requests' reservations, so what admission let run already has room
+beside it (counting a load not yet begun here refused a request running alone before
+its first token, with the room there).
 Admission keeps running requests inside the budget; the gate catches what drifted past
 it (estimates that undercounted, decode growth, memory taken by other processes).
 
@@ -149,7 +150,7 @@ class PrefillForwardGate(ForwardGate):
         hard = limits.hard_bytes
         self.transient_margin = self._margin_of(limits)
         self._binding = limits.binding_name or self._binding
-        current = self._in_use()
+        current = self._usage.high_water(record=True)
         earlier_kv = 0
         refused: dict[str, RequestRejected] = {}
         # Final refusals: of forwards run alone, of a request running alone. A shared
@@ -169,7 +170,7 @@ class PrefillForwardGate(ForwardGate):
             total = sum(estimate.total for estimate in estimates) + copy
             projected = current + earlier_kv + total + self.transient_margin
             if projected > hard and self._make_room(projected - hard):
-                current = self._in_use()
+                current = self._usage.high_water(record=True)
                 projected = current + earlier_kv + total + self.transient_margin
             if projected > hard:
                 for chunk in forward:
@@ -235,19 +236,10 @@ class PrefillForwardGate(ForwardGate):
     def _decode_fits(self, needed: int, hard: int) -> bool:
         """Whether ``needed`` bytes fit on top of memory in use now (after reclaiming
         caches when they do not)."""
-        current = self._in_use()
+        current = self._usage.high_water(record=True)
         if current + needed > hard and self._make_room(current + needed - hard):
-            current = self._in_use()
+            current = self._usage.high_water(record=True)
         return current + needed <= hard
-
-    def _loading_bytes(self) -> int:
-        """What model loads in flight have claimed in the ledger."""
-        return self._ledger.claimed_bytes if self._ledger is not None else 0
-
-    def _in_use(self) -> int:
-        """Memory in use now (its recent high-water mark) plus what model loads in
-        flight have claimed and not yet taken."""
-        return self._usage.high_water(record=True) + self._loading_bytes()
 
     def may_resume(self, request_id: str) -> bool:
         return self._ledger is None or self._ledger.resume(request_id)
