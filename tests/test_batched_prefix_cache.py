@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx_core.kvblocks import BlockStore
+from omlx_core.kvblocks import BlockStore, StoredBlock
 from omlx_core.plugins.batched.cache_layout import CacheLayout
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched.prefix_cache import (TAILS_PER_PREFIX, CachedBlock, CachedTail, PrefixCache,
@@ -35,6 +35,10 @@ class DictStore(BlockStore):
 
     def get(self, block_hash: bytes) -> CachedBlock | None:
         return self.blocks.get(block_hash)
+
+    def describe(self, block_hash: bytes) -> StoredBlock | None:
+        block = self.blocks.get(block_hash)
+        return None if block is None else StoredBlock(block.nbytes, block.boundary is not None)
 
     def put(self, block: CachedBlock) -> None:
         self.blocks[block.block_hash] = block
