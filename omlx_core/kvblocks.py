@@ -50,6 +50,19 @@ class CachedBlock:
         return (self.index + 1) * self.block_size
 
 
+@dataclass(frozen=True)
+class StoredBlock:
+    """What a lower tier says of a block it holds, before reading it: what reading it
+    would bring into memory, so that the memory can be asked for first."""
+
+    #: bytes a :meth:`BlockStore.get` of the block brings into memory (its keys and
+    #: values and its boundary state), or more: never less
+    nbytes: int
+    #: whether it carries a boundary state (for a model with layers that cannot be cut,
+    #: a request may resume only right after such a block)
+    has_boundary: bool = False
+
+
 @dataclass(frozen=True, eq=False)
 class CachedTail:
     """Tokens after a prefix's last full block, with their keys and values per layer."""
@@ -66,9 +79,10 @@ class BlockStore(ABC):
     """A lower cache tier (e.g. a paged SSD store) behind the in-memory prefix cache.
 
     Everything the prefix cache asks of a tier is declared here; a tier subclasses this
-    and overrides what it keeps. ``get`` and ``put`` have no neutral answer and must be
-    written. The others default to what is true of a tier that keeps no such state:
-    no recency order (:meth:`touch` changes nothing), no token ids (:meth:`continuations`
+    and overrides what it keeps. ``get``, ``describe`` and ``put`` have no neutral answer
+    and must be written: a block is read only once the memory it takes, which
+    ``describe`` says without reading it, has been asked for. The others default to what
+    is true of a tier that keeps no such state: no recency order (:meth:`touch` changes nothing), no token ids (:meth:`continuations`
     offers none), no write queue (:meth:`pending_bytes` and :meth:`drop_pending` hold and
     free nothing), no counters (:meth:`stats` is empty).
 
@@ -80,6 +94,12 @@ class BlockStore(ABC):
     def get(self, block_hash: bytes) -> CachedBlock | None:
         """The block with this hash, or ``None`` when the tier does not hold it (or holds
         it unusable)."""
+
+    @abstractmethod
+    def describe(self, block_hash: bytes) -> StoredBlock | None:
+        """What a :meth:`get` of this block would bring into memory, without reading it;
+        ``None`` when the tier does not hold it. Cheap: asked for every block of a
+        prompt's cached chain before any is read."""
 
     @abstractmethod
     def put(self, block: CachedBlock) -> None:
@@ -112,4 +132,4 @@ class BlockStore(ABC):
         return {}
 
 
-__all__ = ["BlockStore", "CachedBlock", "CachedTail"]
+__all__ = ["BlockStore", "CachedBlock", "CachedTail", "StoredBlock"]

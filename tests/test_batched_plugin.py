@@ -6,7 +6,7 @@ from omlx_core.bootstrap import build_host
 from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.hookspecs import hookimpl
-from omlx_core.kvblocks import BlockStore
+from omlx_core.kvblocks import BlockStore, StoredBlock
 from omlx_core.models.registry import spec_for_path
 from omlx_core.pluginmanager import build_plugin_manager
 from omlx_core.plugins.batched import BatchedEngine, PrefixCache, Scheduler
@@ -40,6 +40,10 @@ class DictTier(BlockStore):
 
     def get(self, block_hash):
         return self.blocks.get(block_hash)
+
+    def describe(self, block_hash):
+        block = self.blocks.get(block_hash)
+        return None if block is None else StoredBlock(block.nbytes, block.boundary is not None)
 
     def put(self, block):
         self.blocks[block.block_hash] = block

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx_core.kvblocks import BlockStore
+from omlx_core.kvblocks import BlockStore, StoredBlock
 from omlx_core.plugins.batched.cache_layout import CacheLayout
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched.prefix_cache import (TAILS_PER_PREFIX, CachedBlock, CachedTail, PrefixCache,
@@ -35,6 +35,10 @@ class DictStore(BlockStore):
 
     def get(self, block_hash: bytes) -> CachedBlock | None:
         return self.blocks.get(block_hash)
+
+    def describe(self, block_hash: bytes) -> StoredBlock | None:
+        block = self.blocks.get(block_hash)
+        return None if block is None else StoredBlock(block.nbytes, block.boundary is not None)
 
     def put(self, block: CachedBlock) -> None:
         self.blocks[block.block_hash] = block
@@ -349,3 +353,31 @@ def test_a_cached_block_is_reused_up_to_the_first_token_that_differs(tiny_model_
         assert tokens == cold
     finally:
         engine.shutdown()
+
+
+def test_matching_a_prefix_reads_and_counts_nothing_until_it_is_reused():
+    """What the lower tier holds is described, not read: the memory it takes is asked for
+    first (plugins/batched/prefix_restore.py). A block read back is not kept here too."""
+    class CountingStore(DictStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads = 0
+
+        def get(self, block_hash):
+            self.reads += 1
+            return super().get(block_hash)
+
+    cache = PrefixCache(BLOCK, 250, "m")
+    store = CountingStore()
+    cache.attach_lower(store)
+    tokens = list(range(12))
+    cache.insert(blocks_for(cache, tokens))  # the third does not fit: the store alone has it
+    match = cache.match_prefix(cache.hashes(tokens), tokens)
+    assert [b is not None for b in match.held] == [True, True, False]
+    assert match.stored[2].nbytes == 100 and store.reads == 0
+    assert cache.stats()["hits"] == cache.stats()["misses"] == 0
+    blocks = list(cache.blocks_of(match, 3))
+    assert [b.index for b in blocks] == [0, 1, 2] and store.reads == 1
+    cache.record_reuse(match, 3)
+    assert cache.stats()["hits"] == 1 and cache.stats()["tokens_saved"] == 12
+    assert cache.peek(cache.hashes(tokens)) == 2  # not promoted: the reader holds it

@@ -12,7 +12,7 @@ import pytest
 from omlx_core.bootstrap import load_setup, start_engines, stop_engines
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.hookspecs import hookimpl
-from omlx_core.kvblocks import BlockStore
+from omlx_core.kvblocks import BlockStore, StoredBlock
 from omlx_core.memory.gate import ForwardGate
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.serving import Job, ServingPipeline
@@ -30,6 +30,10 @@ class DictTier(BlockStore):
 
     def get(self, block_hash):
         return self.blocks.get(block_hash)
+
+    def describe(self, block_hash):
+        block = self.blocks.get(block_hash)
+        return None if block is None else StoredBlock(block.nbytes, block.boundary is not None)
 
     def put(self, block):
         self.blocks[block.block_hash] = block

@@ -21,7 +21,7 @@ from omlx_core.memory.usage import MemoryUsage
 from omlx_core.pluginmanager import PluginManager
 from omlx_core.plugins import advice as advice_plugin
 from omlx_core.plugins import memory_guard as memory_guard_plugin
-from omlx_core.memory.gate import PrefillChunk, PrefillStep
+from omlx_core.memory.gate import CacheRestore, PrefillChunk, PrefillStep
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.plugins.batched import resolve_scheduler as batched_resolve_scheduler
 from omlx_core.models.registry import spec_for_path
@@ -180,6 +180,40 @@ def test_no_limits_lets_chunks_run_and_warns_once(caplog):
         assert gate.check_prefill(step(chunk("a", 10**6), hard=None)) == {}
         assert gate.check_prefill(step(chunk("b", 10**6), hard=None)) == {}
     assert sum("no memory limit yet" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- restoring cached KV -----------------------------------------------------------------------
+
+
+def restore(nbytes: int, hard: int | None) -> CacheRestore:
+    return CacheRestore("tiny", "r", nbytes, limits(hard) if hard is not None else None)
+
+
+def test_a_restore_gets_the_room_under_the_limit_less_the_margin():
+    gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
+    # 200 MiB limit - 100 MiB in use - 16 MiB margin: 84 MiB fit, whatever is asked.
+    assert gate.room_for_restore(restore(10 * MIB, 200 * MIB)) == 84 * MIB
+    assert gate.room_for_restore(restore(90 * MIB, 200 * MIB)) == 84 * MIB
+    assert gate.room_for_restore(restore(10 * MIB, 110 * MIB)) == 0  # none, never less
+    assert gate.room_for_restore(restore(10**12, None)) == 10**12  # no limit yet: all of it
+
+
+def test_a_restore_that_does_not_fit_reclaims_caches_first():
+    in_use = [RESIDENT + 50 * MIB]  # 50 MiB of it cached blocks
+    asked: list[int] = []
+
+    def reclaim(nbytes: int) -> int:
+        asked.append(nbytes)
+        in_use[0] = RESIDENT
+        usage.forget_recent()  # as the guard's reclaim does: the memory is gone
+        return 50 * MIB
+
+    usage = MemoryUsage(read_active=lambda: in_use[0], read_footprint=lambda: 0)
+    gate = PrefillForwardGate(per_token, usage, MARGIN, reclaim=reclaim)
+    assert gate.room_for_restore(restore(30 * MIB, 200 * MIB)) == 34 * MIB
+    assert asked == []  # it fits: nothing is given back for it
+    assert gate.room_for_restore(restore(60 * MIB, 200 * MIB)) == 84 * MIB
+    assert asked == [26 * MIB]
 
 
 def test_no_estimate_refuses_rather_than_guessing():

@@ -539,7 +539,7 @@ def test_the_ssd_store_implements_every_block_store_method():
             list(inspect.signature(vars(BlockStore)[name]).parameters), name
 
 
-def test_prefix_cache_writes_through_and_promotes_from_disk(tmp_path):
+def test_prefix_cache_writes_through_and_reads_back_from_disk_without_a_second_copy(tmp_path):
     store = make_store(tmp_path)
     memory = PrefixCache(BLOCK, 1 << 20, "m")
     memory.attach_lower(store)
@@ -554,7 +554,11 @@ def test_prefix_cache_writes_through_and_promotes_from_disk(tmp_path):
     found = fresh.lookup(hashes)
     assert [b.index for b in found] == [0, 1, 2]
     assert fresh.stats()["lower"]["loads"] == 3
-    assert fresh.peek(hashes) == 3  # promoted into memory
+    # The caller holds what was read (it becomes a request's own KV): memory keeps no
+    # second copy of it, and the disk keeps serving it.
+    assert fresh.peek(hashes) == 0 and fresh.nbytes == 0
+    assert [b.index for b in fresh.lookup(hashes)] == [0, 1, 2]
+    assert fresh.stats()["lower"]["loads"] == 6
     store.close()
 
 
@@ -702,11 +706,12 @@ def test_a_restarted_cache_reuses_part_of_a_block_only_the_disk_holds(tmp_path):
     # The keys and values are the block's own, read back from disk.
     assert np.array_equal(np.array(tail.kv[0][1]), np.array(blocks[1].kv[0][1]))
     assert restarted.stats()["loads"] == 2
-    # A prompt sharing no token of a continuation reads nothing more.
+    # A prompt sharing no token of a continuation reads its first block only (memory
+    # kept no copy of what was read).
     other = tokens[:BLOCK] + [9] * (BLOCK + 1)
     found, tail, shared = fresh.lookup_prefix(fresh.hashes(other), other)
     assert [b.index for b in found] == [0] and shared == 0
-    assert restarted.stats()["loads"] == 2
+    assert restarted.stats()["loads"] == 3
     restarted.close()
 
 

@@ -31,6 +31,13 @@ has run: if the high-water use then passes the hard limit even with the caches
 emptied, the request whose chunk just ran (of a shared forward, the one holding the
 most KV) is stopped, its cache freed, before it grows any further.
 
+:meth:`PrefillForwardGate.room_for_restore` answers, before a request's cached prefix
+is copied into its own cache (blocks of a lower tier read on the way), how many of the
+bytes that brings in fit now: memory in use plus them plus the margin under the hard
+limit, after reclaiming caches if they do not fit. What does not fit is not read: the
+request reuses a shorter prefix and prefills the rest, chunk by chunk, through the
+check above.
+
 :meth:`PrefillForwardGate.check_decode` budgets decode growth in blocks of ``KV_STEP``
 tokens (mlx's KV caches grow that way). Oldest request first, each request whose KV
 is about to pass what its reservation covers grows it to the next block boundary (at
@@ -50,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from omlx_core.memory.gate import (
     UNLIMITED_TOKENS,
+    CacheRestore,
     DecodePlan,
     DecodeStep,
     ForwardGate,
@@ -232,6 +240,23 @@ class PrefillForwardGate(ForwardGate):
         """The transient margin charged under ``limits``: the tier's for its hard limit,
         at least the snapshot's own (an adjusted snapshot keeps the margin measured)."""
         return max(self._margin(limits.hard_bytes or 0), limits.margin_bytes)
+
+    def room_for_restore(self, restore: CacheRestore) -> int:
+        """The bytes that fit now under the hard limit, less the margin, on top of memory
+        in use: the caches are reclaimed first when ``restore.nbytes`` do not fit."""
+        limits = restore.limits
+        if limits is None or limits.hard_bytes is None:
+            return restore.nbytes
+        hard = limits.hard_bytes
+        margin = self._margin_of(limits)
+        room = hard - margin - self._usage.high_water(record=True)
+        if room < restore.nbytes and self._make_room(restore.nbytes - room):
+            room = hard - margin - self._usage.high_water(record=True)
+        if room < restore.nbytes:
+            log.debug("room for %s of the %s a cached prefix of request %s (model %r) takes: "
+                      "it reuses less of it", format_size(max(0, room)),
+                      format_size(restore.nbytes), restore.request_id, restore.model_id)
+        return max(0, room)
 
     def _decode_fits(self, needed: int, hard: int) -> bool:
         """Whether ``needed`` bytes fit on top of memory in use now (after reclaiming

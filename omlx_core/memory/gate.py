@@ -47,6 +47,15 @@ when it may prefill its prompt and completion so far again and go on. Its client
 only a pause. The default implementations allow everything: a gate that does not
 budget decode never preempts.
 
+**Restoring cached KV.** A request that starts from a cached prefix gets its own copy
+of that prefix's KV before any forward, and blocks of a lower tier (the SSD cache) are
+read into memory to make it. Before anything is read or copied, the scheduler asks
+``gate.room_for_restore(restore)`` with the bytes the restore brings in
+(:class:`CacheRestore`); the gate answers how many of them fit now (after reclaiming
+caches if they do not) and the scheduler reuses the longest prefix that fits in that,
+or none: the request then prefills more, and its chunks are judged like any other.
+The default lets everything in.
+
 **Post-forward backstop.** ``gate.check_after_prefill(step)`` is called once after each
 forward is evaluated (and mlx's buffer cache emptied), with a :class:`PrefillStep`
 holding that forward's chunks. Of the ids it returns, the one whose request holds the
@@ -107,6 +116,19 @@ Refusals = Mapping[str, "RequestRejected"]
 
 
 @dataclass(frozen=True)
+class CacheRestore:
+    """A request about to start from cached KV, before any of it is read or copied."""
+
+    model_id: str
+    request_id: str
+    #: bytes the restore brings into memory if all of the cached prefix is reused: the
+    #: request's own copy of its KV (in whole cache growth steps) and, while each is
+    #: copied, the largest block read from a lower tier
+    nbytes: int
+    limits: LimitSnapshot | None = None
+
+
+@dataclass(frozen=True)
 class DecodeRow:
     """One request in the decode batch."""
 
@@ -163,6 +185,12 @@ class ForwardGate(abc.ABC):
         """Whether a preempted request may prefill again and rejoin the batch now."""
         return True
 
+    def room_for_restore(self, restore: CacheRestore) -> int:
+        """How many of ``restore.nbytes`` may be brought into memory now (all of them
+        when the answer is at least that): the scheduler reuses no more of the cached
+        prefix than fits. The default lets everything in."""
+        return restore.nbytes
+
     def suspend(self, request_id: str) -> None:
         """The scheduler preempted ``request_id`` on its own (a refused resume prefill):
         it holds no memory until :meth:`may_resume` lets it back."""
@@ -185,5 +213,5 @@ class MemoryReceiver(abc.ABC):
         """Install (or with ``None`` remove) the gate asked before prefill forwards."""
 
 
-__all__ = ["DecodePlan", "DecodeRow", "DecodeStep", "ForwardGate", "MemoryReceiver", "PrefillChunk",
-           "PrefillStep", "Refusals", "UNLIMITED_TOKENS"]
+__all__ = ["CacheRestore", "DecodePlan", "DecodeRow", "DecodeStep", "ForwardGate", "MemoryReceiver",
+           "PrefillChunk", "PrefillStep", "Refusals", "UNLIMITED_TOKENS"]

@@ -58,6 +58,10 @@ class BlockLRU:
         """The block with this hash, without refreshing it."""
         return self._blocks.get(block_hash)
 
+    def holds_tail(self, key: TailKey) -> bool:
+        """Whether the tail under ``key`` is held."""
+        return key in self._tails
+
     # -- keeping -----------------------------------------------------------------------
 
     def add(self, block: CachedBlock) -> bool:

@@ -56,7 +56,7 @@ class CacheLayout:
 
     def __init__(self, model: Any) -> None:
         self._model = model
-        template = make_prompt_cache(model)
+        self._template = template = make_prompt_cache(model)
         self.cuttable = tuple(_is_cuttable(layer) for layer in template)
         self.layer_types = tuple(type(layer).__name__ for layer in template)
 
@@ -112,6 +112,57 @@ class CacheLayout:
         return CachedTail(parent_hash, tuple(int(t) for t in tokens), kv,
                           sum(a.nbytes for a in arrays))
 
+    def capacity(self, tokens: int) -> int:
+        """Tokens a restored cache holding ``tokens`` has room for: up to its cuttable
+        layers' next growth step (:meth:`write`)."""
+        step = self._step
+        return (tokens // step + 1) * step
+
+    @property
+    def _step(self) -> int:
+        return next((layer.step for layer, cuttable in zip(self._template, self.cuttable) if cuttable),
+                    KVCache.step)
+
+    def write(self, cache: Sequence[Any], kv: tuple[Any, ...], start: int, tokens: int,
+              end: int) -> None:
+        """Copy the first ``tokens`` tokens of ``kv`` (a block's or a tail's keys and
+        values per layer) into the cuttable layers of ``cache`` at token ``start``, and
+        evaluate the copy, so that ``kv`` can be dropped before the next one is read: a
+        cache restored block by block holds each block's KV once, in its own buffer.
+        The first write allocates that buffer for ``end`` tokens, with room up to the
+        next growth step (:meth:`capacity`), in the same copy: the next forward writes
+        into it instead of copying the whole prefix again to grow (a prefix hit's first
+        token took 30 % less time)."""
+        written = []
+        for layer, cuttable, pair in zip(cache, self.cuttable, kv):
+            if not cuttable:
+                continue
+            keys, values = pair
+            if layer.keys is None:
+                shape = (*keys.shape[:2], self.capacity(end))
+                layer.keys = mx.zeros((*shape, keys.shape[3]), keys.dtype)
+                layer.values = mx.zeros((*shape, values.shape[3]), values.dtype)
+            layer.keys[..., start:start + tokens, :] = keys[..., :tokens, :]
+            layer.values[..., start:start + tokens, :] = values[..., :tokens, :]
+            written += [layer.keys, layer.values]
+        mx.eval(written)
+
+    def finish(self, cache: list[Any], end: int, boundary: tuple[Any, ...] | None) -> list[Any]:
+        """Close a restore (:meth:`write`) at ``end`` tokens; the non-cuttable layers
+        take ``boundary``, the state at that token (``None``: leave them empty)."""
+        adopted = []
+        for index, cuttable in enumerate(self.cuttable):
+            if cuttable:
+                if cache[index].keys is not None:
+                    cache[index].offset = end
+            elif boundary is not None:
+                # Arrays are immutable values in mlx, so the stored state can be shared;
+                # only the containers the cache mutates in place are copied.
+                cache[index] = _map_arrays(boundary[index], lambda a: a)
+                adopted += _arrays(cache[index])
+        mx.eval(adopted)  # read back from a lower tier, they may not be loaded yet
+        return cache
+
     def restore(self, blocks: Sequence[CachedBlock], tail: CachedTail | None = None,
                 tail_tokens: int = 0) -> list[Any]:
         """A fresh cache holding the prefix ``blocks`` cover (the last must be a reusable
@@ -126,27 +177,10 @@ class CacheLayout:
         last = blocks[-1] if blocks else None
         if last is not None and not last.reusable_end:
             raise ValueError("cannot resume after a block that has no boundary state")
-        end = (last.end_token if last is not None else 0) + tail_tokens
-        for layer_index, cuttable in enumerate(self.cuttable):
-            if cuttable:
-                layer = cache[layer_index]
-                keys = [b.kv[layer_index][0] for b in blocks]
-                values = [b.kv[layer_index][1] for b in blocks]
-                if tail is not None:
-                    keys.append(tail.kv[layer_index][0][..., :tail_tokens, :])
-                    values.append(tail.kv[layer_index][1][..., :tail_tokens, :])
-                # Room up to the cache's next growth step, in the same copy: the next
-                # forward writes into it instead of copying the whole prefix again to
-                # grow (a prefix hit's first token took 30 % less time).
-                room = layer.step - end % layer.step
-                keys.append(mx.zeros((*keys[0].shape[:2], room, keys[0].shape[3]), keys[0].dtype))
-                values.append(mx.zeros((*values[0].shape[:2], room, values[0].shape[3]),
-                                       values[0].dtype))
-                layer.keys = mx.concatenate(keys, axis=2)
-                layer.values = mx.concatenate(values, axis=2)
-                layer.offset = end
-            elif last is not None:
-                # Arrays are immutable values in mlx, so the stored state can be shared;
-                # only the containers the cache mutates in place are copied.
-                cache[layer_index] = _map_arrays(last.boundary[layer_index], lambda a: a)
-        return cache
+        start = last.end_token if last is not None else 0
+        end = start + tail_tokens
+        for block in blocks:
+            self.write(cache, block.kv, block.index * block.block_size, block.block_size, end)
+        if tail is not None:
+            self.write(cache, tail.kv, start, tail_tokens, end)
+        return self.finish(cache, end, last.boundary if last is not None else None)

@@ -18,11 +18,16 @@ Tiers: a slower store (the paged SSD cache of the ``ssd_cache`` plugin) can sit
 behind this one through :meth:`PrefixCache.attach_lower`. It implements
 :class:`~omlx_core.kvblocks.BlockStore`. Writes go through: every block stored here is
 offered to it at once (so a restart finds it), and again when evicted here (the store
-keeps the better copy, e.g. one that gained a boundary state). A lookup that misses here
-asks it, and a block found there is promoted back. The store is told of every chain
-stored or found here (:meth:`~omlx_core.kvblocks.BlockStore.touch`, root to leaf), so
-its own LRU follows use. Calls to the store are made outside this cache's lock: a disk
-read or a full write queue never stalls a concurrent :meth:`PrefixCache.peek`.
+keeps the better copy, e.g. one that gained a boundary state). Finding a prefix
+(:meth:`PrefixCache.match_prefix`) reads nothing: past what memory holds, the store
+*describes* the blocks it holds (what reading each brings into memory), so the memory
+can be asked for before any is read (:mod:`.prefix_restore`). A block read back
+(:meth:`PrefixCache.blocks_of`) goes into the request's own cache and is not kept here
+as well: its KV is held once, by the request, and the blocks that request computes are
+stored here as any request's are. The store is told of every chain stored or reused
+(:meth:`~omlx_core.kvblocks.BlockStore.touch`, root to leaf), so its own LRU follows
+use. Calls to the store are made outside this cache's lock: a disk read or a full
+write queue never stalls a concurrent :meth:`PrefixCache.peek`.
 
 **Tails and partial blocks: reuse to the token.** For models whose every layer can be
 cut, the tokens after a prefix's last full block (a finished request's
@@ -41,12 +46,44 @@ its parent (:meth:`~omlx_core.kvblocks.BlockStore.continuations`).
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
 
-from omlx_core.kvblocks import BlockStore, CachedBlock, CachedTail
+from omlx_core.kvblocks import BlockStore, CachedBlock, CachedTail, StoredBlock
 from omlx_core.plugins.batched.block_hashes import (HASH_BYTES, chain_hashes, common_prefix_length,
                                                      partial_hash, root_hash)
 from omlx_core.plugins.batched.block_lru import TAILS_PER_PREFIX, BlockLRU
+
+
+@dataclass
+class PrefixMatch:
+    """The longest cached prefix of a prompt, found without reading a block
+    (:meth:`PrefixCache.match_prefix`). Per block of the chain, root first, up to the
+    last one a request may resume after: its hash, the block when memory holds it
+    (``None``: only the lower tier does), and what reading it from the lower tier brings
+    into memory (``None`` for a block in memory)."""
+
+    hashes: list[bytes] = field(default_factory=list)
+    held: list[CachedBlock | None] = field(default_factory=list)
+    stored: list[StoredBlock | None] = field(default_factory=list)
+    #: per block: whether a request may resume right after it
+    ends: list[bool] = field(default_factory=list)
+    #: leading tokens after the whole chain that a continuation shares with the prompt
+    tail_tokens: int = 0
+    #: that continuation when memory holds it (a tail, or a block reused in part) ...
+    tail: CachedTail | None = None
+    #: ... or the lower tier's block it is, and what reading it brings in
+    tail_hash: bytes | None = None
+    tail_stored: StoredBlock | None = None
+    #: what memory holds it as (refreshed when the tail is reused)
+    tail_entry: CachedTail | CachedBlock | None = None
+
+    def truncate(self, blocks: int) -> None:
+        """Keep the first ``blocks`` blocks and no continuation."""
+        for part in (self.hashes, self.held, self.stored, self.ends):
+            del part[blocks:]
+        self.tail_tokens, self.tail, self.tail_hash, self.tail_stored, self.tail_entry = (
+            0, None, None, None, None)
 
 
 class PrefixCache:
@@ -100,40 +137,119 @@ class PrefixCache:
 
     # -- blocks ------------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[bytes]) -> list[CachedBlock]:
-        """The longest reusable cached prefix of the chain ``hashes``; counts a hit or miss."""
+    def match_prefix(self, hashes: Sequence[bytes], tokens: Sequence[int] = (), *,
+                     needs_boundaries: bool = False) -> PrefixMatch:
+        """The longest reusable cached prefix of ``tokens`` (``hashes``: the chain of
+        their full blocks), and the continuation after it sharing the most of the tokens
+        that follow, found without reading, counting or refreshing anything: blocks in
+        memory, then those the lower tier describes. For a model with layers that cannot
+        be cut (``needs_boundaries``), a prefix may end at a lower-tier block only if it
+        has a boundary state."""
+        match = PrefixMatch()
         if not self.enabled:
-            return []
-        found: list[CachedBlock] = []
+            return match
         with self._lock:
             lower = self._lower
-            for block_hash in hashes:
-                block = self._held.block(block_hash)
-                if block is None:
+            in_memory = [self._held.block(block_hash) for block_hash in hashes]
+        for block_hash, block in zip(hashes, in_memory):
+            stored = None
+            if block is None:
+                stored = lower.describe(block_hash) if lower is not None else None
+                if stored is None:
                     break
-                found.append(block)
-        if lower is not None:
-            for block_hash in hashes[len(found):]:
-                block = self.get(block_hash) or lower.get(block_hash)
-                if block is None:
-                    break
-                found.append(block)
-        chain = [b.block_hash for b in found]
+            match.hashes.append(block_hash)
+            match.held.append(block)
+            match.stored.append(stored)
+            match.ends.append(block.reusable_end if block is not None
+                              else stored.has_boundary or not needs_boundaries)  # type: ignore[union-attr]
+        while match.ends and not match.ends[-1]:
+            match.truncate(len(match.ends) - 1)
+        rest = tokens[len(match.hashes) * self.block_size:]
+        if rest:
+            self._match_continuation(match, rest, lower)
+        return match
+
+    def _match_continuation(self, match: PrefixMatch, tokens: Sequence[int],
+                            lower: BlockStore | None) -> None:
+        """The continuation under ``match``'s last block sharing the most leading
+        ``tokens``: memory's best, or the lower tier's block when it shares more."""
+        parent = match.hashes[-1] if match.hashes else self.root
         with self._lock:
-            for block in found:
-                if self._held.block(block.block_hash) is not block:
-                    self._held.add(block)
+            best, shared = self._held.best_continuation(parent, tokens)
+        if best is not None:
+            match.tail_entry, match.tail_tokens = best, shared
+            match.tail = best if isinstance(best, CachedTail) else CachedTail(
+                best.parent_hash, best.tokens, best.kv, 0)
+        if lower is None:
+            return
+        for block_hash, block_tokens in lower.continuations(parent):
+            n = common_prefix_length(block_tokens, tokens)
+            if n > match.tail_tokens and self.get(block_hash) is None:
+                stored = lower.describe(block_hash)
+                if stored is not None:
+                    match.tail, match.tail_entry = None, None
+                    match.tail_hash, match.tail_stored, match.tail_tokens = block_hash, stored, n
+
+    def read(self, block_hash: bytes) -> CachedBlock | None:
+        """The lower tier's block, read now (``None``: absent or unusable); not kept here.
+        Ask for the memory :meth:`match_prefix` says it takes first."""
+        with self._lock:
+            lower = self._lower
+        return lower.get(block_hash) if lower is not None else None
+
+    def blocks_of(self, match: PrefixMatch, count: int) -> Iterator[CachedBlock]:
+        """The first ``count`` blocks of ``match``, each of the lower tier read only when
+        the iteration reaches it; ends early at one that cannot be read."""
+        for block_hash, block in zip(match.hashes[:count], match.held[:count]):
+            block = block or self.read(block_hash)
+            if block is None:
+                return
+            yield block
+
+    def tail_of(self, match: PrefixMatch) -> CachedTail | None:
+        """``match``'s continuation, read from the lower tier when only it holds it."""
+        if match.tail is not None or match.tail_hash is None:
+            return match.tail
+        block = self.read(match.tail_hash)
+        if block is None or not block.partially_reusable:
+            return None
+        return CachedTail(block.parent_hash, block.tokens, block.kv, block.nbytes)
+
+    def record_reuse(self, match: PrefixMatch, blocks: int, tail_tokens: int = 0) -> None:
+        """Count a request's reuse of ``match``'s first ``blocks`` blocks and then
+        ``tail_tokens`` of its continuation (a hit, or a miss when no block), and
+        refresh them, here and in the lower tier."""
+        if not self.enabled:
+            return
+        chain = match.hashes[:blocks]
+        with self._lock:
+            lower = self._lower
             self._held.touch_chain(chain)
-            evicted = self._held.evict()
-            while found and not found[-1].reusable_end:
-                found.pop()
-            if found:
+            if blocks:
                 self.hits += 1
-                self.tokens_saved += len(found) * self.block_size
+                self.tokens_saved += blocks * self.block_size
             else:
                 self.misses += 1
-        self._write_through(lower, evicted, chain)
-        return found
+            if tail_tokens:
+                self.tail_hits += 1
+                self.tokens_saved += tail_tokens
+                self._touch_continuation(match.tail_entry)
+        if lower is not None and chain:
+            lower.touch(list(chain))
+
+    def _touch_continuation(self, entry: CachedTail | CachedBlock | None) -> None:
+        """Refresh a reused continuation still held here (under the lock)."""
+        if isinstance(entry, CachedBlock):
+            if self._held.block(entry.block_hash) is entry:
+                self._held.touch_block_and_above(entry)
+        elif entry is not None and self._held.holds_tail((entry.parent_hash, entry.tokens)):
+            self._held.touch_tail((entry.parent_hash, entry.tokens))
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[CachedBlock]:
+        """The longest reusable cached prefix of the chain ``hashes``, every block of it
+        read (with no memory asked for: :mod:`.prefix_restore` asks); counts a hit or
+        miss."""
+        return self.lookup_prefix(hashes, ())[0]
 
     def peek(self, hashes: Sequence[bytes]) -> int:
         """How many blocks :meth:`lookup` would reuse now from memory; changes nothing."""
@@ -188,30 +304,35 @@ class PrefixCache:
 
     # -- tails -------------------------------------------------------------------------
 
-    def insert_tail(self, tail: CachedTail) -> None:
+    def insert_tail(self, tail: CachedTail, index: int | None = None) -> None:
         """Keep ``tail`` unless a tail already kept under its prefix starts with all of it,
         and offer it to the lower tier as a partial block (so a restarted server reuses a
-        repeated prompt to the token)."""
+        repeated prompt to the token). ``index``: the full blocks before it, when known."""
         if not self.enabled or not tail.tokens or tail.nbytes > self.budget_bytes:
             return
-        self._offer_tail(tail)
+        self._offer_tail(tail, index)
         with self._lock:
             self._held.add_tail(tail)
             evicted = self._held.evict()
             lower = self._lower
         self._write_through(lower, evicted)
 
-    def _offer_tail(self, tail: CachedTail) -> None:
+    def _offer_tail(self, tail: CachedTail, index: int | None) -> None:
         """Hand ``tail`` to the lower tier as a block of its own, under its parent: the
-        lower tier offers it back as a continuation of that parent (:meth:`lookup_prefix`)."""
+        lower tier offers it back as a continuation of that parent (:meth:`match_prefix`)."""
         with self._lock:
             lower = self._lower
             parent = self._held.block(tail.parent_hash)
         if lower is None or len(tail.tokens) >= self.block_size:
             return
-        if parent is None and tail.parent_hash != self.root:
-            return  # evicted meanwhile: a tail whose chain the lower tier may lack
-        index = parent.index + 1 if parent is not None else 0
+        if parent is not None:
+            index = parent.index + 1
+        elif tail.parent_hash == self.root:
+            index = 0
+        elif index is None or lower.describe(tail.parent_hash) is None:
+            # Evicted meanwhile (or read back from the lower tier, which then still has
+            # it): a tail whose chain the lower tier lacks is not offered.
+            return
         lower.put(CachedBlock(block_hash=partial_hash(tail.parent_hash, tail.tokens),
                               parent_hash=tail.parent_hash, index=index, block_size=self.block_size,
                               kv=tail.kv, boundary=None, reusable_end=False, nbytes=tail.nbytes,
@@ -240,47 +361,20 @@ class PrefixCache:
     def lookup_prefix(self, hashes: Sequence[bytes], tokens: Sequence[int]
                       ) -> tuple[list[CachedBlock], CachedTail | None, int]:
         """The longest reusable cached prefix of ``tokens`` (``hashes``: the chain of
-        their full blocks): its blocks (:meth:`lookup`), then the tail under the last of
-        them sharing the most of the tokens after them, and how many it shares. A block
-        of the lower tier that shares more of them than anything in memory is read back
-        and promoted first (after a restart, only the lower tier has them)."""
-        blocks = self.lookup(hashes)
-        start = len(blocks) * self.block_size
-        parent = blocks[-1].block_hash if blocks else self.root
-        self._promote_lower_continuation(parent, tokens[start:])
-        tail, shared = self.lookup_tail(parent, tokens[start:])
-        return blocks, tail, shared
-
-    def _promote_lower_continuation(self, parent_hash: bytes, tokens: Sequence[int]) -> None:
-        """Read back the lower tier's block under ``parent_hash`` that shares the most
-        leading ``tokens``, if it shares more than the memory's best continuation."""
-        if not self.enabled or not tokens:
-            return
-        with self._lock:
-            lower = self._lower
-        if lower is None:
-            return
-        offered = lower.continuations(parent_hash)
-        if not offered:
-            return
-        with self._lock:
-            best = self._held.best_continuation(parent_hash, tokens)[1]
-        best_hash = None
-        for block_hash, block_tokens in offered:
-            n = common_prefix_length(block_tokens, tokens)
-            if n > best:
-                best_hash, best = block_hash, n
-        if best_hash is None or self.get(best_hash) is not None:
-            return
-        block = lower.get(best_hash)
-        if block is None or not block.partially_reusable:
-            return
-        with self._lock:
-            if self._held.block(block.block_hash) is None:
-                self._held.add(block)
-            self._held.touch_above(block.block_hash)
-            evicted = self._held.evict()
-        self._write_through(lower, evicted)
+        their full blocks): its blocks, then the continuation after them sharing the
+        most of the tokens after them, and how many it shares; all of it read (with no
+        memory asked for: :mod:`.prefix_restore` asks) and counted."""
+        match = self.match_prefix(hashes, tokens)
+        blocks = list(self.blocks_of(match, len(match.hashes)))
+        reusable = len(blocks)
+        while reusable and not blocks[reusable - 1].reusable_end:
+            reusable -= 1
+        if reusable < len(match.hashes):
+            match.truncate(reusable)
+        tail = self.tail_of(match)
+        shared = match.tail_tokens if tail is not None else 0
+        self.record_reuse(match, reusable, shared)
+        return blocks[:reusable], tail, shared
 
     def peek_prefix(self, hashes: Sequence[bytes], tokens: Sequence[int]) -> int:
         """How many of ``tokens`` :meth:`lookup_prefix` would reuse now from memory;

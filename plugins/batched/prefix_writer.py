@@ -120,7 +120,8 @@ class PrefixCacheWriter:
             return
         parent = hashes[full - 1] if full else self.prefix_cache.root
         start = full * self.prefix_cache.block_size
-        self.prefix_cache.insert_tail(self.layout.make_tail(parent, list(tokens[start:]), cache, start))
+        self.prefix_cache.insert_tail(self.layout.make_tail(parent, list(tokens[start:]), cache, start),
+                                      index=full)
 
 
 __all__ = ["PrefixCacheWriter"]

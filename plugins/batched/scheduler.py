@@ -10,8 +10,8 @@ there):
 
 - admission and the batch window (here): requests are admitted in arrival order while
   fewer than ``plugin.batched.max_batch_size`` are prefilling or decoding; admission
-  looks up the prefix cache and starts the request's own KV cache from the longest
-  reusable cached prefix;
+  starts the request's own KV cache from the longest reusable cached prefix the forward
+  gate has room for (:class:`~.prefix_restore.PrefixRestorer`);
 - :class:`~.prefill_planner.PrefillPlanner`: the step's chunks, their shared forwards
   and the forward gate's word on them;
 - :class:`~.prefill_runner.PrefillRunner`: the forwards, then the first tokens;
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import mlx.core as mx
 
 from omlx_core.engine import RequestProgress
-from omlx_core.memory.gate import ForwardGate, MemoryReceiver
+from omlx_core.memory.gate import CacheRestore, ForwardGate, MemoryReceiver
 from omlx_core.memory.usage import resident_now, trim_heap
 from omlx_core.plugins.batched.batch_state import (
     DECODING,
@@ -73,7 +73,8 @@ from omlx_core.plugins.batched.extensions import (
 from omlx_core.plugins.batched.output_emitter import OutputEmitter
 from omlx_core.plugins.batched.prefill_planner import PrefillPlanner
 from omlx_core.plugins.batched.prefill_runner import PrefillRunner
-from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
+from omlx_core.plugins.batched.prefix_cache import PrefixCache
+from omlx_core.plugins.batched.prefix_restore import PrefixRestorer, Restored
 from omlx_core.plugins.batched.prefix_writer import PrefixCacheWriter
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ class Scheduler(MemoryReceiver):
         self.decode = DecodeBatch(model=model, state=state, eos_token_ids=tokenizer.eos_token_ids,
                                   prefill_step_size=prefill_step_size, fused_sampling=fused_sampling,
                                   drafts=self.drafts)
+        self.restorer = PrefixRestorer(prefix_cache, self.layout)
         self.writer = PrefixCacheWriter(prefix_cache=prefix_cache, layout=self.layout,
                                         cache_key=cache_key, model_id=model_id,
                                         boundary_listener=boundary_listener)
@@ -300,6 +302,7 @@ class Scheduler(MemoryReceiver):
         self.inputs.close()
         self.prefill.model = None
         self.layout = self.planner.layout = self.writer.layout = None  # type: ignore[assignment]
+        self.restorer.layout = None  # type: ignore[assignment]
 
     def _fit_prefix_cache(self) -> None:
         """Give back cached memory (the lower tier's queued host copies, then prefix-cache
@@ -391,24 +394,38 @@ class Scheduler(MemoryReceiver):
             state.waiting.popleft()
             sequence.phase = PREFILLING
             sequence.prefill_started = time.monotonic()
-            blocks: list[CachedBlock] = []
-            tail, tail_tokens = None, 0
             if self.prefix_cache.enabled:
                 prefix = list(self.cache_key(sequence, sequence.context[:sequence.prefill_target]))
                 sequence.block_hashes = self.prefix_cache.hashes(prefix)
-                # Tails are only ever stored for models whose every layer can be cut.
-                blocks, tail, tail_tokens = self.prefix_cache.lookup_prefix(sequence.block_hashes, prefix)
-            sequence.cache = self.layout.restore(blocks, tail, tail_tokens)
-            if blocks or tail_tokens:
-                # Restoring concatenates blocks lazily: without this the first chunk's
-                # forward would also materialize the whole copy, a transient no estimate
-                # counts. Evaluated here it is resident, in the gate's current-use reading.
-                mx.eval([layer.state for layer in sequence.cache])
-            sequence.prefilled = len(blocks) * self.prefix_cache.block_size + tail_tokens
+                # The copy is made (and evaluated: resident, in the gate's current-use
+                # reading) here, within the room the gate gave for it.
+                restored = self.restorer.start(sequence.block_hashes, prefix,
+                                               self._restore_room(sequence.request_id))
+            else:
+                restored = Restored(self.layout.new_cache())
+            sequence.cache = restored.cache
+            sequence.prefilled = restored.blocks * self.prefix_cache.block_size + restored.tail_tokens
             if not sequence.preemptions:
                 sequence.reused = sequence.prefilled
-            sequence.stored_blocks = len(blocks)
+            sequence.stored_blocks = restored.blocks
             state.prefilling.append(sequence)
+
+    def _restore_room(self, request_id: str) -> Callable[[int], int] | None:
+        """What a request's restore asks how many bytes it may bring in (``None``: no
+        gate, any); a gate that fails to answer gives none."""
+        gate = self.state.gate
+        if gate is None:
+            return None
+
+        def room(nbytes: int) -> int:
+            try:
+                return gate.room_for_restore(CacheRestore(self.model_id, request_id, nbytes,
+                                                          self.state.limits))
+            except Exception:
+                log.exception("the forward gate failed to size the cached prefix of request %s; "
+                              "it reuses none", request_id)
+                return 0
+        return room
 
     # -- decode ----------------------------------------------------------------------
 

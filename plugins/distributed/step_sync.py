@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from omlx_core.memory.gate import (
     UNLIMITED_TOKENS,
+    CacheRestore,
     DecodePlan,
     DecodeStep,
     ForwardGate,
@@ -155,6 +156,10 @@ class CollectiveGate(ForwardGate):
 
     def may_resume(self, request_id: str) -> bool:
         return bool(self._agree(lambda gate: gate.may_resume(request_id), True))
+
+    def room_for_restore(self, restore: CacheRestore) -> int:
+        # Every rank then reuses the same prefix of the same cache.
+        return int(self._agree(lambda gate: gate.room_for_restore(restore), restore.nbytes))
 
     def suspend(self, request_id: str) -> None:
         if self.cluster.leader and self.inner is not None:

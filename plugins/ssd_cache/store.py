@@ -21,7 +21,9 @@ writer. Recency follows the prefix cache's :meth:`~PagedSSDStore.touch` (deepest
 first), so a chain's leaves are evicted before the blocks they hang from; the order is
 kept in the files' mtimes for the next process.
 
-**Loading** (:meth:`PagedSSDStore.get`): a block file is checked against its header
+**Loading** (:meth:`PagedSSDStore.get`): :meth:`~PagedSSDStore.describe` says from the
+index what a block's read brings into memory (its files' bytes) before anything is
+read, so that memory is asked for first. A block file is checked against its header
 (format, model identity, block hash) and every tensor's CRC; a truncated, corrupt or
 foreign file is removed and counted in ``errors``, never served. A restarted store
 rebuilds its index by scanning ``blocks/`` (temp files and invalid files are removed).
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from omlx_core.kvblocks import BlockStore, CachedBlock
+from omlx_core.kvblocks import BlockStore, CachedBlock, StoredBlock
 from omlx_core.plugins.ssd_cache.blockfile import (
     BLOCK_KIND, BOUNDARY_KIND, block_path, boundary_path, check_metadata, file_size, kv_of, payload_of_kv,
     payload_of_states, read_arrays, remove_block_files, remove_file, states_of)
@@ -165,6 +167,14 @@ class PagedSSDStore(BlockStore):
                            block_size=block_size, kv=kv, boundary=boundary,
                            reusable_end=boundary is not None or not needs_boundary, nbytes=nbytes,
                            tokens=tokens)
+
+    def describe(self, block_hash: bytes) -> StoredBlock | None:
+        """What :meth:`get` would bring into memory, from the index (no file is read):
+        the block's file sizes, its tensors and their headers, so never less."""
+        entry = self._index.entry(block_hash)
+        if entry is None or not entry.persisted or self._closed:
+            return None
+        return StoredBlock(nbytes=entry.size, has_boundary=entry.has_boundary)
 
     def _read_boundary(self, block_hash: bytes) -> tuple[Any, ...] | None:
         path = boundary_path(self.blocks_dir, block_hash)
