@@ -76,7 +76,8 @@ class ServerRun:
         return tokens / self.wall_s if self.wall_s else 0.0
 
 
-def _status_fields(pid: int) -> dict[str, int]:
+def status_fields(pid: int) -> dict[str, int]:
+    """A process's VmRSS and VmHWM in bytes (``/proc/<pid>/status``)."""
     fields = {}
     with open(f"/proc/{pid}/status", encoding="ascii") as status:
         for line in status:
@@ -86,7 +87,8 @@ def _status_fields(pid: int) -> dict[str, int]:
     return fields
 
 
-def _reset_peak(pid: int) -> bool:
+def reset_peak(pid: int) -> bool:
+    """Reset a process's VmHWM to its resident set now; whether the kernel allowed it."""
     try:
         with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as clear:
             clear.write("5")
@@ -137,15 +139,15 @@ def measure(label: str, settings: ServerSettings, model_dir: Path, served_id: st
         # Warm up (first forward compiles nothing on CPU, but loads pages), then reset
         # the kernel's high-water mark so the peak is this burst's.
         stream_chat(server.host, port, chat_body(served_id, jobs[0][1][:1], 4, banned))
-        run.idle_bytes = _status_fields(server.pid)["VmRSS"]
-        reset = _reset_peak(server.pid)
+        run.idle_bytes = status_fields(server.pid)["VmRSS"]
+        reset = reset_peak(server.pid)
         sampled = [0]
         done = threading.Event()
 
         def sample() -> None:
             while not done.is_set():
                 try:
-                    sampled[0] = max(sampled[0], _status_fields(server.pid)["VmRSS"])
+                    sampled[0] = max(sampled[0], status_fields(server.pid)["VmRSS"])
                 except OSError:
                     return
                 done.wait(0.005)
@@ -171,7 +173,7 @@ def measure(label: str, settings: ServerSettings, model_dir: Path, served_id: st
         finally:
             done.set()
             sampler.join()
-        fields = _status_fields(server.pid)
+        fields = status_fields(server.pid)
         run.peak_bytes = max(fields.get("VmHWM", 0) if reset else 0, sampled[0])
         metrics = _metrics(server.host, port)
         run.preemptions = metrics.get("omlx_memory_preemptions_total", 0.0)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from benchmarks.ceiling import reset_peak, status_fields
 from omlx_core.bench import publish_report
 from omlx_core.bench.client import chat_body, run_concurrently, special_token_ids, stream_chat
 from omlx_core.bench.prompts import text_of_tokens
@@ -192,25 +193,6 @@ class Round:
         return max(self.peak_rss, self.hwm, (self.probe.get("peak") or {}).get("rss", 0))
 
 
-def _status_fields(pid: int) -> dict[str, int]:
-    fields = {}
-    with open(f"/proc/{pid}/status", encoding="ascii") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) * 1024
-    return fields
-
-
-def _reset_peak(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as clear:
-            clear.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _jobs(model_dir: Path) -> list[tuple[str, list[dict[str, str]], int]]:
     jobs = []
     for number, (kind, tokens, max_tokens, count) in enumerate(MIX):
@@ -242,14 +224,14 @@ def run_round(label: str, cache_root: Path, ceiling: str, model_dir: Path, serve
         # with the mix, so the tier stays as warm as it was.
         stream_chat(server.host, port, chat_body(served_id, [{"role": "user", "content": "Hi"}], 4,
                                                  banned))
-        reset = _reset_peak(server.pid)
+        reset = reset_peak(server.pid)
         sampled = [0]
         done = threading.Event()
 
         def sample() -> None:
             while not done.is_set():
                 try:
-                    sampled[0] = max(sampled[0], _status_fields(server.pid)["VmRSS"])
+                    sampled[0] = max(sampled[0], status_fields(server.pid)["VmRSS"])
                 except OSError:
                     return
                 done.wait(1.0 / SAMPLE_HZ)
@@ -279,7 +261,7 @@ def run_round(label: str, cache_root: Path, ceiling: str, model_dir: Path, serve
         for status in outcomes:
             result.statuses[status] = result.statuses.get(status, 0) + 1
         result.peak_rss = sampled[0]
-        result.hwm = _status_fields(server.pid)["VmHWM"] if reset else 0
+        result.hwm = status_fields(server.pid)["VmHWM"] if reset else 0
     if probe and probe_out.exists():
         result.probe = json.loads(probe_out.read_text(encoding="utf-8"))
     shutil.rmtree(probe_out.parent, ignore_errors=True)
