@@ -97,6 +97,34 @@ def reset_peak(pid: int) -> bool:
         return False
 
 
+class PeakRss:
+    """While the ``with`` block runs, a thread samples process ``pid``'s VmRSS every
+    ``interval_s``; :attr:`peak` is the highest sample (0 if the process is gone)."""
+
+    def __init__(self, pid: int, interval_s: float):
+        self.pid = pid
+        self.interval_s = interval_s
+        self.peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            try:
+                self.peak = max(self.peak, status_fields(self.pid)["VmRSS"])
+            except OSError:
+                return
+            self._done.wait(self.interval_s)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def _metrics(host: str, port: int) -> dict[str, float]:
     connection = http.client.HTTPConnection(host, port, timeout=30)
     try:
@@ -141,20 +169,6 @@ def measure(label: str, settings: ServerSettings, model_dir: Path, served_id: st
         stream_chat(server.host, port, chat_body(served_id, jobs[0][1][:1], 4, banned))
         run.idle_bytes = status_fields(server.pid)["VmRSS"]
         reset = reset_peak(server.pid)
-        sampled = [0]
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                try:
-                    sampled[0] = max(sampled[0], status_fields(server.pid)["VmRSS"])
-                except OSError:
-                    return
-                done.wait(0.005)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-
         def one(index: int) -> Outcome:
             kind, messages, max_tokens = jobs[index]
             started = time.perf_counter()
@@ -168,13 +182,10 @@ def measure(label: str, settings: ServerSettings, model_dir: Path, served_id: st
             status = "200" if record.complete else "truncated"
             return Outcome(kind, status, record.completion_tokens, time.perf_counter() - started)
 
-        try:
+        with PeakRss(server.pid, 0.005) as sampled:
             run.outcomes, run.wall_s = run_concurrently(len(jobs), one)
-        finally:
-            done.set()
-            sampler.join()
         fields = status_fields(server.pid)
-        run.peak_bytes = max(fields.get("VmHWM", 0) if reset else 0, sampled[0])
+        run.peak_bytes = max(fields.get("VmHWM", 0) if reset else 0, sampled.peak)
         metrics = _metrics(server.host, port)
         run.preemptions = metrics.get("omlx_memory_preemptions_total", 0.0)
     return run

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.ceiling import reset_peak, status_fields
+from benchmarks.ceiling import PeakRss, reset_peak, status_fields
 from omlx_core.bench import publish_report
 from omlx_core.bench.client import chat_body, run_concurrently, special_token_ids, stream_chat
 from omlx_core.bench.prompts import text_of_tokens
@@ -225,19 +225,6 @@ def run_round(label: str, cache_root: Path, ceiling: str, model_dir: Path, serve
         stream_chat(server.host, port, chat_body(served_id, [{"role": "user", "content": "Hi"}], 4,
                                                  banned))
         reset = reset_peak(server.pid)
-        sampled = [0]
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                try:
-                    sampled[0] = max(sampled[0], status_fields(server.pid)["VmRSS"])
-                except OSError:
-                    return
-                done.wait(1.0 / SAMPLE_HZ)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
         result.load = os.getloadavg()[:2]
 
         def one(index: int) -> str:
@@ -250,17 +237,14 @@ def run_round(label: str, cache_root: Path, ceiling: str, model_dir: Path, serve
                 return text.split()[1] if text.startswith("HTTP ") else "in-band error"
             return "200" if record.complete else "truncated"
 
-        try:
+        with PeakRss(server.pid, 1.0 / SAMPLE_HZ) as sampled:
             outcomes, result.wall_s = run_concurrently(len(jobs), one)
-        finally:
-            done.set()
-            sampler.join()
         result.load = (result.load[0], os.getloadavg()[0])
         result.requests = len(outcomes)
         result.completed = outcomes.count("200")
         for status in outcomes:
             result.statuses[status] = result.statuses.get(status, 0) + 1
-        result.peak_rss = sampled[0]
+        result.peak_rss = sampled.peak
         result.hwm = status_fields(server.pid)["VmHWM"] if reset else 0
     if probe and probe_out.exists():
         result.probe = json.loads(probe_out.read_text(encoding="utf-8"))
