@@ -91,8 +91,6 @@ class ModelRecord:
     planned_bytes: int | None = None
     measured_bytes: int | None = None
     context_length: int | None = None
-    #: bytes a load in progress has claimed that the last memory reading does not show
-    claimed_bytes: int = 0
     #: the error of the latest load (a refusal or a failure) and, for a failure, until
     #: when it is answered without another attempt
     error: Exception | None = None
@@ -384,7 +382,6 @@ class ModelPool:
                   failed_until: float = 0.0) -> None:
         with self._changed:
             record.state, record.error, record.failed_until = state, error, failed_until
-            record.claimed_bytes = 0
             record.attempt += 1
             self._changed.notify_all()
 
@@ -425,7 +422,6 @@ class ModelPool:
             with self._changed:
                 measured = snapshot.in_use_bytes - snapshot.reclaimable_bytes
                 if guard.admission.try_claim(_load_key(record), need, measured_bytes=measured):
-                    record.claimed_bytes = need
                     return
                 room = guard.admission.claim_room(_load_key(record), measured_bytes=measured)
                 floor = self._floor(snapshot)
@@ -551,10 +547,10 @@ class ModelPool:
         if snapshot is None:
             return
         with self._lock:
-            # A model whose engine exists is in the reading; a claim of a load not yet
-            # done may not be (taking it off can only make the floor lower).
+            # A model whose engine exists is in the reading; the claim of a load still in
+            # the ledger may be in part (taking it off can only make the floor lower).
             models = sum(r.held_bytes() for r in self._records.values() if r.engine is not None)
-            claimed = sum(r.claimed_bytes for r in self._records.values() if r.engine is None)
+            claimed = guard.admission.claimed_bytes
             bare = snapshot.in_use_bytes - snapshot.reclaimable_bytes - models - claimed
             if bare > 0 and (self._bare_bytes is None or bare < self._bare_bytes):
                 self._bare_bytes = bare
