@@ -82,9 +82,10 @@ class BlockStore(ABC):
     and overrides what it keeps. ``get``, ``describe`` and ``put`` have no neutral answer
     and must be written: a block is read only once the memory it takes, which
     ``describe`` says without reading it, has been asked for. The others default to what
-    is true of a tier that keeps no such state: no recency order (:meth:`touch` changes nothing), no token ids (:meth:`continuations`
-    offers none), no write queue (:meth:`pending_bytes` and :meth:`drop_pending` hold and
-    free nothing), no counters (:meth:`stats` is empty).
+    is true of a tier that keeps no such state: no recency order (:meth:`touch` changes
+    nothing), no token ids (:meth:`continuations` offers none), no write queue
+    (:meth:`pending_bytes` and :meth:`drop_pending` hold and free nothing), no counters
+    (:meth:`stats` is empty).
 
     The prefix cache calls a tier outside its own lock: reads and writes from the MLX
     thread, :meth:`pending_bytes` and :meth:`stats` from any thread.

@@ -247,11 +247,7 @@ class PrefillForwardGate(ForwardGate):
         limits = restore.limits
         if limits is None or limits.hard_bytes is None:
             return restore.nbytes
-        hard = limits.hard_bytes
-        margin = self._margin_of(limits)
-        room = hard - margin - self._usage.high_water(record=True)
-        if room < restore.nbytes and self._make_room(restore.nbytes - room):
-            room = hard - margin - self._usage.high_water(record=True)
+        room = self._room(limits.hard_bytes - self._margin_of(limits), restore.nbytes)
         if room < restore.nbytes:
             log.debug("room for %s of the %s a cached prefix of request %s (model %r) takes: "
                       "it reuses less of it", format_size(max(0, room)),
@@ -261,10 +257,15 @@ class PrefillForwardGate(ForwardGate):
     def _decode_fits(self, needed: int, hard: int) -> bool:
         """Whether ``needed`` bytes fit on top of memory in use now (after reclaiming
         caches when they do not)."""
-        current = self._usage.high_water(record=True)
-        if current + needed > hard and self._make_room(current + needed - hard):
-            current = self._usage.high_water(record=True)
-        return current + needed <= hard
+        return self._room(hard, needed) >= needed
+
+    def _room(self, limit: int, wanted: int) -> int:
+        """What fits under ``limit`` on top of memory in use now (its high-water mark);
+        caches are reclaimed first when ``wanted`` bytes do not fit."""
+        room = limit - self._usage.high_water(record=True)
+        if room < wanted and self._make_room(wanted - room):
+            room = limit - self._usage.high_water(record=True)
+        return room
 
     def may_resume(self, request_id: str) -> bool:
         return self._ledger is None or self._ledger.resume(request_id)
