@@ -49,6 +49,7 @@ from omlx_core.memory.types import (
     RequestRejected,
 )
 from omlx_core.memory.usage import MemoryUsage
+from omlx_core.mlx_thread import mlx_thread
 from omlx_core.platform.backend import cache_bytes, clear_cache, limit_cache, mlx_backend
 from omlx_core.settings import format_size
 
@@ -97,6 +98,7 @@ class MemoryGuard:
         self.enforcer: MemoryEnforcer | None = None
         self._engines: Callable[[], Iterable[Engine]] = tuple
         self.reclaimed_bytes_total = 0
+        self._mlx_cache_limit: int | None = None
         self._snapshot: LimitSnapshot | None = None
         #: the latest snapshot admission and the forward gates judge by (``adjust_limits``)
         self.judged: LimitSnapshot | None = None
@@ -126,8 +128,18 @@ class MemoryGuard:
         if snapshot.hard_bytes is not None and snapshot.margin_bytes > 0:
             # Buffers mlx frees are kept for reuse; under a limit, at most the margin of
             # them, so that its cache never takes the process over the limit unasked.
-            limit_cache(snapshot.margin_bytes)
+            self._limit_mlx_cache(snapshot.margin_bytes)
         return judged
+
+    def _limit_mlx_cache(self, nbytes: int) -> None:
+        """Cap mlx's buffer cache at ``nbytes``, on the MLX thread and only when the cap
+        changes. Called from the enforcer's thread, ``mx.set_cache_limit`` would wait for
+        an ``mx.eval`` under way while holding the GIL: behind a collective whose peer
+        hangs, that froze every Python thread, the watchdog that ends the requests too."""
+        if nbytes == self._mlx_cache_limit:
+            return
+        self._mlx_cache_limit = nbytes
+        mlx_thread().submit(limit_cache, nbytes)
 
     def judged_limits(self, snapshot: LimitSnapshot) -> LimitSnapshot:
         """The ``adjust_limits`` answer for ``snapshot`` (``snapshot`` itself when no

@@ -9,13 +9,13 @@ with :meth:`Cluster.on_death`), keeps answering ``/health`` for
 ``plugin.distributed.exit_after_s``, then exits with :data:`EXIT_GROUP_DEAD` so a
 supervisor restarts the whole group. A follower whose rank 0 is gone exits at once.
 
-A collective stuck in ``mx.eval`` releases the GIL, but some mlx calls made meanwhile
-from other threads (``mx.set_cache_limit``, which the memory guard makes every poll)
-wait for it while holding the GIL, which freezes every Python thread, this watchdog's
-too. So each step also arms :func:`faulthandler.dump_traceback_later`, whose C thread
-needs no GIL: past the timeout plus ``exit_after_s`` plus :data:`BACKSTOP_GRACE_S` it
-prints every thread's stack and exits with status 1. Requests in flight then see their
-connection close instead of an error event.
+A collective stuck in ``mx.eval`` releases the GIL, but an mlx call made meanwhile
+from another thread may wait for it while holding the GIL, which freezes every Python
+thread, this watchdog's too (the memory guard's ``mx.set_cache_limit`` did, until it
+moved to the MLX thread). So each step also arms :func:`faulthandler.dump_traceback_later`,
+whose C thread needs no GIL: past the timeout plus ``exit_after_s`` plus
+:data:`BACKSTOP_GRACE_S` it prints every thread's stack and exits with status 1.
+Requests in flight then see their connection close instead of an error event.
 """
 
 from __future__ import annotations
