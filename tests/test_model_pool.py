@@ -5,6 +5,7 @@ decisions on real models and real memory are in ``test_model_pool_real.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import threading
@@ -94,14 +95,16 @@ def _context(tmp_path: Path, model_dirs: dict[str, Path], extra: str = "") -> Se
     return ServerContext(config=setup.config, plugins=setup.plugins)
 
 
-def make_pool(context: ServerContext, memory: ScriptedMemory | None) -> ModelPool:
+def make_pool(context: ServerContext, memory: ScriptedMemory | None,
+              create: Any = None) -> ModelPool:
     plugins = context.plugins
 
     def advice(rejection: Any) -> list[str]:
         return [str(a) for a in plugins.hook.on_rejection(rejection=rejection) if a]
 
     pool = ModelPool(context.config,
-                     create=lambda model_id: create_engine(context, model_id, progress=False),
+                     create=create or (lambda model_id: create_engine(context, model_id,
+                                                                      progress=False)),
                      close=lambda model_id: close_engine(context, model_id),
                      resolve=lambda model_id: resolve_model(context.config.models[model_id],
                                                             progress=False),
@@ -461,3 +464,123 @@ def test_omlx_core_ps_prints_the_running_servers_pool(served, context, capsys):
     assert main(["ps", "--port", port, "--api-key", "sekrit", "--all"]) == 0
     listed = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
     assert listed == {"tiny-a": RESIDENT, "tiny-b": AVAILABLE, "tiny-c": AVAILABLE}
+
+
+# -- a stream that waits for its model's load --------------------------------------------------
+
+
+class HeldLoads:
+    """Model loads that wait for the test before the engine is built (then build the real
+    one, or fail as a load does)."""
+
+    def __init__(self, context: ServerContext):
+        self.context = context
+        self.release = threading.Event()
+        self.failure: Exception | None = None
+
+    def create(self, model_id: str) -> Any:
+        assert self.release.wait(120), "the test never released the load"
+        if self.failure is not None:
+            raise self.failure
+        return create_engine(self.context, model_id, progress=False)
+
+
+@pytest.fixture
+def held(tmp_path: Path, model_dirs: dict[str, Path]) -> Iterator[tuple[str, HeldLoads, Any]]:
+    """A server (keep-alive every 0.2 s) whose model loads wait for the test."""
+    from omlx_core.http.app import build_frontend
+    from omlx_core.http.serve import HTTPServer
+
+    context = _context(tmp_path, model_dirs, "stream_keepalive_s = 0.2")
+    loads = HeldLoads(context)
+    make_pool(context, None, create=loads.create).start()
+    frontend = build_frontend(context, api_keys=[])
+    try:
+        with HTTPServer(context, port=0, frontend=frontend) as server:
+            yield server.url, loads, frontend
+    finally:
+        loads.release.set()
+        context.pool.close()
+        for model_id in list(context.engines):
+            close_engine(context, model_id)
+
+
+def _open_stream(url: str, model_id: str, max_tokens: int = 4) -> Any:
+    import http.client
+    from urllib.parse import urlparse
+
+    address = urlparse(url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=120)
+    connection.request("POST", "/v1/chat/completions", json.dumps({
+        "model": model_id, "stream": True, "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "hi"}]}), {"Content-Type": "application/json"})
+    return connection, connection.getresponse()
+
+
+def _read_keepalives(response: Any, count: int) -> None:
+    seen = 0
+    while seen < count:
+        line = response.readline()
+        assert line, "the stream ended before its keep-alives"
+        assert not line.startswith(b"data:"), line
+        seen += line.startswith(b": keepalive")
+
+
+def test_a_stream_waiting_for_its_models_load_gets_keepalives_then_its_tokens(held):
+    url, loads, _ = held
+    connection, response = _open_stream(url, "tiny-b")
+    with contextlib.closing(connection):
+        # The status line and keep-alives come while the load is still held.
+        assert response.status == 200
+        assert response.getheader("Content-Type").startswith("text/event-stream")
+        _read_keepalives(response, 2)
+        record = loads.context.pool.record("tiny-b")
+        assert record.state == "loading" and record.waiters == 1
+        loads.release.set()
+        body = response.read().decode()
+    events = [json.loads(line[6:]) for line in body.splitlines()
+              if line.startswith("data: {")]
+    assert events and all("error" not in event for event in events), body
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert body.rstrip().endswith("data: [DONE]")
+
+
+def test_a_load_that_fails_after_the_stream_began_ends_it_with_an_error_naming_the_model(held):
+    url, loads, frontend = held
+    connection, response = _open_stream(url, "tiny-b")
+    with contextlib.closing(connection):
+        assert response.status == 200
+        _read_keepalives(response, 1)
+        loads.failure = RuntimeError("unsupported architecture 'mystery'")
+        loads.release.set()
+        body = response.read().decode()
+    errors = [json.loads(line[6:])["error"] for line in body.splitlines()
+              if line.startswith("data: {") and '"error"' in line]
+    assert len(errors) == 1, body
+    assert errors[0]["code"] == "model_load_failed"
+    assert "tiny-b" in errors[0]["message"] and "mystery" in errors[0]["message"]
+    assert body.rstrip().endswith("data: [DONE]")
+    assert loads.context.pool.record("tiny-b").state == FAILED
+    assert len(frontend.pipeline.in_flight) == 0
+
+
+def test_a_model_load_refused_at_once_is_still_an_http_status_on_a_stream(held):
+    url, loads, _ = held
+    connection, response = _open_stream(url, "no-such-model")
+    with contextlib.closing(connection):
+        assert response.status == 404
+        assert "tiny-a" in json.loads(response.read())["error"]["message"]
+
+
+def test_a_client_that_leaves_while_its_model_loads_leaves_nothing_running(held):
+    url, loads, frontend = held
+    connection, response = _open_stream(url, "tiny-b", max_tokens=100_000)
+    _read_keepalives(response, 1)
+    connection.close()
+    loads.release.set()
+    record = loads.context.pool.record("tiny-b")
+    # The request started once the load ended (it took a lease: last_used moved past
+    # the load), then was closed at once: the lease is back and nothing is in flight.
+    assert wait_for(lambda: record.state == RESIDENT and record.loaded_at is not None
+                    and record.last_used > record.loaded_at and record.users == 0
+                    and len(frontend.pipeline.in_flight) == 0, timeout=120)

@@ -130,10 +130,8 @@ class Messages:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_request(req, self.max_body, MESSAGES_REQUEST)
         stream = bool(body.get("stream"))
-        generation = self.responder.start(messages_job(body), req, stream=stream)
-        self.responder.respond(resp, generation, stream=stream,
-                               collect=self.collect, frames=lambda: self.events(generation),
-                               error_frames=error_frames)
+        self.responder.serve(req, resp, messages_job(body), stream=stream,
+                             collect=self.collect, frames=self.events, error_frames=error_frames)
 
     def _message(self, generation: Generation, content: list, stop_reason: str | None,
                  stop_sequence: str | None, usage: dict[str, Any]) -> dict[str, Any]:

@@ -274,10 +274,9 @@ class _Completions:
         body = read_request(req, self.max_body, self.schema)
         job = self.job(body)
         stream, include_usage = _stream_flags(body)
-        generation = self.responder.start(job, req, stream=stream)
-        self.responder.respond(resp, generation, stream=stream, collect=self.collect,
-                               frames=lambda: self.frames(generation, include_usage),
-                               error_frames=error_frames)
+        self.responder.serve(req, resp, job, stream=stream, collect=self.collect,
+                             frames=lambda generation: self.frames(generation, include_usage),
+                             error_frames=error_frames)
 
     def collect(self, generation: Generation) -> dict[str, Any]:
         raise NotImplementedError

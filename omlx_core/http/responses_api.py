@@ -99,14 +99,14 @@ class Responses:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_request(req, self.max_body, RESPONSES_REQUEST)
         stream = bool(body.get("stream"))
-        generation = self.responder.start(responses_job(body), req, stream=stream)
+        job = responses_job(body)
         echo = {key: body.get(key) for key in ("instructions", "max_output_tokens", "temperature",
                                                 "top_p", "metadata", "user", "tools",
                                                 "tool_choice")}
-        self.responder.respond(resp, generation, stream=stream,
-                               collect=lambda g: self.collect(g, echo),
-                               frames=lambda: self.events(generation, echo),
-                               error_frames=error_frames)
+        self.responder.serve(req, resp, job, stream=stream,
+                             collect=lambda generation: self.collect(generation, echo),
+                             frames=lambda generation: self.events(generation, echo),
+                             error_frames=error_frames)
 
     def _response(self, generation: Generation, echo: Mapping[str, Any], status: str,
                   output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:

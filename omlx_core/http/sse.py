@@ -2,9 +2,9 @@
 the :class:`Responder` through which every generating route uses the serving pipeline.
 
 The status line is on the wire before the first frame, so nothing in here may raise: an
-error after the first byte is sent in-band by the API's formatter, and a bug in a
-formatter becomes an error frame plus the stream's terminator rather than a truncated
-200. Waitress calls :meth:`StreamBody.close` when the stream ends or the client hangs up,
+error after the first byte (a model load that failed after the stream began, a refusal
+of the engine, a bug in a formatter) is sent in-band by the API's formatter, as an error
+frame plus the stream's terminator rather than a truncated 200. Waitress calls :meth:`StreamBody.close` when the stream ends or the client hangs up,
 and that aborts the request and frees its memory.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from omlx_core.serving import Generation, Job, ServingPipeline
@@ -42,16 +43,62 @@ def frame(data: Any, event: str | None = None) -> bytes:
     return f"{head}data: {payload}\n\n".encode("utf-8")
 
 
-class StreamBody:
-    """The WSGI response iterable of one streamed generation."""
+class PendingStart:
+    """:meth:`ServingPipeline.start` on a thread of its own, so that a stream can begin,
+    and carry keep-alives, while its request still waits for its model to load or for
+    memory: a client with a read timeout does not give up on a request that is waiting
+    its turn, and the request thread is free to answer its status line."""
 
-    def __init__(self, frames: Iterator[bytes], generation: Generation,
-                 error_frames: Callable[[Exception], list[bytes]],
-                 on_early_close: Callable[[Generation], None] | None = None):
-        self._frames = frames
-        self._generation = generation
+    def __init__(self, start: Callable[[], Generation]):
+        self.generation: Generation | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._abandoned = False
+        threading.Thread(target=self._run, args=(start,), name="omlx-start", daemon=True).start()
+
+    def _run(self, start: Callable[[], Generation]) -> None:
+        try:
+            generation = start()
+        except BaseException as exc:  # handed to whoever waits: a status, or an error frame
+            self.error = exc
+        else:
+            with self._lock:
+                self.generation = generation
+                abandoned = self._abandoned
+            if abandoned:
+                generation.close()
+        finally:
+            self._done.set()
+
+    def wait(self, timeout_s: float | None) -> bool:
+        """Whether the start has ended (with a generation or an error) within ``timeout_s``."""
+        return self._done.wait(timeout_s)
+
+    def abandon(self) -> None:
+        """The client left: close the generation now, or as soon as the start ends."""
+        with self._lock:
+            self._abandoned = True
+            generation = self.generation
+        if generation is not None:
+            generation.close()
+
+
+class StreamBody:
+    """The WSGI response iterable of one streamed request: keep-alives while its start
+    is pending, then the frames of its generation."""
+
+    def __init__(self, pending: PendingStart, frames: Callable[[Generation], Iterator[bytes]],
+                 error_frames: Callable[[Exception], list[bytes]], *, keepalive_s: float,
+                 on_early_close: Callable[[Generation], None] | None = None,
+                 on_start_error: Callable[[], None] | None = None):
+        self._start = pending
+        self._make_frames = frames
+        self._frames: Iterator[bytes] | None = None
         self._error_frames = error_frames
+        self._keepalive_s = keepalive_s
         self._on_early_close = on_early_close
+        self._on_start_error = on_start_error
         self._pending: list[bytes] = []
         self._done = False
         self._closed = False
@@ -64,6 +111,12 @@ class StreamBody:
             return self._pending.pop(0)
         if self._done:
             raise StopIteration
+        if self._frames is None:
+            if not self._start.wait(self._keepalive_s):
+                return KEEPALIVE
+            if self._start.generation is None:
+                return self._end_in_error(self._start.error)
+            self._frames = self._make_frames(self._start.generation)
         try:
             return next(self._frames)
         except StopIteration:
@@ -71,26 +124,38 @@ class StreamBody:
             raise
         except Exception as exc:
             log.exception("formatting the stream of request %s failed",
-                          self._generation.request_id)
-            self._done = True
-            self._pending = list(self._error_frames(
-                RuntimeError(f"internal error while streaming: {exc}")))
-            if not self._pending:
-                raise StopIteration from None
-            return self._pending.pop(0)
+                          self._start.generation.request_id)
+            return self._end_in_error(RuntimeError(f"internal error while streaming: {exc}"))
+
+    def _end_in_error(self, error: BaseException | None) -> bytes:
+        """The stream's last frames: ``error`` in the API's own shape (a refusal that came
+        after the status line, e.g. a model load that failed or never found room)."""
+        self._done = True
+        if self._frames is None and self._on_start_error is not None:
+            self._on_start_error()
+        if not isinstance(error, Exception):
+            error = RuntimeError(f"the request ended before it started: {error!r}")
+        self._pending = list(self._error_frames(error))
+        if not self._pending:
+            raise StopIteration
+        return self._pending.pop(0)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        generation = self._start.generation
+        if generation is None:
+            self._start.abandon()
+            return
         try:
             close_frames = getattr(self._frames, "close", None)
             if close_frames is not None:
                 close_frames()
         finally:
             if not self._done and self._on_early_close is not None:
-                self._on_early_close(self._generation)
-            self._generation.close()
+                self._on_early_close(generation)
+            generation.close()
 
 
 class Responder:
@@ -102,38 +167,49 @@ class Responder:
         self.metrics = metrics
         self.keepalive_s = float(pipeline.context.config["server.stream_keepalive_s"])
 
-    def start(self, job: Job, req: falcon.Request, *, stream: bool) -> Generation:
-        """Start ``job``; a typed error propagates to the app's error handlers.
+    def serve(self, req: falcon.Request, resp: Any, job: Job, *, stream: bool,
+              collect: Callable[[Generation], Any],
+              frames: Callable[[Generation], Iterator[bytes]],
+              error_frames: Callable[[Exception], list[bytes]]) -> None:
+        """Start ``job`` and answer with ``collect(generation)`` as one JSON document or,
+        when ``stream``, with an SSE body of ``frames(generation)`` that aborts the
+        generation if the client leaves early.
 
-        A stream whose first token takes longer than ``server.stream_keepalive_s`` starts
-        anyway and carries a keep-alive that often, so clients with read timeouts do not
-        give up on a long prefill.
+        Whatever refuses the request within ``server.stream_keepalive_s`` (every check, a
+        model that can never fit, a full queue) raises here and becomes its HTTP status.
+        A stream whose start takes longer (its model loading, memory it waits for, a long
+        prefill before the first token) starts anyway and carries a keep-alive that
+        often; what refuses it after that ends the stream in-band.
         """
-        return self.pipeline.start(job, client_gone=req.env.get("waitress.client_disconnected"),
-                                   first_output_wait_s=self.keepalive_s if stream else None)
-
-    def respond(self, resp: Any, generation: Generation, *, stream: bool,
-                collect: Callable[[Generation], Any], frames: Callable[[], Iterator[bytes]],
-                error_frames: Callable[[Exception], list[bytes]]) -> None:
-        """Answer with ``collect(generation)`` as one JSON document or, when ``stream``,
-        with an SSE body of ``frames()`` that aborts the generation if the client leaves
-        early."""
+        client_gone = req.env.get("waitress.client_disconnected")
         if not stream:
+            generation = self.pipeline.start(job, client_gone=client_gone)
             try:
                 resp.media = collect(generation)
             finally:
                 generation.close()
             return
+        pending = PendingStart(lambda: self.pipeline.start(
+            job, client_gone=client_gone, first_output_wait_s=self.keepalive_s))
+        if pending.wait(self.keepalive_s) and pending.error is not None:
+            raise pending.error
         resp.content_type = "text/event-stream"
         resp.set_headers(SSE_HEADERS)
-        resp.stream = StreamBody(frames(), generation, error_frames, self._early_close)
+        resp.stream = StreamBody(pending, frames, error_frames, keepalive_s=self.keepalive_s,
+                                 on_early_close=self._early_close,
+                                 on_start_error=self._count_stream_error(job.model_id))
 
     def stream_error(self, generation: Generation,
                      error_frames: Callable[[Exception], list[bytes]]) -> list[bytes]:
         """The frames that end a stream whose generation failed after the first byte."""
-        if self.metrics is not None:
-            self.metrics.stream_errors.labels(generation.model_id).inc()
+        self._count_stream_error(generation.model_id)()
         return error_frames(generation.failure or RuntimeError("generation failed"))
+
+    def _count_stream_error(self, model_id: str) -> Callable[[], None]:
+        def count() -> None:
+            if self.metrics is not None:
+                self.metrics.stream_errors.labels(model_id).inc()
+        return count
 
     def _early_close(self, generation: Generation) -> None:
         """A stream closed before its end: the client hung up (unless the watcher saw it first)."""
