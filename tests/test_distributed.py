@@ -113,6 +113,76 @@ def test_a_request_that_cannot_fit_on_one_rank_gets_a_413_naming_it(tmp_path, mo
         group.close()
 
 
+LONG = {**PROMPT, "prompt": " ".join(["fox"] * 1000)}  # 3000 tokens
+
+
+def _readings(group: RankGroup) -> list[dict]:
+    """Every rank's latest memory reading on rank 0's ``/health``, once both came."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        rows = group.health()["engines"]["llama-seed0"].get("distributed_memory") or []
+        if len(rows) == 2:
+            return rows
+        time.sleep(0.2)
+    raise AssertionError(f"rank 0's /health lists no reading of every rank: {group.health()}")
+
+
+def _second_next_to_first(group: RankGroup) -> tuple[int, dict, int]:
+    """A long request (streamed) and, once it runs, a second one: the second's answer
+    and the first's per-rank reservation (rank 0's ledger)."""
+    response, events = group.stream("/v1/completions", {**LONG, "max_tokens": 1000})
+    with response:
+        next(events)  # the first runs (about 3 s of decode left)
+        reserved = group.health()["memory"]["admission_reserved_bytes"]
+        status, body = group.post("/v1/completions", {**LONG, "max_tokens": 8})
+        list(events)
+    return status, body, reserved
+
+
+@pytest.mark.slow
+def test_rank_0_refuses_a_second_request_that_only_rank_1_has_no_room_for(tmp_path, model_dir) -> None:
+    """End to end, rank 0's admission judges against the tightest rank. Without a ceiling
+    of rank 1's, two long requests run at once. Then rank 1's ceiling is sized from what
+    that group measured (rank 1's idle baseline and margin, the first request's per-rank
+    reservation) so that its admission budget holds 1.5 such requests: the second one
+    (in one padded decode batch the two cost twice the larger) is refused at once
+    (``queue_timeout_s=0``) with a 503 naming rank 1, though rank 0 alone has room;
+    alone it is served."""
+    no_wait = ["--set", "memory.queue_timeout_s=0"]
+    (tmp_path / "roomy").mkdir(), (tmp_path / "tight").mkdir()
+    roomy = RankGroup(tmp_path / "roomy", model_dir, 2, extra=no_wait)
+    try:
+        rank1 = _readings(roomy)[1]
+        status, body, reserved = _second_next_to_first(roomy)
+        assert status == 200, body
+    finally:
+        roomy.close()
+    assert 4 << 20 < reserved < 64 << 20, reserved  # tens of MiB: baselines drift by a few
+    watermark = 0.95
+    mib = int((rank1["baseline_bytes"] + rank1["margin_bytes"] + 1.5 * reserved) / watermark) >> 20
+    tight = RankGroup(tmp_path / "tight", model_dir, 2, extra=no_wait, rank_extra={1: [
+        "--memory-ceiling", f"{mib}MiB",
+        "--set", f"memory.tiers.custom.admit_watermark={watermark}"]})
+    try:
+        assert _readings(tight)[1]["hard_limit_bytes"] == mib << 20
+        # Rank 1's reading reaches rank 0's admission at rank 0's next memory poll after
+        # a step: until then rank 0 judges by its own limits alone.
+        deadline = time.monotonic() + 60
+        while True:
+            status, body, _ = _second_next_to_first(tight)
+            if status != 200 or time.monotonic() > deadline:
+                break
+        assert status == 503, (body, tight.output())
+        assert body["error"]["code"] == "admission_queue_timeout", body
+        message = body["error"]["message"]
+        assert "on rank 1 of 2, whose custom ceiling" in message, message
+        assert "which binds admission" in message, message
+        status, body = tight.post("/v1/completions", {**LONG, "max_tokens": 8})
+        assert status == 200, (body, tight.output())  # alone it fits
+    finally:
+        tight.close()
+
+
 def test_the_estimate_is_one_ranks_share_of_the_kv_cache() -> None:
     from omlx_core.memory.types import PeakEstimate
     from omlx_core.plugins.distributed.rank_memory import per_rank_estimate

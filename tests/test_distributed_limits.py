@@ -4,6 +4,8 @@ ledger and forward gate."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from omlx_core.memory.admission import AdmissionQueue
@@ -11,7 +13,7 @@ from omlx_core.memory.forward_gate import PrefillForwardGate
 from omlx_core.memory.gate import PrefillChunk, PrefillStep
 from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, PeakEstimate, RequestRejected
 from omlx_core.memory.usage import MemoryUsage
-from omlx_core.plugins.distributed.rank_memory import RankMemory, judged_limits
+from omlx_core.plugins.distributed.rank_memory import RankMemory, RankMemoryBoard, judged_limits
 
 MIB = 1 << 20
 MARGIN = 64 * MIB
@@ -100,3 +102,32 @@ def test_the_forward_gate_refuses_what_only_rank_0_has_room_for() -> None:
     assert refused.stage == "forward"
     assert "on rank 1 of 2, whose custom ceiling (600.00 MiB" in str(refused)
     assert gate.check_prefill(step(140, rank0())) == {}  # rank 0 alone has room for it
+
+
+def test_a_follower_sends_the_baseline_of_a_poll_no_request_ran_through() -> None:
+    """A follower's ledger never holds a request, so its guard reads every poll as idle:
+    the board keeps the baseline of the last poll read while nothing ran there (between
+    two observations that saw nothing running and no sequence started)."""
+    activity = {"started": 0, "running": False}
+    board = RankMemoryBoard(SimpleNamespace(leader=False), "tensor", 2, WATERMARK,
+                            activity=lambda: (activity["started"], activity["running"]))
+
+    def observed(baseline: int) -> int:
+        board.observe(rank0(baseline=baseline))
+        return board.own.baseline_bytes
+
+    assert observed(200 * MIB) == 200 * MIB  # the first reading, at start
+    assert observed(205 * MIB) == 205 * MIB  # read while nothing ran
+    activity.update(started=1, running=True)
+    assert observed(260 * MIB) == 205 * MIB  # the running request's KV and transients
+    activity.update(running=False)
+    assert observed(240 * MIB) == 205 * MIB  # read while it still ran
+    assert observed(210 * MIB) == 210 * MIB  # idle since the last observation
+    activity.update(started=2)  # one started and ended between two observations
+    assert observed(250 * MIB) == 210 * MIB
+    assert observed(212 * MIB) == 212 * MIB
+    # Rank 0's own guard reads its baseline only while its ledger is idle: passed on.
+    leader = RankMemoryBoard(SimpleNamespace(leader=True), "tensor", 2, WATERMARK,
+                             activity=lambda: (3, True))
+    leader.observe(rank0(baseline=260 * MIB))
+    assert leader.own.baseline_bytes == 260 * MIB

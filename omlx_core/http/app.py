@@ -44,6 +44,19 @@ class RequestCounter:
         self.metrics.requests.labels(route, method, str(resp.status_code)).inc()
 
 
+def _plain(value: Any) -> bool:
+    """A scalar, or a list of rows of scalars (e.g. every rank's memory reading): what
+    ``/health`` shows of an engine's stats."""
+    if isinstance(value, list):
+        return all(isinstance(row, dict) and all(map(_plain_scalar, row.values()))
+                   for row in value)
+    return _plain_scalar(value)
+
+
+def _plain_scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool)) or value is None
+
+
 class Health:
     def __init__(self, context: ServerContext, pipeline: ServingPipeline):
         self.context = context
@@ -56,8 +69,7 @@ class Health:
                 stats = engine.stats() or {}
             except Exception as exc:
                 stats = {"error": f"{type(exc).__name__}: {exc}"}
-            engines[model_id] = {str(k): v for k, v in stats.items()
-                                 if isinstance(v, (str, int, float, bool)) or v is None}
+            engines[model_id] = {str(k): v for k, v in stats.items() if _plain(v)}
         serving = bool(self.context.engines) or bool(
             self.context.pool is not None and self.context.pool.records())
         resp.status = 200 if serving else 503

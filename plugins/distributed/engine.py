@@ -57,6 +57,8 @@ class DistributedEngine(BatchedEngine):
                                         namespace=f"{model.id}\0{model.path}")
         self.step_sync: CollectiveSteps | None = None
         self._live: weakref.WeakSet[SequenceState] = weakref.WeakSet()
+        #: sequences started on this rank so far (the memory board's idle baseline)
+        self._started = 0
         self.cluster.on_death(self._end_in_flight)
 
     def _load(self) -> Scheduler:
@@ -71,7 +73,8 @@ class DistributedEngine(BatchedEngine):
         from omlx_core.memory.ceilings import TierPolicy
 
         board = RankMemoryBoard(self.cluster, self.mode, _layers(self.model.config),
-                                TierPolicy.from_config(self.host.config).admit_watermark)
+                                TierPolicy.from_config(self.host.config).admit_watermark,
+                                activity=self._activity)
         BOARDS[self.model.id] = board
         self.step_sync = CollectiveSteps(self.cluster, heartbeat_s=self.heartbeat_s,
                                          make_sequence=self._follow, on_stop=self._stop_following,
@@ -101,6 +104,7 @@ class DistributedEngine(BatchedEngine):
 
     def _new_sequence(self, request: GenerationRequest) -> Any:
         sequence = new_sequence(request)
+        self._started += 1
         self._live.add(sequence)
         return sequence
 
@@ -108,6 +112,7 @@ class DistributedEngine(BatchedEngine):
         """A follower's state for the request rank 0 admitted, with rank 0's seed."""
         sequence = new_sequence(request)
         sequence.seed = seed
+        self._started += 1
         self._live.add(sequence)
         if request.sampling.grammar is not None:
             from omlx_core.grammar import GrammarConstraint, compiler_for
@@ -116,6 +121,10 @@ class DistributedEngine(BatchedEngine):
                 request.sampling.grammar)
             sequence.grammar = GrammarConstraint(compiled)
         return sequence
+
+    def _activity(self) -> tuple[int, bool]:
+        """Sequences started so far, and whether one runs now (any thread)."""
+        return self._started, any(s.phase != DONE for s in list(self._live))
 
     def _stop_following(self) -> list[str]:
         """Rank 0 shut down: abort what this follower still runs, then stop."""

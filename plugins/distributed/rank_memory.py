@@ -13,6 +13,12 @@ by a collective (:meth:`RankMemoryBoard.gather`, called from the step exchange).
   scheduler's forward gate);
 - the estimator's answer for a sharded model is scaled to one rank's share
   (:func:`per_rank_estimate`), the same on every rank.
+
+A follower admits nothing (rank 0 does), so its guard's ledger is always idle and every
+poll there reads a "baseline" that holds the running requests' KV and whatever transient
+a forward had at that moment. The board sends a follower's baseline only from a poll
+that no sequence ran through (:meth:`RankMemoryBoard.observe`), otherwise the last such
+one: rank 0 would count the running requests twice and refuse ones that fit.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from omlx_core.settings import format_size
 
@@ -72,21 +78,42 @@ class RankMemoryBoard:
     """The memory readings of every rank serving one model, and its split."""
 
     def __init__(self, cluster: Cluster, mode: str, layers: int,
-                 admit_watermark: float) -> None:
+                 admit_watermark: float,
+                 activity: Callable[[], tuple[int, bool]] = lambda: (0, False)) -> None:
         self.cluster = cluster
         self.mode = mode
         self.layers = layers
         #: this rank's admission watermark (its memory tier's)
         self.admit_watermark = admit_watermark
+        #: (sequences this rank has started so far, whether one is running now)
+        self._activity = activity
         self._lock = threading.Lock()
         self.ranks: list[RankMemory] = []
         #: this rank's latest measured snapshot (``adjust_limits`` sees each)
         self.own: LimitSnapshot | None = None
+        #: a follower's idle baseline, and its started count at the last observation
+        #: when nothing ran then (``None``: something ran)
+        self._idle_baseline: int | None = None
+        self._quiet_at: int | None = None
 
     def observe(self, snapshot: LimitSnapshot) -> None:
         """This rank's guard measured ``snapshot`` (the enforcer's thread)."""
+        if not self.cluster.leader:
+            snapshot = self._with_idle_baseline(snapshot)
         with self._lock:
             self.own = snapshot
+
+    def _with_idle_baseline(self, snapshot: LimitSnapshot) -> LimitSnapshot:
+        """``snapshot`` with the follower's idle baseline: its own when no sequence ran
+        between the previous observation and this one (the memory was read in between),
+        else the last one read so."""
+        started, running = self._activity()
+        if self._idle_baseline is None or (self._quiet_at == started and not running):
+            self._idle_baseline = snapshot.baseline_bytes
+        self._quiet_at = None if running else started
+        if snapshot.baseline_bytes == self._idle_baseline:
+            return snapshot
+        return replace(snapshot, baseline_bytes=self._idle_baseline)
 
     def gather(self) -> None:
         """Collective: every rank sends its reading; rank 0 keeps them all."""
