@@ -179,9 +179,9 @@ class _LiveValues(Collector):
         for cause, count in sorted(counters.refusals.items()):
             refusals.add_metric([cause], count)
         yield refusals
-        seconds = list(counters.load_seconds)
         yield SummaryMetricFamily("omlx_model_load_seconds", "seconds a model load took",
-                                  count_value=len(seconds), sum_value=sum(seconds))
+                                  count_value=counters.loads,
+                                  sum_value=counters.load_seconds_total)
         records = pool.records()
         yield GaugeMetricFamily("omlx_models_resident", "models resident now",
                                 value=sum(1 for r in records if r.state == "resident"))
