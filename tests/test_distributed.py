@@ -109,6 +109,12 @@ def test_a_request_that_cannot_fit_on_one_rank_gets_a_413_naming_it(tmp_path, mo
         assert status == 413, body
         assert "on rank 1 of 2, whose custom ceiling binds there" in body["error"]["message"], body
         assert body["error"]["code"] == "prefill_memory_exceeded"
+        # The structured parts name rank 1's ceiling too, and the advice its knob.
+        error = body["error"]
+        assert (error["binding_ceiling"], error["binding_rank"]) == ("custom", 1), body
+        assert error["ceilings"]["custom"] == 64 << 20, body
+        assert error["advice"][0].startswith("Rank 1's pinned ceiling (64.00 MiB"), body
+        assert "on rank 1)" in error["advice"][0], body
     finally:
         group.close()
 
@@ -177,6 +183,9 @@ def test_rank_0_refuses_a_second_request_that_only_rank_1_has_no_room_for(tmp_pa
         message = body["error"]["message"]
         assert "on rank 1 of 2, whose custom ceiling" in message, message
         assert "which binds admission" in message, message
+        error = body["error"]
+        assert (error["binding_ceiling"], error["binding_rank"]) == ("custom", 1), body
+        assert "Rank 1's pinned ceiling" in error["advice"][-1], body
         status, body = tight.post("/v1/completions", {**LONG, "max_tokens": 8})
         assert status == 200, (body, tight.output())  # alone it fits
     finally:

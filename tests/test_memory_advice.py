@@ -4,6 +4,7 @@ plugins can add advice or replace it."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -119,6 +120,49 @@ def test_forward_stage_advice_mentions_retrying_later(plugins):
     b = CeilingBreakdown(static=20 * GIB, dynamic=30 * GIB, tier="balanced", total_ram=32 * GIB)
     [text] = advise(plugins, rejection(b, stage="forward"))
     assert "retry when fewer requests are running" in text
+
+
+# -- another rank's ceiling (a distributed group) -------------------------------------------
+
+
+def remote(breakdown: CeilingBreakdown, stage: str = "forward") -> Rejection:
+    """A refusal on rank 0 that rank 1's ``breakdown`` binds: rank 0's judged limit is
+    10 GiB, the need 12 GiB there (2 GiB short)."""
+    breakdown = replace(breakdown, rank=1, ranks=2, elsewhere="on rank 1 of 2, ...")
+    return Rejection(estimated_bytes=4 * GIB, limit_bytes=10 * GIB, breakdown=breakdown,
+                     stage=stage, base_bytes=8 * GIB)
+
+
+def test_another_ranks_static_ceiling_names_that_rank_and_its_tier(plugins):
+    b = CeilingBreakdown(static=20 * GIB, dynamic=30 * GIB, tier="balanced", total_ram=32 * GIB)
+    [text] = advise(plugins, remote(b))
+    assert text.startswith("Rank 1's static ceiling (20.00 GiB: 32.00 GiB total"), text
+    assert "raise rank 1's tier to 'aggressive' (memory.tier on rank 1)" in text
+    assert "over more than 2 ranks" in text
+    assert remote(b).binding == "static" and remote(b).binding_rank == 1
+
+
+def test_another_ranks_custom_ceiling_says_how_far_to_raise_it_there(plugins):
+    b = CeilingBreakdown(static=40 * GIB, custom=16 * GIB, tier="custom")
+    [text] = advise(plugins, remote(b))
+    # 16 GiB + the 2 GiB shortfall, + 10 %: raised there, not to rank 0's figures.
+    assert "Rank 1's pinned ceiling (16.00 GiB" in text
+    assert "serve --memory-ceiling 20GiB on rank 1" in text
+    assert "rank 1's other ceilings allow up to 40.00 GiB" in text
+    [text] = advise(plugins, remote(b, stage="admission"))
+    assert "raise it (a larger serve --memory-ceiling on rank 1)" in text  # no figure to go by
+
+
+def test_another_ranks_device_and_dynamic_ceilings_say_where_to_act(plugins):
+    metal = CeilingBreakdown(static=60 * GIB, device=16 * GIB, device_kind="metal",
+                             tier="aggressive", total_ram=64 * GIB)
+    [text] = advise(plugins, remote(metal))
+    assert "Rank 1's Metal GPU wired-memory limit (16.00 GiB)" in text
+    assert re.search(r"iogpu\.wired_limit_mb=\d+` on rank 1", text), text
+    dynamic = CeilingBreakdown(static=40 * GIB, dynamic=12 * GIB, tier="balanced",
+                               reclaimable=3 * GIB)
+    [text] = advise(plugins, remote(dynamic))
+    assert text.startswith("Close other applications on rank 1"), text
 
 
 # -- third-party advice ------------------------------------------------------------------------

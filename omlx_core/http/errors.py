@@ -160,6 +160,8 @@ def rejection_error(error: RequestRejected) -> APIError:
         "stage": rejection.stage, "cause": rejection.cause,
         "estimated_bytes": rejection.estimated_bytes, "limit_bytes": rejection.limit_bytes,
         "base_bytes": rejection.base_bytes, "binding_ceiling": rejection.binding,
+        # a distributed group's rank whose ceiling binds (null: this server's own)
+        "binding_rank": rejection.binding_rank,
         "ceilings": breakdown.ceilings() if breakdown is not None else {},
         "prompt_tokens": rejection.prompt_tokens, "advice": list(error.advice),
         "request_id": rejection.request_id,

@@ -14,7 +14,8 @@ _ERROR_STATUSES = {
     "404": "unknown model",
     "413": "request_too_large (body over server.max_body), prefill_memory_exceeded (the "
            "prompt can never fit in memory; the body has estimated_bytes, limit_bytes, "
-           "binding_ceiling and advice) or load_never_fits (the model cannot be loaded even "
+           "binding_ceiling, binding_rank (a distributed group's rank whose ceiling binds) "
+           "and advice) or load_never_fits (the model cannot be loaded even "
            "with every unpinned model unloaded; the body has model, model_bytes, limit_bytes, "
            "binding_ceiling, pinned_models and advice)",
     "415": "the body is not JSON",

@@ -365,6 +365,7 @@ ERROR_RESPONSE = {
             "estimated_bytes": {"type": "integer"},
             "limit_bytes": {"type": ["integer", "null"]},
             "binding_ceiling": {"type": ["string", "null"]},
+            "binding_rank": {"type": ["integer", "null"]},
             "advice": {"type": "array", "items": {"type": "string"}},
         },
     }},

@@ -157,7 +157,7 @@ class PrefillForwardGate(ForwardGate):
             return {}
         hard = limits.hard_bytes
         self.transient_margin = self._margin_of(limits)
-        self._binding = limits.binding_name or self._binding
+        self._binding = limits.binding_at("forward") or self._binding
         current = self._usage.high_water(record=True)
         earlier_kv = 0
         refused: dict[str, RequestRejected] = {}
@@ -280,8 +280,9 @@ class PrefillForwardGate(ForwardGate):
         return sum(self.preemptions.values())
 
     def _count_preemption(self, limits: LimitSnapshot | None, stage: str) -> None:
-        if limits is not None and limits.binding_name:
-            self._binding = limits.binding_name
+        # decode growth is judged by the admission ledger's budget
+        binding = limits.binding_at("admission" if stage == "decode" else stage) if limits else None
+        self._binding = binding or self._binding
         key = (self._binding, stage)
         self.preemptions[key] = self.preemptions.get(key, 0) + 1
 
@@ -313,7 +314,8 @@ class PrefillForwardGate(ForwardGate):
     def _unestimable(self, step: PrefillStep, chunk: PrefillChunk,
                      limits: LimitSnapshot) -> RequestRejected:
         return RequestRejected(Rejection(
-            estimated_bytes=0, limit_bytes=limits.hard_bytes, breakdown=limits.breakdown,
+            estimated_bytes=0, limit_bytes=limits.hard_bytes,
+            breakdown=limits.breakdown_at("forward"),
             request_id=chunk.request_id, model_id=step.model_id,
             prompt_tokens=chunk.prompt_tokens, stage="forward", cause="no_estimate",
             detail=f"no estimate_peak plugin could estimate a prefill of model "
@@ -341,7 +343,8 @@ class PrefillForwardGate(ForwardGate):
                     "%s (model %r); stopping it", format_size(current),
                     format_size(limits.hard_bytes), chunk.request_id, step.model_id)
         return self._rejected(chunk, Rejection(
-            estimated_bytes=0, limit_bytes=limits.hard_bytes, breakdown=limits.breakdown,
+            estimated_bytes=0, limit_bytes=limits.hard_bytes,
+            breakdown=limits.breakdown_at("forward"),
             request_id=chunk.request_id, model_id=step.model_id,
             prompt_tokens=chunk.prompt_tokens, stage="forward", base_bytes=current,
             cause="over_limit"),
@@ -384,7 +387,8 @@ class PrefillForwardGate(ForwardGate):
                 format_size(self.transient_margin), format_size(limits.hard_bytes))
         return self._rejected(chunk, Rejection(
             estimated_bytes=peak + self.transient_margin, limit_bytes=limits.hard_bytes,
-            breakdown=limits.breakdown, request_id=chunk.request_id, model_id=step.model_id,
+            breakdown=limits.breakdown_at("forward"), request_id=chunk.request_id,
+            model_id=step.model_id,
             prompt_tokens=chunk.prompt_tokens, stage="forward", base_bytes=base,
             cause="memory_short", margin_bytes=self.transient_margin),
             f"the next chunk needs an estimated {format_size(peak)} "

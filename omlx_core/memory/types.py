@@ -30,6 +30,11 @@ class CeilingBreakdown:
     #: ``adjust_limits`` hook judged against memory elsewhere, e.g. another rank of a
     #: distributed group), in words: refusals say it instead of the ceiling's name
     elsewhere: str = ""
+    #: the rank of a distributed group whose ceilings these are, when that is not this
+    #: process (``None``: this process's own), and the group's size: a refusal's
+    #: binding ceiling and its advice then name that rank's ceiling
+    rank: int | None = None
+    ranks: int = 1
 
     def ceilings(self) -> dict[str, int]:
         return {name: value for name in CEILING_NAMES
@@ -74,6 +79,21 @@ class LimitSnapshot:
     #: when ``baseline_bytes`` was read (``time.monotonic``): model loads and unloads that
     #: ended after it are not in it (the admission ledger adds them)
     baseline_read_at: float = 0.0
+
+    #: what binds the forward gate when it is not ``breakdown`` (the ``adjust_limits``
+    #: hook judged admission and the forward gate against different places)
+    forward_breakdown: CeilingBreakdown | None = None
+
+    def breakdown_at(self, stage: str) -> CeilingBreakdown:
+        """The ceilings that bind a decision at ``stage`` (:data:`STAGES`)."""
+        if stage == "forward" and self.forward_breakdown is not None:
+            return self.forward_breakdown
+        return self.breakdown
+
+    def binding_at(self, stage: str) -> str | None:
+        """The name of the ceiling that binds at ``stage`` (``None``: none binds)."""
+        breakdown = self.breakdown_at(stage)
+        return breakdown.binding if breakdown is not None else None
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -252,6 +272,11 @@ class Rejection:
     @property
     def binding(self) -> str | None:
         return self.breakdown.binding if self.breakdown else None
+
+    @property
+    def binding_rank(self) -> int | None:
+        """The rank of a distributed group whose ceiling binds, when not this process's."""
+        return self.breakdown.rank if self.breakdown else None
 
     @property
     def needed_bytes(self) -> int:

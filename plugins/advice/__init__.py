@@ -12,6 +12,12 @@ ceiling, the figures behind it and the one setting (or command) that moves it:
 - ``static``: shorten the context, or move to a tier with a smaller reserve.
 - no breakdown: a generic message that still names every knob.
 
+When the binding ceiling is another rank's of a distributed group (the breakdown's
+``rank``: rank 0 judged against the tightest rank), each rung names that rank's ceiling
+and where to turn it (``serve --memory-ceiling ... on rank N``), and adds the rung that
+only a group has: serve the model over more ranks. The figure to raise it to is that
+rank's ceiling plus the shortfall where the refusal tells it (preflight, forward gate).
+
 A request refused at admission (it waited for room that never came) is also told the
 largest ``max_tokens`` that would have been admitted when the completion's reservation
 is what did not fit.
@@ -71,70 +77,120 @@ def _generic(rejection: Rejection) -> str:
             "`omlx-core doctor` shows the machine's memory.")
 
 
+def _rank(b: CeilingBreakdown) -> str:
+    """``"rank N's "`` where the binding ceilings are another rank's, else ``""``."""
+    return f"rank {b.rank}'s " if b.rank is not None else ""
+
+
+def _on(b: CeilingBreakdown) -> str:
+    """``" on rank N"`` where the binding ceilings are another rank's, else ``""``."""
+    return f" on rank {b.rank}" if b.rank is not None else ""
+
+
+def _needed_there(rejection: Rejection, b: CeilingBreakdown) -> int | None:
+    """What the binding ceiling would have to hold for the request to fit: the need
+    itself, or, for another rank's ceiling (judged in this rank's terms), that ceiling
+    plus the shortfall; ``None`` where the refusal's figures do not tell it (admission
+    judged against another rank's budget)."""
+    if b.rank is None:
+        return rejection.needed_bytes
+    if rejection.stage == "admission" or rejection.limit_bytes is None or b.hard is None:
+        return None
+    return b.hard + rejection.needed_bytes - rejection.limit_bytes
+
+
 def _dynamic(rejection: Rejection, b: CeilingBreakdown) -> str:
     reclaimable = format_size(b.reclaimable) if b.reclaimable is not None else "little"
+    on, there = _on(b), " there" if b.rank is not None else ""
     if b.tier == "custom":
         pinned = format_size(b.custom) if b.custom else "unset"
-        return (f"Other programs are holding the memory: only {reclaimable} is reclaimable right "
-                f"now, so the dynamic ceiling ({format_size(b.dynamic)}) is below your pinned "
-                f"custom ceiling ({pinned}). Raising the custom ceiling cannot help until memory "
-                f"is freed: close other applications, or {_shorten(rejection)}.")
+        return (f"Other programs{on} are holding the memory: only {reclaimable} is reclaimable"
+                f"{there} right now, so the dynamic ceiling ({format_size(b.dynamic)}) is below "
+                f"{_rank(b) or 'your '}pinned custom ceiling ({pinned}). Raising the custom "
+                f"ceiling cannot help until memory is freed: close other applications{on}, or "
+                f"{_shorten(rejection)}.")
     static = format_size(b.static) if b.static is not None else "unknown"
-    return (f"Close other applications to free memory: the static cap under tier {b.tier!r} is "
-            f"{static}, but only {reclaimable} is reclaimable right now, which makes the dynamic "
-            f"ceiling {format_size(b.dynamic)}. Or {_shorten(rejection)}.")
+    return (f"Close other applications{on} to free memory: the static cap{there} under tier "
+            f"{b.tier!r} is {static}, but only {reclaimable} is reclaimable right now, which "
+            f"makes the dynamic ceiling {format_size(b.dynamic)}. Or {_shorten(rejection)}.")
 
 
 def _custom(rejection: Rejection, b: CeilingBreakdown) -> str:
-    target = _suggested_bytes(rejection.needed_bytes)
+    needed = _needed_there(rejection, b)
     others = [v for name, v in b.ceilings().items() if name != "custom"]
     allowed = min(others) if others else None
-    text = (f"Your pinned ceiling ({format_size(b.custom)}, memory.custom_ceiling) binds: raise it "
-            f"to at least {format_size(target)} (serve --memory-ceiling {_size_flag(target)})")
-    if allowed is not None and allowed < rejection.needed_bytes:
-        return (text + f", although this machine's other ceilings allow only "
+    machine = f"rank {b.rank}'s" if b.rank is not None else "this machine's"
+    owner = f"Rank {b.rank}'s" if b.rank is not None else "Your"
+    text = (f"{owner} pinned ceiling ({format_size(b.custom)}, memory.custom_ceiling) binds: "
+            "raise it")
+    if needed is None:
+        text += f" (a larger serve --memory-ceiling{_on(b)})"
+    else:
+        target = _suggested_bytes(needed)
+        text += (f" to at least {format_size(target)} (serve --memory-ceiling "
+                 f"{_size_flag(target)}{_on(b)})")
+    if allowed is not None and needed is not None and allowed < needed:
+        return (text + f", although {machine} other ceilings allow only "
                 f"{format_size(allowed)}, so {_shorten(rejection)} as well.")
     if allowed is not None:
-        text += f"; this machine's other ceilings allow up to {format_size(allowed)}"
+        text += f"; {machine} other ceilings allow up to {format_size(allowed)}"
     return text + f". Or {_shorten(rejection)}."
 
 
 def _device(rejection: Rejection, b: CeilingBreakdown) -> str:
-    needed = rejection.needed_bytes
-    target = _suggested_bytes(needed)
+    needed = _needed_there(rejection, b)
+    target = _suggested_bytes(needed) if needed is not None else None
     device = format_size(b.device)
+    owner = f"Rank {b.rank}'s" if b.rank is not None else "The"
     if b.device_kind == "metal":
+        if target is None:
+            return (f"{owner} Metal GPU wired-memory limit ({device}) binds: raise it with "
+                    f"`sudo sysctl iogpu.wired_limit_mb=N`{_on(b)} (lasts until reboot), or "
+                    f"{_shorten(rejection)}.")
+        mac = f"rank {b.rank}'s Mac" if b.rank is not None else "this Mac"
         if b.total_ram is not None and target > b.total_ram - MACOS_KEEP_FREE:
-            return (f"The Metal GPU memory limit ({device}) binds, and this request needs about "
-                    f"{format_size(needed)}, more than this Mac can give the GPU while keeping "
+            return (f"{owner} Metal GPU memory limit ({device}) binds, and this request needs "
+                    f"about {format_size(needed)}, more than {mac} can give the GPU while keeping "
                     f"{format_size(MACOS_KEEP_FREE)} for macOS: pick a smaller model or "
                     f"{_shorten(rejection)}.")
-        return (f"The Metal GPU wired-memory limit ({device}) binds: raise it with "
-                f"`sudo sysctl iogpu.wired_limit_mb={math.ceil(target / MIB)}` (lasts until "
-                f"reboot), or {_shorten(rejection)}.")
+        return (f"{owner} Metal GPU wired-memory limit ({device}) binds: raise it with "
+                f"`sudo sysctl iogpu.wired_limit_mb={math.ceil(target / MIB)}`{_on(b)} (lasts "
+                f"until reboot), or {_shorten(rejection)}.")
     if b.device_kind == "cgroup":
-        return (f"The container's memory limit ({device}, cgroup memory.max) binds: raise it to "
-                f"at least {format_size(target)} (e.g. docker run --memory={math.ceil(target / MIB)}m, "
-                f"or the pod's resources.limits.memory), or {_shorten(rejection)}.")
+        at_least = f" to at least {format_size(target)}" if target is not None else ""
+        example = f"={math.ceil(target / MIB)}m" if target is not None else ""
+        return (f"{owner} container's memory limit ({device}, cgroup memory.max) binds: raise "
+                f"it{at_least} (e.g. docker run --memory{example}, or the pod's "
+                f"resources.limits.memory), or {_shorten(rejection)}.")
     if b.device_kind == "cuda":
-        return (f"The CUDA device's memory ({device}) binds and cannot be raised: pick a smaller "
-                f"or more quantized model, or {_shorten(rejection)}.")
-    return (f"The device memory limit ({device}) binds: pick a smaller model or "
+        return (f"{owner} CUDA device's memory ({device}) binds and cannot be raised: pick a "
+                f"smaller or more quantized model, or {_shorten(rejection)}.")
+    return (f"{owner} device memory limit ({device}) binds: pick a smaller model or "
             f"{_shorten(rejection)}.")
 
 
 def _static(rejection: Rejection, b: CeilingBreakdown) -> str:
-    total = format_size(b.total_ram) if b.total_ram is not None else "this machine's RAM"
-    base = (f"The static ceiling ({format_size(b.static)}: {total} total less the reserve of "
-            f"tier {b.tier!r}) binds: {_shorten(rejection)} (reduce the context)")
+    machine = f"rank {b.rank}'s" if b.rank is not None else "this machine's"
+    total = format_size(b.total_ram) if b.total_ram is not None else f"{machine} RAM"
+    owner = f"Rank {b.rank}'s" if b.rank is not None else "The"
+    base = (f"{owner} static ceiling ({format_size(b.static)}: {total} total less the reserve "
+            f"of tier {b.tier!r}) binds: {_shorten(rejection)} (reduce the context)")
     if b.tier in TIER_ORDER[:-1]:
         larger = TIER_ORDER[TIER_ORDER.index(b.tier) + 1:]
-        return (base + f", or raise the tier to {' or '.join(repr(t) for t in larger)} "
-                "(memory.tier), which keeps a smaller reserve.")
+        tiers = " or ".join(repr(t) for t in larger)
+        return (base + f", or raise {_rank(b) or 'the '}tier to {tiers} (memory.tier{_on(b)}), "
+                "which keeps a smaller reserve.")
     if b.tier == "aggressive":
         return (base + ", or pin a ceiling yourself with memory.tier = \"custom\" and "
-                "--memory-ceiling.")
-    return base + f"; the request needs about {format_size(rejection.needed_bytes)}."
+                f"--memory-ceiling{_on(b)}.")
+    needed = _needed_there(rejection, b)
+    return base + (f"; the request needs about {format_size(needed)}." if needed is not None
+                   else ".")
+
+
+def _more_ranks(b: CeilingBreakdown) -> str:
+    return (f"Or serve the model over more than {b.ranks} ranks, where its split allows: each "
+            "rank then holds a smaller share of the weights and of the KV cache.")
 
 
 def _max_tokens(rejection: Rejection) -> str | None:
@@ -169,5 +225,6 @@ def _ladder(rejection: Rejection) -> str:
     binding = breakdown.binding if breakdown is not None else None
     if breakdown is None or binding is None:
         return _generic(rejection)
-    return {"dynamic": _dynamic, "custom": _custom, "device": _device, "static": _static}[binding](
+    text = {"dynamic": _dynamic, "custom": _custom, "device": _device, "static": _static}[binding](
         rejection, breakdown)
+    return text if breakdown.rank is None else f"{text} {_more_ranks(breakdown)}"

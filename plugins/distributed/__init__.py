@@ -89,14 +89,16 @@ def preflight(request: Any) -> None:
         margin = max(request.margin_bytes, reading.margin_bytes)
         needed = request.estimated_bytes + margin
         if reading.baseline_bytes + needed > reading.hard_bytes:
+            size = board.cluster.size
             raise RequestRejected(Rejection(
-                estimated_bytes=needed, limit_bytes=reading.hard_bytes, breakdown=None,
+                estimated_bytes=needed, limit_bytes=reading.hard_bytes,
+                breakdown=reading.binding_breakdown(
+                    size, f"on rank {reading.rank} of {size}, whose {reading.binding} "
+                          "ceiling binds there"),
                 request_id=request.request_id, model_id=request.model_id,
                 prompt_tokens=request.prompt_tokens, stage="preflight",
                 base_bytes=reading.baseline_bytes, cause="never_fits",
-                margin_bytes=margin,
-                detail=f"on rank {reading.rank} of {board.cluster.size}, whose "
-                       f"{reading.binding} ceiling binds there"))
+                margin_bytes=margin))
 
 
 @hookimpl

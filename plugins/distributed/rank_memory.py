@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from omlx_core.memory.types import CEILING_NAMES, CeilingBreakdown
 from omlx_core.settings import format_size
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import LimitSnapshot, PeakEstimate
     from omlx_core.plugins.distributed.cluster import Cluster
 
-_NAME_CHARS = 16
+#: a row's text: the tier and the kind of device, ``tier,device_kind``
+_TEXT_CHARS = 24
 _KIB = 1024
 
 
@@ -46,10 +48,16 @@ class RankMemory:
     hard_bytes: int | None
     baseline_bytes: int
     in_use_bytes: int
-    binding: str
+    #: that rank's ceilings (its tier, machine's memory and kind of device): which binds
+    breakdown: CeilingBreakdown = field(default_factory=CeilingBreakdown)
     #: the transient margin that rank charges, and its admission watermark
     margin_bytes: int = 0
     admit_watermark: float = 1.0
+
+    @property
+    def binding(self) -> str:
+        """The name of the ceiling that binds there (``"unknown"``: none)."""
+        return self.breakdown.binding or "unknown"
 
     @property
     def forward_room(self) -> float:
@@ -72,6 +80,11 @@ class RankMemory:
         return (f"rank {self.rank} of {size}, whose {self.binding} ceiling ({hard}; "
                 f"{format_size(self.in_use_bytes)} in use there, "
                 f"{format_size(self.baseline_bytes)} idle)")
+
+    def binding_breakdown(self, size: int, where: str) -> CeilingBreakdown:
+        """This rank's ceilings as the ones that bind a refusal on rank 0, ``where``
+        saying so in words."""
+        return replace(self.breakdown, rank=self.rank, ranks=size, elsewhere=where)
 
 
 class RankMemoryBoard:
@@ -168,10 +181,12 @@ def judged_limits(own: LimitSnapshot, admit_watermark: float, ranks: list[RankMe
       over the ranks, ``min over r of (hard_r × watermark_r - baseline_r - margin_r)``,
       through the baseline (the ledger still adds model loads and unloads to it);
     - ``margin_bytes`` stays rank 0's, the least the gate and the ledger charge;
-    - the breakdown's ``elsewhere`` names the binding rank and its ceiling.
+    - the breakdown (admission's, and ``forward_breakdown`` the forward gate's) is the
+      binding rank's ceilings, ``rank`` naming it and ``elsewhere`` saying so in words,
+      so a refusal's binding ceiling and its advice are that rank's.
     """
     mine = RankMemory(rank=0, hard_bytes=own.hard_bytes, baseline_bytes=own.baseline_bytes,
-                      in_use_bytes=own.in_use_bytes, binding=own.binding_name or "unknown",
+                      in_use_bytes=own.in_use_bytes, breakdown=own.breakdown or CeilingBreakdown(),
                       margin_bytes=own.margin_bytes, admit_watermark=admit_watermark)
     others = [r for r in ranks if r.rank != 0 and r.hard_bytes is not None]
     if not others:
@@ -187,34 +202,51 @@ def judged_limits(own: LimitSnapshot, admit_watermark: float, ranks: list[RankMe
         forward.forward_room if forward_binds else mine.forward_room)
     budget = int(admission.admission_budget if admission_binds else mine.admission_budget)
     baseline = int(hard * admit_watermark) - own.margin_bytes - budget
-    if forward_binds and admission_binds and forward.rank == admission.rank:
-        where = f"on {forward.describe(size)}, which binds admission and the forward gate"
-    else:
-        parts = [f"on {r.describe(size)}, which binds {what}"
-                 for r, what, binds in ((admission, "admission", admission_binds),
-                                        (forward, "the forward gate", forward_binds)) if binds]
-        where = "; ".join(parts)
-    breakdown = replace(own.breakdown, elsewhere=where)
-    return replace(own, hard_bytes=hard, baseline_bytes=baseline, breakdown=breakdown)
+    both = forward_binds and admission_binds and forward.rank == admission.rank
+    breakdown = forward_breakdown = own.breakdown
+    if admission_binds:
+        what = "admission and the forward gate" if both else "admission"
+        breakdown = admission.binding_breakdown(size, f"on {admission.describe(size)}, "
+                                                      f"which binds {what}")
+    if both:
+        forward_breakdown = breakdown
+    elif forward_binds:
+        forward_breakdown = forward.binding_breakdown(
+            size, f"on {forward.describe(size)}, which binds the forward gate")
+    return replace(own, hard_bytes=hard, baseline_bytes=baseline, breakdown=breakdown,
+                   forward_breakdown=forward_breakdown)
 
 
 def _encode(snapshot: LimitSnapshot | None, admit_watermark: float) -> list[float]:
     # float32 carries KiB exactly up to 16 GiB and within a KiB per 16 GiB past it.
-    if snapshot is None:
-        return [-1.0, 0.0, 0.0, 0.0, admit_watermark] + [0.0] * _NAME_CHARS
-    hard = -1.0 if snapshot.hard_bytes is None else snapshot.hard_bytes / _KIB
-    name = (snapshot.breakdown.binding or "")[:_NAME_CHARS] if snapshot.breakdown else ""
-    return ([hard, snapshot.baseline_bytes / _KIB, snapshot.in_use_bytes / _KIB,
-             snapshot.margin_bytes / _KIB, admit_watermark]
-            + [float(ord(c)) for c in name.ljust(_NAME_CHARS, "\0")])
+    breakdown = snapshot.breakdown if snapshot is not None else None
+    if snapshot is None or breakdown is None:
+        breakdown = CeilingBreakdown()
+    hard = snapshot.hard_bytes if snapshot is not None else None
+    sizes = [hard, *(getattr(breakdown, name) for name in CEILING_NAMES),
+             breakdown.total_ram, breakdown.reclaimable]
+    text = f"{breakdown.tier},{breakdown.device_kind or ''}"[:_TEXT_CHARS]
+    counts = ([snapshot.baseline_bytes / _KIB, snapshot.in_use_bytes / _KIB,
+               snapshot.margin_bytes / _KIB] if snapshot is not None else [0.0, 0.0, 0.0])
+    return ([-1.0 if size is None else size / _KIB for size in sizes] + counts
+            + [admit_watermark] + [float(ord(c)) for c in text.ljust(_TEXT_CHARS, "\0")])
 
 
 def _decode(rank: int, row: list[Any]) -> RankMemory:
-    hard = None if row[0] < 0 else int(row[0] * _KIB)
-    name = "".join(chr(int(c)) for c in row[5:] if int(c)).strip()
-    return RankMemory(rank=rank, hard_bytes=hard, baseline_bytes=int(row[1] * _KIB),
-                      in_use_bytes=int(row[2] * _KIB), binding=name or "unknown",
-                      margin_bytes=int(row[3] * _KIB), admit_watermark=float(row[4]))
+    def size(value: Any) -> int | None:
+        return None if value < 0 else int(value * _KIB)
+
+    hard, *ceilings = (size(value) for value in row[:1 + len(CEILING_NAMES)])
+    total_ram, reclaimable, baseline, in_use, margin, watermark = row[
+        1 + len(CEILING_NAMES):7 + len(CEILING_NAMES)]
+    text = "".join(chr(int(c)) for c in row[7 + len(CEILING_NAMES):] if int(c))
+    tier, _, device_kind = text.partition(",")
+    breakdown = CeilingBreakdown(**dict(zip(CEILING_NAMES, ceilings)), tier=tier or "balanced",
+                                 total_ram=size(total_ram), reclaimable=size(reclaimable),
+                                 device_kind=device_kind or None)
+    return RankMemory(rank=rank, hard_bytes=hard, baseline_bytes=int(baseline * _KIB),
+                      in_use_bytes=int(in_use * _KIB), breakdown=breakdown,
+                      margin_bytes=int(margin * _KIB), admit_watermark=float(watermark))
 
 
 #: the boards of the models this process serves distributed, by model id
