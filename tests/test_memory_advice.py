@@ -195,3 +195,29 @@ def test_a_wrapper_hookimpl_replaces_the_advice(plugins):
     plugins.register(ReplacingAdvice(), "replacing")
     b = CeilingBreakdown(static=20 * GIB, dynamic=30 * GIB, tier="balanced", total_ram=32 * GIB)
     assert advise(plugins, rejection(b)) == ["Call the help desk at extension 4242."]
+
+
+def test_an_admission_refusal_advises_a_ceiling_under_which_it_is_admitted(plugins):
+    """Admission compares running reservations + the idle baseline + the margin + the
+    request against the admitting share of the hard limit: the advised ceiling holds all
+    of it, so it is above today's (not just 1.1 x the reservations)."""
+    from omlx_core.memory.admission import AdmissionQueue
+    from omlx_core.memory.types import LimitSnapshot, RequestRejected
+
+    hard = 1000 * MIB
+    queue = AdmissionQueue(queue_size=0, timeout_s=5.0, admit_watermark=0.9,
+                           margin_bytes=lambda _: 50 * MIB)
+    queue.update(LimitSnapshot(hard_bytes=hard, baseline_bytes=600 * MIB,
+                               breakdown=CeilingBreakdown(custom=hard, tier="custom")))
+    running = queue.admit("running", 200 * MIB)  # 600 + 50 + 200 = 850 of 900 admitted
+    with pytest.raises(RequestRejected) as refused:
+        queue.admit("second", 100 * MIB)  # queue_size 0: refused at once
+    running.release()
+    rejection = refused.value.rejection
+    assert rejection.stage == "admission"
+    assert rejection.limit_bytes == 900 * MIB and rejection.needed_bytes == 950 * MIB
+    [text] = advise(plugins, rejection)
+    # 950 MiB admitted under a ceiling of 950 / 0.9 = 1055.6 MiB; + 10 %, rounded up to 256 MiB
+    target = re.search(r"to at least ([\d.]+) GiB", text)
+    assert target and float(target.group(1)) * 1024 >= 950 / 0.9, text
+    assert "serve --memory-ceiling 1280MiB" in text, text

@@ -448,11 +448,18 @@ class AdmissionQueue:
                   cause: str, detail: str, batch: Hashable | None, decode_bytes: int,
                   max_tokens: int) -> RequestRejected:
         snapshot = self._snapshot
+        # What admission compared: the running reservations, the load claims, the idle
+        # baseline and the margin, plus this request, against the admitting share of the
+        # hard limit; so the advice's ceiling is one under which this request is admitted.
+        limit, base = None, self._cost()
+        if snapshot is not None and snapshot.hard_bytes is not None:
+            limit = int(snapshot.hard_bytes * self.admit_watermark)
+            base += self.baseline(snapshot) + self._margin(snapshot)
         return RequestRejected(Rejection(
-            estimated_bytes=reserve_bytes, limit_bytes=snapshot.hard_bytes if snapshot else None,
+            estimated_bytes=reserve_bytes, limit_bytes=limit,
             breakdown=snapshot.breakdown if snapshot else None, request_id=request_id,
             model_id=model_id, prompt_tokens=prompt_tokens, stage="admission", cause=cause,
-            detail=detail, base_bytes=self._cost(), decode_bytes=decode_bytes,
+            detail=detail, base_bytes=base, decode_bytes=decode_bytes,
             max_tokens=max_tokens,
             fitting_max_tokens=self._fitting_max_tokens(reserve_bytes, batch, decode_bytes,
                                                         max_tokens)),

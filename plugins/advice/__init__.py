@@ -89,10 +89,14 @@ def _on(b: CeilingBreakdown) -> str:
 
 def _needed_there(rejection: Rejection, b: CeilingBreakdown) -> int | None:
     """What the binding ceiling would have to hold for the request to fit: the need
-    itself, or, for another rank's ceiling (judged in this rank's terms), that ceiling
+    itself (for admission, scaled up from its share of the hard limit to the whole), or,
+    for another rank's ceiling (judged in this rank's terms), that ceiling
     plus the shortfall; ``None`` where the refusal's figures do not tell it (admission
     judged against another rank's budget)."""
     if b.rank is None:
+        if rejection.stage == "admission" and rejection.limit_bytes and b.hard:
+            # admission admits up to a share of the hard limit (memory.admit_watermark)
+            return math.ceil(rejection.needed_bytes * b.hard / rejection.limit_bytes)
         return rejection.needed_bytes
     if rejection.stage == "admission" or rejection.limit_bytes is None or b.hard is None:
         return None
