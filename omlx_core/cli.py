@@ -160,13 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command in _COMPUTE_COMMANDS:
-        from omlx_core.platform import allocator
         from omlx_core.platform.blas import ensure_optimized_blas
 
-        reexec = args.command == "serve" and allocator.choose_serving_allocator()
-        ensure_optimized_blas()  # a re-exec for the BLAS carries the allocator too
-        if reexec:
-            allocator.reexec_for_allocator()
+        ensure_optimized_blas()
     handler = {
         "serve": cmd_serve, "launch": cmd_launch, "plugins": cmd_plugins, "config": cmd_config,
         "models": cmd_models, "doctor": cmd_doctor, "bench": cmd_bench, "ps": cmd_ps,

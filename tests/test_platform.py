@@ -295,19 +295,3 @@ def test_format_report_aligns_columns_and_shows_fixes() -> None:
     assert report.exit_code == 1
     assert DoctorReport(report.checks[:2]).exit_code == 0
 
-
-def test_serve_asks_for_the_c_allocator_and_keeps_an_operators_choice(monkeypatch) -> None:
-    from omlx_core.platform import allocator
-
-    monkeypatch.setattr(allocator, "STARTED_WITH", None)
-    monkeypatch.delenv("PYTHONMALLOC", raising=False)
-    monkeypatch.delenv(allocator.NO_REEXEC_ENV, raising=False)
-    assert allocator.choose_serving_allocator()
-    import os
-    assert os.environ["PYTHONMALLOC"] == "malloc"
-    monkeypatch.setattr(allocator, "STARTED_WITH", "pymalloc")  # the operator's own
-    monkeypatch.setenv("PYTHONMALLOC", "pymalloc")
-    assert not allocator.choose_serving_allocator()
-    assert os.environ["PYTHONMALLOC"] == "pymalloc"
-    allocator.reexec_for_allocator()  # in effect already: returns, no exec
-

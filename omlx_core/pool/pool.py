@@ -539,10 +539,9 @@ class ModelPool:
         looked up; loading a tokenizer looks up names built from its JSON files, so a few
         strings of every load stayed, each keeping a 1 MiB arena of the small-object
         allocator that the load's other strings had filled (in one process, 13 MB over
-        twenty load/unload cycles; with the cache cleared, under 1 MB). ``omlx-core
-        serve`` runs on the C allocator anyway (:mod:`omlx_core.platform.allocator`).
-        mlx's buffer cache is cleared on the MLX thread (another thread's call may wait
-        for a step while holding the GIL)."""
+        twenty load/unload cycles; with the cache cleared, under 1 MB). mlx's buffer
+        cache is cleared on the MLX thread (another thread's call may wait for a step
+        while holding the GIL)."""
         from omlx_core.memory.usage import trim_heap
         from omlx_core.mlx_thread import mlx_thread
         from omlx_core.platform.backend import clear_cache
