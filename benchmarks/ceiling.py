@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import http.client
-import json
 import os
 import platform
 import sys
@@ -37,6 +36,7 @@ from omlx_core.bench import publish_report
 from omlx_core.bench.client import chat_body, run_concurrently, special_token_ids, stream_chat
 from omlx_core.bench.prompts import text_of_tokens
 from omlx_core.bench.servers import ServerProcess, ServerSettings, free_port, omlx_spec
+from omlx_core.memory.probes import parse_kib_fields
 from omlx_core.settings import format_size, parse_size
 
 DEFAULT_OUT = Path("docs/ceiling-bench.md")
@@ -76,15 +76,11 @@ class ServerRun:
         return tokens / self.wall_s if self.wall_s else 0.0
 
 
-def status_fields(pid: int) -> dict[str, int]:
-    """A process's VmRSS and VmHWM in bytes (``/proc/<pid>/status``)."""
-    fields = {}
+def status_fields(pid: int | str) -> dict[str, int]:
+    """A process's ``/proc/<pid>/status`` fields: sizes (VmRSS, VmHWM, RssFile, ...) in
+    bytes, counts (Threads) as they are; ``pid`` may be ``"self"``."""
     with open(f"/proc/{pid}/status", encoding="ascii") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) * 1024
-    return fields
+        return parse_kib_fields(status.read())
 
 
 def reset_peak(pid: int) -> bool:
@@ -99,12 +95,14 @@ def reset_peak(pid: int) -> bool:
 
 class PeakRss:
     """While the ``with`` block runs, a thread samples process ``pid``'s VmRSS every
-    ``interval_s``; :attr:`peak` is the highest sample (0 if the process is gone)."""
+    ``interval_s``; :attr:`peak` is the highest of the :attr:`samples` taken (0 if the
+    process is gone)."""
 
     def __init__(self, pid: int, interval_s: float):
         self.pid = pid
         self.interval_s = interval_s
         self.peak = 0
+        self.samples = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -112,7 +110,8 @@ class PeakRss:
         while not self._done.is_set():
             try:
                 self.peak = max(self.peak, status_fields(self.pid)["VmRSS"])
-            except OSError:
+                self.samples += 1
+            except (OSError, KeyError):  # gone (a zombie's status has no VmRSS)
                 return
             self._done.wait(self.interval_s)
 
@@ -141,9 +140,12 @@ def _metrics(host: str, port: int) -> dict[str, float]:
     return values
 
 
-def _prompts(model_dir: Path) -> list[tuple[str, list[dict[str, str]], int]]:
+def prompts(model_dir: Path, mix: Sequence[tuple[str, int, int, int]] = MIX,
+            ) -> list[tuple[str, list[dict[str, str]], int]]:
+    """(kind, messages, max_tokens) of every chat of ``mix``'s (kind, prompt tokens,
+    max_tokens, count) rows: seeded prose to summarize."""
     jobs = []
-    for number, (kind, tokens, max_tokens, count) in enumerate(MIX):
+    for number, (kind, tokens, max_tokens, count) in enumerate(mix):
         for index in range(count):
             passage = text_of_tokens(model_dir, tokens, seed=100 * number + index)
             jobs.append((kind, [{"role": "user", "content": f"Summarize these rules:\n{passage}"}],
@@ -162,7 +164,7 @@ def measure(label: str, settings: ServerSettings, model_dir: Path, served_id: st
         at = shown.index(flag)
         del shown[at:at + 2]
     run = ServerRun(label, ["omlx-core", *shown])
-    jobs = _prompts(model_dir)
+    jobs = prompts(model_dir)
     with ServerProcess(spec, port) as server:
         # Warm up (first forward compiles nothing on CPU, but loads pages), then reset
         # the kernel's high-water mark so the peak is this burst's.

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from benchmarks.ceiling import status_fields
 from omlx_core.bench import publish_report
 from omlx_core.bench.servers import ServerProcess, ServerSpec, free_port
 from omlx_core.settings import format_size, parse_size
@@ -272,14 +273,8 @@ class Sample:
 
 
 def read_status(pid: int) -> Sample:
-    values = {}
-    with open(f"/proc/{pid}/status", encoding="ascii") as status:
-        for line in status:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "Threads"):
-                values[key] = int(rest.split()[0])
-    return Sample(time.monotonic(), values["VmRSS"] * 1024, values["VmHWM"] * 1024,
-                  values["Threads"])
+    values = status_fields(pid)
+    return Sample(time.monotonic(), values["VmRSS"], values["VmHWM"], values["Threads"])
 
 
 def open_fds(pid: int) -> int:

@@ -40,10 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.ceiling import PeakRss, reset_peak, status_fields
+from benchmarks.ceiling import PeakRss, prompts, reset_peak, status_fields
 from omlx_core.bench import publish_report
 from omlx_core.bench.client import chat_body, run_concurrently, special_token_ids, stream_chat
-from omlx_core.bench.prompts import text_of_tokens
 from omlx_core.bench.servers import ServerProcess, ServerSpec, fresh_cache_root, free_port
 from omlx_core.settings import format_size, parse_size
 
@@ -163,13 +162,8 @@ def probe_main(out: Path, serve_argv: list[str]) -> int:
 
 def _rss_file() -> int:
     """File-backed resident bytes of this process (RssFile + RssShmem)."""
-    total = 0
-    with open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("RssFile", "RssShmem"):
-                total += int(value.split()[0]) * 1024
-    return total
+    fields = status_fields("self")
+    return fields.get("RssFile", 0) + fields.get("RssShmem", 0)
 
 
 # -- the benchmark -----------------------------------------------------------------------
@@ -193,16 +187,6 @@ class Round:
         return max(self.peak_rss, self.hwm, (self.probe.get("peak") or {}).get("rss", 0))
 
 
-def _jobs(model_dir: Path) -> list[tuple[str, list[dict[str, str]], int]]:
-    jobs = []
-    for number, (kind, tokens, max_tokens, count) in enumerate(MIX):
-        for index in range(count):
-            passage = text_of_tokens(model_dir, tokens, seed=100 * number + index)
-            jobs.append((kind, [{"role": "user", "content": f"Summarize these rules:\n{passage}"}],
-                         max_tokens))
-    return jobs
-
-
 def _ssd_blocks(cache_root: Path) -> int:
     return sum(1 for _ in (cache_root / "ssd").glob("*/blocks/*.safetensors")) \
         if (cache_root / "ssd").is_dir() else 0
@@ -218,7 +202,7 @@ def run_round(label: str, cache_root: Path, ceiling: str, model_dir: Path, serve
             if probe else [sys.executable, "-m", "omlx_core", *serve])
     spec = ServerSpec("omlx", label, argv, served_id, env=(("OMLX_CACHE_DIR", str(cache_root)),))
     result = Round(label, ssd_blocks_at_start=_ssd_blocks(cache_root))
-    jobs = _jobs(model_dir)
+    jobs = prompts(model_dir, MIX)
     with ServerProcess(spec, port) as server:
         # Pages of the code a chat runs are touched once; this prompt shares no block
         # with the mix, so the tier stays as warm as it was.

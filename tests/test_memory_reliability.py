@@ -21,7 +21,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.ceiling import PeakRss, status_fields
 from omlx_core.plugins.estimator.prefill import estimate_for_config
 from omlx_core.testing.models import build_model
 from omlx_core.testing.waiting import free_port
@@ -60,16 +60,6 @@ MODEL = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
 
 
 # -- the server process ----------------------------------------------------------------------
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    values = {}
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) * 1024
-    return values
 
 
 class Server:
@@ -115,7 +105,7 @@ class Server:
         return True
 
     def status(self) -> dict[str, int]:
-        return proc_status(self.process.pid)
+        return status_fields(self.process.pid)
 
     def get(self, path: str) -> tuple[int, bytes]:
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
@@ -145,35 +135,6 @@ class Server:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
-
-
-class RssSampler:
-    """Samples the server's resident set every few milliseconds."""
-
-    def __init__(self, pid: int, interval_s: float = 0.005):
-        self.pid = pid
-        self.interval_s = interval_s
-        self.peak = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, proc_status(self.pid)["VmRSS"])
-                self.samples += 1
-            except (OSError, KeyError):
-                return
-            time.sleep(self.interval_s)
-
-    def __enter__(self) -> "RssSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 # -- the workload ---------------------------------------------------------------------------
@@ -290,7 +251,7 @@ def test_server_under_memory_pressure_never_crosses_its_ceiling(model_dir, tmp_p
         loaded = server.status()
         peak_reset = server.reset_peak()
         started = time.monotonic()
-        with RssSampler(server.process.pid) as sampler:
+        with PeakRss(server.process.pid, 0.005) as sampler:
             with ThreadPoolExecutor(CLIENTS) as pool:
                 outcomes = list(pool.map(lambda job: send(server.port, job), jobs))
         elapsed = time.monotonic() - started

@@ -123,8 +123,9 @@ def _run_command(args: list[str]) -> str:
     return subprocess.run(args, capture_output=True, text=True, timeout=5, check=True).stdout
 
 
-def _parse_kib_fields(text: str) -> dict[str, int]:
-    """``Key:   1234 kB`` lines (``/proc/meminfo``, ``/proc/self/status``) -> bytes."""
+def parse_kib_fields(text: str) -> dict[str, int]:
+    """``Key:   1234 kB`` lines (``/proc/meminfo``, ``/proc/<pid>/status``) -> bytes; a
+    line without a unit (``Threads:  12``) keeps its number as it is."""
     values: dict[str, int] = {}
     for line in text.splitlines():
         key, sep, rest = line.partition(":")
@@ -140,7 +141,7 @@ def probe_linux_meminfo(root: Path = Path("/")) -> MeminfoResult:
     """Total, available and reclaimable system memory from ``/proc/meminfo``."""
     path = root / "proc/meminfo"
     try:
-        fields = _parse_kib_fields(path.read_text())
+        fields = parse_kib_fields(path.read_text())
     except (OSError, UnicodeDecodeError) as error:
         return _unavailable("meminfo", f"cannot read {path}: {error}")
     if "MemTotal" not in fields or "MemFree" not in fields:
@@ -412,7 +413,7 @@ def probe_process_footprint(
     if system == "Linux":
         path = root / "proc/self/status"
         try:
-            fields = _parse_kib_fields(path.read_text())
+            fields = parse_kib_fields(path.read_text())
         except (OSError, UnicodeDecodeError) as error:
             return _unavailable("footprint", f"cannot read {path}: {error}")
         if "VmRSS" not in fields:
