@@ -197,19 +197,18 @@ class Responder:
         resp.set_headers(SSE_HEADERS)
         resp.stream = StreamBody(pending, frames, error_frames, keepalive_s=self.keepalive_s,
                                  on_early_close=self._early_close,
-                                 on_start_error=self._count_stream_error(job.model_id))
+                                 on_start_error=lambda: self._count_stream_error(job.model_id))
 
     def stream_error(self, generation: Generation,
                      error_frames: Callable[[Exception], list[bytes]]) -> list[bytes]:
         """The frames that end a stream whose generation failed after the first byte."""
-        self._count_stream_error(generation.model_id)()
+        self._count_stream_error(generation.model_id)
         return error_frames(generation.failure or RuntimeError("generation failed"))
 
-    def _count_stream_error(self, model_id: str) -> Callable[[], None]:
-        def count() -> None:
-            if self.metrics is not None:
-                self.metrics.stream_errors.labels(model_id).inc()
-        return count
+    def _count_stream_error(self, model_id: str) -> None:
+        """A stream of ``model_id`` ended with an in-band error."""
+        if self.metrics is not None:
+            self.metrics.stream_errors.labels(model_id).inc()
 
     def _early_close(self, generation: Generation) -> None:
         """A stream closed before its end: the client hung up (unless the watcher saw it first)."""
