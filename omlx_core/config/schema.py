@@ -75,6 +75,10 @@ CORE_SETTINGS: list[Setting] = [
     Setting("memory.transient_margin_share", "float",
             "the same headroom as a share of the hard limit; the larger of the two is charged",
             minimum=0.0, maximum=0.5),
+    Setting("memory.buffer_cache_share", "float",
+            "share of the transient margin mlx's buffer cache may keep (freed buffers kept "
+            "for reuse); the rest of the margin is left for what no estimate counts",
+            minimum=0.0, maximum=1.0),
     Setting("memory.decode_reserve_tokens", "int",
             "completion tokens of KV reserved at admission; decode grows the reservation "
             "in blocks past it, preempting the youngest request when memory runs short",

@@ -45,6 +45,8 @@ class TierPolicy:
     #: model, and so with the machine it was sized for)
     margin_floor: int = 0
     margin_share: float = 0.0
+    #: the share of the margin mlx's buffer cache may keep (:meth:`buffer_cache_cap`)
+    buffer_cache_share: float = 1.0
 
     @classmethod
     def from_config(cls, config: Config) -> "TierPolicy":
@@ -58,12 +60,19 @@ class TierPolicy:
             custom_ceiling=config["memory.custom_ceiling"],
             margin_floor=config["memory.transient_margin"],
             margin_share=config["memory.transient_margin_share"],
+            buffer_cache_share=config["memory.buffer_cache_share"],
         )
 
     def margin(self, hard_bytes: int | None) -> int:
         """The transient margin charged on top of every estimate under ``hard_bytes``."""
         share = int(self.margin_share * hard_bytes) if hard_bytes else 0
         return max(self.margin_floor, share)
+
+    def buffer_cache_cap(self, margin_bytes: int) -> int:
+        """The most mlx's buffer cache may keep under a limit whose margin is
+        ``margin_bytes``: buffers it keeps during a forward are resident, so they take
+        their share of the margin and leave the rest for what no estimate counts."""
+        return int(self.buffer_cache_share * margin_bytes)
 
     def reserve(self, total_bytes: int) -> int:
         return max(self.reserve_min, int(total_bytes * self.reserve_fraction))

@@ -126,9 +126,9 @@ class MemoryGuard:
             self._published.notify_all()
         self.admission.update(judged)
         if snapshot.hard_bytes is not None and snapshot.margin_bytes > 0:
-            # Buffers mlx frees are kept for reuse; under a limit, at most the margin of
-            # them, so that its cache never takes the process over the limit unasked.
-            self._limit_mlx_cache(snapshot.margin_bytes)
+            # Buffers mlx frees are kept for reuse; under a limit, at most a share of
+            # the margin, so that its cache never takes the process over the limit.
+            self._limit_mlx_cache(self.policy.buffer_cache_cap(snapshot.margin_bytes))
         return judged
 
     def _limit_mlx_cache(self, nbytes: int) -> None:
