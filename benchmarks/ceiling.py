@@ -65,6 +65,8 @@ class ServerRun:
     idle_bytes: int | None = None
     preemptions: float = 0.0
     admission_waits: float = 0.0
+    #: VmRSS samples taken during the burst (``PeakRss``)
+    rss_samples: int = 0
 
     @property
     def completed(self) -> int:
@@ -188,6 +190,7 @@ def measure(label: str, settings: ServerSettings, model_dir: Path, served_id: st
             run.outcomes, run.wall_s = run_concurrently(len(jobs), one)
         fields = status_fields(server.pid)
         run.peak_bytes = max(fields.get("VmHWM", 0) if reset else 0, sampled.peak)
+        run.rss_samples = sampled.samples
         metrics = _metrics(server.host, port)
         run.preemptions = metrics.get("omlx_memory_preemptions_total", 0.0)
     return run

@@ -163,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from omlx_core.platform.blas import ensure_optimized_blas
 
         ensure_optimized_blas()
+        from omlx_core.memory.usage import return_freed_buffers_to_the_os
+
+        return_freed_buffers_to_the_os()  # before any thread allocates
     handler = {
         "serve": cmd_serve, "launch": cmd_launch, "plugins": cmd_plugins, "config": cmd_config,
         "models": cmd_models, "doctor": cmd_doctor, "bench": cmd_bench, "ps": cmd_ps,

@@ -1,0 +1,40 @@
+"""Issue 24, item 5: the goodput mix under ``--memory-ceiling 0.9GiB`` never takes the
+server's resident set over the ceiling, sampled from outside at well over 20 Hz.
+
+The server is started as the README starts it, plus the ceiling; the burst is
+``benchmarks.ceiling``'s: twelve concurrent streaming chats on the default model
+(200-, 800- and 1,800-token passages, two answers long enough to grow their KV past
+what admission reserved). What it once went over by: 1.4 MiB (923 MiB), with mlx's
+buffer cache filling the whole transient margin during long-context prefill chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.ceiling import MIX, measure
+from omlx_core.bench.client import special_token_ids
+from omlx_core.bench.servers import ServerSettings
+from omlx_core.config import load_config
+from omlx_core.settings import parse_size
+
+pytestmark = pytest.mark.slow
+
+CEILING = "0.9GiB"
+MIB = 2**20
+
+
+def test_the_goodput_mix_stays_under_a_0_9_gib_ceiling_at_every_sample(default_model_dir):
+    config = load_config(None)
+    settings = ServerSettings(tier=str(config["memory.tier"]),
+                              max_batch_size=int(config["plugin.batched.max_batch_size"]),
+                              prefill_step_size=int(config["plugin.batched.prefill_step_size"]),
+                              http_threads=0)
+    run = measure("ceiling", settings, default_model_dir, config["server.models"][0],
+                  special_token_ids(default_model_dir), ["--memory-ceiling", CEILING])
+    statuses = [outcome.status for outcome in run.outcomes]
+    assert statuses == ["200"] * sum(count for *_, count in MIX), statuses
+    assert run.rss_samples >= 20 * run.wall_s, (run.rss_samples, run.wall_s)
+    ceiling = parse_size(CEILING)
+    assert run.peak_bytes is not None and run.peak_bytes < ceiling, (
+        f"peak RSS {run.peak_bytes / MIB:.1f} MiB over the {ceiling / MIB:.1f} MiB ceiling")
