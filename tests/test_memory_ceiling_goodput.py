@@ -36,5 +36,7 @@ def test_the_goodput_mix_stays_under_a_0_9_gib_ceiling_at_every_sample(default_m
     assert statuses == ["200"] * sum(count for *_, count in MIX), statuses
     assert run.rss_samples >= 20 * run.wall_s, (run.rss_samples, run.wall_s)
     ceiling = parse_size(CEILING)
+    print(f"goodput mix under {CEILING}: peak RSS {(run.peak_bytes or 0) / MIB:.1f} MiB, "
+          f"{run.rss_samples} samples in {run.wall_s:.1f} s, idle {(run.idle_bytes or 0) / MIB:.1f} MiB")
     assert run.peak_bytes is not None and run.peak_bytes < ceiling, (
         f"peak RSS {run.peak_bytes / MIB:.1f} MiB over the {ceiling / MIB:.1f} MiB ceiling")
