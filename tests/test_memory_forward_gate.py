@@ -216,6 +216,39 @@ def test_a_restore_that_does_not_fit_reclaims_caches_first():
     assert asked == [26 * MIB]
 
 
+def test_caches_are_reclaimed_again_when_the_reading_falls_less_than_they_freed():
+    """What a cache says it freed (a queued host copy the writer still holds, heap pages)
+    can exceed what the next reading shows gone: the gate asks again for what is still
+    missing, and the chunk runs on the blocks given back, as preflight promised."""
+    in_use = [RESIDENT + 40 * MIB]  # 40 MiB of it caches: a host copy, then blocks
+    asked: list[int] = []
+
+    def reclaim(nbytes: int) -> int:
+        asked.append(nbytes)
+        in_use[0] -= 2 * MIB if len(asked) == 1 else min(nbytes, in_use[0] - RESIDENT)
+        usage.forget_recent()
+        return nbytes
+
+    usage = MemoryUsage(read_active=lambda: in_use[0], read_footprint=lambda: 0)
+    gate = PrefillForwardGate(per_token, usage, MARGIN, reclaim=reclaim)
+    # 140 MiB in use + 50 MiB chunk + 16 MiB margin = 206 MiB: 6 MiB over a 200 MiB limit.
+    assert gate.check_prefill(step(chunk("a", 50), hard=200 * MIB)) == {}
+    assert asked == [6 * MIB, 4 * MIB]
+    assert in_use[0] == RESIDENT + 34 * MIB
+
+
+def test_a_reclaim_that_frees_nothing_ends_the_asking():
+    asked: list[int] = []
+
+    def reclaim(nbytes: int) -> int:
+        asked.append(nbytes)
+        return 0
+
+    gate = PrefillForwardGate(per_token, fixed_usage(RESIDENT + 40 * MIB), MARGIN, reclaim=reclaim)
+    assert set(gate.check_prefill(step(chunk("a", 50), hard=200 * MIB))) == {"a"}
+    assert asked == [6 * MIB]
+
+
 def test_no_estimate_refuses_rather_than_guessing():
     gate = PrefillForwardGate(lambda query: None, fixed_usage(), MARGIN)
     refused = gate.check_prefill(step(chunk("a", 1), hard=GIB))

@@ -81,6 +81,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: reclaims asked for at most before one decision: each frees what its caches count,
+#: and the reading may fall by less, so the shortfall is asked for again
+_RECLAIM_ROUNDS = 8
+
 Estimate = Callable[[PeakQuery], "PeakEstimate | None"]
 Advise = Callable[[Rejection], "list[str]"]
 
@@ -176,10 +180,10 @@ class PrefillForwardGate(ForwardGate):
                 continue
             copy = _copy_bytes(forward, estimates) if shared else 0
             total = sum(estimate.total for estimate in estimates) + copy
-            projected = current + earlier_kv + total + self.transient_margin
-            if projected > hard and self._make_room(projected - hard):
-                current = self._usage.high_water(record=True)
-                projected = current + earlier_kv + total + self.transient_margin
+            beside = earlier_kv + total + self.transient_margin
+            if current + beside > hard:
+                current = self._use_after_reclaim(lambda use: use + beside - hard, current)
+            projected = current + beside
             if projected > hard:
                 for chunk in forward:
                     refused[chunk.request_id] = self._reason(step, chunk, total, current + earlier_kv,
@@ -262,10 +266,7 @@ class PrefillForwardGate(ForwardGate):
     def _room(self, limit: int, wanted: int) -> int:
         """What fits under ``limit`` on top of memory in use now (its high-water mark);
         caches are reclaimed first when ``wanted`` bytes do not fit."""
-        room = limit - self._usage.high_water(record=True)
-        if room < wanted and self._make_room(wanted - room):
-            room = limit - self._usage.high_water(record=True)
-        return room
+        return limit - self._use_after_reclaim(lambda use: wanted - (limit - use))
 
     def may_resume(self, request_id: str) -> bool:
         return self._ledger is None or self._ledger.resume(request_id)
@@ -297,19 +298,33 @@ class PrefillForwardGate(ForwardGate):
             self._per_token[model_id] = None if estimate is None else estimate.kv_bytes_per_token
         return self._per_token[model_id]
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Reclaim ``nbytes`` of caches; whether use must be read again. Reclaiming also
-        drops the recorded readings, so the next one is current use alone rather than a
-        high-water mark of earlier forwards' transients: even with nothing to free, a
-        request is judged on what is held now, as preflight judged it."""
-        if self._reclaim is None:
-            return False
-        try:
-            self._reclaim(nbytes)
-        except Exception:
-            log.exception("reclaiming cached memory failed; judging the chunk without it")
-            return False
-        return True
+    def _use_after_reclaim(self, short: Callable[[int], int], use: int | None = None) -> int:
+        """Memory in use now (its high-water mark; ``use`` when just read), after
+        reclaiming caches while ``short(use)`` bytes are still missing and a reclaim
+        frees something.
+
+        The caches count what they free (a queued host copy, a block), and the reading
+        afterwards can fall by less (a copy the writer holds, heap pages): one round asked
+        for the shortfall left a 4k-token prefill 1 MiB short with 124 MiB of blocks still
+        cached, and refused it. Reclaiming also drops the recorded readings, so the next
+        one is current use alone rather than a high-water mark of earlier forwards'
+        transients: even with nothing to free, a request is judged on what is held now,
+        as preflight judged it."""
+        if use is None:
+            use = self._usage.high_water(record=True)
+        for _ in range(_RECLAIM_ROUNDS):
+            missing = short(use)
+            if missing <= 0 or self._reclaim is None:
+                break
+            try:
+                freed = self._reclaim(missing)
+            except Exception:
+                log.exception("reclaiming cached memory failed; judging the chunk without it")
+                break
+            use = self._usage.high_water(record=True)
+            if freed <= 0:
+                break
+        return use
 
     def _unestimable(self, step: PrefillStep, chunk: PrefillChunk,
                      limits: LimitSnapshot) -> RequestRejected:
@@ -328,9 +343,7 @@ class PrefillForwardGate(ForwardGate):
         limits: LimitSnapshot | None = step.limits
         if limits is None or limits.hard_bytes is None or not step.chunks:
             return {}
-        current = self._usage.high_water(record=True)
-        if current > limits.hard_bytes and self._make_room(current - limits.hard_bytes):
-            current = self._usage.high_water(record=True)
+        current = self._use_after_reclaim(lambda use: use - limits.hard_bytes)
         if current <= limits.hard_bytes:
             return {}
         chunk = max(step.chunks, key=lambda c: c.cached_tokens + c.new_tokens)
