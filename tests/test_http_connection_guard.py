@@ -2,7 +2,8 @@
 (:mod:`omlx_core.http.connection_guard`): on a real waitress server on loopback, a flood
 of connections that never finish their request does not keep a normal request out, a
 request that does not arrive whole in time gets a 408, a silent connection is closed,
-while keep-alive connections between requests and long streams are left alone."""
+while keep-alive connections between requests and long streams are left alone. Its
+worker threads wake last idle first and keep nothing of a request once it is served."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Iterator
 
 import pytest
 
-from omlx_core.http.connection_guard import GuardedServer, create_server
+from omlx_core.http.connection_guard import GuardedServer, ReleasingDispatcher, create_server
+from omlx_core.testing.waiting import wait_for
 
 REQUEST_TIMEOUT = 1.0
 WAIT = 60.0  # a bound on every blocking read, never an assertion
@@ -153,3 +156,43 @@ def test_the_soft_open_files_limit_is_raised_to_hold_the_connections() -> None:
                          timeout=60, check=True).stdout
     assert "raised the soft limit on open files from 256 to 1256" in out
     assert "fits 1000" in out and "soft 1256" in out
+
+
+class Task:
+    """What waitress queues for a worker: served by ``service``."""
+
+    def __init__(self) -> None:
+        self.served_by: str | None = None
+        self.done = threading.Event()
+
+    def service(self) -> None:
+        self.served_by = threading.current_thread().name
+        self.done.set()
+
+    def cancel(self) -> None:
+        self.done.set()
+
+
+def test_the_last_idle_worker_serves_and_no_worker_keeps_a_served_request() -> None:
+    """Stock waitress wakes the longest idle of its workers, each making a lock per wait,
+    and each idle worker kept its last request (and the request its connection): with
+    many workers, every request's objects lived on, and those made during a model load
+    kept allocator arenas after the unload."""
+    dispatcher = ReleasingDispatcher()
+    dispatcher.set_thread_count(4)
+    try:
+        assert wait_for(lambda: len(dispatcher.queue_cv) == 4, WAIT)
+        served, gone = [], []
+        for _ in range(6):
+            task = Task()
+            dispatcher.add_task(task)
+            assert task.done.wait(WAIT)
+            served.append(task.served_by)
+            gone.append(weakref.ref(task))
+            del task
+            assert wait_for(lambda: len(dispatcher.queue_cv) == 4, WAIT)
+        assert len(set(served)) == 1, served
+        assert wait_for(lambda: all(ref() is None for ref in gone), WAIT)
+    finally:
+        dispatcher.shutdown(timeout=WAIT)
+    assert not dispatcher.threads

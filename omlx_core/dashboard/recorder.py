@@ -17,7 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from omlx_core.dashboard.history import HISTORY_S, History, Sample
+from omlx_core.dashboard.history import (HISTORY_S, ColumnRing, History, Sample, nan_to_none,
+                                         none_to_nan)
 from omlx_core.serving import ServingEvents
 
 if TYPE_CHECKING:
@@ -74,6 +75,17 @@ class _Totals:
     ssd_tokens: int | None = None
     prompt_tokens: int = 0
 
+    def row(self, at: float) -> list[float]:
+        return [at, self.prefilled, self.generated, self.prefix_tokens,
+                none_to_nan(self.ssd_tokens), self.prompt_tokens]
+
+    @classmethod
+    def of(cls, row: list[float]) -> tuple[float, _Totals]:
+        """(time, totals) of a :meth:`row`."""
+        ssd = nan_to_none(row[4])
+        return row[0], cls(int(row[1]), int(row[2]), int(row[3]),
+                           int(ssd) if ssd is not None else None, int(row[5]))
+
 
 class ServingEventsFanOut(ServingEvents):
     """Tells every listener of each serving event, in order."""
@@ -117,8 +129,10 @@ class DashboardRecorder(ServingEvents):
         self._refusals: deque[Refusal] = deque(maxlen=REFUSALS_KEPT)
         self._ttfts: deque[tuple[float, float]] = deque()
         self._prompt_tokens = 0
-        #: (time, totals) of the polls in the trailing window, oldest first
-        self._totals: deque[tuple[float, _Totals]] = deque()
+        #: (time, totals) rows of the polls in the trailing window, oldest first (rows of
+        #: floats written in place, as the history's: see :mod:`.history`); room for four
+        #: polls an interval (the pool asks for extra ones), past that the window shortens
+        self._totals = ColumnRing(4 * math.ceil(TRAILING_S / self.interval_s) + 8, 6)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -181,11 +195,11 @@ class DashboardRecorder(ServingEvents):
         stats = self._engine_stats()
         with self._lock:
             totals = _sum_totals(stats, self._prompt_tokens)
-            previous = self._totals[-1] if self._totals else None
-            self._totals.append((now, totals))
-            while self._totals and self._totals[0][0] < now - TRAILING_S:
+            previous = _Totals.of(self._totals.row(-1)) if len(self._totals) else None
+            self._totals.append(totals.row(now))
+            while len(self._totals) > 1 and self._totals.row(0)[0] < now - TRAILING_S:
                 self._totals.popleft()
-            oldest = self._totals[0][1]
+            oldest = _Totals.of(self._totals.row(0))[1]
             while self._ttfts and self._ttfts[0][0] < now - TRAILING_S:
                 self._ttfts.popleft()
             ttfts = sorted(t for _, t in self._ttfts)

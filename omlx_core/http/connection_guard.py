@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import threading
 import time
 from typing import Any, Callable
 
@@ -91,6 +92,80 @@ class GuardedChannel(HTTPChannel):
             self.current_outbuf_count += len(payload)
             self.total_outbufs_len += len(payload)
         self.close_when_flushed = True
+
+
+class IdleWorkers:
+    """Waitress's idle worker threads, the most recently idle last: stands in for the
+    dispatcher's queue condition (``notify`` and ``notify_all`` run under its lock).
+
+    Each worker waits on a lock of its own, made once, where ``threading.Condition``
+    makes a lock at every wait; and the worker woken is the last one to go idle, where
+    the condition wakes the longest idle. With a condition, each of the many idle
+    workers kept the lock of its last wait until every other worker had served a
+    request; those made while a model was loaded sat among its objects, and each kept
+    a 1 MiB arena of Python's small-object allocator after the model was unloaded.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: list[threading.Lock] = []
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def wait(self, held: threading.Lock, wake: threading.Lock) -> None:
+        """Wait until notified: ``held`` (the dispatcher's lock, held by the caller) is
+        released meanwhile and held again on return; ``wake`` is the caller's own lock,
+        held by it."""
+        self._waiting.append(wake)
+        held.release()
+        try:
+            wake.acquire()
+        finally:
+            held.acquire()
+
+    def notify(self, n: int = 1) -> None:
+        for _ in range(min(n, len(self._waiting))):
+            self._waiting.pop().release()
+
+    def notify_all(self) -> None:
+        self.notify(len(self._waiting))
+
+
+class ReleasingDispatcher(ThreadedTaskDispatcher):
+    """Waitress's worker threads, woken last idle first (:class:`IdleWorkers`), each
+    letting go of its last request once it is served.
+
+    Stock waitress keeps the last task in the idle thread's loop variable, and the task
+    keeps its connection (buffers, parser, locks): every thread pinned one finished
+    connection, and like the waiters' locks, those made while a model was loaded kept
+    allocator arenas resident after the unload (one per request, up to the thread
+    count, over model load/unload cycles)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue_cv = IdleWorkers()
+
+    def handler_thread(self, thread_no: int) -> None:
+        wake = threading.Lock()
+        wake.acquire()
+        while True:
+            with self.lock:
+                while not self.queue and self.stop_count == 0:
+                    self.active_count -= 1
+                    self.queue_cv.wait(self.lock, wake)
+                    self.active_count += 1
+                if self.stop_count > 0:
+                    self.active_count -= 1
+                    self.stop_count -= 1
+                    self.threads.discard(thread_no)
+                    self.thread_exit_cv.notify()
+                    break
+                task = self.queue.popleft()
+            try:
+                task.service()
+            except BaseException:
+                self.logger.exception("Exception when servicing %r", task)
+            task = None
 
 
 class GuardedServer(TcpWSGIServer):
@@ -183,7 +258,7 @@ def create_server(application: Callable, *, request_timeout: float,
     adjustments.setdefault("asyncore_use_poll", True)
     adjustments.setdefault("cleanup_interval", CHECK_INTERVAL_S)
     adj = Adjustments(**adjustments)
-    dispatcher = ThreadedTaskDispatcher()
+    dispatcher = ReleasingDispatcher()
     dispatcher.set_thread_count(adj.threads)
     return GuardedServer(application, request_timeout=request_timeout, map={},
                          dispatcher=dispatcher, adj=adj, sockinfo=adj.listen[0])

@@ -12,6 +12,9 @@ def load_model(path: Path | str) -> tuple[Any, Any]:
     """``(model, tokenizer)`` from an mlx-lm directory; the tokenizer is mlx-lm's wrapper."""
     from mlx_lm import load
 
+    from omlx_core.models.tokenizer_json import read_tokenizer_json
+
+    read_tokenizer_json()
     try:
         loaded = load(str(path))
     except (FileNotFoundError, ValueError, KeyError) as exc:
