@@ -9,18 +9,25 @@ from omlx_core.models.registry import ModelError
 
 
 def load_model(path: Path | str) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from an mlx-lm directory; the tokenizer is mlx-lm's wrapper."""
+    """``(model, tokenizer)`` from an mlx-lm directory; the tokenizer is mlx-lm's wrapper.
+
+    The model's attention takes :mod:`omlx_core.models.attention`'s route: on the CPU
+    backend a prefill chunk's softmax runs on the vector units; everywhere else it is
+    mlx-lm's own function.
+    """
     from mlx_lm import load
 
+    from omlx_core.models.attention import install_cpu_attention
     from omlx_core.models.tokenizer_json import read_tokenizer_json
 
     read_tokenizer_json()
     try:
-        loaded = load(str(path))
+        model, tokenizer = load(str(path))
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load model from {path}: {type(exc).__name__}: {exc}") from exc
     settle_random_state()
-    return loaded
+    install_cpu_attention(model)
+    return model, tokenizer
 
 
 def settle_random_state() -> None:

@@ -71,6 +71,7 @@ def load_sharded(path: Path | str, mode: str, group: Any) -> tuple[Any, Any]:
     import mlx.core as mx
     from mlx_lm.utils import load_model, load_tokenizer
 
+    from omlx_core.models.attention import install_cpu_attention
     from omlx_core.models.loader import settle_random_state
 
     path = Path(path)
@@ -85,6 +86,7 @@ def load_sharded(path: Path | str, mode: str, group: Any) -> tuple[Any, Any]:
             model.model.pipeline(group)
     mx.eval(model.parameters())
     settle_random_state()
+    install_cpu_attention(model)  # every rank takes the same route: the same numbers
     return model, tokenizer
 
 

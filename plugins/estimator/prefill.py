@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from omlx_core.memory.types import KV_STEP, PeakEstimate
+from omlx_core.models.attention import family_takes_route, route_takes
 from omlx_core.plugins.estimator.dims import FULL, LINEAR, SLIDING, ModelDims
 
 # mlx's CPU eval loop allocates the outputs of up to ~50 queued ops before the worker
@@ -81,9 +82,14 @@ def rotating_length(length: int, window: int, appended: int) -> int:
     return min(length, window - 1) + appended
 
 
-def attention_scores_bytes(heads: int, query_tokens: int, key_tokens: int, dtype_bytes: int) -> int:
-    """The materialized score matrix plus its one-byte causal mask (CPU SDPA fallback)."""
+def attention_scores_bytes(heads: int, query_tokens: int, key_tokens: int, dtype_bytes: int,
+                           routed: bool = False) -> int:
+    """The materialized score matrix plus its one-byte causal mask (CPU SDPA fallback).
+    ``routed``: the model takes omlx-core's CPU route (:mod:`omlx_core.models.attention`),
+    which masks the scores in place: no mask where a call of this size takes it."""
     scores = heads * query_tokens * key_tokens * dtype_bytes
+    if routed and dtype_bytes == 4 and route_takes(1, heads, query_tokens, key_tokens):
+        return scores
     mask = query_tokens * key_tokens if query_tokens > 1 else 0
     return scores + mask
 
@@ -367,12 +373,14 @@ def _chunk_peak(s: _Settings, before: _CacheState, tokens: int, start: dict[str,
     # Half-precision models still run norms, residual clips and RoPE tables in float32.
     wide = max(b, 4)
     fused = s.backend == "metal" and dims.head_dim in (64, 80, 128) and dims.latent is None
+    routed = s.backend == "cpu" and not dims.count(LINEAR) and family_takes_route(dims.model_type)
     scores = 0
     if FULL in computed and dims.latent is not None:
         scores = latent_attention_bytes(dims, tokens, after.offset, b)
     elif FULL in computed and not fused:
-        scores = attention_scores_bytes(dims.num_heads, tokens, after.offset, b)
+        scores = attention_scores_bytes(dims.num_heads, tokens, after.offset, b, routed)
     if SLIDING in computed and not fused:
+        # Sliding layers pass their window mask (counted below) as an array: nothing to drop.
         scores = max(scores, attention_scores_bytes(dims.num_heads, tokens, after.window_length, b))
     if SLIDING in dims.layer_kinds and tokens > 1:
         # The window mask is an array built once per forward and kept through every layer.

@@ -1,0 +1,270 @@
+"""Attention for prefill chunks on the CPU backend, with the softmax on vector units.
+
+On the CPU backend ``mx.fast.scaled_dot_product_attention`` has no fused kernel: it runs
+mlx's fallback graph (scaled queries, one score matmul with the grouped heads reshaped,
+a ``where`` for the mask, a softmax, the value matmul). The matmuls go to BLAS, which is
+fast; the mask and the softmax are scalar loops on one thread (mlx's CPU ``simd`` width
+is 1 off Apple silicon), and the softmax's exponential costs ~17 ns per score. At a 4k
+context those exponentials are most of a prefill chunk's time (BENCHMARKS.md, "Long-
+context prefill").
+
+:func:`cpu_attention` keeps the two matmuls in mlx and does the mask and the softmax in
+NumPy, whose float32 ``exp`` runs on the CPU's vector units, **in place** on the score
+matrix mlx has just computed (a writable view of its buffer): the scores are evaluated,
+masked, turned into probabilities where they lie, split by rows over the cores (NumPy
+releases the GIL in its loops), and handed to the value matmul. The same arrays exist
+as in mlx's fallback (the score matrix, then the output), so the peak memory is the
+fallback's. The arithmetic is the fallback's: ``exp(s - max) * (1 / sum)`` in float32;
+the exponentials of the two libraries differ in the last bit at most, so greedy outputs
+are unchanged (``tests/test_models_attention.py``).
+
+:func:`install_cpu_attention` puts it in place of mlx-lm's ``scaled_dot_product_attention``
+in the modules of a loaded model's layers (not for a model with recurrent layers). It
+dispatches per call; everything it does not take goes to mlx-lm's own function
+unchanged: calls below :data:`MIN_SCORES` scores (decode steps, short chunks),
+non-float32 activations, quantized KV caches, attention sinks, and every GPU stream
+(Metal and CUDA have fused kernels). The memory estimator asks
+:func:`family_takes_route` and :func:`route_takes` so that it counts what runs.
+Evaluating inside the forward is what the engine's prefill does after each chunk
+anyway; a caller tracing the model under ``mx.compile`` would be refused by mlx
+(omlx-core's engines do not compile the forward).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["MIN_SCORES", "available_cores", "cpu_attention", "family_takes_route",
+           "install_cpu_attention", "mask_in_place", "route_takes", "softmax_in_place"]
+
+#: Score elements (batch x heads x rows x keys) below which mlx's own attention runs.
+#: The route pays from ~2^14 on (decode steps at a 2k context included: 1.2-1.5x), but
+#: evaluating mid-forward also changes which of a layer's intermediates are alive
+#: together, which the memory estimator models only where the score matrix dominates
+#: (the default model's 256-token chunks from a ~1.8k context on): below this, a tiny
+#: model's measured peak fell up to 20 % under its estimate. Decode steps stay on mlx.
+MIN_SCORES = 1 << 22
+
+#: Score rows one worker thread takes at least: thinner slices are not worth a hand-off.
+_MIN_ROWS_PER_WORKER = 64
+
+_INSTALLED_MARK = "_omlx_cpu_attention"
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _workers() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(available_cores() - 1, 1),
+                                       thread_name_prefix="omlx-softmax")
+        return _pool
+
+
+def _softmax_rows(scores: np.ndarray) -> None:
+    """Softmax over the last axis of 2-D float32 ``scores``, in place."""
+    peak = scores.max(axis=-1, keepdims=True)
+    np.subtract(scores, peak, out=scores)
+    np.exp(scores, out=scores)
+    total = scores.sum(axis=-1, keepdims=True)
+    np.reciprocal(total, out=total)
+    np.multiply(scores, total, out=scores)
+
+
+def softmax_in_place(scores: np.ndarray, cores: int | None = None) -> None:
+    """Softmax over the last axis of C-contiguous float32 ``scores``, in place, its rows
+    split over ``cores`` threads (the calling one included)."""
+    rows = scores.reshape(-1, scores.shape[-1])
+    cores = available_cores() if cores is None else cores
+    parts = max(1, min(cores, rows.shape[0] // _MIN_ROWS_PER_WORKER))
+    if parts == 1:
+        _softmax_rows(rows)
+        return
+    bounds = [rows.shape[0] * i // parts for i in range(parts + 1)]
+    pool = _workers()
+    futures = [pool.submit(_softmax_rows, rows[start:stop])
+               for start, stop in zip(bounds[1:-1], bounds[2:])]
+    _softmax_rows(rows[bounds[0]:bounds[1]])
+    for future in futures:
+        future.result()
+
+
+#: what a hidden score becomes, as in mlx's fallback: the lowest float32 (not -inf, so a
+#: row with every key hidden, a padding row, gets finite uniform weights, not NaNs)
+_HIDDEN = np.finfo(np.float32).min
+
+
+def _mask_view(mask: Any, heads: int, kv_heads: int) -> Any:
+    """``mask`` shaped to broadcast over the scores' (batch, kv heads, repeats, rows,
+    keys) view, as NumPy; ``None`` for a shape that does not (mlx-lm's function then
+    takes the call)."""
+    values = np.asarray(mask)
+    if values.ndim <= 2:
+        return values
+    if values.ndim != 4 or values.shape[1] not in (1, heads):
+        return None
+    groups = (1, 1) if values.shape[1] == 1 else (kv_heads, heads // kv_heads)
+    return values.reshape(values.shape[:1] + groups + values.shape[2:])
+
+
+def mask_in_place(scores: np.ndarray, mask: Any) -> None:
+    """Apply ``mask`` to ``scores`` (batch, kv heads, repeats, rows, keys) in place, as
+    mlx's fallback does: ``"causal"`` hides the keys after each query (the rows end where
+    the keys end), a boolean array hides its ``False`` entries, any other array is added."""
+    if mask is None:
+        return
+    if isinstance(mask, str):
+        rows, keys = scores.shape[-2], scores.shape[-1]
+        # Only the last ``rows`` keys can lie after a query.
+        block = scores[..., keys - rows:]
+        # ``where=`` broadcasts a (rows, rows) mask: no index arrays (a 2048-row chunk's
+        # would take 32 MiB outside mlx's accounting).
+        np.copyto(block, _HIDDEN, where=np.triu(np.ones((rows, rows), dtype=bool), k=1))
+    elif mask.dtype == np.bool_:
+        np.copyto(scores, _HIDDEN, where=~mask)
+    else:
+        np.add(scores, mask.astype(np.float32, copy=False), out=scores)
+
+
+def route_takes(batch: int, heads: int, rows: int, keys: int) -> bool:
+    """Whether a float32 call of these sizes in a routed model takes this route on the
+    CPU backend (the memory estimator's question: the route materializes no mask)."""
+    return batch * heads * rows * keys >= MIN_SCORES
+
+
+def _taken(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any,
+           sinks: Any) -> bool:
+    """Whether :func:`cpu_attention` computes this call (else mlx-lm's function does)."""
+    if (sinks is not None
+            or hasattr(cache, "bits")  # quantized keys and values: tuples, not arrays
+            or mx.default_device().type != mx.cpu
+            or not queries.dtype == keys.dtype == values.dtype == mx.float32
+            or queries.ndim != 4 or queries.shape[1] % keys.shape[1]):
+        return False
+    if isinstance(mask, str):
+        if mask != "causal":
+            return False
+    elif mask is not None and not (isinstance(mask, mx.array) and (
+            mask.ndim == 2 or (mask.ndim == 4 and mask.shape[1] in (1, queries.shape[1])))):
+        return False
+    batch, heads, rows, _ = queries.shape
+    return route_takes(batch, heads, rows, keys.shape[-2])
+
+
+def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
+                  scale: float, mask: Any, sinks: mx.array | None = None, *,
+                  fallback: Callable[..., mx.array], cores: int | None = None) -> mx.array:
+    """mlx-lm's ``scaled_dot_product_attention`` contract: the score and value matmuls in
+    mlx, the mask and softmax in NumPy in place on the evaluated scores, where that pays
+    (:func:`_taken`); ``fallback`` (mlx-lm's function) does every other call."""
+    if not _taken(queries, keys, values, cache, mask, sinks):
+        return fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    batch, heads, rows, head_dim = queries.shape
+    kv_heads, key_count = keys.shape[1], keys.shape[-2]
+    repeats = heads // kv_heads
+    # The grouped heads as mlx's fallback arranges them: head h reads KV head h // repeats.
+    scaled = (queries * scale).reshape(batch, kv_heads, repeats * rows, head_dim)
+    scores = scaled @ keys.swapaxes(-1, -2)
+    if isinstance(mask, mx.array):
+        mx.eval(scores, mask)
+    else:
+        mx.eval(scores)
+    # A writable view of the buffer mlx just wrote: nothing else refers to it yet. (A
+    # matmul's output is row-contiguous; were it not, the work would go to a copy.)
+    raw = np.array(scores, copy=False)
+    in_place = raw.flags.c_contiguous
+    view = (raw if in_place else np.ascontiguousarray(raw)).reshape(
+        batch, kv_heads, repeats, rows, key_count)
+    mask_in_place(view, mask if isinstance(mask, str) or mask is None
+                     else _mask_view(mask, heads, kv_heads))
+    softmax_in_place(view, cores)
+    probabilities = scores if in_place else mx.array(view.reshape(raw.shape))
+    del raw, view
+    output = probabilities @ values
+    return output.reshape(batch, heads, rows, values.shape[-1])
+
+
+def _attention_modules(model: Any) -> list[Any]:
+    """The Python modules of ``model``'s layers that call mlx-lm's shared attention function."""
+    from mlx_lm.models import base
+
+    found = {}
+    for _, layer in model.named_modules():
+        module = sys.modules.get(type(layer).__module__)
+        if module is None or module.__name__ in found:
+            continue
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is base.scaled_dot_product_attention or getattr(current, _INSTALLED_MARK, False):
+            found[module.__name__] = module
+    return list(found.values())
+
+
+def _attention_caches_only(model: Any) -> bool:
+    """Whether every layer of ``model`` caches keys and values (no recurrent state): the
+    models whose prefill peak the route leaves as the memory estimate counts it. (In a
+    hybrid model the evaluations mid-forward change which recurrent intermediates are
+    alive together.)"""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    try:
+        caches = make_prompt_cache(model)
+    except Exception:  # a model mlx-lm cannot make a cache for: leave it alone
+        return False
+    return all(type(cache) in (KVCache, RotatingKVCache) for cache in caches)
+
+
+def family_takes_route(model_type: str) -> bool:
+    """Whether models of mlx-lm's ``model_type`` take the route in this process now: its
+    module's attention name is this route's (a model of the family was loaded through
+    :func:`install_cpu_attention`). The name is global to the module, so this is what
+    decides every call; the memory estimator asks it to count what will run."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    module = sys.modules.get(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+    current = getattr(module, "scaled_dot_product_attention", None)
+    return bool(getattr(current, _INSTALLED_MARK, False))
+
+
+def install_cpu_attention(model: Any) -> list[str]:
+    """Route ``model``'s attention through :func:`cpu_attention`; the names of the
+    model-family modules now doing so (installing twice changes nothing; a model with
+    recurrent layers is left to mlx-lm: ``[]``).
+
+    The name is a module global of each mlx-lm model family, so every model of the family
+    in this process takes the route; it is the same attention, and off the CPU backend
+    (or for a call it does not take) the route is mlx-lm's own function.
+    """
+    from mlx_lm.models import base
+
+    if not _attention_caches_only(model):
+        return []
+
+    original = base.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        return cpu_attention(queries, keys, values, cache, scale, mask, sinks, fallback=original)
+
+    setattr(scaled_dot_product_attention, _INSTALLED_MARK, True)
+    installed = []
+    for module in _attention_modules(model):
+        if not getattr(module.scaled_dot_product_attention, _INSTALLED_MARK, False):
+            module.scaled_dot_product_attention = scaled_dot_product_attention
+        installed.append(module.__name__)
+    return installed

@@ -1,0 +1,189 @@
+"""CPU attention (softmax in NumPy, in place) gives mlx-lm's attention: per call, per model, greedily."""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import base
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import make_prompt_cache
+
+from omlx_core.models import attention
+from omlx_core.models.attention import cpu_attention, install_cpu_attention, softmax_in_place
+from omlx_core.models.loader import load_model
+
+ROWS, HEADS, KV_HEADS, HEAD_DIM = 256, 9, 3, 64  # one prefill chunk of the default model
+
+
+def inputs(rows: int, keys: int, *, batch: int = 1, heads: int = HEADS, kv_heads: int = KV_HEADS,
+           seed: int = 0, dtype=mx.float32):
+    q_key, k_key, v_key = mx.random.split(mx.random.key(seed), 3)
+    # Queries come out of the projection as (B, L, H, D) and are transposed, as in mlx-lm.
+    queries = mx.random.normal((batch, rows, heads, HEAD_DIM), key=q_key).transpose(0, 2, 1, 3)
+    keys_ = mx.random.normal((batch, kv_heads, keys, HEAD_DIM), key=k_key)
+    values = mx.random.normal((batch, kv_heads, keys, HEAD_DIM), key=v_key)
+    return queries.astype(dtype), keys_.astype(dtype), values.astype(dtype)
+
+
+def mlx_lm_attention(queries, keys, values, mask, cache=None, sinks=None):
+    return base.scaled_dot_product_attention(queries, keys, values, cache=cache,
+                                             scale=HEAD_DIM**-0.5, mask=mask, sinks=sinks)
+
+
+class Fallback:
+    """mlx-lm's function, counting the calls handed to it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return base.scaled_dot_product_attention(*args, **kwargs)
+
+
+def ours(queries, keys, values, mask, cache=None, sinks=None, cores=None):
+    fallback = Fallback()
+    out = cpu_attention(queries, keys, values, cache, HEAD_DIM**-0.5, mask, sinks,
+                        fallback=fallback, cores=cores)
+    return out, fallback.calls
+
+
+@pytest.fixture
+def every_call(monkeypatch):
+    """The route takes calls of any size (the tests' are below :data:`MIN_SCORES`)."""
+    monkeypatch.setattr(attention, "MIN_SCORES", 0)
+
+
+def close(got, expected) -> bool:
+    return got.shape == expected.shape and got.dtype == expected.dtype and \
+        mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+
+
+@pytest.mark.parametrize("offset", [0, 256, 3840])
+@pytest.mark.parametrize("cores", [1, 2, 4])
+def test_a_causal_prefill_chunk_equals_mlx_lm_attention(offset, cores, every_call):
+    queries, keys, values = inputs(ROWS, offset + ROWS, seed=offset)
+    got, handed_on = ours(queries, keys, values, "causal", cores=cores)
+    assert handed_on == 0
+    assert close(got, mlx_lm_attention(queries, keys, values, "causal"))
+
+
+def test_array_masks_equal_mlx_lm_attention_padding_rows_included(every_call):
+    batch, rows, offset = 2, 128, 200
+    queries, keys, values = inputs(rows, offset + rows, batch=batch, seed=7)
+    # The batched engine's masks: (batch, 1, rows, keys) booleans; row 0 of the second
+    # request is left padding that sees no key at all (mlx gives it uniform weights).
+    mask = mx.broadcast_to(create_causal_mask(rows, offset), (batch, 1, rows, offset + rows))
+    hidden_row = mx.arange(rows)[:, None] == 0
+    mask = mx.stack([mask[0], mx.where(hidden_row, False, mask[1])])
+    got, handed_on = ours(queries, keys, values, mask)
+    assert handed_on == 0
+    assert not mx.isnan(got).any().item()
+    assert close(got, mlx_lm_attention(queries, keys, values, mask))
+    # A sliding window (2-D), a per-head mask and an additive one.
+    window = create_causal_mask(rows, offset, window_size=64)
+    per_head = mx.broadcast_to(window, (batch, HEADS, rows, offset + rows))
+    additive = mx.where(window, 0.0, -1e4).astype(mx.float32)[None, None]
+    for mask in (window, per_head, additive):
+        got, handed_on = ours(queries, keys, values, mask)
+        assert handed_on == 0
+        assert close(got, mlx_lm_attention(queries, keys, values, mask))
+
+
+def test_many_heads_without_grouping_and_no_mask(every_call):
+    queries, keys, values = inputs(ROWS, 1024, heads=4, kv_heads=4, seed=3)
+    got, handed_on = ours(queries, keys, values, None)
+    assert handed_on == 0
+    assert close(got, mlx_lm_attention(queries, keys, values, None))
+
+
+def test_calls_it_does_not_take_go_to_mlx_lm_unchanged():
+    # A decode step, a short chunk: below the size where the route is taken.
+    for rows, keys in ((1, 4096), (256, 1024)):
+        assert HEADS * rows * keys < attention.MIN_SCORES
+        queries, k, v = inputs(rows, keys)
+        got, handed_on = ours(queries, k, v, "causal")
+        assert handed_on == 1 and close(got, mlx_lm_attention(queries, k, v, "causal"))
+    queries, keys, values = inputs(ROWS, 1024)
+    # Half precision (NumPy's exp is not vectorized there), attention sinks.
+    half = [a.astype(mx.float16) for a in (queries, keys, values)]
+    assert ours(*half, "causal")[1] == 1
+    sinks = mx.zeros((HEADS,))
+    got, handed_on = ours(queries, keys, values, "causal", sinks=sinks)
+    assert handed_on == 1 and close(got, mlx_lm_attention(queries, keys, values, "causal", sinks=sinks))
+    # At the size the route starts at, on the CPU device, it is taken.
+    queries, keys, values = inputs(ROWS, attention.MIN_SCORES // (HEADS * ROWS) + 1)
+    assert attention._taken(queries, keys, values, None, "causal", None)
+
+
+def test_the_peak_memory_is_mlx_lms(every_call):
+    """The estimator assumes mlx's fallback: the score matrix materialized, then the
+    output. In place, this route allocates the same (NumPy's temporaries are a row's
+    maximum and sum)."""
+    queries, keys, values = inputs(ROWS, 1024 + ROWS, seed=11)
+    mx.eval(queries, keys, values)
+    peaks = {}
+    for name, function in (("mlx-lm", lambda: mlx_lm_attention(queries, keys, values, "causal")),
+                           ("ours", lambda: ours(queries, keys, values, "causal")[0])):
+        mx.synchronize()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        mx.eval(function())
+        peaks[name] = mx.get_peak_memory() - before
+    scores = HEADS * ROWS * (1024 + ROWS) * 4
+    assert peaks["ours"] <= peaks["mlx-lm"]
+    assert peaks["ours"] >= scores  # the scores are materialized, as the estimator counts
+
+
+def test_softmax_over_threads_equals_one_thread():
+    rng = np.random.default_rng(0)
+    scores = rng.normal(size=(3, 3, 300, 700)).astype(np.float32) * 8
+    one, split = scores.copy(), scores.copy()
+    softmax_in_place(one, cores=1)
+    softmax_in_place(split, cores=4)
+    assert np.array_equal(one, split)
+    expected = np.exp(scores - scores.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    assert np.allclose(one, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_model_with_recurrent_layers_is_left_to_mlx_lm(tiny_model_path):
+    """qwen3_next's linear-attention layers: evaluating mid-forward would change which of
+    their intermediates are alive together, which the memory estimate does not model."""
+    model, _ = load_model(tiny_model_path("qwen3_next"))
+    assert install_cpu_attention(model) == []
+    assert not attention.family_takes_route("qwen3_next")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_installed_at_load_and_greedy_outputs_unchanged(family, tiny_model_path, monkeypatch):
+    """Every family that calls mlx-lm's shared function takes the route at load; chunked
+    prefill then greedy decoding give mlx-lm's logits and tokens."""
+    monkeypatch.setattr(attention, "MIN_SCORES", 0)  # tiny models' calls are far below it
+    model, _ = load_model(tiny_model_path(family))
+    modules = [sys.modules[type(layer).__module__] for _, layer in model.named_modules()]
+    routed = {m.__name__ for m in modules
+              if getattr(getattr(m, "scaled_dot_product_attention", None), "_omlx_cpu_attention", False)}
+    assert routed, f"{family}: no module routed"
+    prompt = mx.random.randint(0, 200, (1, 90), key=mx.random.key(5))
+
+    def run() -> tuple[mx.array, list[int]]:
+        cache = make_prompt_cache(model)
+        logits = [model(prompt[:, start:start + 30], cache=cache) for start in range(0, 90, 30)]
+        token, tokens = mx.argmax(logits[-1][:, -1], axis=-1), []
+        for _ in range(12):
+            tokens.append(token.item())
+            token = mx.argmax(model(token[None], cache=cache)[:, -1], axis=-1)
+        return mx.concatenate(logits, axis=1), tokens
+
+    ours_logits, ours_tokens = run()
+    for name in routed:
+        monkeypatch.setattr(sys.modules[name], "scaled_dot_product_attention",
+                            base.scaled_dot_product_attention)
+    theirs_logits, theirs_tokens = run()
+    assert ours_tokens == theirs_tokens
+    assert mx.allclose(ours_logits, theirs_logits, rtol=1e-4, atol=1e-4).item()
+    assert install_cpu_attention(model) == install_cpu_attention(model)
