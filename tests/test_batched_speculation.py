@@ -267,3 +267,27 @@ def test_the_default_model_copies_its_input_with_the_same_tokens(default_model_d
     plain, drafted, stats = mlx_thread().run(run)
     assert tokens(drafted["copy"]) == tokens(plain["copy"])
     assert stats["accepted"] > 10, stats
+
+
+def test_rolling_rows_back_equals_mlx_lms_right_padding_roll():
+    """The speculation's rollback moves each row as mlx-lm's prepare(right_padding) and
+    finalize() do: the same buffers, offsets and left padding."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from omlx_core.plugins.batched.speculation import roll_rows
+
+    def filled() -> BatchKVCache:
+        cache = BatchKVCache([2, 0, 1, 3])
+        keys, values = (mx.random.normal((4, 2, 40, 8), key=mx.random.key(seed)) for seed in (1, 2))
+        cache.update_and_fetch(keys, values)
+        return cache
+
+    shifts = [0, 3, 1, 5]
+    theirs, ours = filled(), filled()
+    theirs.prepare(right_padding=shifts)
+    theirs.finalize()
+    roll_rows(ours, shifts)
+    for a, b in zip(theirs.state[:4], ours.state[:4]):
+        assert mx.array_equal(a, b).item()
+    assert theirs.state[4] == ours.state[4]

@@ -373,15 +373,39 @@ class PromptLookupDrafts:
 
     @staticmethod
     def _roll_back(cache: Sequence[BatchKVCache], rejected: list[int]) -> None:
-        """Cut each row's KV back by its own ``rejected`` count of fed positions."""
+        """Cut each row's KV back by its own ``rejected`` count of fed positions: the
+        rows' shortest rejection is trimmed from all of them, and each row's content is
+        moved right by the rest of its own, its left padding growing by as much."""
         shortest = min(rejected)
         rest = [r - shortest for r in rejected]
         for layer in cache:
             if shortest:
                 layer.trim(shortest)
             if any(rest):
-                layer.prepare(right_padding=rest)
-                layer.finalize()
+                roll_rows(layer, rest)
 
 
-__all__ = ["PromptLookupDrafts", "StepCost"]
+def roll_rows(layer: BatchKVCache, shifts: list[int]) -> None:
+    """What mlx-lm's ``prepare(right_padding=shifts)`` then ``finalize()`` do to a
+    ``BatchKVCache``, as contiguous slice copies: each row's buffer rolled right by its
+    shift (the rejected positions wrap to the front, inside the grown left padding).
+    mlx-lm rolls with a gather over every element, a scalar loop on the CPU backend:
+    2x slower at 8 rows of a 768-position buffer (110 vs 227 ms over 30 layers)."""
+    size = layer.keys.shape[2]
+
+    def rolled(buffer: mx.array) -> mx.array:
+        rows = []
+        for index, shift in enumerate(shifts):
+            row = buffer[index:index + 1]
+            rows.append(mx.concatenate([row[:, :, size - shift:], row[:, :, :size - shift]], axis=2)
+                        if shift else row)
+        return mx.concatenate(rows, axis=0)
+
+    layer.keys = rolled(layer.keys)
+    layer.values = rolled(layer.values)
+    padding = mx.array(shifts)
+    layer.offset = layer.offset - padding
+    layer.left_padding = layer.left_padding + padding
+
+
+__all__ = ["PromptLookupDrafts", "StepCost", "roll_rows"]
