@@ -55,6 +55,7 @@ def ours(queries, keys, values, mask, cache=None, sinks=None, cores=None):
 def every_call(monkeypatch):
     """The route takes calls of any size (the tests' are below :data:`MIN_SCORES`)."""
     monkeypatch.setattr(attention, "MIN_SCORES", 0)
+    monkeypatch.setattr(attention, "MIN_KEYS", 0)
 
 
 def close(got, expected) -> bool:
@@ -101,9 +102,9 @@ def test_many_heads_without_grouping_and_no_mask(every_call):
 
 
 def test_calls_it_does_not_take_go_to_mlx_lm_unchanged():
-    # A decode step, a short chunk: below the size where the route is taken.
+    # A decode step, a chunk over a short context: the route does not take them.
     for rows, keys in ((1, 4096), (256, 1024)):
-        assert HEADS * rows * keys < attention.MIN_SCORES
+        assert not attention.route_takes(1, HEADS, rows, keys)
         queries, k, v = inputs(rows, keys)
         got, handed_on = ours(queries, k, v, "causal")
         assert handed_on == 1 and close(got, mlx_lm_attention(queries, k, v, "causal"))
@@ -114,8 +115,9 @@ def test_calls_it_does_not_take_go_to_mlx_lm_unchanged():
     sinks = mx.zeros((HEADS,))
     got, handed_on = ours(queries, keys, values, "causal", sinks=sinks)
     assert handed_on == 1 and close(got, mlx_lm_attention(queries, keys, values, "causal", sinks=sinks))
-    # At the size the route starts at, on the CPU device, it is taken.
-    queries, keys, values = inputs(ROWS, attention.MIN_SCORES // (HEADS * ROWS) + 1)
+    # A small chunk over a long context (what the decode budget cuts a long prompt
+    # into), on the CPU device, is taken.
+    queries, keys, values = inputs(16, attention.MIN_KEYS)
     assert attention._taken(queries, keys, values, None, "causal", None)
 
 
@@ -163,6 +165,7 @@ def test_installed_at_load_and_greedy_outputs_unchanged(family, tiny_model_path,
     """Every family that calls mlx-lm's shared function takes the route at load; chunked
     prefill then greedy decoding give mlx-lm's logits and tokens."""
     monkeypatch.setattr(attention, "MIN_SCORES", 0)  # tiny models' calls are far below it
+    monkeypatch.setattr(attention, "MIN_KEYS", 0)
     model, _ = load_model(tiny_model_path(family))
     modules = [sys.modules[type(layer).__module__] for _, layer in model.named_modules()]
     routed = {m.__name__ for m in modules

@@ -21,7 +21,8 @@ are unchanged (``tests/test_models_attention.py``).
 :func:`install_cpu_attention` puts it in place of mlx-lm's ``scaled_dot_product_attention``
 in the modules of a loaded model's layers (not for a model with recurrent layers). It
 dispatches per call; everything it does not take goes to mlx-lm's own function
-unchanged: calls below :data:`MIN_SCORES` scores (decode steps, short chunks),
+unchanged: decode steps, chunks over fewer than :data:`MIN_KEYS` keys (and
+under :data:`MIN_SCORES` scores),
 non-float32 activations, quantized KV caches, attention sinks, and every GPU stream
 (Metal and CUDA have fused kernels). The memory estimator asks
 :func:`family_takes_route` and :func:`route_takes` so that it counts what runs.
@@ -41,15 +42,20 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["MIN_SCORES", "available_cores", "cpu_attention", "family_takes_route",
+__all__ = ["MIN_KEYS", "MIN_SCORES", "available_cores", "cpu_attention", "family_takes_route",
            "install_cpu_attention", "mask_in_place", "route_takes", "softmax_in_place"]
 
-#: Score elements (batch x heads x rows x keys) below which mlx's own attention runs.
-#: The route pays from ~2^14 on (decode steps at a 2k context included: 1.2-1.5x), but
-#: evaluating mid-forward also changes which of a layer's intermediates are alive
-#: together, which the memory estimator models only where the score matrix dominates
-#: (the default model's 256-token chunks from a ~1.8k context on): below this, a tiny
-#: model's measured peak fell up to 20 % under its estimate. Decode steps stay on mlx.
+#: Fewest keys a multi-row call (a prefill chunk) attends over for the route to take it:
+#: from there on the softmax is most of a chunk's time, even for the small chunks the
+#: decode latency budget cuts a long prompt into beside running streams (16-40 rows).
+MIN_KEYS = 2048
+
+#: Score elements (batch x heads x rows x keys) from which a multi-row call over fewer
+#: keys is taken too. The route pays from ~2^14 scores on (decode steps at a 2k context
+#: included: 1.2-1.5x), but evaluating mid-forward also changes which of a layer's
+#: intermediates are alive together, which the memory estimator models only where the
+#: score matrix dominates: below these sizes a tiny model's measured peak fell up to
+#: 20 % under its estimate. Decode steps (one row) stay on mlx, pipelined as they are.
 MIN_SCORES = 1 << 22
 
 #: Score rows one worker thread takes at least: thinner slices are not worth a hand-off.
@@ -146,7 +152,7 @@ def mask_in_place(scores: np.ndarray, mask: Any) -> None:
 def route_takes(batch: int, heads: int, rows: int, keys: int) -> bool:
     """Whether a float32 call of these sizes in a routed model takes this route on the
     CPU backend (the memory estimator's question: the route materializes no mask)."""
-    return batch * heads * rows * keys >= MIN_SCORES
+    return rows > 1 and (keys >= MIN_KEYS or batch * heads * rows * keys >= MIN_SCORES)
 
 
 def _taken(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any,
