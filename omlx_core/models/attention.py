@@ -13,18 +13,17 @@ NumPy, whose float32 ``exp`` runs on the CPU's vector units, **in place** on the
 matrix mlx has just computed (a writable view of its buffer): the scores are evaluated,
 masked, turned into probabilities where they lie, split by rows over the cores (NumPy
 releases the GIL in its loops), and handed to the value matmul. The same arrays exist
-as in mlx's fallback (the score matrix, then the output), so the peak memory is the
-fallback's. The arithmetic is the fallback's: ``exp(s - max) * (1 / sum)`` in float32;
+as in mlx's fallback (the score matrix, then the output) but for its one-byte causal
+mask, so the peak memory is the fallback's less that mask. The arithmetic is the fallback's: ``exp(s - max) * (1 / sum)`` in float32;
 the exponentials of the two libraries differ in the last bit at most, so greedy outputs
 are unchanged (``tests/test_models_attention.py``).
 
 :func:`install_cpu_attention` puts it in place of mlx-lm's ``scaled_dot_product_attention``
 in the modules of a loaded model's layers (not for a model with recurrent layers). It
 dispatches per call; everything it does not take goes to mlx-lm's own function
-unchanged: decode steps, chunks over fewer than :data:`MIN_KEYS` keys (and
-under :data:`MIN_SCORES` scores),
-non-float32 activations, quantized KV caches, attention sinks, and every GPU stream
-(Metal and CUDA have fused kernels). The memory estimator asks
+unchanged: decode steps, chunks over fewer than :data:`MIN_KEYS` keys (and under
+:data:`MIN_SCORES` scores), non-float32 activations, quantized KV caches, attention
+sinks, and every GPU stream (Metal and CUDA have fused kernels). The memory estimator asks
 :func:`family_takes_route` and :func:`route_takes` so that it counts what runs.
 Evaluating inside the forward is what the engine's prefill does after each chunk
 anyway; a caller tracing the model under ``mx.compile`` would be refused by mlx
@@ -119,13 +118,14 @@ _HIDDEN = np.finfo(np.float32).min
 
 def _mask_view(mask: Any, heads: int, kv_heads: int) -> Any:
     """``mask`` shaped to broadcast over the scores' (batch, kv heads, repeats, rows,
-    keys) view, as NumPy; ``None`` for a shape that does not (mlx-lm's function then
-    takes the call)."""
+    keys) view, as NumPy (:func:`_taken` lets only 2-D masks and 4-D ones with one head
+    or every head through)."""
     values = np.asarray(mask)
     if values.ndim <= 2:
         return values
     if values.ndim != 4 or values.shape[1] not in (1, heads):
-        return None
+        raise ValueError(f"an attention mask of shape {values.shape} does not broadcast over "
+                         f"{heads} heads")
     groups = (1, 1) if values.shape[1] == 1 else (kv_heads, heads // kv_heads)
     return values.reshape(values.shape[:1] + groups + values.shape[2:])
 
