@@ -240,10 +240,11 @@ def family_takes_route(model_type: str) -> bool:
     """Whether models of mlx-lm's ``model_type`` take the route in this process now: its
     module's attention name is this route's (a model of the family was loaded through
     :func:`install_cpu_attention`). The name is global to the module, so this is what
-    decides every call; the memory estimator asks it to count what will run."""
-    from mlx_lm.utils import MODEL_REMAPPING
-
-    module = sys.modules.get(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+    decides every call; the memory estimator asks it to count what will run. (Nothing is
+    imported: a family no model was loaded of is not routed.)"""
+    utils = sys.modules.get("mlx_lm.utils")
+    remapping = getattr(utils, "MODEL_REMAPPING", {})
+    module = sys.modules.get(f"mlx_lm.models.{remapping.get(model_type, model_type)}")
     current = getattr(module, "scaled_dot_product_attention", None)
     return bool(getattr(current, _INSTALLED_MARK, False))
 

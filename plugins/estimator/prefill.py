@@ -241,7 +241,8 @@ def estimate_prefill_peak(dims: ModelDims, new_tokens: int, cached_tokens: int =
                  dtype_bytes=dtype_bytes)
     if backend not in ("cpu", "cuda", "metal"):
         raise ValueError(f"backend must be 'cpu', 'cuda' or 'metal', not {backend!r}")
-    settings = _Settings(dims, dtype_bytes, kv_bits, kv_group_size, full_logits, backend)
+    routed = backend == "cpu" and not dims.count(LINEAR) and family_takes_route(dims.model_type)
+    settings = _Settings(dims, dtype_bytes, kv_bits, kv_group_size, full_logits, backend, routed)
     if new_tokens == 0:
         return PeakBreakdown(0, {}, "nothing to prefill", dims,
                              kv_bytes_per_token=settings.growing_kv_row)
@@ -271,6 +272,9 @@ class _Settings:
     kv_group_size: int
     full_logits: bool
     backend: str
+    #: the model's attention takes omlx-core's CPU route (:mod:`omlx_core.models.attention`)
+    #: for calls large enough: asked once per estimate
+    routed: bool = False
 
     @property
     def kv_row(self) -> int:
@@ -373,12 +377,11 @@ def _chunk_peak(s: _Settings, before: _CacheState, tokens: int, start: dict[str,
     # Half-precision models still run norms, residual clips and RoPE tables in float32.
     wide = max(b, 4)
     fused = s.backend == "metal" and dims.head_dim in (64, 80, 128) and dims.latent is None
-    routed = s.backend == "cpu" and not dims.count(LINEAR) and family_takes_route(dims.model_type)
     scores = 0
     if FULL in computed and dims.latent is not None:
         scores = latent_attention_bytes(dims, tokens, after.offset, b)
     elif FULL in computed and not fused:
-        scores = attention_scores_bytes(dims.num_heads, tokens, after.offset, b, routed)
+        scores = attention_scores_bytes(dims.num_heads, tokens, after.offset, b, s.routed)
     if SLIDING in computed and not fused:
         # Sliding layers pass their window mask (counted below) as an array: nothing to drop.
         scores = max(scores, attention_scores_bytes(dims.num_heads, tokens, after.window_length, b))
