@@ -373,6 +373,27 @@ def test_restored_prefixes_batch_and_match_an_uncached_engine(tiny_model_path, l
         cached.shutdown()
 
 
+def test_a_request_waits_for_the_same_prompt_being_prefilled_and_restores_its_blocks(
+        tiny_model_path, llama):
+    """Copies of one prompt sent together are prefilled once: the later copies wait for
+    the first one's blocks and restore them; a different prompt queued among them is
+    not held back, and every output is what the request gets alone."""
+    cached = start_engine(tiny_model_path("llama"), **{"plugin.batched.prefix_cache_budget": 1 << 26})
+    try:
+        same = prompt_of(cached, 40, 7)
+        other = prompt_of(cached, 12, 9)
+        prompts = [same, list(same), other, list(same)]
+        expected = run_alone(llama, prompts)  # the module engine caches nothing
+        results, _forwards, _chunks = run_together(cached, prompts)
+        restored = [last.usage.cached_tokens for _, last in results]
+        whole_blocks = (len(same) - 1) // BLOCK * BLOCK
+        assert restored[0] < BLOCK and restored[2] < BLOCK
+        assert restored[1] >= whole_blocks and restored[3] >= whole_blocks, restored
+        assert [tokens for tokens, _ in results] == expected
+    finally:
+        cached.shutdown()
+
+
 # -- first-token forwards ---------------------------------------------------------------
 
 

@@ -385,6 +385,15 @@ class Scheduler(MemoryReceiver):
     def _admit(self) -> None:
         self._resume_at = None
         state = self.state
+        followers: list[SequenceState] = []
+        try:
+            self._admit_waiting(followers)
+        finally:
+            # Followers keep their places at the head of the queue.
+            state.waiting.extendleft(reversed(followers))
+
+    def _admit_waiting(self, followers: list[SequenceState]) -> None:
+        state = self.state
         while state.waiting and state.free_slots() > 0:
             sequence = state.waiting[0]
             if sequence.preemptions and not self.budgeter.may_resume(sequence):
@@ -392,11 +401,15 @@ class Scheduler(MemoryReceiver):
                 self._resume_at = time.monotonic() + RESUME_RETRY_S
                 return
             state.waiting.popleft()
-            sequence.phase = PREFILLING
-            sequence.prefill_started = time.monotonic()
             if self.prefix_cache.enabled:
                 prefix = list(self.cache_key(sequence, sequence.context[:sequence.prefill_target]))
                 sequence.block_hashes = self.prefix_cache.hashes(prefix)
+                if self._follows_a_prefill(sequence):
+                    followers.append(sequence)
+                    continue
+            sequence.phase = PREFILLING
+            sequence.prefill_started = time.monotonic()
+            if self.prefix_cache.enabled:
                 # The copy is made (and evaluated: resident, in the gate's current-use
                 # reading) here, within the room the gate gave for it.
                 restored = self.restorer.start(sequence.block_hashes, prefix,
@@ -409,6 +422,38 @@ class Scheduler(MemoryReceiver):
                 sequence.reused = sequence.prefilled
             sequence.stored_blocks = restored.blocks
             state.prefilling.append(sequence)
+
+    def _follows_a_prefill(self, sequence: SequenceState) -> bool:
+        """Whether ``sequence`` should wait for a request now prefilling the same leading
+        blocks of its prompt: that one stores them in the prefix cache as it goes, and
+        this one restores them then instead of computing them again (agents fanning one
+        context out to several calls, retries, several copies of one prompt).
+
+        It waits only when those blocks are most of what it has left to prefill (a
+        shared chat-template opening is not worth a step's wait: it shares the forward
+        instead), while the leader has not stored them all and they are not cached yet.
+        The leader's prefill moves on every step, and a leader that stops prefilling
+        (first token, preemption, abort) releases it. Requests queued behind it are
+        admitted meanwhile.
+        """
+        hashes = sequence.block_hashes
+        if not hashes:
+            return False
+        block = self.prefix_cache.block_size
+        cached = None
+        for leader in self.state.prefilling:
+            shared = 0
+            for mine, theirs in zip(hashes, leader.block_hashes):
+                if mine != theirs:
+                    break
+                shared += 1
+            if shared <= leader.stored_blocks:
+                continue
+            if cached is None:
+                cached = self.prefix_cache.peek(hashes)
+            if shared > cached and 2 * (shared - cached) * block >= sequence.prefill_target - cached * block:
+                return True
+        return False
 
     def _restore_room(self, request_id: str) -> Callable[[int], int] | None:
         """What a request's restore asks how many bytes it may bring in (``None``: no
