@@ -121,6 +121,23 @@ def test_calls_it_does_not_take_go_to_mlx_lm_unchanged():
     assert attention._taken(queries, keys, values, None, "causal", None)
 
 
+def test_a_speculative_step_of_a_few_rows_takes_the_route_and_agrees():
+    """Eight rows each feeding a pending token and four drafts over a short context
+    (a verify step of the batched engine's speculation): taken, with mlx-lm's output
+    under the left-padding mask a batch cache makes."""
+    batch, rows, keys = 8, 5, 400
+    assert attention.route_takes(batch, HEADS, rows, keys)
+    assert not attention.route_takes(batch, HEADS, 1, keys)  # a plain decode step
+    assert not attention.route_takes(1, HEADS, 2, 16)  # too small to pay
+    queries, k, v = inputs(rows, keys, batch=batch, seed=5)
+    padding = mx.arange(batch)[:, None] * 7
+    mask = (mx.arange(keys)[None, :] >= padding)[:, None, None, :] & mx.tril(
+        mx.ones((rows, keys), dtype=mx.bool_), k=keys - rows)[None, None]
+    got, handed_on = ours(queries, k, v, mask)
+    assert handed_on == 0
+    assert close(got, mlx_lm_attention(queries, k, v, mask))
+
+
 def test_the_peak_memory_is_mlx_lms(every_call):
     """The estimator assumes mlx's fallback: the score matrix materialized, then the
     output. In place, this route allocates the same (NumPy's temporaries are a row's
