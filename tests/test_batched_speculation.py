@@ -269,13 +269,19 @@ def test_the_default_model_copies_its_input_with_the_same_tokens(default_model_d
     assert stats["accepted"] > 10, stats
 
 
-def test_rolling_rows_back_equals_mlx_lms_right_padding_roll():
+@pytest.mark.parametrize("in_place", [True, False])
+def test_rolling_rows_back_equals_mlx_lms_right_padding_roll(in_place, monkeypatch):
     """The speculation's rollback moves each row as mlx-lm's prepare(right_padding) and
-    finalize() do: the same buffers, offsets and left padding."""
+    finalize() do: the same kept positions, offsets and left padding (what lies in the
+    padding, masked, may differ), in place in NumPy views and as mlx slice copies."""
     import mlx.core as mx
+    import numpy as np
     from mlx_lm.models.cache import BatchKVCache
 
-    from omlx_core.plugins.batched.speculation import roll_rows
+    from omlx_core.plugins.batched import speculation
+
+    if not in_place:
+        monkeypatch.setattr(speculation, "_roll_in_place", lambda layer, shifts: False)
 
     def filled() -> BatchKVCache:
         cache = BatchKVCache([2, 0, 1, 3])
@@ -287,7 +293,11 @@ def test_rolling_rows_back_equals_mlx_lms_right_padding_roll():
     theirs, ours = filled(), filled()
     theirs.prepare(right_padding=shifts)
     theirs.finalize()
-    roll_rows(ours, shifts)
-    for a, b in zip(theirs.state[:4], ours.state[:4]):
-        assert mx.array_equal(a, b).item()
-    assert theirs.state[4] == ours.state[4]
+    speculation.roll_rows(ours, shifts)
+    assert theirs._idx == ours._idx
+    assert mx.array_equal(theirs.offset, ours.offset).item()
+    assert mx.array_equal(theirs.left_padding, ours.left_padding).item()
+    for row, start in enumerate(ours.left_padding.tolist()):
+        for a, b in ((theirs.keys, ours.keys), (theirs.values, ours.values)):
+            np.testing.assert_array_equal(np.array(a[row, :, start:ours._idx]),
+                                          np.array(b[row, :, start:ours._idx]))

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
@@ -387,10 +388,16 @@ class PromptLookupDrafts:
 
 def roll_rows(layer: BatchKVCache, shifts: list[int]) -> None:
     """What mlx-lm's ``prepare(right_padding=shifts)`` then ``finalize()`` do to a
-    ``BatchKVCache``, as contiguous slice copies: each row's buffer rolled right by its
-    shift (the rejected positions wrap to the front, inside the grown left padding).
-    mlx-lm rolls with a gather over every element, a scalar loop on the CPU backend:
-    2x slower at 8 rows of a 768-position buffer (110 vs 227 ms over 30 layers)."""
+    ``BatchKVCache``: each row's kept positions moved right by its shift, its left
+    padding grown by as much (what lies in the padding is masked, never read).
+
+    mlx-lm rolls with a gather over every element of the buffer, a scalar loop on the
+    CPU backend. On the CPU only the rows that shift move, and only their kept
+    positions, in place in the buffer mlx holds (the cache is its only holder: the
+    verify forward is evaluated): 8 rows of a 768-position buffer over 30 layers take
+    15 ms, against 59 ms as slice copies in mlx and ~120 ms gathered."""
+    if mx.default_device() == mx.cpu and _roll_in_place(layer, shifts):
+        return
     size = layer.keys.shape[2]
 
     def rolled(buffer: mx.array) -> mx.array:
@@ -403,6 +410,29 @@ def roll_rows(layer: BatchKVCache, shifts: list[int]) -> None:
 
     layer.keys = rolled(layer.keys)
     layer.values = rolled(layer.values)
+    _grow_padding(layer, shifts)
+
+
+def _roll_in_place(layer: BatchKVCache, shifts: list[int]) -> bool:
+    """:func:`roll_rows` through writable NumPy views of the evaluated buffers; ``False``
+    (nothing changed) where mlx's buffers cannot be viewed so."""
+    mx.eval(layer.keys, layer.values, layer.left_padding)
+    views = [np.array(buffer, copy=False) for buffer in (layer.keys, layer.values)]
+    if not all(view.flags.writeable and view.flags.c_contiguous for view in views):
+        return False
+    end = layer._idx
+    starts = layer.left_padding.tolist()
+    for view in views:
+        for row, shift in enumerate(shifts):
+            if shift:
+                start = starts[row]
+                # Overlapping ranges: NumPy copies through a buffer where it must.
+                view[row, :, start + shift:end] = view[row, :, start:end - shift]
+    _grow_padding(layer, shifts)
+    return True
+
+
+def _grow_padding(layer: BatchKVCache, shifts: list[int]) -> None:
     padding = mx.array(shifts)
     layer.offset = layer.offset - padding
     layer.left_padding = layer.left_padding + padding
