@@ -11,7 +11,9 @@ there):
 - admission and the batch window (here): requests are admitted in arrival order while
   fewer than ``plugin.batched.max_batch_size`` are prefilling or decoding; admission
   starts the request's own KV cache from the longest reusable cached prefix the forward
-  gate has room for (:class:`~.prefix_restore.PrefixRestorer`);
+  gate has room for (:class:`~.prefix_restore.PrefixRestorer`); a request whose prompt
+  is mostly blocks another request is prefilling right now waits until that one has
+  stored them, then restores them instead of computing them twice;
 - :class:`~.prefill_planner.PrefillPlanner`: the step's chunks, their shared forwards
   and the forward gate's word on them;
 - :class:`~.prefill_runner.PrefillRunner`: the forwards, then the first tokens;
