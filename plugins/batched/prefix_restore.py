@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from omlx_core.plugins.batched.batch_state import SequenceState
 from omlx_core.plugins.batched.cache_layout import CacheLayout
 from omlx_core.plugins.batched.prefix_cache import PrefixCache, PrefixMatch
 
@@ -140,5 +141,39 @@ class PrefixRestorer:
         layout.finish(cache, usable * block_size + tail_tokens, boundary)
         return Restored(cache, usable, tail_tokens)
 
+def follows_a_prefill(sequence: SequenceState, prefilling: Sequence[SequenceState],
+                      prefix_cache: PrefixCache) -> bool:
+    """Whether ``sequence``, about to be admitted, should wait for a request in
+    ``prefilling`` that is computing the same leading blocks of its prompt: that one
+    stores them in the prefix cache as it goes, and this one restores them then instead
+    of computing them again (agents fanning one context out to several calls, retries,
+    several copies of one prompt).
 
-__all__ = ["PrefixRestorer", "Restored"]
+    It waits only when those blocks are most of what it has left to prefill (a shared
+    chat-template opening is not worth a step's wait: it shares the forward instead),
+    while the leader has not stored them all and they are not cached yet. The leader's
+    prefill moves on every step, and a leader that stops prefilling (first token,
+    preemption, abort) releases it. The scheduler admits the requests queued behind it
+    meanwhile.
+    """
+    hashes = sequence.block_hashes
+    if not hashes:
+        return False
+    block = prefix_cache.block_size
+    cached = None
+    for leader in prefilling:
+        shared = 0
+        for mine, theirs in zip(hashes, leader.block_hashes):
+            if mine != theirs:
+                break
+            shared += 1
+        if shared <= leader.stored_blocks:
+            continue
+        if cached is None:
+            cached = prefix_cache.peek(hashes)
+        if shared > cached and 2 * (shared - cached) * block >= sequence.prefill_target - cached * block:
+            return True
+    return False
+
+
+__all__ = ["PrefixRestorer", "Restored", "follows_a_prefill"]

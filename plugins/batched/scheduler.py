@@ -76,7 +76,7 @@ from omlx_core.plugins.batched.output_emitter import OutputEmitter
 from omlx_core.plugins.batched.prefill_planner import PrefillPlanner
 from omlx_core.plugins.batched.prefill_runner import PrefillRunner
 from omlx_core.plugins.batched.prefix_cache import PrefixCache
-from omlx_core.plugins.batched.prefix_restore import PrefixRestorer, Restored
+from omlx_core.plugins.batched.prefix_restore import PrefixRestorer, Restored, follows_a_prefill
 from omlx_core.plugins.batched.prefix_writer import PrefixCacheWriter
 
 if TYPE_CHECKING:
@@ -406,7 +406,7 @@ class Scheduler(MemoryReceiver):
             if self.prefix_cache.enabled:
                 prefix = list(self.cache_key(sequence, sequence.context[:sequence.prefill_target]))
                 sequence.block_hashes = self.prefix_cache.hashes(prefix)
-                if self._follows_a_prefill(sequence):
+                if follows_a_prefill(sequence, state.prefilling, self.prefix_cache):
                     followers.append(sequence)
                     continue
             sequence.phase = PREFILLING
@@ -424,38 +424,6 @@ class Scheduler(MemoryReceiver):
                 sequence.reused = sequence.prefilled
             sequence.stored_blocks = restored.blocks
             state.prefilling.append(sequence)
-
-    def _follows_a_prefill(self, sequence: SequenceState) -> bool:
-        """Whether ``sequence`` should wait for a request now prefilling the same leading
-        blocks of its prompt: that one stores them in the prefix cache as it goes, and
-        this one restores them then instead of computing them again (agents fanning one
-        context out to several calls, retries, several copies of one prompt).
-
-        It waits only when those blocks are most of what it has left to prefill (a
-        shared chat-template opening is not worth a step's wait: it shares the forward
-        instead), while the leader has not stored them all and they are not cached yet.
-        The leader's prefill moves on every step, and a leader that stops prefilling
-        (first token, preemption, abort) releases it. Requests queued behind it are
-        admitted meanwhile.
-        """
-        hashes = sequence.block_hashes
-        if not hashes:
-            return False
-        block = self.prefix_cache.block_size
-        cached = None
-        for leader in self.state.prefilling:
-            shared = 0
-            for mine, theirs in zip(hashes, leader.block_hashes):
-                if mine != theirs:
-                    break
-                shared += 1
-            if shared <= leader.stored_blocks:
-                continue
-            if cached is None:
-                cached = self.prefix_cache.peek(hashes)
-            if shared > cached and 2 * (shared - cached) * block >= sequence.prefill_target - cached * block:
-                return True
-        return False
 
     def _restore_room(self, request_id: str) -> Callable[[int], int] | None:
         """What a request's restore asks how many bytes it may bring in (``None``: no
