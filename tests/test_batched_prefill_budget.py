@@ -105,3 +105,35 @@ def test_a_long_prompt_arriving_beside_decoding_rows_is_chunked_to_the_budget() 
     # Nothing decodes: back to the whole prefill step (the last chunk may be shorter).
     assert alone[0] == STEP or len(alone) == 1
     assert max(t for r, t, d in plain_chunks if r == "long" and d) == STEP
+
+
+def test_a_prompt_sent_with_the_rows_now_decoding_is_prefilled_at_whole_steps() -> None:
+    """A burst sent together: its short member decodes first, but the long one was
+    waiting as early, so its chunks are not cut to the decode budget (first come,
+    first served; each step still decodes once). A prompt sent after the rows started
+    is cut (the test above)."""
+    def run() -> list[tuple[str, int, int]]:
+        model, tokenizer = load_model(cached_model("llama"))
+        scheduler = Scheduler(model=model, tokenizer=tokenizer, model_id="tiny", model_config={},
+                              vocab_size=model.args.vocab_size, max_batch_size=4,
+                              prefill_step_size=STEP,
+                              prefix_cache=PrefixCache(block_size=8, budget_bytes=1 << 24),
+                              wake=lambda: None, max_decode_gap_s=1e-9)
+        gate = ChunkLog()
+        scheduler.set_forward_gate(gate)
+        sequences = [new_sequence(GenerationRequest(
+            request_id, list(tokenizer.encode(text)), SamplingParams(temperature=0.0, max_tokens=8)))
+            for request_id, text in (("short", "short prompt 1 " * 3),
+                                     ("long", "a long document about many things " * 60))]
+        for sequence in sequences:
+            scheduler.enqueue(sequence)
+        for _ in range(5000):
+            scheduler.step()
+            if all(sequence.phase == "done" for sequence in sequences):
+                return gate.chunks
+        raise AssertionError("requests never ended")
+
+    chunks = mlx_thread().run(run)
+    beside = [tokens for request_id, tokens, decoding in chunks if request_id == "long" and decoding]
+    assert len(beside) >= 2, chunks
+    assert all(tokens == STEP for tokens in beside[:-1]), chunks

@@ -3,9 +3,9 @@ forward gate says about them.
 
 Each step prefills at most ``plugin.batched.prefill_step_size`` prompt tokens in all,
 split into chunks, then runs one decode step: a long prompt never stalls the running
-streams for more than one chunk budget. While requests decode, that budget shrinks to
-what keeps the step (its prefill and its decode step) within
-``plugin.batched.max_decode_gap_ms``: :class:`ChunkCost`, learned from the measured time
+streams for more than one chunk budget. While requests decode that were decoding
+before the prompt arrived, that budget shrinks to what keeps the step (its prefill and
+its decode step) within ``plugin.batched.max_decode_gap_ms``: :class:`ChunkCost`, learned from the measured time
 of every prefill step, predicts a chunk's seconds from its size and the context it
 attends over (a chunk late in a long prompt costs several times one at its start), and
 the largest budget predicted to fit is taken (at least :data:`MIN_CHUNK` tokens, so a
@@ -114,7 +114,8 @@ class PrefillPlanner:
         else the most that keep the step within the decode latency budget."""
         full = self.prefill_step_size
         state = self.state
-        if not state.decoding or self.max_decode_gap_s <= 0 or not state.prefilling:
+        if (not state.decoding or self.max_decode_gap_s <= 0 or not state.prefilling
+                or not self._streams_to_protect()):
             return full
         if self.cost.steps < 2:
             # Nothing measured yet: a small first chunk to learn from.
@@ -135,6 +136,18 @@ class PrefillPlanner:
             else:
                 high = middle
         return low
+
+    def _streams_to_protect(self) -> bool:
+        """Whether the budget applies: a row decodes that was decoding already when the
+        request prefilled next arrived, or that request resumes after a preemption. The
+        budget keeps running streams from stalling behind prompts that came after them;
+        a prompt that was waiting first (a burst sent together, whose cached or shorter
+        members already decode) is prefilled at whole steps, first come first served:
+        each step still decodes once, so those rows wait at most one chunk."""
+        head = self.state.prefilling[0]
+        if head.preemptions:
+            return True
+        return any(0.0 < row.first_token_at < head.arrived for row in self.state.decoding.values())
 
     def observe(self, seconds: float) -> None:
         """The prefill step planned last took ``seconds``."""
