@@ -269,11 +269,13 @@ def test_the_default_model_copies_its_input_with_the_same_tokens(default_model_d
     assert stats["accepted"] > 10, stats
 
 
-@pytest.mark.parametrize("in_place", [True, False])
-def test_rolling_rows_back_equals_mlx_lms_right_padding_roll(in_place, monkeypatch):
+@pytest.mark.parametrize("in_place,dtype", [(True, "float32"), (False, "float32"),
+                                            (True, "bfloat16")])
+def test_rolling_rows_back_equals_mlx_lms_right_padding_roll(in_place, dtype, monkeypatch):
     """The speculation's rollback moves each row as mlx-lm's prepare(right_padding) and
     finalize() do: the same kept positions, offsets and left padding (what lies in the
-    padding, masked, may differ), in place in NumPy views and as mlx slice copies."""
+    padding, masked, may differ), in place in NumPy views and as mlx slice copies (which
+    a dtype NumPy cannot view, bfloat16, falls back to)."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models.cache import BatchKVCache
@@ -285,7 +287,8 @@ def test_rolling_rows_back_equals_mlx_lms_right_padding_roll(in_place, monkeypat
 
     def filled() -> BatchKVCache:
         cache = BatchKVCache([2, 0, 1, 3])
-        keys, values = (mx.random.normal((4, 2, 40, 8), key=mx.random.key(seed)) for seed in (1, 2))
+        keys, values = (mx.random.normal((4, 2, 40, 8), key=mx.random.key(seed)).astype(getattr(mx, dtype))
+                        for seed in (1, 2))
         cache.update_and_fetch(keys, values)
         return cache
 
@@ -299,5 +302,5 @@ def test_rolling_rows_back_equals_mlx_lms_right_padding_roll(in_place, monkeypat
     assert mx.array_equal(theirs.left_padding, ours.left_padding).item()
     for row, start in enumerate(ours.left_padding.tolist()):
         for a, b in ((theirs.keys, ours.keys), (theirs.values, ours.values)):
-            np.testing.assert_array_equal(np.array(a[row, :, start:ours._idx]),
-                                          np.array(b[row, :, start:ours._idx]))
+            np.testing.assert_array_equal(np.array(a[row, :, start:ours._idx].astype(mx.float32)),
+                                          np.array(b[row, :, start:ours._idx].astype(mx.float32)))

@@ -417,7 +417,10 @@ def _roll_in_place(layer: BatchKVCache, shifts: list[int]) -> bool:
     """:func:`roll_rows` through writable NumPy views of the evaluated buffers; ``False``
     (nothing changed) where mlx's buffers cannot be viewed so."""
     mx.eval(layer.keys, layer.values, layer.left_padding)
-    views = [np.array(buffer, copy=False) for buffer in (layer.keys, layer.values)]
+    try:
+        views = [np.array(buffer, copy=False) for buffer in (layer.keys, layer.values)]
+    except (TypeError, ValueError):  # a dtype NumPy has no view of (bfloat16)
+        return False
     if not all(view.flags.writeable and view.flags.c_contiguous for view in views):
         return False
     end = layer._idx
