@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from typing import Hashable, Sequence
 
 HASH_BYTES = 16
 
@@ -39,7 +39,8 @@ def partial_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_length(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    """How many leading items ``a`` and ``b`` share (tokens, or chained block hashes)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

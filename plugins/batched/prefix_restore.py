@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from omlx_core.plugins.batched.batch_state import SequenceState
+from omlx_core.plugins.batched.block_hashes import common_prefix_length
 from omlx_core.plugins.batched.cache_layout import CacheLayout
 from omlx_core.plugins.batched.prefix_cache import PrefixCache, PrefixMatch
 
@@ -162,11 +163,7 @@ def follows_a_prefill(sequence: SequenceState, prefilling: Sequence[SequenceStat
     block = prefix_cache.block_size
     cached = None
     for leader in prefilling:
-        shared = 0
-        for mine, theirs in zip(hashes, leader.block_hashes):
-            if mine != theirs:
-                break
-            shared += 1
+        shared = common_prefix_length(hashes, leader.block_hashes)
         if shared <= leader.stored_blocks:
             continue
         if cached is None:
