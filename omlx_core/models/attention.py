@@ -13,11 +13,12 @@ context prefill").
 NumPy, whose float32 ``exp`` runs on the CPU's vector units, **in place** on the score
 matrix mlx has just computed (a writable view of its buffer): the scores are evaluated,
 masked, turned into probabilities where they lie, split by rows over the cores (NumPy
-releases the GIL in its loops), and handed to the value matmul. The same arrays exist
-as in mlx's fallback (the score matrix, then the output) but for its one-byte causal
-mask, so the peak memory is the fallback's less that mask. The arithmetic is the fallback's: ``exp(s - max) * (1 / sum)`` in float32;
-the exponentials of the two libraries differ in the last bit at most, so greedy outputs
-are unchanged (``tests/test_models_attention.py``).
+releases the GIL in its loops), and handed to the value matmul. The same arrays exist as
+in mlx's fallback (the score matrix, then the output) but for its one-byte causal mask,
+so the peak memory is the fallback's less that mask. The arithmetic is the fallback's:
+``exp(s - max) * (1 / sum)`` in float32; the exponentials of the two libraries differ in
+the last bit at most, so greedy outputs are unchanged
+(``tests/test_models_attention.py``).
 
 :func:`install_cpu_attention` puts it in place of mlx-lm's ``scaled_dot_product_attention``
 in the modules of a loaded model's layers (not for a model with recurrent layers). It
@@ -43,8 +44,9 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["MAX_VERIFY_ROWS", "MIN_KEYS", "MIN_SCORES", "MIN_VERIFY_SCORES", "available_cores", "cpu_attention", "family_takes_route",
-           "install_cpu_attention", "mask_in_place", "route_takes", "softmax_in_place"]
+__all__ = ["MAX_VERIFY_ROWS", "MIN_KEYS", "MIN_SCORES", "MIN_VERIFY_SCORES", "available_cores",
+           "cpu_attention", "family_takes_route", "install_cpu_attention", "mask_in_place",
+           "route_takes", "softmax_in_place"]
 
 #: Fewest keys a multi-row call (a prefill chunk) attends over for the route to take it:
 #: from there on the softmax is most of a chunk's time, even for the small chunks the

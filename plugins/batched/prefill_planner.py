@@ -3,19 +3,20 @@ forward gate says about them.
 
 Each step prefills at most ``plugin.batched.prefill_step_size`` prompt tokens in all,
 split into chunks, then runs one decode step: a long prompt never stalls the running
-streams for more than one chunk budget. While requests decode that were decoding
-before the prompt arrived, that budget shrinks to what keeps the step (its prefill and
-its decode step) within ``plugin.batched.max_decode_gap_ms``: :class:`ChunkCost`, learned from the measured time
-of every prefill step, predicts a chunk's seconds from its size and the context it
-attends over (a chunk late in a long prompt costs several times one at its start), and
-the largest budget predicted to fit is taken (at least :data:`MIN_CHUNK` tokens, so a
-prompt always moves on). When nothing decodes, the budget is the whole step again. Chunk ends fall on ``plugin.batched.block_size``
-boundaries where they can, so full blocks (and, for models with non-cuttable layers,
-their boundary states) go into the prefix cache as prefill crosses them. Chunks cover
-all prompt tokens but the last, which the first-token forward feeds. Chunks of
-different requests with similar lengths share one forward where the model's caches
-allow (:mod:`~omlx_core.plugins.batched.batch_prefill`); each request keeps its own
-cache. A chunk fed as input embeddings (:class:`~.extensions.ChunkInputs`) runs alone.
+streams for more than one chunk budget. While requests decode that were decoding before
+the prompt arrived, that budget shrinks to what keeps the step (its prefill and its
+decode step) within ``plugin.batched.max_decode_gap_ms``: :class:`ChunkCost`, learned
+from the measured time of every prefill step, predicts a chunk's seconds from its size
+and the context it attends over (a chunk late in a long prompt costs several times one
+at its start), and the largest budget predicted to fit is taken (at least
+:data:`MIN_CHUNK` tokens, so a prompt always moves on). When nothing decodes, the budget
+is the whole step again. Chunk ends fall on ``plugin.batched.block_size`` boundaries
+where they can, so full blocks (and, for models with non-cuttable layers, their boundary
+states) go into the prefix cache as prefill crosses them. Chunks cover all prompt tokens
+but the last, which the first-token forward feeds. Chunks of different requests with
+similar lengths share one forward where the model's caches allow
+(:mod:`~omlx_core.plugins.batched.batch_prefill`); each request keeps its own cache. A
+chunk fed as input embeddings (:class:`~.extensions.ChunkInputs`) runs alone.
 
 **Forward gate seam.** Before a step's prefill forwards run, the planned chunks are
 handed to the installed :class:`~omlx_core.memory.gate.ForwardGate` as one
