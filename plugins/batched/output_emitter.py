@@ -5,7 +5,9 @@ with its id and, when asked, its logprob. A stop token (an end-of-sequence token
 one of the request's ``stop_token_ids``) ends the request with ``finish_reason="stop"``
 and is not handed out; ``max_tokens`` ends it with ``"length"``. The final output
 carries the usage; before it goes out, the request has released everything it held
-and the ``finish_listener`` (the ``on_request_finished`` sink) has been told.
+and the ``finish_listener`` (the ``on_request_finished`` sink) has been told. A decode
+step hands out every row's token before it ends the rows that finished, so no stream's
+token waits for another request's blocks to be stored.
 
 A request the pipeline aborts (its client left, or a stop string matched its text)
 leaves its KV behind as a stopped one does: the blocks its prompt and completion
@@ -47,31 +49,35 @@ class OutputEmitter:
 
     def accept(self, sequence: SequenceState, token: int, logprobs_row: mx.array,
                finish_reason: str | None, cache: list[Any] | None, tokens: Sequence[int] | None) -> None:
-        """Hand out one generated token. ``finish_reason`` (``"stop"``: a stop token,
-        ``"length"``) ends the request; ``cache`` then holds ``tokens``, for the prefix
-        cache, and a request still in the decode batch has left it."""
+        """Hand out one generated token (:meth:`hand_out`) and, when ``finish_reason``
+        is set, end the request (:meth:`end`)."""
+        self.hand_out(sequence, token, logprobs_row, finish_reason)
+        if finish_reason is not None:
+            self.end(sequence, finish_reason, cache, tokens)
+
+    def hand_out(self, sequence: SequenceState, token: int, logprobs_row: mx.array,
+                 finish_reason: str | None) -> None:
+        """Count one generated token and hand it out, unless it is the stop token that
+        ends the request (``finish_reason="stop"``)."""
         # Once per row and decode step: kept to this one call.
         sequence.completion_tokens += 1
         sequence.generated.append(token)
         self.counters.tokens_generated += 1
-        if finish_reason is None:
-            top = sequence.request.sampling.logprobs
-            sequence.outputs.put(GenerationOutput(
-                sequence.request_id, token_ids=(token,),
-                logprobs=None if top is None else (token_logprob(logprobs_row, token, top),)))
+        if finish_reason == "stop":
             return
+        top = sequence.request.sampling.logprobs
+        sequence.outputs.put(GenerationOutput(
+            sequence.request_id, token_ids=(token,),
+            logprobs=None if top is None else (token_logprob(logprobs_row, token, top),)))
+
+    def end(self, sequence: SequenceState, finish_reason: str, cache: list[Any] | None,
+            tokens: Sequence[int] | None) -> None:
+        """End a request the generator finished (``"stop"``: a stop token, ``"length"``),
+        its tokens handed out: ``cache`` holds ``tokens``, for the prefix cache, and the
+        row has left the decode batch."""
         self._left_batch(sequence)
         self.writer.store_finished_blocks(sequence, cache or [], tokens or ())
-        if finish_reason == "stop":
-            self.finish(sequence, "stop", remove=False)
-        else:
-            self.finish(sequence, "length", token_ids=(token,),
-                        logprobs=self._logprobs(sequence, logprobs_row, token), remove=False)
-
-    @staticmethod
-    def _logprobs(sequence: SequenceState, row: mx.array, token: int) -> tuple[TokenLogprob, ...] | None:
-        top = sequence.request.sampling.logprobs
-        return None if top is None else (token_logprob(row, token, top),)
+        self.finish(sequence, finish_reason, remove=False)
 
     def _left_batch(self, sequence: SequenceState) -> None:
         """The generator finished ``sequence``'s row and dropped it."""

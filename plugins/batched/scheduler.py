@@ -451,18 +451,32 @@ class Scheduler(MemoryReceiver):
             return
         responses = self.decode.step()
         self.counters.decode_steps += 1
-        accept = self.emitter.accept
+        # Every row's token goes out first; the finished rows' blocks are stored after
+        # (about 20 ms a row), so no stream's token waits for them.
+        ending = []
         for response in responses:
             sequence = decoding.get(response.uid)
             if sequence is None:
                 continue
             try:
-                accept(sequence, int(response.token), response.logprobs, response.finish_reason,
-                       response.prompt_cache, response.all_tokens)
+                self.emitter.hand_out(sequence, int(response.token), response.logprobs,
+                                      response.finish_reason)
             except Exception as exc:
-                log.exception("request %s failed while handling its token", sequence.request_id)
-                self.emitter.finish(sequence, "error", error=f"{type(exc).__name__}: {exc}",
-                                    error_type="internal")
+                self._failed(sequence, exc)
+                continue
+            if response.finish_reason is not None:
+                ending.append((sequence, response))
+        for sequence, response in ending:
+            try:
+                self.emitter.end(sequence, response.finish_reason, response.prompt_cache,
+                                 response.all_tokens)
+            except Exception as exc:
+                self._failed(sequence, exc)
+
+    def _failed(self, sequence: SequenceState, exc: Exception) -> None:
+        log.exception("request %s failed while handling its token", sequence.request_id)
+        self.emitter.finish(sequence, "error", error=f"{type(exc).__name__}: {exc}",
+                            error_type="internal")
 
 
 __all__ = ["Scheduler", "SequenceState", "new_sequence", "DECODING", "DONE", "PREFILLING", "WAITING"]
