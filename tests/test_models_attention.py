@@ -103,7 +103,7 @@ def test_many_heads_without_grouping_and_no_mask(every_call):
 
 def test_calls_it_does_not_take_go_to_mlx_lm_unchanged():
     # A decode step, a chunk over a short context: the route does not take them.
-    for rows, keys in ((1, 4096), (256, 1024)):
+    for rows, keys in ((1, 4096), (256, 768)):
         assert not attention.route_takes(1, HEADS, rows, keys)
         queries, k, v = inputs(rows, keys)
         got, handed_on = ours(queries, k, v, "causal")
@@ -115,8 +115,9 @@ def test_calls_it_does_not_take_go_to_mlx_lm_unchanged():
     sinks = mx.zeros((HEADS,))
     got, handed_on = ours(queries, keys, values, "causal", sinks=sinks)
     assert handed_on == 1 and close(got, mlx_lm_attention(queries, keys, values, "causal", sinks=sinks))
-    # A small chunk over a long context (what the decode budget cuts a long prompt
-    # into), on the CPU device, is taken.
+    # A chunk over a thousand keys is taken, and so is a small chunk over a long context
+    # (what the decode budget cuts a long prompt into) on the CPU device.
+    assert attention.route_takes(1, HEADS, 256, 1024)
     queries, keys, values = inputs(16, attention.MIN_KEYS)
     assert attention._taken(queries, keys, values, None, "causal", None)
 

@@ -51,7 +51,10 @@ __all__ = ["MAX_VERIFY_ROWS", "MIN_KEYS", "MIN_SCORES", "MIN_VERIFY_SCORES", "av
 #: Fewest keys a multi-row call (a prefill chunk) attends over for the route to take it:
 #: from there on the softmax is most of a chunk's time, even for the small chunks the
 #: decode latency budget cuts a long prompt into beside running streams (16-40 rows).
-MIN_KEYS = 2048
+#: A 256-token chunk of the default model over 1,024 keys: 1.74x; over 1,792: 2.08x.
+#: (From 512 keys it pays too, 1.44x, but there a tiny VLM's prefill estimate came out
+#: 1.19x its measured peak, past the estimator's bound: see :data:`MIN_SCORES`.)
+MIN_KEYS = 1024
 
 #: Score elements (batch x heads x rows x keys) from which a multi-row call over fewer
 #: keys is taken too. The route pays from ~2^14 scores on (decode steps at a 2k context
