@@ -44,8 +44,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["MAX_VERIFY_ROWS", "MIN_KEYS", "MIN_SCORES", "MIN_VERIFY_SCORES", "available_cores",
-           "cpu_attention", "family_takes_route", "install_cpu_attention", "mask_in_place",
+__all__ = ["MAX_VERIFY_ROWS", "MIN_KEYS", "MIN_SCORES", "MIN_VERIFY_SCORES", "attention_caches_only",
+           "available_cores", "cpu_attention", "family_takes_route", "install_cpu_attention", "mask_in_place",
            "route_takes", "softmax_in_place"]
 
 #: Fewest keys a multi-row call (a prefill chunk) attends over for the route to take it:
@@ -247,7 +247,7 @@ def _attention_modules(model: Any) -> list[Any]:
     return list(found.values())
 
 
-def _attention_caches_only(model: Any) -> bool:
+def attention_caches_only(model: Any) -> bool:
     """Whether every layer of ``model`` caches keys and values (no recurrent state): the
     models whose prefill peak the route leaves as the memory estimate counts it. (In a
     hybrid model the evaluations mid-forward change which recurrent intermediates are
@@ -285,7 +285,7 @@ def install_cpu_attention(model: Any) -> list[str]:
     """
     from mlx_lm.models import base
 
-    if not _attention_caches_only(model):
+    if not attention_caches_only(model):
         return []
 
     original = base.scaled_dot_product_attention

@@ -11,13 +11,14 @@ from omlx_core.models.registry import ModelError
 def load_model(path: Path | str) -> tuple[Any, Any]:
     """``(model, tokenizer)`` from an mlx-lm directory; the tokenizer is mlx-lm's wrapper.
 
-    The model's attention takes :mod:`omlx_core.models.attention`'s route: on the CPU
-    backend a prefill chunk's softmax runs on the vector units; everywhere else it is
-    mlx-lm's own function.
+    The model's attention and SwiGLU take :mod:`omlx_core.models.attention`'s and
+    :mod:`omlx_core.models.mlp_route`'s routes: on the CPU backend a prefill chunk's
+    softmax and SiLU run on the vector units; everywhere else they are mlx-lm's own.
     """
     from mlx_lm import load
 
     from omlx_core.models.attention import install_cpu_attention
+    from omlx_core.models.mlp_route import install_cpu_swiglu
     from omlx_core.models.tokenizer_json import read_tokenizer_json
 
     read_tokenizer_json()
@@ -27,6 +28,7 @@ def load_model(path: Path | str) -> tuple[Any, Any]:
         raise ModelError(f"cannot load model from {path}: {type(exc).__name__}: {exc}") from exc
     settle_random_state()
     install_cpu_attention(model)
+    install_cpu_swiglu(model)
     return model, tokenizer
 
 

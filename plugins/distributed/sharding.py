@@ -73,6 +73,7 @@ def load_sharded(path: Path | str, mode: str, group: Any) -> tuple[Any, Any]:
 
     from omlx_core.models.attention import install_cpu_attention
     from omlx_core.models.loader import settle_random_state
+    from omlx_core.models.mlp_route import install_cpu_swiglu
 
     path = Path(path)
     model, config = load_model(path, lazy=True, strict=False)
@@ -86,7 +87,8 @@ def load_sharded(path: Path | str, mode: str, group: Any) -> tuple[Any, Any]:
             model.model.pipeline(group)
     mx.eval(model.parameters())
     settle_random_state()
-    install_cpu_attention(model)  # every rank takes the same route: the same numbers
+    install_cpu_attention(model)  # every rank takes the same routes: the same numbers
+    install_cpu_swiglu(model)
     return model, tokenizer
 
 
