@@ -45,8 +45,8 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["MAX_VERIFY_ROWS", "MIN_KEYS", "MIN_SCORES", "MIN_VERIFY_SCORES", "attention_caches_only",
-           "available_cores", "cpu_attention", "family_takes_route", "install_cpu_attention", "mask_in_place",
-           "route_takes", "softmax_in_place"]
+           "available_cores", "cpu_attention", "family_modules", "family_takes_route",
+           "install_cpu_attention", "mask_in_place", "route_takes", "softmax_in_place"]
 
 #: Fewest keys a multi-row call (a prefill chunk) attends over for the route to take it:
 #: from there on the softmax is most of a chunk's time, even for the small chunks the
@@ -232,17 +232,16 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: An
     return output.reshape(batch, heads, rows, values.shape[-1])
 
 
-def _attention_modules(model: Any) -> list[Any]:
-    """The Python modules of ``model``'s layers that call mlx-lm's shared attention function."""
-    from mlx_lm.models import base
-
+def family_modules(model: Any, name: str, original: Any, mark: str) -> list[Any]:
+    """The Python modules of ``model``'s layers whose global ``name`` is mlx-lm's
+    ``original`` function or a route marked with ``mark``: where a route is installed."""
     found = {}
     for _, layer in model.named_modules():
         module = sys.modules.get(type(layer).__module__)
         if module is None or module.__name__ in found:
             continue
-        current = getattr(module, "scaled_dot_product_attention", None)
-        if current is base.scaled_dot_product_attention or getattr(current, _INSTALLED_MARK, False):
+        current = getattr(module, name, None)
+        if current is original or getattr(current, mark, False):
             found[module.__name__] = module
     return list(found.values())
 
@@ -295,7 +294,7 @@ def install_cpu_attention(model: Any) -> list[str]:
 
     setattr(scaled_dot_product_attention, _INSTALLED_MARK, True)
     installed = []
-    for module in _attention_modules(model):
+    for module in family_modules(model, "scaled_dot_product_attention", original, _INSTALLED_MARK):
         if not getattr(module.scaled_dot_product_attention, _INSTALLED_MARK, False):
             module.scaled_dot_product_attention = scaled_dot_product_attention
         installed.append(module.__name__)

@@ -23,7 +23,6 @@ differ in the last bit at most, so greedy outputs are unchanged
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -83,28 +82,13 @@ def cpu_swiglu(gate: mx.array, up: mx.array, *, fallback: Callable[..., mx.array
     return gate
 
 
-def _swiglu_modules(model: Any) -> list[Any]:
-    """The Python modules of ``model``'s layers that call mlx-lm's ``swiglu``."""
-    from mlx_lm.models import activations
-
-    found = {}
-    for _, layer in model.named_modules():
-        module = sys.modules.get(type(layer).__module__)
-        if module is None or module.__name__ in found:
-            continue
-        current = getattr(module, "swiglu", None)
-        if current is activations.swiglu or getattr(current, _INSTALLED_MARK, False):
-            found[module.__name__] = module
-    return list(found.values())
-
-
 def install_cpu_swiglu(model: Any) -> list[str]:
     """Route ``model``'s SwiGLU through :func:`cpu_swiglu`; the names of the model-family
     modules now doing so (installing twice changes nothing; a model with recurrent
     layers is left to mlx-lm: ``[]``)."""
     from mlx_lm.models import activations
 
-    from omlx_core.models.attention import attention_caches_only
+    from omlx_core.models.attention import attention_caches_only, family_modules
 
     if not attention_caches_only(model):
         return []
@@ -115,7 +99,7 @@ def install_cpu_swiglu(model: Any) -> list[str]:
 
     setattr(swiglu, _INSTALLED_MARK, True)
     installed = []
-    for module in _swiglu_modules(model):
+    for module in family_modules(model, "swiglu", original, _INSTALLED_MARK):
         if not getattr(module.swiglu, _INSTALLED_MARK, False):
             module.swiglu = swiglu
         installed.append(module.__name__)
