@@ -67,6 +67,18 @@ echo "== installing omlx-core $spec"
 # loader, tested against this release.
 "${PIP[@]}" install --no-deps "mlx-vlm==0.7.10"
 
+# The CPU kernels (a vectorized softmax and SwiGLU for mlx's CPU backend, in
+# omlx_core/models/cpu_kernels.cpp) are compiled once against this mlx into
+# ~/.cache/omlx-core/cpu-kernels; where they cannot be, omlx-core runs on mlx's ops.
+if [ "$(uname -s)" = Linux ]; then
+  if ! command -v g++ >/dev/null && command -v apt-get >/dev/null; then
+    echo "== installing g++ (the CPU kernels)"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++
+  fi
+  "$VENV/bin/python" -m omlx_core.models.cpu_kernels || true
+fi
+
 if [ "$mode" = serve ]; then
   exec "$VENV/bin/omlx-core" serve "$@"
 fi

@@ -11,7 +11,7 @@ from mlx_lm.models import base
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_core.models import attention
+from omlx_core.models import attention, cpu_kernels
 from omlx_core.models.attention import cpu_attention, install_cpu_attention, softmax_in_place
 from omlx_core.models.loader import load_model
 
@@ -58,6 +58,24 @@ def every_call(monkeypatch):
     monkeypatch.setattr(attention, "MIN_KEYS", 0)
 
 
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """As where the CPU kernels could not be built: what the route does not take goes to
+    mlx-lm's function."""
+    monkeypatch.setattr(cpu_kernels, "_loaded", {"module": None, "reason": "test"})
+
+
+@pytest.fixture(params=["route", "kernels"])
+def either_path(request, monkeypatch):
+    """The NumPy route takes every call, or none (then the CPU kernels' graph does)."""
+    if request.param == "route":
+        monkeypatch.setattr(attention, "MIN_SCORES", 0)
+        monkeypatch.setattr(attention, "MIN_KEYS", 0)
+    else:
+        assert cpu_kernels.kernels() is not None, cpu_kernels.unavailable_reason()
+        monkeypatch.setattr(attention, "route_takes", lambda *sizes: False)
+
+
 def close(got, expected) -> bool:
     return got.shape == expected.shape and got.dtype == expected.dtype and \
         mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
@@ -72,7 +90,7 @@ def test_a_causal_prefill_chunk_equals_mlx_lm_attention(offset, cores, every_cal
     assert close(got, mlx_lm_attention(queries, keys, values, "causal"))
 
 
-def test_array_masks_equal_mlx_lm_attention_padding_rows_included(every_call):
+def test_array_masks_equal_mlx_lm_attention_padding_rows_included(either_path):
     batch, rows, offset = 2, 128, 200
     queries, keys, values = inputs(rows, offset + rows, batch=batch, seed=7)
     # The batched engine's masks: (batch, 1, rows, keys) booleans; row 0 of the second
@@ -94,20 +112,32 @@ def test_array_masks_equal_mlx_lm_attention_padding_rows_included(every_call):
         assert close(got, mlx_lm_attention(queries, keys, values, mask))
 
 
-def test_many_heads_without_grouping_and_no_mask(every_call):
+def test_many_heads_without_grouping_and_no_mask(either_path):
     queries, keys, values = inputs(ROWS, 1024, heads=4, kv_heads=4, seed=3)
     got, handed_on = ours(queries, keys, values, None)
     assert handed_on == 0
     assert close(got, mlx_lm_attention(queries, keys, values, None))
 
 
-def test_calls_it_does_not_take_go_to_mlx_lm_unchanged():
-    # A decode step, a chunk over a short context: the route does not take them.
+def test_calls_the_route_does_not_take_run_in_the_graph_with_the_cpu_kernels():
+    # A decode step, a chunk over a short context: the route does not take them; the CPU
+    # kernels' softmax computes them in the graph, nothing evaluated mid-forward.
+    assert cpu_kernels.kernels() is not None, cpu_kernels.unavailable_reason()
     for rows, keys in ((1, 4096), (256, 768)):
         assert not attention.route_takes(1, HEADS, rows, keys)
         queries, k, v = inputs(rows, keys)
         got, handed_on = ours(queries, k, v, "causal")
+        assert handed_on == 0 and close(got, mlx_lm_attention(queries, k, v, "causal"))
+
+
+def test_without_the_kernels_calls_the_route_does_not_take_go_to_mlx_lm(no_kernels):
+    for rows, keys in ((1, 4096), (256, 768)):
+        queries, k, v = inputs(rows, keys)
+        got, handed_on = ours(queries, k, v, "causal")
         assert handed_on == 1 and close(got, mlx_lm_attention(queries, k, v, "causal"))
+
+
+def test_calls_neither_path_supports_go_to_mlx_lm_unchanged():
     queries, keys, values = inputs(ROWS, 1024)
     # Half precision (NumPy's exp is not vectorized there), attention sinks.
     half = [a.astype(mx.float16) for a in (queries, keys, values)]

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models import activations
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx_core.models import mlp_route
+from omlx_core.models import cpu_kernels, mlp_route
 from omlx_core.models.loader import load_model
 from omlx_core.models.mlp_route import cpu_swiglu, install_cpu_swiglu, swiglu_in_place
 
@@ -49,10 +49,30 @@ def test_a_multi_position_call_is_taken_and_agrees(shape, monkeypatch):
     assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
 
 
-def test_calls_it_does_not_take_go_to_mlx_lm_unchanged():
-    for gate, x in (pair((8, 1, WIDTH)),  # a plain decode step: one position per row
-                    pair((1, 2, 64)),  # under MIN_ELEMENTS
-                    pair((1, 256, WIDTH), dtype=mx.float16)):  # half precision
+SMALL_CALLS = [(8, 1, WIDTH),  # a plain decode step: one position per row
+               (1, 2, 64)]  # under MIN_ELEMENTS
+
+
+@pytest.mark.parametrize("shape", SMALL_CALLS)
+def test_calls_it_does_not_take_run_in_the_graph_with_the_cpu_kernels(shape):
+    assert cpu_kernels.kernels() is not None, cpu_kernels.unavailable_reason()
+    gate, x = pair(shape)
+    fallback = Fallback()
+    got = cpu_swiglu(gate, x, fallback=fallback)
+    assert fallback.calls == 0
+    assert mx.allclose(got, activations.swiglu(gate, x), rtol=1e-5, atol=1e-6).item()
+    # A strided (transposed) input is made contiguous first.
+    got = cpu_swiglu(gate.swapaxes(0, 1), x.swapaxes(0, 1), fallback=fallback)
+    assert fallback.calls == 0
+    assert mx.allclose(got, activations.swiglu(gate.swapaxes(0, 1), x.swapaxes(0, 1)),
+                       rtol=1e-5, atol=1e-6).item()
+
+
+def test_calls_neither_path_takes_go_to_mlx_lm_unchanged(monkeypatch):
+    cases = [pair((1, 256, WIDTH), dtype=mx.float16)]  # half precision
+    monkeypatch.setattr(cpu_kernels, "_loaded", {"module": None, "reason": "test"})
+    cases += [pair(shape) for shape in SMALL_CALLS]  # no kernels built
+    for gate, x in cases:
         fallback = Fallback()
         got = cpu_swiglu(gate, x, fallback=fallback)
         assert fallback.calls == 1

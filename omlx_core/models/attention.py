@@ -22,12 +22,17 @@ the last bit at most, so greedy outputs are unchanged
 
 :func:`install_cpu_attention` puts it in place of mlx-lm's ``scaled_dot_product_attention``
 in the modules of a loaded model's layers (not for a model with recurrent layers). It
-dispatches per call; everything it does not take goes to mlx-lm's own function
-unchanged: plain decode steps (one row), chunks over fewer than :data:`MIN_KEYS` keys
-(and under :data:`MIN_SCORES` scores) but speculative steps of a few rows
-(:data:`MAX_VERIFY_ROWS`), non-float32 activations, quantized KV caches, attention
-sinks, and every GPU stream (Metal and CUDA have fused kernels). The memory estimator asks
-:func:`family_takes_route` and :func:`route_takes` so that it counts what runs.
+dispatches per call. Chunks over at least :data:`MIN_KEYS` keys (or :data:`MIN_SCORES`
+scores) and speculative steps of a few rows (:data:`MAX_VERIFY_ROWS`) take the NumPy
+softmax above. Every other float32 call on the CPU backend, plain decode steps first,
+runs :func:`kernel_attention`: the same graph as mlx's fallback with the softmax of
+:mod:`~omlx_core.models.cpu_kernels` (vectorized, and evaluated with the rest of the
+step, so a decode step keeps its overlap with the next step's graph), or mlx-lm's own
+function where those kernels are not built. Non-float32 activations, quantized KV caches,
+attention sinks and every GPU stream (Metal and CUDA have fused kernels) go to mlx-lm's
+function unchanged. The memory estimator asks :func:`family_takes_route` and
+:func:`route_takes` so that it counts what runs (the kernels' graph holds the arrays
+mlx's fallback holds).
 Evaluating inside the forward is what the engine's prefill does after each chunk
 anyway; a caller tracing the model under ``mx.compile`` would be refused by mlx
 (omlx-core's engines do not compile the forward).
@@ -44,9 +49,11 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from omlx_core.models import cpu_kernels
+
 __all__ = ["MAX_VERIFY_ROWS", "MIN_KEYS", "MIN_SCORES", "MIN_VERIFY_SCORES", "attention_caches_only",
            "available_cores", "cpu_attention", "family_modules", "family_takes_route",
-           "install_cpu_attention", "mask_in_place", "route_takes", "softmax_in_place"]
+           "install_cpu_attention", "kernel_attention", "mask_in_place", "route_takes", "softmax_in_place"]
 
 #: Fewest keys a multi-row call (a prefill chunk) attends over for the route to take it:
 #: from there on the softmax is most of a chunk's time, even for the small chunks the
@@ -61,9 +68,9 @@ MIN_KEYS = 1024
 #: included: 1.2-1.5x), but evaluating mid-forward also changes which of a layer's
 #: intermediates are alive together, which the memory estimator models only where the
 #: score matrix dominates: below these sizes a tiny model's measured peak fell up to
-#: 20 % under its estimate. Plain decode steps (one row) stay on mlx, pipelined as they
-#: are: evaluating mid-forward costs them the overlap with the next step's graph, which
-#: is what the route saves (0.97-1.04x measured in mlx-lm's BatchGenerator, 8-16 rows).
+#: 20 % under its estimate. Plain decode steps (one row) stay in the graph (the CPU
+#: kernels' softmax): evaluating mid-forward costs them the overlap with the next step's
+#: graph, which is what the NumPy route saves (0.97-1.04x in mlx-lm's BatchGenerator).
 MIN_SCORES = 1 << 22
 
 #: Most query rows of a call counted as a speculative decoding step (each row's pending
@@ -180,9 +187,10 @@ def route_takes(batch: int, heads: int, rows: int, keys: int) -> bool:
     return keys >= MIN_KEYS or scores >= MIN_SCORES
 
 
-def _taken(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any,
-           sinks: Any) -> bool:
-    """Whether :func:`cpu_attention` computes this call (else mlx-lm's function does)."""
+def _supported(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any,
+               sinks: Any) -> bool:
+    """Whether this call is one the route or the CPU kernels can compute (float32 on the
+    CPU backend, grouped heads, a mask of a shape they broadcast), whatever its size."""
     if (sinks is not None
             or hasattr(cache, "bits")  # quantized keys and values: tuples, not arrays
             or mx.default_device().type != mx.cpu
@@ -190,13 +198,51 @@ def _taken(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask
             or queries.ndim != 4 or queries.shape[1] % keys.shape[1]):
         return False
     if isinstance(mask, str):
-        if mask != "causal":
-            return False
-    elif mask is not None and not (isinstance(mask, mx.array) and (
-            mask.ndim == 2 or (mask.ndim == 4 and mask.shape[1] in (1, queries.shape[1])))):
+        return mask == "causal"
+    return mask is None or (isinstance(mask, mx.array) and (
+        mask.ndim == 2 or (mask.ndim == 4 and mask.shape[1] in (1, queries.shape[1]))))
+
+
+def _taken(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any,
+           sinks: Any) -> bool:
+    """Whether :func:`cpu_attention` computes this call in NumPy (else in the graph)."""
+    if not _supported(queries, keys, values, cache, mask, sinks):
         return False
     batch, heads, rows, _ = queries.shape
     return route_takes(batch, heads, rows, keys.shape[-2])
+
+
+def _graph_mask(mask: Any, heads: int, kv_heads: int, rows: int, keys: int) -> Any:
+    """``mask`` as an mlx array broadcasting over the scores' (batch, kv heads, repeats,
+    rows, keys) view, as :func:`mask_in_place` reads it (``None``: no mask)."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):  # "causal": the rows end where the keys end
+        return mx.arange(keys)[None, :] <= mx.arange(keys - rows, keys)[:, None]
+    if mask.ndim <= 2 or mask.shape[1] == 1:
+        return mask if mask.ndim <= 2 else mask[:, :, None]
+    return mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, *mask.shape[2:])
+
+
+def kernel_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                     mask: Any, softmax: Callable[[mx.array], mx.array]) -> mx.array:
+    """mlx's fallback attention as graph nodes, its softmax the CPU kernels' ``softmax``:
+    the score matmul, the mask (a hidden score becomes the lowest float32) and the value
+    matmul of mlx's fallback; nothing is evaluated. Each query head multiplies its own KV
+    head's keys (a broadcast, no copy): in a default-model decode step at 16 rows that
+    ran 1.1x as fast as stacking a KV head's query heads into one matmul."""
+    batch, heads, rows, head_dim = queries.shape
+    kv_heads, key_count = keys.shape[1], keys.shape[-2]
+    scaled = (queries * scale).reshape(batch, kv_heads, heads // kv_heads, rows, head_dim)
+    scores = scaled @ keys[:, :, None].swapaxes(-1, -2)
+    hide = _graph_mask(mask, heads, kv_heads, rows, key_count)
+    if hide is not None:
+        if hide.dtype == mx.bool_:
+            scores = mx.where(hide, scores, mx.array(_HIDDEN, dtype=mx.float32))
+        else:
+            scores = scores + hide.astype(mx.float32)
+    output = softmax(scores) @ values[:, :, None]
+    return output.reshape(batch, heads, rows, values.shape[-1])
 
 
 def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
@@ -204,8 +250,14 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: An
                   fallback: Callable[..., mx.array], cores: int | None = None) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention`` contract: the score and value matmuls in
     mlx, the mask and softmax in NumPy in place on the evaluated scores, where that pays
-    (:func:`_taken`); ``fallback`` (mlx-lm's function) does every other call."""
+    (:func:`_taken`); every other call it supports in the graph with the CPU kernels'
+    softmax (:func:`kernel_attention`) where they are built, and ``fallback`` (mlx-lm's
+    function) the rest."""
     if not _taken(queries, keys, values, cache, mask, sinks):
+        kernels = cpu_kernels.kernels() if _supported(queries, keys, values, cache, mask,
+                                                      sinks) else None
+        if kernels is not None:
+            return kernel_attention(queries, keys, values, scale, mask, kernels.softmax)
         return fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     batch, heads, rows, head_dim = queries.shape
     kv_heads, key_count = keys.shape[1], keys.shape[-2]
@@ -298,4 +350,6 @@ def install_cpu_attention(model: Any) -> list[str]:
         if not getattr(module.scaled_dot_product_attention, _INSTALLED_MARK, False):
             module.scaled_dot_product_attention = scaled_dot_product_attention
         installed.append(module.__name__)
+    if installed and mx.default_device().type == mx.cpu:
+        cpu_kernels.kernels()  # built (once) or loaded now, at load: never inside a forward
     return installed

@@ -13,11 +13,13 @@ ms for the chunk, whose whole forward runs 1.22-1.27x as fast.
 
 :func:`install_cpu_swiglu` puts it in place of ``swiglu`` in the modules of a loaded
 model's layers (the models :mod:`~omlx_core.models.attention`'s route is installed for:
-every layer caches keys and values). It dispatches per call: calls of one position per
+every layer caches keys and values). It dispatches per call. Calls of one position per
 sequence (plain decode steps, which evaluating mid-forward would cost their overlap with
-the next step's graph), calls under :data:`MIN_ELEMENTS`, non-float32 activations and
-every GPU stream go to mlx-lm's function unchanged. The exponentials of the two libraries
-differ in the last bit at most, so greedy outputs are unchanged
+the next step's graph) and calls under :data:`MIN_ELEMENTS` go, in float32 on the CPU
+backend, to the SwiGLU primitive of :mod:`~omlx_core.models.cpu_kernels` (vectorized, in
+the graph), or to mlx-lm's function where those kernels are not built; non-float32
+activations and every GPU stream go to mlx-lm's function unchanged. The exponentials
+differ from mlx's in the last bits at most, so greedy outputs are unchanged
 (``tests/test_models_mlp_route.py``).
 """
 
@@ -27,6 +29,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
+
+from omlx_core.models import cpu_kernels
 
 __all__ = ["BLOCK_ELEMENTS", "MIN_ELEMENTS", "cpu_swiglu", "install_cpu_swiglu", "swiglu_in_place"]
 
@@ -60,17 +64,25 @@ def swiglu_in_place(gate: np.ndarray, up: np.ndarray) -> None:
         block *= other
 
 
-def _taken(gate: mx.array, up: mx.array) -> bool:
+def _kernel_takes(gate: mx.array, up: mx.array) -> bool:
     return (mx.default_device().type == mx.cpu
-            and gate.dtype == up.dtype == mx.float32
-            and gate.shape == up.shape and gate.ndim >= 2
+            and gate.dtype == up.dtype == mx.float32 and gate.shape == up.shape)
+
+
+def _taken(gate: mx.array, up: mx.array) -> bool:
+    return (_kernel_takes(gate, up) and gate.ndim >= 2
             and gate.shape[-2] > 1 and gate.size >= MIN_ELEMENTS)
 
 
 def cpu_swiglu(gate: mx.array, up: mx.array, *, fallback: Callable[..., mx.array]) -> mx.array:
     """mlx-lm's ``swiglu`` contract, computed in NumPy in place in ``gate``'s buffer where
-    that pays (:func:`_taken`); ``fallback`` (mlx-lm's function) does every other call."""
+    that pays (:func:`_taken`); every other float32 call on the CPU backend goes to the CPU
+    kernels' ``swiglu`` in the graph where they are built, and the rest to ``fallback``
+    (mlx-lm's function)."""
     if not _taken(gate, up):
+        kernels = cpu_kernels.kernels() if _kernel_takes(gate, up) else None
+        if kernels is not None:
+            return kernels.swiglu(gate, up)
         return fallback(gate, up)
     mx.eval(gate, up)
     raw = np.array(gate, copy=False)

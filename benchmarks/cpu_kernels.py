@@ -1,0 +1,138 @@
+"""Decode steps of the default model with the CPU kernels and without, paired.
+
+    python -m benchmarks.cpu_kernels [--rounds 5] [--steps 8]
+
+Loads the default model as the server does (its attention and SwiGLU routes installed),
+fills a batch cache of ``rows`` sequences of ``context`` tokens, then decodes ``steps``
+greedy tokens the way mlx-lm's ``BatchGenerator`` does (the next step's graph built and
+queued while the host reads this step's tokens) and rolls the cache back; alternately
+with the CPU kernels (:mod:`omlx_core.models.cpu_kernels`: the softmax and SwiGLU of a
+decode step vectorized, in the graph) and with mlx's own ops (what ``mlx_lm.server``
+runs). It prints the median step time of each and the median of the per-round ratios,
+checks that both give the same greedy tokens, and times the two kernels alone against
+mlx's ops at a 16-row step's sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Sequence
+
+SHAPES = ((1, 400), (8, 400), (16, 400), (8, 1000), (16, 1000))
+
+
+def _decode(model, cache, first, steps: int) -> tuple[float, list[list[int]]]:
+    """Seconds per step and the tokens of ``steps`` pipelined greedy steps; the cache is
+    rolled back after."""
+    import mlx.core as mx
+
+    tokens, pending = [], None
+    started = time.perf_counter()
+    step = first
+    for _ in range(steps):
+        logits = model(step, cache=cache)
+        step = mx.argmax(logits[:, -1:, :], axis=-1)
+        mx.async_eval(step)
+        if pending is not None:
+            tokens.append(pending.tolist())
+        pending = step
+    tokens.append(pending.tolist())
+    elapsed = (time.perf_counter() - started) / steps
+    for layer in cache:
+        layer.trim(steps)
+    return elapsed, tokens
+
+
+def _kernel_alone(rounds: int) -> list[tuple[str, float, float]]:
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from omlx_core.models import cpu_kernels
+
+    kernels = cpu_kernels.kernels()
+    scores = mx.random.normal((16, 3, 3, 400)) * 4  # 16 rows x 9 heads over 400 keys
+    gate, up = mx.random.normal((16, 1, 1536)) * 4, mx.random.normal((16, 1, 1536))
+    mx.eval(scores, gate, up)
+
+    def median_ms(run) -> float:
+        mx.eval(run())
+        times = []
+        for _ in range(max(rounds, 5) * 20):
+            started = time.perf_counter()
+            mx.eval(run())
+            times.append(time.perf_counter() - started)
+        return statistics.median(times) * 1000
+
+    return [("softmax, 16 x 9 x 400 scores", median_ms(lambda: mx.softmax(scores, axis=-1, precise=True)),
+             median_ms(lambda: kernels.softmax(scores))),
+            ("SwiGLU, 16 x 1536", median_ms(lambda: nn.silu(gate) * up),
+             median_ms(lambda: kernels.swiglu(gate, up)))]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from omlx_core.platform.blas import blas_in_use, ensure_optimized_blas
+
+    ensure_optimized_blas()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="paired rounds per shape")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    args = parser.parse_args(argv)
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from omlx_core.models import cpu_kernels
+    from omlx_core.models.default import ensure_default_model
+    from omlx_core.models.loader import load_model
+
+    model, _ = load_model(ensure_default_model(progress=True))
+    kernels = cpu_kernels.kernels()
+    if kernels is None:
+        print(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}",
+              file=sys.stderr)
+        return 1
+    print(f"default model, float32, CPU backend, BLAS: {blas_in_use()}")
+    print(f"{args.rounds} paired rounds of {args.steps} pipelined greedy decode steps per shape")
+    rows_out = []
+    for rows, context in SHAPES:
+        cache = [BatchKVCache([0] * rows) for _ in model.layers]
+        prompt = mx.random.randint(0, 20000, (rows, context), key=mx.random.key(rows + context))
+        mx.eval(model(prompt, cache=cache))
+        mx.eval([layer.state for layer in cache])
+        first = mx.random.randint(0, 20000, (rows, 1), key=mx.random.key(7))
+        timings = {"mlx": [], "kernels": []}
+        outputs = {}
+        for round_ in range(args.rounds + 1):  # the first round warms both up
+            for name, module in (("mlx", None), ("kernels", kernels)):
+                cpu_kernels._loaded["module"] = module
+                elapsed, tokens = _decode(model, cache, first, args.steps)
+                outputs.setdefault(name, tokens)
+                if round_:
+                    timings[name].append(elapsed)
+        cpu_kernels._loaded["module"] = kernels
+        ratios = [a / b for a, b in zip(timings["mlx"], timings["kernels"])]
+        same = outputs["mlx"] == outputs["kernels"]
+        rows_out.append((rows, context, statistics.median(timings["mlx"]) * 1000,
+                         statistics.median(timings["kernels"]) * 1000, statistics.median(ratios),
+                         min(ratios), max(ratios), same))
+        print(f"  {rows} rows x {context}: done", flush=True)
+
+    print("\n| rows x context | mlx's ops, ms/step | CPU kernels, ms/step | mlx / kernels "
+          "(median of rounds) | range | same greedy tokens |")
+    print("|---|---:|---:|---:|---|---|")
+    for rows, context, base, fast, ratio, low, high, same in rows_out:
+        print(f"| {rows} x {context} | {base:.1f} | {fast:.1f} | {ratio:.2f}x | "
+              f"{low:.2f}-{high:.2f}x | {'yes' if same else 'NO'} |")
+    print("\n| alone | mlx's ops, ms | CPU kernel, ms | ratio |")
+    print("|---|---:|---:|---:|")
+    for name, base, fast in _kernel_alone(args.rounds):
+        print(f"| {name} | {base:.3f} | {fast:.3f} | {base / fast:.1f}x |")
+    return 0 if all(row[-1] for row in rows_out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
