@@ -9,8 +9,9 @@ and the MLP's SiLU (~11 ms). The NumPy routes of :mod:`~omlx_core.models.attenti
 evaluating mid-forward, which would cost a plain decode step its overlap with the next
 step's graph. These two primitives run inside the graph instead, so every other call
 (plain decode steps, small chunks) gets a vectorized exponential without evaluating:
-softmax 15x, SwiGLU 35x as fast as mlx's ops alone; the default model's decode step at
-16 rows 1.31x, at 8 rows 1.22x (BENCHMARKS.md).
+at a 16-row decode step's sizes the softmax runs 12.6x and the SwiGLU 18.4x as fast as
+mlx's ops, and the default model's decode steps 1.14-1.38x at 8-16 rows
+(``python -m benchmarks.cpu_kernels``, BENCHMARKS.md).
 
 The extension is compiled against the installed mlx's headers and library with nanobind
 (the same nanobind ABI and domain as mlx's own bindings, so it takes and returns
