@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from mlx_lm.models import base
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import make_prompt_cache
 
 from omlx_core.models import attention, cpu_kernels
 from omlx_core.models.attention import cpu_attention, install_cpu_attention, softmax_in_place
 from omlx_core.models.loader import load_model
+from omlx_core.testing.models import greedy_after_chunked_prefill, routed_modules
 
 ROWS, HEADS, KV_HEADS, HEAD_DIM = 256, 9, 3, 64  # one prefill chunk of the default model
 
@@ -215,26 +215,15 @@ def test_installed_at_load_and_greedy_outputs_unchanged(family, tiny_model_path,
     monkeypatch.setattr(attention, "MIN_SCORES", 0)  # tiny models' calls are far below it
     monkeypatch.setattr(attention, "MIN_KEYS", 0)
     model, _ = load_model(tiny_model_path(family))
-    modules = [sys.modules[type(layer).__module__] for _, layer in model.named_modules()]
-    routed = {m.__name__ for m in modules
-              if getattr(getattr(m, "scaled_dot_product_attention", None), "_omlx_cpu_attention", False)}
+    routed = routed_modules(model, "scaled_dot_product_attention", "_omlx_cpu_attention")
     assert routed, f"{family}: no module routed"
     prompt = mx.random.randint(0, 200, (1, 90), key=mx.random.key(5))
 
-    def run() -> tuple[mx.array, list[int]]:
-        cache = make_prompt_cache(model)
-        logits = [model(prompt[:, start:start + 30], cache=cache) for start in range(0, 90, 30)]
-        token, tokens = mx.argmax(logits[-1][:, -1], axis=-1), []
-        for _ in range(12):
-            tokens.append(token.item())
-            token = mx.argmax(model(token[None], cache=cache)[:, -1], axis=-1)
-        return mx.concatenate(logits, axis=1), tokens
-
-    ours_logits, ours_tokens = run()
+    ours_logits, ours_tokens = greedy_after_chunked_prefill(model, prompt)
     for name in routed:
         monkeypatch.setattr(sys.modules[name], "scaled_dot_product_attention",
                             base.scaled_dot_product_attention)
-    theirs_logits, theirs_tokens = run()
+    theirs_logits, theirs_tokens = greedy_after_chunked_prefill(model, prompt)
     assert ours_tokens == theirs_tokens
     assert mx.allclose(ours_logits, theirs_logits, rtol=1e-4, atol=1e-4).item()
     assert install_cpu_attention(model) == install_cpu_attention(model)

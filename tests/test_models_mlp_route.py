@@ -8,11 +8,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import activations
-from mlx_lm.models.cache import make_prompt_cache
 
 from omlx_core.models import cpu_kernels, mlp_route
 from omlx_core.models.loader import load_model
 from omlx_core.models.mlp_route import cpu_swiglu, install_cpu_swiglu, swiglu_in_place
+from omlx_core.testing.models import greedy_after_chunked_prefill, routed_modules
 
 WIDTH = 1536  # the default model's intermediate size
 
@@ -94,25 +94,14 @@ def test_installed_at_load_and_greedy_outputs_unchanged(family, tiny_model_path,
     """Chunked prefill then greedy decoding give mlx-lm's logits and tokens."""
     monkeypatch.setattr(mlp_route, "MIN_ELEMENTS", 0)  # tiny models' calls are below it
     model, _ = load_model(tiny_model_path(family))
-    modules = [sys.modules[type(layer).__module__] for _, layer in model.named_modules()]
-    routed = {m.__name__ for m in modules
-              if getattr(getattr(m, "swiglu", None), "_omlx_cpu_swiglu", False)}
+    routed = routed_modules(model, "swiglu", "_omlx_cpu_swiglu")
     assert routed, f"{family}: no module routed"
     prompt = mx.random.randint(0, 200, (1, 90), key=mx.random.key(5))
 
-    def run() -> tuple[mx.array, list[int]]:
-        cache = make_prompt_cache(model)
-        logits = [model(prompt[:, start:start + 30], cache=cache) for start in range(0, 90, 30)]
-        token, tokens = mx.argmax(logits[-1][:, -1], axis=-1), []
-        for _ in range(12):
-            tokens.append(token.item())
-            token = mx.argmax(model(token[None], cache=cache)[:, -1], axis=-1)
-        return mx.concatenate(logits, axis=1), tokens
-
-    ours_logits, ours_tokens = run()
+    ours_logits, ours_tokens = greedy_after_chunked_prefill(model, prompt)
     for name in routed:
         monkeypatch.setattr(sys.modules[name], "swiglu", activations.swiglu)
-    theirs_logits, theirs_tokens = run()
+    theirs_logits, theirs_tokens = greedy_after_chunked_prefill(model, prompt)
     assert ours_tokens == theirs_tokens
     assert mx.allclose(ours_logits, theirs_logits, rtol=1e-4, atol=1e-4).item()
     assert install_cpu_swiglu(model) == install_cpu_swiglu(model)

@@ -53,7 +53,7 @@ from omlx_core.models import cpu_kernels
 
 __all__ = ["MAX_VERIFY_ROWS", "MIN_KEYS", "MIN_SCORES", "MIN_VERIFY_SCORES", "attention_caches_only",
            "available_cores", "cpu_attention", "family_modules", "family_takes_route",
-           "install_cpu_attention", "kernel_attention", "mask_in_place", "route_takes", "softmax_in_place"]
+           "install_cpu_attention", "install_route", "kernel_attention", "mask_in_place", "route_takes", "softmax_in_place"]
 
 #: Fewest keys a multi-row call (a prefill chunk) attends over for the route to take it:
 #: from there on the softmax is most of a chunk's time, even for the small chunks the
@@ -253,13 +253,13 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: An
     (:func:`_taken`); every other call it supports in the graph with the CPU kernels'
     softmax (:func:`kernel_attention`) where they are built, and ``fallback`` (mlx-lm's
     function) the rest."""
-    if not _taken(queries, keys, values, cache, mask, sinks):
-        kernels = cpu_kernels.kernels() if _supported(queries, keys, values, cache, mask,
-                                                      sinks) else None
+    supported = _supported(queries, keys, values, cache, mask, sinks)
+    batch, heads, rows, head_dim = queries.shape
+    if not (supported and route_takes(batch, heads, rows, keys.shape[-2])):
+        kernels = cpu_kernels.kernels() if supported else None
         if kernels is not None:
             return kernel_attention(queries, keys, values, scale, mask, kernels.softmax)
         return fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    batch, heads, rows, head_dim = queries.shape
     kv_heads, key_count = keys.shape[1], keys.shape[-2]
     repeats = heads // kv_heads
     # The grouped heads as mlx's fallback arranges them: head h reads KV head h // repeats.
@@ -296,6 +296,23 @@ def family_modules(model: Any, name: str, original: Any, mark: str) -> list[Any]
         if current is original or getattr(current, mark, False):
             found[module.__name__] = module
     return list(found.values())
+
+
+def install_route(model: Any, name: str, original: Any, route: Callable[..., Any],
+                  mark: str) -> list[str]:
+    """Put ``route`` (marked with ``mark``) in place of mlx-lm's ``original`` under the
+    global ``name`` of ``model``'s family modules; the names of the modules now routed
+    (installing twice changes nothing; a model with recurrent layers is left to mlx-lm:
+    ``[]``)."""
+    if not attention_caches_only(model):
+        return []
+    setattr(route, mark, True)
+    installed = []
+    for module in family_modules(model, name, original, mark):
+        if not getattr(getattr(module, name), mark, False):
+            setattr(module, name, route)
+        installed.append(module.__name__)
+    return installed
 
 
 def attention_caches_only(model: Any) -> bool:
@@ -336,20 +353,13 @@ def install_cpu_attention(model: Any) -> list[str]:
     """
     from mlx_lm.models import base
 
-    if not attention_caches_only(model):
-        return []
-
     original = base.scaled_dot_product_attention
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         return cpu_attention(queries, keys, values, cache, scale, mask, sinks, fallback=original)
 
-    setattr(scaled_dot_product_attention, _INSTALLED_MARK, True)
-    installed = []
-    for module in family_modules(model, "scaled_dot_product_attention", original, _INSTALLED_MARK):
-        if not getattr(module.scaled_dot_product_attention, _INSTALLED_MARK, False):
-            module.scaled_dot_product_attention = scaled_dot_product_attention
-        installed.append(module.__name__)
+    installed = install_route(model, "scaled_dot_product_attention", original,
+                              scaled_dot_product_attention, _INSTALLED_MARK)
     if installed and mx.default_device().type == mx.cpu:
         cpu_kernels.kernels()  # built (once) or loaded now, at load: never inside a forward
     return installed

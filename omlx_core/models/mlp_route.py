@@ -64,23 +64,26 @@ def swiglu_in_place(gate: np.ndarray, up: np.ndarray) -> None:
         block *= other
 
 
-def _kernel_takes(gate: mx.array, up: mx.array) -> bool:
+def _supported(gate: mx.array, up: mx.array) -> bool:
+    """Whether the route or the CPU kernels can compute this call, whatever its size."""
     return (mx.default_device().type == mx.cpu
             and gate.dtype == up.dtype == mx.float32 and gate.shape == up.shape)
 
 
-def _taken(gate: mx.array, up: mx.array) -> bool:
-    return (_kernel_takes(gate, up) and gate.ndim >= 2
-            and gate.shape[-2] > 1 and gate.size >= MIN_ELEMENTS)
+def _large(gate: mx.array) -> bool:
+    """Whether a call is one the NumPy route takes (several positions per sequence, at
+    least :data:`MIN_ELEMENTS`)."""
+    return gate.ndim >= 2 and gate.shape[-2] > 1 and gate.size >= MIN_ELEMENTS
 
 
 def cpu_swiglu(gate: mx.array, up: mx.array, *, fallback: Callable[..., mx.array]) -> mx.array:
     """mlx-lm's ``swiglu`` contract, computed in NumPy in place in ``gate``'s buffer where
-    that pays (:func:`_taken`); every other float32 call on the CPU backend goes to the CPU
+    that pays (:func:`_large`); every other float32 call on the CPU backend goes to the CPU
     kernels' ``swiglu`` in the graph where they are built, and the rest to ``fallback``
     (mlx-lm's function)."""
-    if not _taken(gate, up):
-        kernels = cpu_kernels.kernels() if _kernel_takes(gate, up) else None
+    supported = _supported(gate, up)
+    if not (supported and _large(gate)):
+        kernels = cpu_kernels.kernels() if supported else None
         if kernels is not None:
             return kernels.swiglu(gate, up)
         return fallback(gate, up)
@@ -100,19 +103,11 @@ def install_cpu_swiglu(model: Any) -> list[str]:
     layers is left to mlx-lm: ``[]``)."""
     from mlx_lm.models import activations
 
-    from omlx_core.models.attention import attention_caches_only, family_modules
+    from omlx_core.models.attention import install_route
 
-    if not attention_caches_only(model):
-        return []
     original = activations.swiglu
 
     def swiglu(gate, x):
         return cpu_swiglu(gate, x, fallback=original)
 
-    setattr(swiglu, _INSTALLED_MARK, True)
-    installed = []
-    for module in family_modules(model, "swiglu", original, _INSTALLED_MARK):
-        if not getattr(module.swiglu, _INSTALLED_MARK, False):
-            module.swiglu = swiglu
-        installed.append(module.__name__)
-    return installed
+    return install_route(model, "swiglu", original, swiglu, _INSTALLED_MARK)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import sys
 import tempfile
 import threading
 import zlib
@@ -251,3 +252,27 @@ def cached_model(family: str, seed: int = 0, *, cache_dir: Path | None = None) -
     :func:`cached_build`."""
     return cached_build(family, lambda directory: build_model(family, directory, seed=seed),
                         seed, cache_dir)
+
+
+def routed_modules(model: Any, name: str, mark: str) -> set[str]:
+    """The names of ``model``'s family modules whose global ``name`` is a route marked
+    with ``mark`` (see :func:`omlx_core.models.attention.install_route`)."""
+    modules = [sys.modules[type(layer).__module__] for _, layer in model.named_modules()]
+    return {m.__name__ for m in modules if getattr(getattr(m, name, None), mark, False)}
+
+
+def greedy_after_chunked_prefill(model: Any, prompt: Any, *, chunk: int = 30,
+                                 steps: int = 12) -> tuple[Any, list[int]]:
+    """Prefill ``prompt`` (1, length) in chunks, then decode ``steps`` greedy tokens: the
+    prefill's logits (concatenated) and the tokens."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    length = prompt.shape[1]
+    logits = [model(prompt[:, start:start + chunk], cache=cache) for start in range(0, length, chunk)]
+    token, tokens = mx.argmax(logits[-1][:, -1], axis=-1), []
+    for _ in range(steps):
+        tokens.append(token.item())
+        token = mx.argmax(model(token[None], cache=cache)[:, -1], axis=-1)
+    return mx.concatenate(logits, axis=1), tokens
