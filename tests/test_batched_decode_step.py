@@ -162,7 +162,7 @@ def test_the_batched_engine_decodes_with_the_step_its_setting_names(fused):
                               prefill_step_size=64,
                               prefix_cache=PrefixCache(block_size=16, budget_bytes=1 << 20),
                               wake=lambda: None, fused_sampling=fused)
-        return type(scheduler.decode.generator._generation_batch)
+        return type(scheduler.decode.new_generator()._generation_batch)
 
     assert mlx_thread().run(build) is (FusedSamplingBatch if fused else GenerationBatch)
 

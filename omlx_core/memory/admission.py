@@ -9,7 +9,9 @@ where the cost of a set of requests is the sum of their reservations, except tha
 requests sharing a padded decode batch (``batch`` key, one per engine) each cost as much
 as the largest of them: mlx-lm's ``BatchGenerator`` left-pads every sequence's KV cache
 to the longest one in the batch, so a short request next to a long one holds as much KV
-as the long one.
+as the long one. (The batched engine decodes a row that would pad the others by more
+than a forward costs in a lane of its own, :mod:`omlx_core.plugins.batched.decode_batch`:
+the padded cost is then an upper bound, charged before the lane is known.)
 
 (the baseline excludes caches the server gives back on demand; the transient margin is
 charged once, since one forward's transient exists at a time), otherwise it joins a

@@ -101,10 +101,11 @@ def token_key(sequence: SequenceState, tokens: Sequence[int]) -> Sequence[int]:
 class DraftVerify(Protocol):
     """Draft tokens for the decode batch's rows, verified in the step's one forward.
 
-    Once per decode step the scheduler asks :meth:`drafting` with the rows by uid. When
-    it answers ``False`` the decode batch runs mlx-lm's plain step: one token per row.
-    When it answers ``True`` the scheduler calls :meth:`verify` instead, which owns that
-    step: it drafts, feeds every row's latest token and drafts in one forward over the
+    Once per decode step the scheduler asks :meth:`drafting` with all the rows by uid.
+    When it answers ``False`` the decode batch runs mlx-lm's plain step: one token per
+    row. When it answers ``True`` the scheduler calls :meth:`verify` instead, once for
+    each lane of the batch (:mod:`~.decode_batch`: a generator and its rows), which owns
+    that lane's step: it drafts, feeds every row's latest token and drafts in one forward over the
     batch, keeps each row's longest accepted prefix plus the token sampled after it,
     and rolls the rest back out of that row's KV cache.
 
@@ -123,9 +124,10 @@ class DraftVerify(Protocol):
         ...
 
     def verify(self, generator: BatchGenerator, rows: Mapping[int, SequenceState]) -> Sequence[Any]:
-        """Run one step over ``generator``'s batch; return its responses (mlx-lm's
-        ``GenerationBatch.Response``: uid, token, logprobs, finish_reason, prompt_cache,
-        all_tokens), one per token handed out, each row's in generation order."""
+        """Run one step over ``generator``'s batch (``rows``: its rows by uid); return its
+        responses (mlx-lm's ``GenerationBatch.Response``: uid, token, logprobs,
+        finish_reason, prompt_cache, all_tokens), one per token handed out, each row's in
+        generation order."""
         ...
 
     def stats(self) -> Mapping[str, Any]:

@@ -100,7 +100,8 @@ class Scheduler(MemoryReceiver):
                  batch_window_s: float = 0.0, batch_window_max_s: float = 0.0,
                  fused_sampling: bool = True, inputs: ChunkInputs | None = None,
                  cache_key: CacheKey = token_key, drafts: DraftVerify | None = None,
-                 max_decode_gap_s: float = 0.0, step_sync: StepSync | None = None) -> None:
+                 max_decode_gap_s: float = 0.0, step_sync: StepSync | None = None,
+                 decode_lanes: bool = True) -> None:
         self.model_id = model_id
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
@@ -133,7 +134,7 @@ class Scheduler(MemoryReceiver):
         self.drafts = drafts if drafts is not None else NoDrafts()
         self.decode = DecodeBatch(model=model, state=state, eos_token_ids=tokenizer.eos_token_ids,
                                   prefill_step_size=prefill_step_size, fused_sampling=fused_sampling,
-                                  drafts=self.drafts)
+                                  drafts=self.drafts, lanes=decode_lanes)
         self.restorer = PrefixRestorer(prefix_cache, self.layout)
         self.writer = PrefixCacheWriter(prefix_cache=prefix_cache, layout=self.layout,
                                         cache_key=cache_key, model_id=model_id,

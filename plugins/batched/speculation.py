@@ -152,13 +152,14 @@ class PromptLookupDrafts:
 
     def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
         """Every step runs here (a plain one where drafting does not pay), so the cost
-        model sees every step; ``False`` only for an empty batch."""
+        model sees every step; ``False`` only for an empty batch. ``rows`` is the whole
+        batch: the drafter forgets the rows that left it."""
+        for key in [k for k in self._states if k not in rows]:
+            self.drafter.end(self._states.pop(key))
         return bool(rows)
 
     def verify(self, generator: Any, rows: Mapping[int, SequenceState]) -> Sequence[Any]:
         self.steps += 1
-        for key in [k for k in self._states if k not in rows]:
-            self.drafter.end(self._states.pop(key))
         batch = getattr(generator, "_generation_batch", None)
         candidates = self._candidates(generator, batch, rows)
         if candidates and self._may_pay(len(batch.uids), candidates):

@@ -79,8 +79,9 @@ class DistributedEngine(BatchedEngine):
         self.step_sync = CollectiveSteps(self.cluster, heartbeat_s=self.heartbeat_s,
                                          make_sequence=self._follow, on_stop=self._stop_following,
                                          memory=board)
-        # No in-batch speculation and no decode-gap chunk sizing: both decide from step
-        # timings, which differ from rank to rank, and every rank must take rank 0's steps.
+        # No in-batch speculation, no decode-gap chunk sizing and no decode lanes: they
+        # decide from step timings or from this rank's share of the weights and KV, which
+        # differ from rank to rank, and every rank must take rank 0's steps.
         return Scheduler(
             model=lm, tokenizer=tokenizer, model_id=self.model.id, model_config=self.model.config,
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
@@ -90,6 +91,7 @@ class DistributedEngine(BatchedEngine):
             fused_sampling=self.settings.fused_sampling,
             wake=self._thread.wake, boundary_listener=self.host.on_boundary_snapshot,
             finish_listener=self.host.on_request_finished, step_sync=self.step_sync,
+            decode_lanes=False,
         )
 
     # -- requests --------------------------------------------------------------------
