@@ -52,6 +52,35 @@ def test_the_chunk_cost_model_recovers_the_cost_of_size_and_context() -> None:
         assert math.isclose(cost.seconds(start, tokens), true_cost, rel_tol=0.05)
 
 
+def _true_cost(start: int, tokens: int) -> float:
+    return 0.01 + 0.002 * tokens + 1e-6 * tokens * (start + tokens / 2)
+
+
+def test_the_margin_covers_how_far_recent_steps_ran_over_their_prediction() -> None:
+    cost = ChunkCost()
+    shapes = [(0, 16), (0, 128), (512, 64), (2048, 32), (4096, 128), (1024, 256)]
+    for start, tokens in shapes * 6:
+        cost.observe(ChunkCost.features([(start, start + tokens)], 1), _true_cost(start, tokens))
+    assert cost.margin() == pytest.approx(1.0, abs=0.02)
+    # A loaded machine: one step in four runs 60 % over.
+    for index, (start, tokens) in enumerate(shapes * 6):
+        slow = 1.6 if index % 4 == 0 else 1.0
+        cost.observe(ChunkCost.features([(start, start + tokens)], 1),
+                     slow * _true_cost(start, tokens))
+    assert 1.3 < cost.margin() < 1.7
+    # Quiet again: the window forgets the over-runs.
+    for start, tokens in shapes * 8:
+        cost.observe(ChunkCost.features([(start, start + tokens)], 1), _true_cost(start, tokens))
+    assert cost.margin() < 1.1
+
+
+def test_the_margin_is_one_until_steps_were_predicted() -> None:
+    cost = ChunkCost()
+    for start, tokens in [(0, 64)] * 5:
+        cost.observe(ChunkCost.features([(start, start + tokens)], 1), 3 * _true_cost(start, tokens))
+    assert cost.margin() == 1.0
+
+
 def _drive(scheduler: Scheduler, first: list[GenerationRequest], late: GenerationRequest
            ) -> dict[str, list[int]]:
     """Start ``first``; once they decode, enqueue ``late``; step until all end."""

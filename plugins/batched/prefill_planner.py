@@ -9,7 +9,10 @@ decode step) within ``plugin.batched.max_decode_gap_ms``: :class:`ChunkCost`, le
 from the measured time of every prefill step, predicts a chunk's seconds from its size
 and the context it attends over (a chunk late in a long prompt costs several times one
 at its start), and the largest budget predicted to fit is taken (at least
-:data:`MIN_CHUNK` tokens, so a prompt always moves on). When nothing decodes, the budget
+:data:`MIN_CHUNK` tokens, so a prompt always moves on). A prediction is a mean, and the
+budget is a bound on the gaps running streams see: so it is scaled by how far steps
+recently ran over their predictions (:meth:`ChunkCost.margin`, their 90th percentile),
+which grows on a loaded machine and shrinks back on a quiet one. When nothing decodes, the budget
 is the whole step again. Chunk ends fall on ``plugin.batched.block_size`` boundaries
 where they can, so full blocks (and, for models with non-cuttable layers, their boundary
 states) go into the prefix cache as prefill crosses them. Chunks cover all prompt tokens
@@ -32,6 +35,7 @@ reading already holds it. See :mod:`omlx_core.memory.gate` for the contract.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -57,18 +61,26 @@ Chunk = tuple[SequenceState, int, int]
 MIN_CHUNK = 16
 
 
+#: the share of recent prefill steps whose over-run of their prediction the budget
+#: absorbs (:meth:`ChunkCost.margin`)
+MARGIN_QUANTILE = 0.9
+
+
 class ChunkCost:
     """A prefill step's seconds as ``per_forward * forwards + per_token * tokens +
     per_attended * sum(chunk tokens * context they attend over)``, fitted online by
     exponentially weighted least squares (with a little ridge, so the first few steps
-    give a usable answer) over every measured prefill step."""
+    give a usable answer) over every measured prefill step; and how far the latest
+    ``window`` steps ran over what the fit predicted for them."""
 
-    def __init__(self, *, decay: float = 0.97, ridge: float = 1e-6) -> None:
+    def __init__(self, *, decay: float = 0.97, ridge: float = 1e-6, window: int = 32) -> None:
         self.decay = decay
         self.ridge = ridge
         self._xx = np.zeros((3, 3))
         self._xy = np.zeros(3)
         self.steps = 0
+        #: measured over predicted seconds of the latest steps predicted before they ran
+        self._ratios: deque[float] = deque(maxlen=window)
 
     @staticmethod
     def features(chunks: list[tuple[int, int]], forwards: int) -> np.ndarray:
@@ -79,6 +91,10 @@ class ChunkCost:
         return np.array([float(forwards), tokens / 256.0, attended / 65536.0])
 
     def observe(self, features: np.ndarray, seconds: float) -> None:
+        if self.steps >= 2:
+            predicted = float(features @ self.coefficients())
+            if predicted > 0:
+                self._ratios.append(seconds / predicted)
         self._xx = self.decay * self._xx + np.outer(features, features)
         self._xy = self.decay * self._xy + features * seconds
         self.steps += 1
@@ -91,6 +107,14 @@ class ChunkCost:
     def seconds(self, start: int, tokens: int) -> float:
         """Predicted seconds of one forward over ``tokens`` prompt tokens from ``start``."""
         return float(self.features([(start, start + tokens)], 1) @ self.coefficients())
+
+    def margin(self) -> float:
+        """What a prediction is multiplied by to bound most steps rather than their mean:
+        the :data:`MARGIN_QUANTILE` of recent measured-over-predicted ratios, at least 1
+        (1 until eight steps were predicted)."""
+        if len(self._ratios) < 8:
+            return 1.0
+        return max(1.0, float(np.quantile(np.array(self._ratios), MARGIN_QUANTILE)))
 
 
 class PrefillPlanner:
@@ -126,6 +150,7 @@ class PrefillPlanner:
         # batch): the chunk then still gets half of it, or prefill would crawl at the
         # smallest chunk while the gap it buys is lost in the decode step anyway.
         room = max(self.max_decode_gap_s - decode_s, self.max_decode_gap_s / 2)
+        room /= self.cost.margin()
         start = state.prefilling[0].prefilled
         low, high = MIN_CHUNK, full
         if self.cost.seconds(start, high) <= room:
