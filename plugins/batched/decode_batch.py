@@ -9,8 +9,8 @@ rows: :mod:`~omlx_core.plugins.batched.decode_step`), or, where a
 
 **Lanes.** mlx-lm's batch left-pads every row's KV cache to its longest row, and a
 decode step reads all of it: a 5,000-token prompt joining eight 300-token streams made
-every one of them read 5,000 positions a step (0.33 s a step instead of 0.09 s on the
-CPU), and the join itself (every row padded and copied) stalled them 1.7 s. So the batch
+every one of them read 5,000 positions a step (0.33 s a step instead of 0.07-0.09 s on
+the CPU), and the join itself (every row padded and copied) stalled them 1.7 s. So the batch
 runs one generator per *lane*: a row joins the lane where it adds the fewest bytes a
 step reads (:func:`pick_lane`), and opens its own lane when padding it into any would
 read more than a forward of its own, whose fixed cost is the weights read once more.
@@ -79,6 +79,9 @@ class DecodeBatch:
         self.step_seconds: float | None = None
         self._default_stops = StopSequences([(t,) for t in self.eos])
         self.lanes: list[_Lane] = []
+        #: lanes whose rows all left, kept for the next lane to open: a generator is made
+        #: once per lane the batch ever needed at once (as one was, before lanes)
+        self._idle: list[_Lane] = []
         self._lanes_opened = 0
         #: a forward's fixed cost in KV positions (the weights' bytes over a position's),
         #: measured at the first join; without ``lanes``, every row shares one lane
@@ -138,10 +141,13 @@ class DecodeBatch:
         index = pick_lane(lengths, self._length(sequence), self._fixed_tokens)
         if index is not None:
             return self.lanes[index]
-        self._lanes_opened += 1
-        lane = _Lane(self.new_generator())
-        # Disjoint uids: the scheduler keys rows by uid across lanes.
-        lane.generator._uid_count = self._lanes_opened * LANE_UIDS
+        if self._idle:
+            lane = self._idle.pop()
+        else:
+            self._lanes_opened += 1
+            lane = _Lane(self.new_generator())
+            # Disjoint uids: the scheduler keys rows by uid across lanes.
+            lane.generator._uid_count = self._lanes_opened * LANE_UIDS
         self.lanes.append(lane)
         return lane
 
@@ -193,6 +199,7 @@ class DecodeBatch:
         return removed
 
     def _close_empty_lanes(self) -> None:
+        self._idle += [lane for lane in self.lanes if not lane.uids]
         self.lanes = [lane for lane in self.lanes if lane.uids]
 
     @property
@@ -202,7 +209,7 @@ class DecodeBatch:
 
     def reset(self) -> None:
         """Start over with an empty batch (after a failed step)."""
-        self.lanes = []
+        self.lanes, self._idle = [], []
 
     def close(self) -> None:
         """Drop the generators and with them every path to the weights."""
