@@ -22,6 +22,8 @@ from omlx_core.plugins.batched.decode_step import FusedSamplingBatch, fuse_sampl
 from omlx_core.plugins.batched.sampling import make_logits_processors, make_sampler
 from omlx_core.testing.models import cached_model
 
+from tests.tiny_scheduler import tiny_scheduler
+
 
 @dataclass
 class Row:
@@ -152,16 +154,10 @@ def test_rows_that_do_not_report_logprobs_get_none():
 def test_the_batched_engine_decodes_with_the_step_its_setting_names(fused):
     from mlx_lm.generate import GenerationBatch
 
-    from omlx_core.plugins.batched.prefix_cache import PrefixCache
-    from omlx_core.plugins.batched.scheduler import Scheduler
-
     def build():
         model, tokenizer = load_model(cached_model("llama"))
-        scheduler = Scheduler(model=model, tokenizer=tokenizer, model_id="tiny", model_config={},
-                              vocab_size=model.args.vocab_size, max_batch_size=4,
-                              prefill_step_size=64,
-                              prefix_cache=PrefixCache(block_size=16, budget_bytes=1 << 20),
-                              wake=lambda: None, fused_sampling=fused)
+        scheduler = tiny_scheduler(model, tokenizer, block_size=16, cache_bytes=1 << 20,
+                                   prefill_step_size=64, fused_sampling=fused)
         return type(scheduler.decode.new_generator()._generation_batch)
 
     assert mlx_thread().run(build) is (FusedSamplingBatch if fused else GenerationBatch)

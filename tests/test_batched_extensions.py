@@ -20,9 +20,10 @@ from omlx_core.plugins.batched.extensions import (
     TokenInputs,
     token_key,
 )
-from omlx_core.plugins.batched.prefix_cache import PrefixCache
 from omlx_core.plugins.batched.scheduler import Scheduler
 from omlx_core.testing.models import cached_model
+
+from tests.tiny_scheduler import tiny_scheduler
 
 BLOCK = 8
 
@@ -52,10 +53,7 @@ class TwoTokensPerStep:
 
 
 def _scheduler(model: Any, tokenizer: Any, **extensions: Any) -> Scheduler:
-    return Scheduler(model=model, tokenizer=tokenizer, model_id="tiny", model_config={},
-                     vocab_size=model.args.vocab_size, max_batch_size=4, prefill_step_size=128,
-                     prefix_cache=PrefixCache(block_size=BLOCK, budget_bytes=1 << 24),
-                     wake=lambda: None, **extensions)
+    return tiny_scheduler(model, tokenizer, block_size=BLOCK, **extensions)
 
 
 def _drive(scheduler: Scheduler, requests: list[GenerationRequest]) -> dict[str, list[Any]]:

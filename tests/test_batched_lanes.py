@@ -12,6 +12,7 @@ from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched.decode_batch import pick_lane
 
 from tests.test_batched_engine import GREEDY, collect, prompt_of, start_engine, submit, wait_idle
+from tests.tiny_scheduler import tiny_scheduler
 
 EOS = 2
 
@@ -118,16 +119,11 @@ def test_a_scheduler_without_lanes_keeps_every_row_in_one(tiny_model_path):
     """The distributed engine's choice: every rank must take the same steps, and a lane
     decision read from one rank's share of the weights could differ between ranks."""
     from omlx_core.models.loader import load_model
-    from omlx_core.plugins.batched.prefix_cache import PrefixCache
-    from omlx_core.plugins.batched.scheduler import Scheduler
 
     def build(lanes):
         model, tokenizer = load_model(tiny_model_path("llama"))
-        scheduler = Scheduler(model=model, tokenizer=tokenizer, model_id="tiny", model_config={},
-                              vocab_size=model.args.vocab_size, max_batch_size=4,
-                              prefill_step_size=64,
-                              prefix_cache=PrefixCache(block_size=16, budget_bytes=1 << 20),
-                              wake=lambda: None, decode_lanes=lanes)
+        scheduler = tiny_scheduler(model, tokenizer, block_size=16, cache_bytes=1 << 20,
+                                   prefill_step_size=64, decode_lanes=lanes)
         return scheduler.decode._fixed_tokens
 
     assert mlx_thread().run(lambda: build(False)) == float("inf")

@@ -17,9 +17,10 @@ from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.loader import load_model
 from omlx_core.plugins.batched.batch_state import new_sequence
 from omlx_core.plugins.batched.prefill_planner import MIN_CHUNK, ChunkCost
-from omlx_core.plugins.batched.prefix_cache import PrefixCache
 from omlx_core.plugins.batched.scheduler import Scheduler
 from omlx_core.testing.models import cached_model
+
+from tests.tiny_scheduler import tiny_scheduler
 
 STEP = 128
 
@@ -106,11 +107,7 @@ def _drive(scheduler: Scheduler, first: list[GenerationRequest], late: Generatio
 def test_a_long_prompt_arriving_beside_decoding_rows_is_chunked_to_the_budget() -> None:
     def run(gap_s: float) -> tuple[dict[str, list[int]], list[tuple[str, int, int]], int]:
         model, tokenizer = load_model(cached_model("llama"))
-        scheduler = Scheduler(model=model, tokenizer=tokenizer, model_id="tiny", model_config={},
-                              vocab_size=model.args.vocab_size, max_batch_size=4,
-                              prefill_step_size=STEP,
-                              prefix_cache=PrefixCache(block_size=8, budget_bytes=1 << 24),
-                              wake=lambda: None, max_decode_gap_s=gap_s)
+        scheduler = tiny_scheduler(model, tokenizer, prefill_step_size=STEP, max_decode_gap_s=gap_s)
         gate = ChunkLog()
         scheduler.set_forward_gate(gate)
         first = [GenerationRequest(f"running-{i}", list(tokenizer.encode(f"short prompt {i} " * 3)),
@@ -143,11 +140,7 @@ def test_a_prompt_sent_with_the_rows_now_decoding_is_prefilled_at_whole_steps() 
     is cut (the test above)."""
     def run() -> list[tuple[str, int, int]]:
         model, tokenizer = load_model(cached_model("llama"))
-        scheduler = Scheduler(model=model, tokenizer=tokenizer, model_id="tiny", model_config={},
-                              vocab_size=model.args.vocab_size, max_batch_size=4,
-                              prefill_step_size=STEP,
-                              prefix_cache=PrefixCache(block_size=8, budget_bytes=1 << 24),
-                              wake=lambda: None, max_decode_gap_s=1e-9)
+        scheduler = tiny_scheduler(model, tokenizer, prefill_step_size=STEP, max_decode_gap_s=1e-9)
         gate = ChunkLog()
         scheduler.set_forward_gate(gate)
         sequences = [new_sequence(GenerationRequest(

@@ -17,10 +17,11 @@ from omlx_core.models.loader import load_model
 from omlx_core.plugins.batched.batch_state import new_sequence
 from omlx_core.plugins.batched.drafters import NgramDrafter
 from omlx_core.plugins.batched.extensions import DraftVerify
-from omlx_core.plugins.batched.prefix_cache import PrefixCache
 from omlx_core.plugins.batched.scheduler import Scheduler
 from omlx_core.plugins.batched.speculation import PromptLookupDrafts, StepCost
 from omlx_core.testing.models import cached_model
+
+from tests.tiny_scheduler import tiny_scheduler
 
 UNLIMITED = 1 << 40
 
@@ -60,11 +61,7 @@ class RecordingGate(ForwardGate):
 
 def scheduler(model: Any, tokenizer: Any, drafts: PromptLookupDrafts | None = None,
               **options: Any) -> Scheduler:
-    options = {"max_batch_size": 4, "prefill_step_size": 128, **options}
-    return Scheduler(model=model, tokenizer=tokenizer, model_id="tiny", model_config={},
-                     vocab_size=model.args.vocab_size,
-                     prefix_cache=PrefixCache(block_size=8, budget_bytes=1 << 24),
-                     wake=lambda: None, drafts=drafts, **options)
+    return tiny_scheduler(model, tokenizer, drafts=drafts, **options)
 
 
 def drive(scheduler: Scheduler, requests: list[GenerationRequest], steps: int = 3000) -> dict[str, list[Any]]:

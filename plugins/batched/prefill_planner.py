@@ -12,8 +12,8 @@ at its start), and the largest budget predicted to fit is taken (at least
 :data:`MIN_CHUNK` tokens, so a prompt always moves on). A prediction is a mean, and the
 budget is a bound on the gaps running streams see: so it is scaled by how far steps
 recently ran over their predictions (:meth:`ChunkCost.margin`, their 90th percentile),
-which grows on a loaded machine and shrinks back on a quiet one. When nothing decodes, the budget
-is the whole step again. Chunk ends fall on ``plugin.batched.block_size`` boundaries
+which grows on a loaded machine and shrinks back on a quiet one. When nothing decodes,
+the budget is the whole step again. Chunk ends fall on ``plugin.batched.block_size`` boundaries
 where they can, so full blocks (and, for models with non-cuttable layers, their boundary
 states) go into the prefix cache as prefill crosses them. Chunks cover all prompt tokens
 but the last, which the first-token forward feeds. Chunks of different requests with
