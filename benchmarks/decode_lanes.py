@@ -26,9 +26,9 @@ TIER_GAP_S = 0.4  # cpu-small's engine.max_decode_gap_ms
 def _run(model: Any, tokenizer: Any, lanes: bool, running: list[list[int]], long: list[int],
          long_tokens: int, banned: dict[int, float]) -> dict[str, Any]:
     from omlx_core.engine import GenerationRequest, SamplingParams
-    from omlx_core.plugins.batched.batch_state import new_sequence
-    from omlx_core.plugins.batched.prefix_cache import PrefixCache
-    from omlx_core.plugins.batched.scheduler import Scheduler
+    from omlx_core.scheduling.batch_state import new_sequence
+    from omlx_core.scheduling.prefix_cache import PrefixCache
+    from omlx_core.scheduling.scheduler import Scheduler
 
     scheduler = Scheduler(model=model, tokenizer=tokenizer, model_id="default", model_config={},
                           vocab_size=model.args.vocab_size, max_batch_size=16,

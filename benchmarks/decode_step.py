@@ -13,7 +13,7 @@ same shapes, each evaluated on its own:
 - the sampling and bookkeeping around the forward (what is left of the step).
 
 Then (alone with ``--ab``) a paired A/B of mlx-lm's decode step against the batched
-engine's fused sampling step (:mod:`omlx_core.plugins.batched.decode_step`): two
+engine's fused sampling step (:mod:`omlx_core.scheduling.decode_step`): two
 generators over the same prompts, stepped alternately, the median of per-pair ratios.
 
 The forward alone (one graph over the batch's own cache) against the whole step tells
@@ -144,7 +144,7 @@ def _decoding_generator(model: Any, prompts: list[list[int]], processors: list[t
     """A ``BatchGenerator`` whose rows (greedy, no logprobs) have all started decoding."""
     from mlx_lm.generate import BatchGenerator
 
-    from omlx_core.plugins.batched.decode_step import fuse_sampling
+    from omlx_core.scheduling.decode_step import fuse_sampling
 
     rows = len(prompts)
     generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows,
@@ -174,7 +174,7 @@ def measure_pairs(rows: int, context: int, steps: int) -> list[tuple[str, float,
     from omlx_core.bench.client import special_token_ids
     from omlx_core.models.default import ensure_default_model
     from omlx_core.models.loader import load_model
-    from omlx_core.plugins.batched.sampling import LogitBias
+    from omlx_core.scheduling.sampling import LogitBias
 
     model_dir = ensure_default_model(progress=True)
     model, _tokenizer = load_model(model_dir)

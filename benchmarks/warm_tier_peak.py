@@ -62,8 +62,8 @@ def probe_main(out: Path, serve_argv: list[str]) -> int:
 
     from omlx_core.cli import main as cli_main
     from omlx_core.memory.usage import resident_now
-    from omlx_core.plugins.batched.prefill_runner import PrefillRunner
-    from omlx_core.plugins.batched.scheduler import Scheduler
+    from omlx_core.scheduling.prefill_runner import PrefillRunner
+    from omlx_core.scheduling.scheduler import Scheduler
     from omlx_core.plugins.ssd_cache.store import PagedSSDStore
 
     lock = threading.Lock()

@@ -18,8 +18,8 @@ from mlx_lm.generate import BatchGenerator
 from omlx_core.engine import SamplingParams
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.loader import load_model
-from omlx_core.plugins.batched.decode_step import FusedSamplingBatch, fuse_sampling
-from omlx_core.plugins.batched.sampling import make_logits_processors, make_sampler
+from omlx_core.scheduling.decode_step import FusedSamplingBatch, fuse_sampling
+from omlx_core.scheduling.sampling import make_logits_processors, make_sampler
 from omlx_core.testing.models import cached_model
 
 from tests.tiny_scheduler import tiny_scheduler
@@ -165,7 +165,7 @@ def test_the_batched_engine_decodes_with_the_step_its_setting_names(fused):
 
 def test_the_setting_is_on_by_default():
     from omlx_core.config import load_config
-    from omlx_core.plugins.batched.engine import EngineSettings
+    from omlx_core.scheduling.engine import EngineSettings
 
     assert EngineSettings.from_config(load_config(None)).fused_sampling is True
 

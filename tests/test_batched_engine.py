@@ -170,7 +170,7 @@ def test_concurrent_requests_decode_in_the_same_steps(llama):
 def test_a_step_hands_out_every_token_before_it_stores_finished_rows(llama, monkeypatch):
     """Storing a finished row's blocks takes ~20 ms a row on the default model: the
     other rows' tokens of that step (and the finished row's own last one) go out first."""
-    from omlx_core.plugins.batched import output_emitter
+    from omlx_core.scheduling import output_emitter
 
     scheduler = llama.scheduler
     events: list[tuple[str, int, str]] = []
@@ -470,7 +470,7 @@ def test_first_token_processors_see_the_prompt_as_context(llama, tiny_model_path
     """The first token, sampled after the one-token forward, is penalized for every prompt
     token, as a direct forward plus the same processors over the prompt would be."""
     from omlx_core.models.loader import load_model
-    from omlx_core.plugins.batched.sampling import make_logits_processors
+    from omlx_core.scheduling.sampling import make_logits_processors
 
     penalized = replace(GREEDY, max_tokens=1, repetition_penalty=20.0)
 

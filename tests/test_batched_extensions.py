@@ -11,8 +11,8 @@ import pytest
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.loader import load_model
-from omlx_core.plugins.batched.batch_state import SequenceState, new_sequence
-from omlx_core.plugins.batched.extensions import (
+from omlx_core.scheduling.batch_state import SequenceState, new_sequence
+from omlx_core.scheduling.extensions import (
     CacheKey,
     ChunkInputs,
     DraftVerify,
@@ -20,7 +20,7 @@ from omlx_core.plugins.batched.extensions import (
     TokenInputs,
     token_key,
 )
-from omlx_core.plugins.batched.scheduler import Scheduler
+from omlx_core.scheduling.scheduler import Scheduler
 from omlx_core.testing.models import cached_model
 
 from tests.tiny_scheduler import tiny_scheduler

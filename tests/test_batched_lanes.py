@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from omlx_core.mlx_thread import mlx_thread
-from omlx_core.plugins.batched.decode_batch import pick_lane
+from omlx_core.scheduling.decode_batch import pick_lane
 
 from tests.test_batched_engine import GREEDY, collect, prompt_of, start_engine, submit, wait_idle
 from tests.tiny_scheduler import tiny_scheduler

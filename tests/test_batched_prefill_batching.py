@@ -19,7 +19,7 @@ from omlx_core.memory.usage import MemoryUsage
 from omlx_core.models.registry import spec_for_path
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched import BatchedEngine
-from omlx_core.plugins.batched.batch_prefill import PADDING_SLACK, group_spans, padded_slots
+from omlx_core.scheduling.batch_prefill import PADDING_SLACK, group_spans, padded_slots
 from omlx_core.testing.host import make_test_host
 
 PREFILL_STEP = 256
@@ -117,7 +117,7 @@ def test_rows_over_different_cached_starts_get_their_own_keys_and_values(tiny_mo
     from mlx_lm.models.cache import make_prompt_cache
 
     from omlx_core.models.loader import load_model
-    from omlx_core.plugins.batched.batch_prefill import PrefillRow, prefill_together
+    from omlx_core.scheduling.batch_prefill import PrefillRow, prefill_together
 
     def compute():
         model, _ = load_model(tiny_model_path("llama"))
@@ -325,7 +325,7 @@ def test_a_failing_batched_forward_falls_back_to_one_forward_each(llama, monkeyp
     def broken(model, rows):
         raise RuntimeError("no batched forward today")
 
-    monkeypatch.setattr("omlx_core.plugins.batched.prefill_runner.prefill_together", broken)
+    monkeypatch.setattr("omlx_core.scheduling.prefill_runner.prefill_together", broken)
     prompts = [prompt_of(llama, 6, salt + 20) for salt in range(3)]
     solo = run_alone(llama, prompts)
     results, forwards, chunks = run_together(llama, prompts)
@@ -400,7 +400,7 @@ def test_a_request_waits_for_the_same_prompt_being_prefilled_and_restores_its_bl
 def test_a_long_cached_prompt_gets_its_first_token_alone(tiny_model_path, monkeypatch):
     """Rows of a shared first-token forward are right-aligned to the longest cached prefix:
     a fully cached long prompt ready with short ones runs alone, not copied once per row."""
-    from omlx_core.plugins.batched.batch_prefill import prefill_together
+    from omlx_core.scheduling.batch_prefill import prefill_together
 
     engine = start_engine(tiny_model_path("llama"), **{"plugin.batched.prefill_step_size": 16,
                                                        "plugin.batched.prefix_cache_budget": 1 << 26})
@@ -414,7 +414,7 @@ def test_a_long_cached_prompt_gets_its_first_token_alone(tiny_model_path, monkey
             starts.append([row.start for row in rows])
             return prefill_together(model, rows, **kwargs)
 
-        monkeypatch.setattr("omlx_core.plugins.batched.prefill_runner.prefill_together", recording)
+        monkeypatch.setattr("omlx_core.scheduling.prefill_runner.prefill_together", recording)
         before = engine.scheduler.counters.first_token_forwards
         results, forwards, _ = run_together(engine, prompts)
         assert forwards == 0 and all(last.usage.cached_tokens == len(p) - 1

@@ -15,9 +15,9 @@ from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.memory.gate import DecodePlan, ForwardGate, PrefillStep
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.loader import load_model
-from omlx_core.plugins.batched.batch_state import new_sequence
-from omlx_core.plugins.batched.prefill_planner import MIN_CHUNK, ChunkCost
-from omlx_core.plugins.batched.scheduler import Scheduler
+from omlx_core.scheduling.batch_state import new_sequence
+from omlx_core.scheduling.prefill_planner import MIN_CHUNK, ChunkCost
+from omlx_core.scheduling.scheduler import Scheduler
 from omlx_core.testing.models import cached_model
 
 from tests.tiny_scheduler import tiny_scheduler

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from omlx_core.kvblocks import BlockStore, StoredBlock
-from omlx_core.plugins.batched.cache_layout import CacheLayout
+from omlx_core.scheduling.cache_layout import CacheLayout
 from omlx_core.mlx_thread import mlx_thread
-from omlx_core.plugins.batched.prefix_cache import (TAILS_PER_PREFIX, CachedBlock, CachedTail, PrefixCache,
+from omlx_core.scheduling.prefix_cache import (TAILS_PER_PREFIX, CachedBlock, CachedTail, PrefixCache,
                                                      chain_hashes, root_hash)
 from omlx_core.testing.host import make_test_host
 
@@ -260,7 +260,7 @@ def test_a_tier_without_queue_or_counters_frees_and_reports_only_memory():
 
 def test_the_prefix_cache_never_probes_what_a_tier_has():
     """Every call on a lower tier is declared by omlx_core.kvblocks.BlockStore."""
-    package = Path(__file__).resolve().parents[1] / "plugins" / "batched"
+    package = Path(__file__).resolve().parents[1] / "omlx_core" / "scheduling"
     offenders = [f"{path.name}:{node.lineno}: {node.func.id}(...)"
                  for path in (package / "prefix_cache.py", package / "block_lru.py",
                               package / "block_hashes.py")
@@ -357,7 +357,7 @@ def test_a_cached_block_is_reused_up_to_the_first_token_that_differs(tiny_model_
 
 def test_matching_a_prefix_reads_and_counts_nothing_until_it_is_reused():
     """What the lower tier holds is described, not read: the memory it takes is asked for
-    first (plugins/batched/prefix_restore.py). A block read back is not kept here too."""
+    first (omlx_core/scheduling/prefix_restore.py). A block read back is not kept here too."""
     class CountingStore(DictStore):
         def __init__(self) -> None:
             super().__init__()

@@ -12,7 +12,7 @@ import pytest
 
 from omlx_core.engine import SamplingParams
 from omlx_core.mlx_thread import mlx_thread
-from omlx_core.plugins.batched.sampling import (
+from omlx_core.scheduling.sampling import (
     SeededSampler,
     check_sampling,
     make_logits_processors,

@@ -14,11 +14,11 @@ from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.memory.gate import DecodePlan, DecodeStep, ForwardGate
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.loader import load_model
-from omlx_core.plugins.batched.batch_state import new_sequence
-from omlx_core.plugins.batched.drafters import NgramDrafter
-from omlx_core.plugins.batched.extensions import DraftVerify
-from omlx_core.plugins.batched.scheduler import Scheduler
-from omlx_core.plugins.batched.speculation import PromptLookupDrafts, StepCost
+from omlx_core.scheduling.batch_state import new_sequence
+from omlx_core.scheduling.drafters import NgramDrafter
+from omlx_core.scheduling.extensions import DraftVerify
+from omlx_core.scheduling.scheduler import Scheduler
+from omlx_core.scheduling.speculation import PromptLookupDrafts, StepCost
 from omlx_core.testing.models import cached_model
 
 from tests.tiny_scheduler import tiny_scheduler
@@ -277,7 +277,7 @@ def test_rolling_rows_back_equals_mlx_lms_right_padding_roll(in_place, dtype, mo
     import numpy as np
     from mlx_lm.models.cache import BatchKVCache
 
-    from omlx_core.plugins.batched import speculation
+    from omlx_core.scheduling import speculation
 
     if not in_place:
         monkeypatch.setattr(speculation, "_roll_in_place", lambda layer, shifts: False)

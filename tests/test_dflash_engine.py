@@ -21,8 +21,8 @@ from omlx_core.models.errors import ModelError
 from omlx_core.models.loader import load_model
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.dflash import DFlashEngine
-from omlx_core.plugins.batched.acceptance import KeyStream, accept_greedy, accept_sampled, target_log_probs
-from omlx_core.plugins.batched.drafters import Draft, Drafter, NgramDrafter, best_draft_length
+from omlx_core.scheduling.acceptance import KeyStream, accept_greedy, accept_sampled, target_log_probs
+from omlx_core.scheduling.drafters import Draft, Drafter, NgramDrafter, best_draft_length
 from omlx_core.plugins.dflash.drafters import ModelDrafter
 from omlx_core.testing.conformance import EngineConformance
 from omlx_core.testing.host import make_test_host

@@ -21,7 +21,7 @@ from omlx_core.memory.gate import PrefillStep
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins import estimator as estimator_plugin
 from omlx_core.plugins.dflash import DFlashEngine
-from omlx_core.plugins.batched.drafters import NgramDrafter
+from omlx_core.scheduling.drafters import NgramDrafter
 from omlx_core.plugins.dflash.drafters import ModelDrafter
 from omlx_core.plugins.dflash.memory import BothPaths, speculative_extra_bytes
 from omlx_core.server_context import ServerContext

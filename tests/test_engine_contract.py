@@ -244,8 +244,10 @@ def test_plugins_talk_through_core_not_through_each_other() -> None:
 
 
 def _engine_modules() -> list[Path]:
-    """Plugin and example modules, less the benchmarks (clients of a server, not part of one)."""
-    return [p for p in python_files("plugins") + python_files("examples") if p.stem != "benchmark"]
+    """Plugin, example and core scheduling modules (what engines are built of), less the
+    benchmarks (clients of a server, not part of one)."""
+    return [p for p in python_files("plugins") + python_files("examples")
+            + python_files("omlx_core/scheduling") if p.stem != "benchmark"]
 
 
 def test_no_engine_handles_text() -> None:
@@ -254,16 +256,6 @@ def test_no_engine_handles_text() -> None:
     offenders = [f"{path.relative_to(ROOT)} imports {name}" for path in _engine_modules()
                  for name in _imports(path)
                  if name == "omlx_core.text" or name.startswith("omlx_core.serving")]
-    assert not offenders, "\n".join(offenders)
-
-
-def test_no_engine_but_the_batched_scheduler_handles_text() -> None:
-    """Until the merge that makes the test above pass, the batched scheduler is the only
-    engine module that still handles text; no other may start to."""
-    offenders = [f"{path.relative_to(ROOT)} imports {name}" for path in _engine_modules()
-                 for name in _imports(path)
-                 if (name == "omlx_core.text" or name.startswith("omlx_core.serving"))
-                 and path != ROOT / "plugins" / "batched" / "scheduler.py"]
     assert not offenders, "\n".join(offenders)
 
 

@@ -42,7 +42,7 @@ def _bases(node: ast.ClassDef) -> set[str]:
 
 def test_schedulers_are_extended_without_overriding_private_methods() -> None:
     """A subclass of the batched Scheduler composes extension points
-    (``omlx_core.plugins.batched.extensions``) and overrides no private method."""
+    (``omlx_core.scheduling.extensions``) and overrides no private method."""
     found = []
     for path in sorted(PLUGINS.rglob("*.py")):
         for node in _classes(path):

@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from omlx_core.kvblocks import BlockStore, CachedBlock
-from omlx_core.plugins.batched.prefix_cache import PrefixCache
+from omlx_core.scheduling.prefix_cache import PrefixCache
 from omlx_core.plugins.ssd_cache import blockfile
 from omlx_core.plugins.ssd_cache.store import PagedSSDStore
 from omlx_core.mlx_thread import mlx_thread

@@ -18,9 +18,9 @@ from omlx_core.memory.usage import MemoryUsage
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.batched import BatchedEngine
-from omlx_core.plugins.batched.cache_layout import CacheLayout
-from omlx_core.plugins.batched.prefix_cache import PrefixCache
-from omlx_core.plugins.batched.prefix_restore import PrefixRestorer
+from omlx_core.scheduling.cache_layout import CacheLayout
+from omlx_core.scheduling.prefix_cache import PrefixCache
+from omlx_core.scheduling.prefix_restore import PrefixRestorer
 from omlx_core.plugins.estimator import estimate_peak
 from omlx_core.plugins.ssd_cache.store import PagedSSDStore
 from omlx_core.testing.host import make_test_host

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from omlx_core.plugins.batched.prefix_cache import PrefixCache
-from omlx_core.plugins.batched.scheduler import Scheduler
+from omlx_core.scheduling.prefix_cache import PrefixCache
+from omlx_core.scheduling.scheduler import Scheduler
 
 
 def tiny_scheduler(model: Any, tokenizer: Any, *, block_size: int = 8,

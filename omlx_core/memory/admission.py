@@ -10,7 +10,7 @@ requests sharing a padded decode batch (``batch`` key, one per engine) each cost
 as the largest of them: mlx-lm's ``BatchGenerator`` left-pads every sequence's KV cache
 to the longest one in the batch, so a short request next to a long one holds as much KV
 as the long one. (The batched engine decodes a row that would pad the others by more
-than a forward costs in a lane of its own, :mod:`omlx_core.plugins.batched.decode_batch`:
+than a forward costs in a lane of its own, :mod:`omlx_core.scheduling.decode_batch`:
 the padded cost is then an upper bound, charged before the lane is known.)
 
 (the baseline excludes caches the server gives back on demand; the transient margin is

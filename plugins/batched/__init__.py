@@ -33,13 +33,15 @@ from typing import Any, Callable
 
 from omlx_core.hookspecs import hookimpl
 from omlx_core.settings import Setting
-from omlx_core.plugins.batched.engine import (
+from omlx_core.scheduling import (
     BatchedEngine,
+    BlockStore,
+    CachedBlock,
     EngineSettings,
+    PrefixCache,
+    Scheduler,
     create_prefix_cache,
 )
-from omlx_core.plugins.batched.prefix_cache import BlockStore, CachedBlock, PrefixCache
-from omlx_core.plugins.batched.scheduler import Scheduler
 
 ENGINE_NAME = "batched"
 

@@ -2,7 +2,7 @@
 decoding greedily (or sampling, for rejection sampling) ``limit`` tokens.
 
 The drafter protocol and the prompt-lookup drafter live with the batched engine, which
-drafts with it too (:mod:`omlx_core.plugins.batched.drafters`); the block-diffusion
+drafts with it too (:mod:`omlx_core.scheduling.drafters`); the block-diffusion
 draft of the DFlash paper lives in :mod:`.block_diffusion`.
 """
 
@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from omlx_core.engine import SamplingParams
-from omlx_core.plugins.batched.acceptance import KeyStream, target_log_probs
-from omlx_core.plugins.batched.drafters import Draft, DraftFootprint, Drafter, DraftState
+from omlx_core.scheduling.acceptance import KeyStream, target_log_probs
+from omlx_core.scheduling.drafters import Draft, DraftFootprint, Drafter, DraftState
 
 
 class ModelDrafter(Drafter):

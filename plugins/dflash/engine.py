@@ -27,9 +27,9 @@ from omlx_core.engine import (
     RequestProgress,
 )
 from omlx_core.models.errors import ModelError
-from omlx_core.plugins.batched import BatchedEngine
-from omlx_core.plugins.batched.sampling import check_sampling
-from omlx_core.plugins.batched.drafters import Drafter, NgramDrafter
+from omlx_core.scheduling import BatchedEngine
+from omlx_core.scheduling.sampling import check_sampling
+from omlx_core.scheduling.drafters import Drafter, NgramDrafter
 from omlx_core.plugins.dflash.drafters import ModelDrafter
 from omlx_core.plugins.dflash.memory import BothPaths, PrimaryPathGuard, speculative_extra_bytes
 from omlx_core.plugins.dflash.rollback import unsupported_layers

@@ -33,7 +33,7 @@ from omlx_core.memory.gate import ForwardGate, MemoryReceiver
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import LimitSnapshot, PeakEstimate
-    from omlx_core.plugins.batched.drafters import DraftFootprint
+    from omlx_core.scheduling.drafters import DraftFootprint
 
 
 class PrimaryPathGuard(MemoryReceiver):

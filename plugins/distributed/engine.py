@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from omlx_core.engine import GenerationOutput, QueuedRequestHandle
 from omlx_core.models.errors import ModelError
-from omlx_core.plugins.batched import BatchedEngine, PrefixCache, Scheduler
-from omlx_core.plugins.batched.batch_state import DONE, new_sequence
+from omlx_core.scheduling import BatchedEngine, PrefixCache, Scheduler
+from omlx_core.scheduling.batch_state import DONE, new_sequence
 from omlx_core.plugins.distributed.cluster import Cluster, cluster
 from omlx_core.plugins.distributed.rank_memory import BOARDS, RankMemoryBoard
 from omlx_core.plugins.distributed.sharding import load_sharded
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from omlx_core.engine import GenerationRequest
     from omlx_core.host import EngineHost
     from omlx_core.models.registry import ModelSpec
-    from omlx_core.plugins.batched.batch_state import SequenceState
+    from omlx_core.scheduling.batch_state import SequenceState
 
 log = logging.getLogger(__name__)
 

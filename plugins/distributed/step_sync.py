@@ -30,7 +30,7 @@ from omlx_core.memory.types import RequestRejected
 if TYPE_CHECKING:
     from omlx_core.engine import GenerationRequest
     from omlx_core.plugins.distributed.rank_memory import RankMemoryBoard
-    from omlx_core.plugins.batched.batch_state import SequenceState
+    from omlx_core.scheduling.batch_state import SequenceState
     from omlx_core.plugins.distributed.cluster import Cluster
 
 #: what rank 0 broadcasts when its scheduler shuts down

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from omlx_core.engine import GenerationRequest, ImagePart
-from omlx_core.plugins.batched.engine import BatchedEngine
-from omlx_core.plugins.batched.scheduler import new_sequence
+from omlx_core.scheduling.engine import BatchedEngine
+from omlx_core.scheduling.scheduler import new_sequence
 from omlx_core.plugins.vlm.bound import ImageTokenBound, image_token_bound, read_processor_config
 from omlx_core.plugins.vlm.images import ImageLimits, PreparedImage, check_parts, prepare
 from omlx_core.plugins.vlm.model import (

@@ -1,9 +1,9 @@
 """The batched scheduler, extended to prompts that hold images.
 
-Everything text does is the batched engine's :class:`~omlx_core.plugins.batched.scheduler.Scheduler`
+Everything text does is the batched engine's :class:`~omlx_core.scheduling.scheduler.Scheduler`
 unchanged: admission, chunked and gated prefill, mlx-lm's ``BatchGenerator`` for
 decode, preemption, the prefix cache. What images change, it changes through the
-scheduler's declared extension points (:mod:`omlx_core.plugins.batched.extensions`):
+scheduler's declared extension points (:mod:`omlx_core.scheduling.extensions`):
 :class:`ImageInputs` is its ``inputs`` and :func:`image_key` its ``cache_key``.
 
 - **encoding**: a request's images go through the vision tower once, on the MLX
@@ -29,8 +29,8 @@ from typing import Any, Mapping, Sequence
 
 import mlx.core as mx
 
-from omlx_core.plugins.batched.batch_state import SequenceState
-from omlx_core.plugins.batched.scheduler import Scheduler
+from omlx_core.scheduling.batch_state import SequenceState
+from omlx_core.scheduling.scheduler import Scheduler
 
 
 @dataclass(eq=False)
@@ -98,7 +98,7 @@ def _covers_image(sequence: SequenceState, start: int, end: int) -> bool:
 
 
 class ImageInputs:
-    """The scheduler's :class:`~omlx_core.plugins.batched.extensions.ChunkInputs` for
+    """The scheduler's :class:`~omlx_core.scheduling.extensions.ChunkInputs` for
     prompts with images: a chunk that covers image tokens feeds input embeddings."""
 
     def __init__(self, *, vlm: Any, language_model: Any, family: str, image_token_id: int) -> None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from mlx_lm.generate import BatchGenerator
 
     from omlx_core.memory.gate import ForwardGate
-    from omlx_core.plugins.batched.batch_state import SequenceState
+    from omlx_core.scheduling.batch_state import SequenceState
 
 
 @runtime_checkable

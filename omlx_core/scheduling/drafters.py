@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from omlx_core.engine import SamplingParams
-from omlx_core.plugins.batched.acceptance import KeyStream, target_log_probs
+from omlx_core.scheduling.acceptance import KeyStream, target_log_probs
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A scheduler step's prefill: the planned forwards, then the first tokens.
 
-The planner (:mod:`~omlx_core.plugins.batched.prefill_planner`) cuts the step's chunks
+The planner (:mod:`~omlx_core.scheduling.prefill_planner`) cuts the step's chunks
 and forwards and asks the forward gate. A request the gate refuses while other
 requests of this engine run is preempted (it waits for them to give the memory back;
 its finished chunks stay in the prefix cache); one refused alone ends with
@@ -22,15 +22,15 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import greedy_sampler
 
-from omlx_core.plugins.batched.batch_prefill import PrefillRow, can_batch, prefill_together
-from omlx_core.plugins.batched.batch_state import PREFILLING, BatchState, SequenceState
-from omlx_core.plugins.batched.decode_batch import DecodeBatch
-from omlx_core.plugins.batched.decode_budget import DecodeBudgeter
-from omlx_core.plugins.batched.extensions import ChunkInputs
-from omlx_core.plugins.batched.output_emitter import OutputEmitter
-from omlx_core.plugins.batched.prefill_planner import Chunk, PrefillPlanner
-from omlx_core.plugins.batched.prefix_writer import PrefixCacheWriter
-from omlx_core.plugins.batched.sampling import make_logits_processors, make_sampler
+from omlx_core.scheduling.batch_prefill import PrefillRow, can_batch, prefill_together
+from omlx_core.scheduling.batch_state import PREFILLING, BatchState, SequenceState
+from omlx_core.scheduling.decode_batch import DecodeBatch
+from omlx_core.scheduling.decode_budget import DecodeBudgeter
+from omlx_core.scheduling.extensions import ChunkInputs
+from omlx_core.scheduling.output_emitter import OutputEmitter
+from omlx_core.scheduling.prefill_planner import Chunk, PrefillPlanner
+from omlx_core.scheduling.prefix_writer import PrefixCacheWriter
+from omlx_core.scheduling.sampling import make_logits_processors, make_sampler
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import RequestRejected

@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 
 from omlx_core.memory.gate import DecodeRow, DecodeStep
-from omlx_core.plugins.batched.batch_state import WAITING, BatchState, SequenceState
-from omlx_core.plugins.batched.decode_batch import DecodeBatch
-from omlx_core.plugins.batched.extensions import ChunkInputs
-from omlx_core.plugins.batched.prefix_writer import PrefixCacheWriter
+from omlx_core.scheduling.batch_state import WAITING, BatchState, SequenceState
+from omlx_core.scheduling.decode_batch import DecodeBatch
+from omlx_core.scheduling.extensions import ChunkInputs
+from omlx_core.scheduling.prefix_writer import PrefixCacheWriter
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ import mlx.core as mx
 from omlx_core.engine import RequestProgress
 from omlx_core.memory.gate import CacheRestore, ForwardGate, MemoryReceiver
 from omlx_core.memory.usage import resident_now, trim_heap
-from omlx_core.plugins.batched.batch_state import (
+from omlx_core.scheduling.batch_state import (
     DECODING,
     DONE,
     PREFILLING,
@@ -59,10 +59,10 @@ from omlx_core.plugins.batched.batch_state import (
     SequenceState,
     new_sequence,
 )
-from omlx_core.plugins.batched.cache_layout import CacheLayout
-from omlx_core.plugins.batched.decode_batch import DecodeBatch
-from omlx_core.plugins.batched.decode_budget import DecodeBudgeter
-from omlx_core.plugins.batched.extensions import (
+from omlx_core.scheduling.cache_layout import CacheLayout
+from omlx_core.scheduling.decode_batch import DecodeBatch
+from omlx_core.scheduling.decode_budget import DecodeBudgeter
+from omlx_core.scheduling.extensions import (
     CacheKey,
     ChunkInputs,
     DraftVerify,
@@ -72,12 +72,12 @@ from omlx_core.plugins.batched.extensions import (
     TokenInputs,
     token_key,
 )
-from omlx_core.plugins.batched.output_emitter import OutputEmitter
-from omlx_core.plugins.batched.prefill_planner import PrefillPlanner
-from omlx_core.plugins.batched.prefill_runner import PrefillRunner
-from omlx_core.plugins.batched.prefix_cache import PrefixCache
-from omlx_core.plugins.batched.prefix_restore import PrefixRestorer, Restored, follows_a_prefill
-from omlx_core.plugins.batched.prefix_writer import PrefixCacheWriter
+from omlx_core.scheduling.output_emitter import OutputEmitter
+from omlx_core.scheduling.prefill_planner import PrefillPlanner
+from omlx_core.scheduling.prefill_runner import PrefillRunner
+from omlx_core.scheduling.prefix_cache import PrefixCache
+from omlx_core.scheduling.prefix_restore import PrefixRestorer, Restored, follows_a_prefill
+from omlx_core.scheduling.prefix_writer import PrefixCacheWriter
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import BoundarySnapshot, LimitSnapshot

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import mlx.core as mx
 
 from omlx_core.engine import GenerationOutput, TokenLogprob, Usage
-from omlx_core.plugins.batched.batch_state import DECODING, DONE, PREFILLING, WAITING, BatchState, SequenceState
-from omlx_core.plugins.batched.decode_batch import DecodeBatch
-from omlx_core.plugins.batched.extensions import ChunkInputs
-from omlx_core.plugins.batched.prefix_writer import PrefixCacheWriter
-from omlx_core.plugins.batched.sampling import token_logprob
+from omlx_core.scheduling.batch_state import DECODING, DONE, PREFILLING, WAITING, BatchState, SequenceState
+from omlx_core.scheduling.decode_batch import DecodeBatch
+from omlx_core.scheduling.extensions import ChunkInputs
+from omlx_core.scheduling.prefix_writer import PrefixCacheWriter
+from omlx_core.scheduling.sampling import token_logprob
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import RequestRejected

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from omlx_core.engine import SamplingParams
-from omlx_core.plugins.batched.sampling import MASK64, mix64
+from omlx_core.scheduling.sampling import MASK64, mix64
 
 
 class KeyStream:

@@ -25,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from omlx_core.plugins.batched.batch_state import SequenceState
-from omlx_core.plugins.batched.block_hashes import common_prefix_length
-from omlx_core.plugins.batched.cache_layout import CacheLayout
-from omlx_core.plugins.batched.prefix_cache import PrefixCache, PrefixMatch
+from omlx_core.scheduling.batch_state import SequenceState
+from omlx_core.scheduling.block_hashes import common_prefix_length
+from omlx_core.scheduling.cache_layout import CacheLayout
+from omlx_core.scheduling.prefix_cache import PrefixCache, PrefixMatch
 
 
 @dataclass

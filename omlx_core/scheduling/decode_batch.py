@@ -4,8 +4,8 @@ A request whose whole prompt is in its cache joins the batch (``insert`` with th
 cache, its first token, its sampler and processors) without waiting for the batch to
 drain, and leaves it (``remove``) the moment it finishes or is preempted. Each step
 feeds every row its latest token and samples the next (its sampling fused across the
-rows: :mod:`~omlx_core.plugins.batched.decode_step`), or, where a
-:class:`~omlx_core.plugins.batched.extensions.DraftVerify` drafts, verifies drafts.
+rows: :mod:`~omlx_core.scheduling.decode_step`), or, where a
+:class:`~omlx_core.scheduling.extensions.DraftVerify` drafts, verifies drafts.
 
 **Lanes.** mlx-lm's batch left-pads every row's KV cache to its longest row, and a
 decode step reads all of it: a 5,000-token prompt joining eight 300-token streams made
@@ -28,9 +28,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache
 
-from omlx_core.plugins.batched.batch_state import DECODING, BatchState, SequenceState
-from omlx_core.plugins.batched.decode_step import fuse_sampling
-from omlx_core.plugins.batched.extensions import DraftVerify
+from omlx_core.scheduling.batch_state import DECODING, BatchState, SequenceState
+from omlx_core.scheduling.decode_step import fuse_sampling
+from omlx_core.scheduling.extensions import DraftVerify
 
 
 #: uids of different lanes never meet: a lane's generator counts from its number times this

@@ -1,7 +1,7 @@
 """What the scheduler puts into the prefix cache, and when.
 
 Prefill chunk ends fall on ``plugin.batched.block_size`` boundaries where they can
-(:mod:`~omlx_core.plugins.batched.prefill_planner`), so full blocks go into the prefix
+(:mod:`~omlx_core.scheduling.prefill_planner`), so full blocks go into the prefix
 cache as prefill crosses them (:meth:`PrefixCacheWriter.store_prefill_blocks`). For a
 model with layers that cannot be cut at any token (sliding windows, recurrent
 states), the state at a block boundary is captured as prefill passes it and announced
@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from omlx_core.plugins.batched.batch_state import SequenceState
-from omlx_core.plugins.batched.cache_layout import CacheLayout
-from omlx_core.plugins.batched.extensions import CacheKey
-from omlx_core.plugins.batched.prefix_cache import CachedBlock, PrefixCache
+from omlx_core.scheduling.batch_state import SequenceState
+from omlx_core.scheduling.cache_layout import CacheLayout
+from omlx_core.scheduling.extensions import CacheKey
+from omlx_core.scheduling.prefix_cache import CachedBlock, PrefixCache
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import BoundarySnapshot

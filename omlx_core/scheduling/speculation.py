@@ -49,11 +49,11 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
-from omlx_core.plugins.batched.acceptance import accepted_prefix
-from omlx_core.plugins.batched.batch_state import SequenceState
-from omlx_core.plugins.batched.decode_step import FusedSamplingBatch
-from omlx_core.plugins.batched.drafters import DraftState, NgramDrafter
-from omlx_core.plugins.batched.sampling import LogitBias, SeededSampler
+from omlx_core.scheduling.acceptance import accepted_prefix
+from omlx_core.scheduling.batch_state import SequenceState
+from omlx_core.scheduling.decode_step import FusedSamplingBatch
+from omlx_core.scheduling.drafters import DraftState, NgramDrafter
+from omlx_core.scheduling.sampling import LogitBias, SeededSampler
 
 log = logging.getLogger(__name__)
 

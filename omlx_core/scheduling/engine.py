@@ -21,10 +21,10 @@ from omlx_core.engine import (
     QueuedRequestHandle,
     RequestProgress,
 )
-from omlx_core.plugins.batched.prefix_cache import PrefixCache
-from omlx_core.plugins.batched.sampling import check_sampling
-from omlx_core.plugins.batched.scheduler import Scheduler, new_sequence
-from omlx_core.plugins.batched.speculation import PromptLookupDrafts
+from omlx_core.scheduling.prefix_cache import PrefixCache
+from omlx_core.scheduling.sampling import check_sampling
+from omlx_core.scheduling.scheduler import Scheduler, new_sequence
+from omlx_core.scheduling.speculation import PromptLookupDrafts
 
 if TYPE_CHECKING:
     from omlx_core.host import EngineHost

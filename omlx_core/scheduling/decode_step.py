@@ -34,7 +34,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.sample_utils import greedy_sampler
 
-from omlx_core.plugins.batched.sampling import LogitBias
+from omlx_core.scheduling.sampling import LogitBias
 
 log = logging.getLogger(__name__)
 

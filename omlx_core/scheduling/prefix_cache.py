@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from omlx_core.kvblocks import BlockStore, CachedBlock, CachedTail, StoredBlock
-from omlx_core.plugins.batched.block_hashes import (HASH_BYTES, chain_hashes, common_prefix_length,
+from omlx_core.scheduling.block_hashes import (HASH_BYTES, chain_hashes, common_prefix_length,
                                                      partial_hash, root_hash)
-from omlx_core.plugins.batched.block_lru import TAILS_PER_PREFIX, BlockLRU
+from omlx_core.scheduling.block_lru import TAILS_PER_PREFIX, BlockLRU
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from typing import Any, Sequence
 
 from omlx_core.kvblocks import CachedBlock, CachedTail
-from omlx_core.plugins.batched.block_hashes import common_prefix_length
+from omlx_core.scheduling.block_hashes import common_prefix_length
 
 #: tails kept under one prefix (different answers or follow-ups to the same history)
 TAILS_PER_PREFIX = 8

@@ -18,7 +18,7 @@ where they can, so full blocks (and, for models with non-cuttable layers, their 
 states) go into the prefix cache as prefill crosses them. Chunks cover all prompt tokens
 but the last, which the first-token forward feeds. Chunks of different requests with
 similar lengths share one forward where the model's caches allow
-(:mod:`~omlx_core.plugins.batched.batch_prefill`); each request keeps its own cache. A
+(:mod:`~omlx_core.scheduling.batch_prefill`); each request keeps its own cache. A
 chunk fed as input embeddings (:class:`~.extensions.ChunkInputs`) runs alone.
 
 **Forward gate seam.** Before a step's prefill forwards run, the planned chunks are
@@ -42,12 +42,12 @@ import mlx.core as mx
 import numpy as np
 
 from omlx_core.memory.gate import PrefillChunk, PrefillStep
-from omlx_core.plugins.batched.batch_prefill import can_batch, group_spans
-from omlx_core.plugins.batched.batch_state import BatchState, SequenceState
-from omlx_core.plugins.batched.cache_layout import CacheLayout
-from omlx_core.plugins.batched.decode_batch import DecodeBatch
-from omlx_core.plugins.batched.extensions import ChunkInputs
-from omlx_core.plugins.batched.prefix_cache import PrefixCache
+from omlx_core.scheduling.batch_prefill import can_batch, group_spans
+from omlx_core.scheduling.batch_state import BatchState, SequenceState
+from omlx_core.scheduling.cache_layout import CacheLayout
+from omlx_core.scheduling.decode_batch import DecodeBatch
+from omlx_core.scheduling.extensions import ChunkInputs
+from omlx_core.scheduling.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from omlx_core.memory.types import RequestRejected

@@ -7,17 +7,17 @@ A request moves through four phases:
     fewer than ``max_batch_size`` requests are prefilling or decoding.
 ``prefilling``
     its prompt goes into its own KV cache chunk by chunk
-    (:mod:`~omlx_core.plugins.batched.prefill_planner`,
-    :mod:`~omlx_core.plugins.batched.prefill_runner`).
+    (:mod:`~omlx_core.scheduling.prefill_planner`,
+    :mod:`~omlx_core.scheduling.prefill_runner`).
 ``decoding``
     the whole prompt is in the cache; the request is a row of the decode batch
-    (:mod:`~omlx_core.plugins.batched.decode_batch`).
+    (:mod:`~omlx_core.scheduling.decode_batch`).
 ``done``
     its final output (``finish_reason`` and usage) is in its queue
-    (:mod:`~omlx_core.plugins.batched.output_emitter`).
+    (:mod:`~omlx_core.scheduling.output_emitter`).
 
 A decoding request can also be preempted back to ``waiting``
-(:mod:`~omlx_core.plugins.batched.decode_budget`).
+(:mod:`~omlx_core.scheduling.decode_budget`).
 """
 
 from __future__ import annotations
