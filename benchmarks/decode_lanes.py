@@ -51,8 +51,8 @@ def _run(model: Any, tokenizer: Any, lanes: bool, running: list[list[int]], long
         "long", long, SamplingParams(temperature=0.0, max_tokens=long_tokens, logit_bias=banned)))
     scheduler.enqueue(late)
     lanes_seen = 1
-    while late.phase != "done":
-        phase = "prefill" if late.phase != "decoding" else "decode"
+    while late.phase.value != "done":
+        phase = "prefill" if late.phase.value != "decoding" else "decode"
         started = time.perf_counter()
         scheduler.step()
         phases[phase].append(time.perf_counter() - started)

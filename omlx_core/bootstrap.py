@@ -114,6 +114,7 @@ def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
     config, plugins = setup.config, setup.plugins
     model_ids = list(model_ids or config["server.models"])
     discover_models(config)
+    check_kv_formats(config)
     required = set(config["plugins.required"])
     for model_id in model_ids:
         required.add(_engine_factory(plugins, config.models[model_id].engine, model_id)[1])
@@ -144,6 +145,30 @@ def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
     context.pool.start()
     plugins.hook.startup(context=context)
     return context
+
+
+def check_kv_formats(config: Config) -> None:
+    """Refuse to start when a model with a directory (not loaded yet) is configured
+    with a ``kv_bits`` its cache cannot take; the rest are checked as they load.
+
+    :raises ModelError: naming the model, the value and what it allows.
+    """
+    from omlx_core.models.errors import ModelError
+    from omlx_core.models.registry import read_model_config
+    from omlx_core.scheduling.kv_cache import KVFormat, check_config_kv_format
+
+    for model_id, entry in config.models.items():
+        bits = entry.get("kv_bits")
+        bits = config["engine.kv_bits"] if bits is None else bits
+        group = entry.get("kv_group_size") or config["engine.kv_group_size"]
+        kv_format = KVFormat.from_settings(bits, group)
+        path = entry.get("path")
+        if not kv_format.quantized or not path or not Path(path).expanduser().is_dir():
+            continue
+        try:
+            check_config_kv_format(read_model_config(Path(path).expanduser()), kv_format, model_id)
+        except ValueError as exc:
+            raise ModelError(str(exc)) from None
 
 
 def build_pool(context: ServerContext, *, progress: bool = True) -> ModelPool:

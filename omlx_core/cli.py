@@ -34,10 +34,11 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 def _overrides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     items = [(*parse_set_flag(text), f"cli --set {text}") for text in args.set]
     for flag, key in (("host", "server.host"), ("port", "server.port"),
-                      ("threads", "server.threads")):
+                      ("threads", "server.threads"), ("kv_bits", "engine.kv_bits"),
+                      ("kv_group_size", "engine.kv_group_size")):
         value = getattr(args, flag, None)
         if value is not None:
-            items.append((key, str(value), f"cli --{flag}"))
+            items.append((key, str(value), f"cli --{flag.replace('_', '-')}"))
     distributed = getattr(args, "distributed", None)
     if distributed is not None:
         items.append(("plugin.distributed.mode", distributed, "cli --distributed"))
@@ -65,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model id from the configuration, or an mlx-lm directory (repeatable)")
     serve.add_argument("--memory-ceiling", metavar="SIZE",
                        help='pin the memory ceiling, e.g. "1.5GiB" (sets memory tier custom)')
+    serve.add_argument("--kv-bits", type=int, metavar="BITS",
+                       help="quantize the KV cache of plain attention layers to 8 or 4 bits "
+                            "(0: unquantized; sets engine.kv_bits): more and longer "
+                            "conversations fit in the same memory")
+    serve.add_argument("--kv-group-size", type=int, metavar="N",
+                       help="elements per quantization group of a quantized KV cache (32, 64 "
+                            "or 128; default 64)")
     serve.add_argument("--engine", metavar="NAME",
                        help="serve every model with this engine (e.g. dflash), whatever its "
                             "configuration names; `omlx-core plugins` lists the engines")

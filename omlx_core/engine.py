@@ -347,9 +347,13 @@ class MemoryHints:
     #: whether a reused cached prefix stays where it is (True) or is copied into the
     #: request's own cache, allocated again (False)
     cached_kv_resident: bool = False
-    #: whether requests share a padded decode batch (mlx-lm's ``BatchGenerator`` pads
-    #: every sequence's KV to the longest): each then costs as much as the largest
+    #: whether requests share a padded decode batch (a decode lane pads every row's
+    #: KV to its longest): each then costs as much as the largest
     decode_batch_padded: bool = True
+    #: bits of the quantized KV cache of its plain attention layers (``None``: the
+    #: activation dtype), and the quantization's group size
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
 
 class Engine(abc.ABC):
@@ -463,6 +467,11 @@ class Engine(abc.ABC):
         """Counters for metrics and ``/health``; include ``queue_depth`` (requests
         waiting in the engine) and ``running``. Nested dicts are flattened."""
         return {}
+
+    def kv_cache_format(self) -> str | None:
+        """The KV cache's format in words (e.g. ``"8-bit (group 64)"``), shown by ``ps``,
+        ``/v1/models`` and the dashboard; ``None``: the engine does not say."""
+        return None
 
     def progress(self) -> list[RequestProgress]:
         """Each request the engine holds, with its phase and token counts (the

@@ -42,14 +42,12 @@ class TwoTokensPerStep:
     def stats(self) -> Mapping[str, Any]:
         return {"two_token_steps": len(self.asked)}
 
-    def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
+    def drafting(self, rows: Mapping[str, SequenceState]) -> bool:
         self.asked.append(len(rows))
         return True
 
-    def verify(self, generator: Any, rows: Mapping[int, SequenceState]) -> Sequence[Any]:
-        _, first = generator.next()
-        _, second = generator.next()
-        return [*first, *second]
+    def verify(self, lane: Any, model: Any, sampling: Any) -> list[Any]:
+        return [*lane.plain_step(model, sampling), *lane.plain_step(model, sampling)]
 
 
 def _scheduler(model: Any, tokenizer: Any, **extensions: Any) -> Scheduler:

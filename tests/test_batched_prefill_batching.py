@@ -442,13 +442,13 @@ def test_an_open_batch_window_leaves_the_mlx_thread_free(windowed):
     def window_open() -> bool:  # a request waits in the window: no work until it closes
         return scheduler.wake_at() is not None and not scheduler.has_work()
 
-    window = scheduler.batch_window_s
-    scheduler.batch_window_s = 600.0  # open for longer than any stall of a loaded machine
+    window = scheduler.inbox.batch_window_s
+    scheduler.inbox.batch_window_s = 600.0  # open for longer than any stall of a loaded machine
     try:
         handle = submit(windowed, prompt_of(windowed, 5, 1))
         assert mlx_thread().run(window_open), "a task waited for another engine's batch window"
     finally:
-        scheduler.batch_window_s = window
+        scheduler.inbox.batch_window_s = window
     mlx_thread().run(lambda: None)  # the thread wakes and finds the window closed
     tokens, last = collect(handle)
     assert last.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
@@ -462,8 +462,7 @@ def test_a_window_that_closes_between_the_threads_two_questions_still_wakes_it(w
 
     def run_on_mlx_thread():
         handle = submit(windowed, prompt_of(windowed, 5, 3))
-        with scheduler._lock:
-            sequence = scheduler._inbox[0]
+        sequence = scheduler.inbox.arrivals[0]
         sequence.arrived = time.monotonic() - 0.5  # the window is still open...
         closed_between.append(not scheduler.has_work())
         sequence.arrived -= 1.0  # ...and closes before the thread asks when to wake

@@ -151,7 +151,7 @@ def test_a_prompt_sent_with_the_rows_now_decoding_is_prefilled_at_whole_steps() 
             scheduler.enqueue(sequence)
         for _ in range(5000):
             scheduler.step()
-            if all(sequence.phase == "done" for sequence in sequences):
+            if all(sequence.phase.value == "done" for sequence in sequences):
                 return gate.chunks
         raise AssertionError("requests never ended")
 

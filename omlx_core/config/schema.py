@@ -12,6 +12,26 @@ from omlx_core.settings import Setting
 MEMORY_TIERS = ("safe", "balanced", "aggressive", "custom")
 TIER_FILE_KEYS = ("base", "description")
 
+#: KV cache bits a model may be served with (0: the activation dtype, not quantized)
+KV_BITS = (0, 8, 4)
+KV_GROUP_SIZES = (32, 64, 128)
+KV_BITS_DOC = ("bits per element of the KV cache of the plain attention layers: 8 or 4 "
+               "quantize it (in groups of kv_group_size, a scale and a bias each), 0 keeps "
+               "the activation dtype; sliding-window and recurrent layers stay unquantized")
+KV_GROUP_DOC = "elements per quantization group of a quantized KV cache (kv_bits 8 or 4)"
+
+
+def check_kv_bits(value: int) -> str | None:
+    if value not in KV_BITS:
+        return f"{value} KV bits are not offered; use one of {', '.join(map(str, KV_BITS))} (0: unquantized)"
+    return None
+
+
+def check_kv_group_size(value: int) -> str | None:
+    if value not in KV_GROUP_SIZES:
+        return f"a group of {value} is not one mlx quantizes by; use one of {', '.join(map(str, KV_GROUP_SIZES))}"
+    return None
+
 
 def _tier_settings(tier: str) -> list[Setting]:
     prefix = f"memory.tiers.{tier}."
@@ -90,6 +110,8 @@ CORE_SETTINGS: list[Setting] = [
             "hints, no forward gate); empty: such engines are refused at start"),
     *(s for tier in MEMORY_TIERS for s in _tier_settings(tier)),
     Setting("engine.max_tokens", "int", "completion tokens when a request sets none", minimum=1),
+    Setting("engine.kv_bits", "int", KV_BITS_DOC, check=check_kv_bits),
+    Setting("engine.kv_group_size", "int", KV_GROUP_DOC, check=check_kv_group_size),
     Setting("engine.max_context", "int", "longest prompt + completion accepted (0 = model's own)",
             minimum=0),
 ]
@@ -106,6 +128,9 @@ MODEL_SETTINGS: list[Setting] = [
     Setting("keep_alive", "str", "how long the model stays resident once idle (a duration, "
             '"-1" forever, "0" unload when idle); default server.keep_alive',
             check=check_keep_alive),
+    Setting("kv_bits", "int", KV_BITS_DOC + "; default engine.kv_bits", check=check_kv_bits),
+    Setting("kv_group_size", "int", KV_GROUP_DOC + "; default engine.kv_group_size",
+            check=check_kv_group_size),
     Setting("dtype", "choice", "weights dtype after GGUF conversion",
             choices=("float32", "float16", "bfloat16", "keep")),
     # Read by speculative engines (the built-in dflash): a model's own choice over the

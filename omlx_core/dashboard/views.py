@@ -139,7 +139,7 @@ def _engine_side(row: dict[str, Any], engine: Engine | None) -> dict[str, Any]:
     """``row`` with what a resident ``engine`` reports (``None`` for each when the model
     is not resident)."""
     row.update(source=None, max_context=None, running=None, queue_depth=None,
-               prefix_cache=None, ssd_cache=None)
+               prefix_cache=None, ssd_cache=None, kv_cache=None)
     if engine is None:
         return row
     try:
@@ -152,6 +152,7 @@ def _engine_side(row: dict[str, Any], engine: Engine | None) -> dict[str, Any]:
         max_context = None
     cache = stats.get("prefix_cache") if isinstance(stats.get("prefix_cache"), dict) else {}
     row.update(source=engine.model.source, max_context=max_context,
+               kv_cache=stats.get("kv_cache"),
                running=stats.get("running"), queue_depth=stats.get("queue_depth"),
                prefix_cache={k: v for k, v in cache.items() if k != "lower"},
                ssd_cache=cache.get("lower") if isinstance(cache.get("lower"), dict) else None)

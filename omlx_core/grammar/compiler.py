@@ -23,6 +23,7 @@ from dataclasses import field as dataclass_field
 from typing import Any, Literal, Sequence
 
 from omlx_core.grammar import torch_stub
+from omlx_core.models.loader import hf_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -302,16 +303,6 @@ class CompilerStats:
     timeouts: int = 0
     errors: int = 0
     compile_seconds_total: float = 0.0
-
-
-def hf_tokenizer(tokenizer: Any) -> Any:
-    """The Hugging Face tokenizer behind ``tokenizer`` (an mlx-lm ``TokenizerWrapper``,
-    which xgrammar does not know, or a Hugging Face tokenizer itself)."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    # Only the wrapper is unwrapped: a Hugging Face fast tokenizer also has a _tokenizer,
-    # the raw `tokenizers` object, which xgrammar cannot read.
-    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
 
 
 def special_token_ids(tokenizer: Any) -> set[int]:

@@ -173,30 +173,34 @@ class GuardedServer(TcpWSGIServer):
 
     channel_class = GuardedChannel
 
-    def __init__(self, application: Callable, *, request_timeout: float, **kwargs: Any):
+    def __init__(self, application: Callable, *, request_timeout: float,
+                 map: dict[int, Any], **kwargs: Any):  # noqa: A002 - waitress's keyword
         self.request_timeout = float(request_timeout)
+        #: every socket of this server's event loop (its own and its connections'), by
+        #: file descriptor: the map given to waitress, kept under a public name
+        self.socket_map = map
         self._timeout_body = timeout_body(self.request_timeout)
         #: connections closed by the deadlines and by eviction (tests read them)
         self.timed_out = 0
         self.never_spoke = 0
         self.evicted = 0
-        super().__init__(application, **kwargs)
+        super().__init__(application, map=map, **kwargs)
 
     def readable(self) -> bool:
         threshold = int(self.adj.connection_limit * EVICT_AT)
-        if self.accepting and len(self._map) >= threshold:
+        if self.accepting and len(self.socket_map) >= threshold:
             closing = sum(1 for channel in self.active_channels.values()
                           if channel.will_close or channel.close_when_flushed)
-            self.evict(len(self._map) - closing - threshold + 1)
+            self.evict(len(self.socket_map) - closing - threshold + 1)
         return super().readable()
 
     def handle_accept(self) -> None:
         for _ in range(ACCEPT_BURST):
-            if len(self._map) >= self.adj.connection_limit:
+            if len(self.socket_map) >= self.adj.connection_limit:
                 return
-            before = len(self._map)
+            before = len(self.socket_map)
             super().handle_accept()
-            if len(self._map) == before:  # nothing more waiting (or a failed accept)
+            if len(self.socket_map) == before:  # nothing more waiting (or a failed accept)
                 return
 
     def maintenance(self, now: float) -> None:

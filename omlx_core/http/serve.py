@@ -115,10 +115,10 @@ class HTTPServer:
             log.info("aborted %d in-flight request(s) on shutdown", aborted)
         server.task_dispatcher.shutdown(timeout=timeout)
         if self._thread is not None and self._thread.is_alive():
-            server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map, ignore_all=True))
+            server.trigger.pull_trigger(lambda: wasyncore.close_all(server.socket_map, ignore_all=True))
             self._thread.join(timeout)
         else:
-            wasyncore.close_all(server._map, ignore_all=True)
+            wasyncore.close_all(server.socket_map, ignore_all=True)
 
     def __enter__(self) -> "HTTPServer":
         return self.start()

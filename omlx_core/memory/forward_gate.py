@@ -128,6 +128,7 @@ class PrefillForwardGate(ForwardGate):
                  transient_margin: int | Callable[[int], int],
                  advise: Advise | None = None, *, dtype_bytes: int = 4,
                  full_logits: bool = False, backend: str = "cpu", retry_after_s: float = 2.0,
+                 kv_bits: int | None = None, kv_group_size: int = 64,
                  reclaim: Callable[[int], int] | None = None,
                  ledger: AdmissionQueue | None = None):
         self._reclaim = reclaim
@@ -146,6 +147,7 @@ class PrefillForwardGate(ForwardGate):
         self._advise = advise
         self.dtype_bytes = dtype_bytes
         self.full_logits = full_logits
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.backend = backend
         self.retry_after_s = retry_after_s
         self.refused_total = 0
@@ -294,6 +296,7 @@ class PrefillForwardGate(ForwardGate):
             estimate = self._estimate(PeakQuery(
                 model_config=model_config, new_tokens=1, cached_tokens=0, chunk_size=1,
                 dtype_bytes=self.dtype_bytes, full_logits=self.full_logits, model_id=model_id,
+                kv_bits=self.kv_bits, kv_group_size=self.kv_group_size,
                 first_token=False, cached_kv_resident=True, backend=self.backend))
             self._per_token[model_id] = None if estimate is None else estimate.kv_bytes_per_token
         return self._per_token[model_id]
@@ -377,6 +380,7 @@ class PrefillForwardGate(ForwardGate):
                 model_config=step.model_config, new_tokens=chunk.new_tokens,
                 cached_tokens=chunk.cached_tokens, chunk_size=max(1, chunk.new_tokens),
                 dtype_bytes=self.dtype_bytes, full_logits=self.full_logits,
+                kv_bits=self.kv_bits, kv_group_size=self.kv_group_size,
                 model_id=step.model_id, first_token=last, cached_kv_resident=True,
                 backend=self.backend, images=chunk.images))
             if estimate is None:

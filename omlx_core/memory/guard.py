@@ -31,6 +31,7 @@ thread and the MLX thread, through :mod:`omlx_core.platform.backend`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
@@ -259,7 +260,7 @@ class MemoryGuard:
             chunk_size=hints.prefill_step_size, dtype_bytes=hints.activation_dtype_bytes,
             full_logits=hints.prefill_full_logits, model_id=engine.model.id,
             cached_kv_resident=hints.cached_kv_resident, backend=self.backend,
-            images=images)
+            images=images, kv_bits=hints.kv_bits, kv_group_size=hints.kv_group_size)
 
     def estimate(self, query: PeakQuery) -> PeakEstimate | None:
         """The ``estimate_peak`` answer for ``query`` (``None``: no plugin covers the model,
@@ -301,20 +302,42 @@ class MemoryGuard:
         ``max_tokens`` completion tokens."""
         snapshot = self._preflight_limits()
         query = self.peak_query(engine, prompt_tokens, images=images)
+        try:
+            self._preflight(query, request_id, snapshot, max_tokens)
+        except RequestRejected as error:
+            fitting = self._fitting_kv_bits(query, request_id, snapshot, max_tokens)
+            if fitting is not None:
+                error = RequestRejected(dataclasses.replace(error.rejection, fitting_kv_bits=fitting))
+            raise self.advised(error) from None
+
+    def _preflight(self, query: PeakQuery, request_id: str, snapshot: LimitSnapshot | None,
+                   max_tokens: int) -> None:
+        """The ``preflight`` hooks' word on ``query`` (raises :class:`RequestRejected`)."""
         estimate = self.estimate(query)
         # The completion's KV is checked only when one is asked for.
         per_token = estimate.kv_bytes_per_token if estimate is not None and max_tokens else 0
-        request = PreflightRequest(
-            request_id=request_id, model_id=engine.model.id, prompt_tokens=len(prompt_tokens),
-            cached_tokens=query.cached_tokens, chunk_size=query.chunk_size,
+        self.plugins.hook.preflight(request=PreflightRequest(
+            request_id=request_id, model_id=query.model_id, prompt_tokens=query.new_tokens
+            + query.cached_tokens, cached_tokens=query.cached_tokens, chunk_size=query.chunk_size,
             estimated_bytes=estimate.total if estimate is not None else None, limits=snapshot,
             model_config=query.model_config,
             margin_bytes=self.policy.margin(snapshot.hard_bytes if snapshot else None),
-            max_tokens=max_tokens, kv_bytes_per_token=per_token)
-        try:
-            self.plugins.hook.preflight(request=request)
-        except RequestRejected as error:
-            raise self.advised(error) from None
+            max_tokens=max_tokens, kv_bytes_per_token=per_token))
+
+    def _fitting_kv_bits(self, query: PeakQuery, request_id: str, snapshot: LimitSnapshot | None,
+                         max_tokens: int) -> int | None:
+        """The widest quantized KV format, narrower than the model's, under which the
+        refused ``query`` would pass preflight (for the advice), or ``None``."""
+        for bits in (8, 4):
+            if query.kv_bits is not None and bits >= query.kv_bits:
+                continue
+            try:
+                self._preflight(dataclasses.replace(query, kv_bits=bits), request_id, snapshot,
+                                max_tokens)
+            except RequestRejected:
+                continue
+            return bits
+        return None
 
     def _preflight_limits(self) -> LimitSnapshot | None:
         """The snapshot preflight judges against. It runs on the request thread, so it
@@ -378,6 +401,7 @@ class MemoryGuard:
                 self.estimate, self.usage, self.policy.margin, self.advice,
                 dtype_bytes=hints.activation_dtype_bytes,
                 full_logits=hints.prefill_full_logits, backend=self.backend,
+                kv_bits=hints.kv_bits, kv_group_size=hints.kv_group_size,
                 retry_after_s=self.retry_after_s, reclaim=self.reclaim,
                 ledger=self.admission)
             entry = self._gates[id(engine)] = (engine, gate)

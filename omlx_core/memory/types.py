@@ -268,6 +268,9 @@ class Rejection:
     margin_bytes: int = 0
     #: stage ``"load"``: the resident pinned models (unpinning one may make room)
     pinned_models: tuple[str, ...] = ()
+    #: stage ``"preflight"``: the widest quantized KV format (8 or 4 bits) under which
+    #: the request would fit (``None``: none would, or the model's KV is that already)
+    fitting_kv_bits: int | None = None
 
     @property
     def binding(self) -> str | None:

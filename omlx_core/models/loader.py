@@ -32,6 +32,39 @@ def load_model(path: Path | str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer behind ``tokenizer`` (an mlx-lm ``TokenizerWrapper``,
+    which xgrammar does not know, or a Hugging Face tokenizer itself)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if not isinstance(tokenizer, TokenizerWrapper):
+        return tokenizer
+    # The wrapper forwards attributes to the tokenizer it wraps and has no public name
+    # for it: a forwarded bound method's ``__self__`` is that tokenizer.
+    return tokenizer.convert_tokens_to_ids.__self__
+
+
+def model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """``(Model, ModelArgs)``: the mlx-lm classes that build a model of ``config``
+    (its ``model_type``, remapped as mlx-lm remaps it)."""
+    import importlib
+
+    from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
+
+    model_type = config["model_type"]
+    architectures = config.get("architectures") or ()
+    if isinstance(architectures, str):
+        architectures = (architectures,)
+    remapped = next((MODEL_ARCHITECTURE_REMAPPING[(model_type, a)] for a in architectures
+                     if (model_type, a) in MODEL_ARCHITECTURE_REMAPPING), None)
+    module_name = remapped or MODEL_REMAPPING.get(model_type, model_type)
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    except ImportError as exc:
+        raise ModelError(f"model type {model_type!r} is not one mlx-lm builds") from exc
+    return module.Model, module.ModelArgs
+
+
 def settle_random_state() -> None:
     """Evaluate mlx's global random key after building a model (call it once per load).
 

@@ -656,6 +656,8 @@ class ModelPool:
                 "keep_alive_s": record.keep_alive_s, "expires_in_s": expires,
                 "in_flight": record.users, "waiting": record.waiters,
                 "load_seconds": record.load_seconds,
+                "kv_cache": (record.engine.kv_cache_format()
+                             if state == RESIDENT and record.engine is not None else None),
                 "error": str(record.error) if record.error is not None else None,
             }
 

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from omlx_core.settings import format_size
 
-COLUMNS = ("NAME", "STATE", "SIZE", "PINNED", "ENGINE", "CONTEXT", "IN FLIGHT", "UNTIL")
+COLUMNS = ("NAME", "STATE", "SIZE", "PINNED", "ENGINE", "CONTEXT", "KV CACHE", "IN FLIGHT", "UNTIL")
 
 
 class PsError(Exception):
@@ -67,6 +67,11 @@ def duration_text(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
+def _kv_text(described: str | None) -> str:
+    """The KV format's first clause (``"8-bit (group 64)"``): a column, not a sentence."""
+    return (described or "").split(";")[0]
+
+
 def ps_rows(models: Sequence[dict[str, Any]], *, everything: bool = False) -> list[tuple[str, ...]]:
     rows = []
     for model in models:
@@ -76,6 +81,6 @@ def ps_rows(models: Sequence[dict[str, Any]], *, everything: bool = False) -> li
         size = model.get("measured_bytes") or model.get("planned_bytes")
         rows.append((str(model["id"]), state, format_size(size) if size else "",
                      "yes" if model.get("pinned") else "no", str(model.get("engine") or ""),
-                     str(model.get("context_length") or ""), str(model.get("in_flight", "")),
-                     until_text(model)))
+                     str(model.get("context_length") or ""), _kv_text(model.get("kv_cache")),
+                     str(model.get("in_flight", "")), until_text(model)))
     return rows

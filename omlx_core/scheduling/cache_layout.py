@@ -1,7 +1,9 @@
 """How one model's per-layer caches become prefix-cache blocks and back.
 
-A plain ``KVCache`` layer can be cut at any token: a block keeps just its own tokens'
-keys and values, and a prefix is rebuilt by concatenating blocks. Every other layer
+A plain attention layer (``KVCache``, or ``QuantizedKVCache`` in a quantized KV format)
+can be cut at any token: a block keeps just its own tokens' keys and values (a
+quantized layer: its packed values, scales and biases, six arrays, stored as they are
+and restored without quantizing again), and a prefix is rebuilt by concatenating blocks. Every other layer
 type (``RotatingKVCache`` windows, ``ArraysCache`` recurrent state, ``CacheList``...)
 cannot be cut back to an earlier token count, so it is captured whole at a block
 boundary (a *boundary state*) and restored only at exactly that boundary.
@@ -16,14 +18,30 @@ import copy
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from omlx_core.kvblocks import CachedBlock, CachedTail
+from omlx_core.scheduling.kv_cache import FULL_PRECISION, KVFormat, make_request_cache
 
 
 def _is_cuttable(layer: Any) -> bool:
-    # Exactly KVCache: subclasses (quantized, chunked) keep state a slice would corrupt.
+    # Exactly KVCache (a KV format may make it a QuantizedKVCache): subclasses (chunked)
+    # keep state a slice would corrupt.
     return type(layer) is KVCache
+
+
+def _layer_arrays(layer: Any) -> tuple[mx.array, ...]:
+    """A cuttable layer's buffers: keys and values, or their quantized triples."""
+    if type(layer) is QuantizedKVCache:
+        return (*layer.keys, *layer.values)
+    return layer.keys, layer.values
+
+
+def _adopt_arrays(layer: Any, arrays: list[mx.array]) -> None:
+    if type(layer) is QuantizedKVCache:
+        layer.keys, layer.values = tuple(arrays[:3]), tuple(arrays[3:])
+    else:
+        layer.keys, layer.values = arrays
 
 
 def _map_arrays(value: Any, on_array: Any) -> Any:
@@ -54,8 +72,9 @@ def _arrays(value: Any) -> list[mx.array]:
 class CacheLayout:
     """Which layers of a model can be cut, and the cutting, capturing and rebuilding."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, kv_format: KVFormat = FULL_PRECISION) -> None:
         self._model = model
+        self.kv_format = kv_format
         self._template = template = make_prompt_cache(model)
         self.cuttable = tuple(_is_cuttable(layer) for layer in template)
         self.layer_types = tuple(type(layer).__name__ for layer in template)
@@ -66,7 +85,7 @@ class CacheLayout:
         return not all(self.cuttable)
 
     def new_cache(self) -> list[Any]:
-        return make_prompt_cache(self._model)
+        return make_request_cache(self._model, self.kv_format)
 
     def cut(self, cache: Sequence[Any], start: int, end: int) -> tuple[Any, ...]:
         """Compact copies of tokens ``[start, end)`` of every cuttable layer (``None``
@@ -74,8 +93,7 @@ class CacheLayout:
         kv: list[Any] = []
         for layer, cuttable in zip(cache, self.cuttable):
             if cuttable:
-                kv.append((mx.array(layer.keys[..., start:end, :]),
-                           mx.array(layer.values[..., start:end, :])))
+                kv.append(tuple(mx.array(a[..., start:end, :]) for a in _layer_arrays(layer)))
             else:
                 kv.append(None)
         return tuple(kv)
@@ -134,17 +152,19 @@ class CacheLayout:
         into it instead of copying the whole prefix again to grow (a prefix hit's first
         token took 30 % less time)."""
         written = []
-        for layer, cuttable, pair in zip(cache, self.cuttable, kv):
+        for layer, cuttable, parts in zip(cache, self.cuttable, kv):
             if not cuttable:
                 continue
-            keys, values = pair
             if layer.keys is None:
-                shape = (*keys.shape[:2], self.capacity(end))
-                layer.keys = mx.zeros((*shape, keys.shape[3]), keys.dtype)
-                layer.values = mx.zeros((*shape, values.shape[3]), values.dtype)
-            layer.keys[..., start:start + tokens, :] = keys[..., :tokens, :]
-            layer.values[..., start:start + tokens, :] = values[..., :tokens, :]
-            written += [layer.keys, layer.values]
+                _adopt_arrays(layer, [mx.zeros((*a.shape[:2], self.capacity(end), a.shape[3]), a.dtype)
+                                      for a in parts])
+            buffers = _layer_arrays(layer)
+            if len(buffers) != len(parts):
+                raise ValueError(f"a cached block holds {len(parts)} arrays per layer and the "
+                                 f"cache {len(buffers)}: blocks of another KV format")
+            for buffer, part in zip(buffers, parts):
+                buffer[..., start:start + tokens, :] = part[..., :tokens, :]
+            written += buffers
         mx.eval(written)
 
     def finish(self, cache: list[Any], end: int, boundary: tuple[Any, ...] | None) -> list[Any]:

@@ -1,40 +1,48 @@
-"""The decode batch: mlx-lm's ``BatchGenerator`` over the requests that are decoding.
+"""The decode batch: the requests whose whole prompt is in their cache, a token a step.
 
-A request whose whole prompt is in its cache joins the batch (``insert`` with that
-cache, its first token, its sampler and processors) without waiting for the batch to
-drain, and leaves it (``remove``) the moment it finishes or is preempted. Each step
-feeds every row its latest token and samples the next (its sampling fused across the
-rows: :mod:`~omlx_core.scheduling.decode_step`), or, where a
-:class:`~omlx_core.scheduling.extensions.DraftVerify` drafts, verifies drafts.
+**A lane** (:class:`Lane`) is the rows one forward decodes: their caches merged into one
+batch cache per layer (each row left-padded to the lane's longest; mlx-lm's cache
+classes merge, filter, extend and extract themselves, and
+:class:`~.kv_cache.BatchQuantizedKVCache` does for quantized KV), and the token each
+row feeds next. A step feeds every row that token and samples the next one for all of
+them together (:class:`~.sampling.BatchSampling`), **pipelined**: the next tokens are
+computed while the host hands out the tokens the forward just fed (sampled the step
+before), so the host's work overlaps the model's. A request joins with its first token
+(sampled by prefill, handed out already): the lane's next forward feeds it with the
+others, so a join costs no forward of its own. A row leaves when it finishes, is
+aborted or is preempted; its cache is extracted first when the prefix cache wants it.
 
-**Lanes.** mlx-lm's batch left-pads every row's KV cache to its longest row, and a
-decode step reads all of it: a 5,000-token prompt joining eight 300-token streams made
-every one of them read 5,000 positions a step (0.33 s a step instead of 0.07-0.09 s on
-the CPU), and the join itself (every row padded and copied) stalled them 1.7 s. So the batch
-runs one generator per *lane*: a row joins the lane where it adds the fewest bytes a
-step reads (:func:`pick_lane`), and opens its own lane when padding it into any would
-read more than a forward of its own, whose fixed cost is the weights read once more.
-On a CPU or GPU a decode step is bound by the bytes it reads, so that is its cost. Rows
-of like lengths (the common case) share one lane and one forward; each step runs every
-lane's forward, one after another on the same stream, each pipelined as before.
+**Lanes.** A batch cache left-pads every row to its longest, and a decode step reads
+all of it: a 5,000-token prompt joining eight 300-token streams made every one of them
+read 5,000 positions a step (0.33 s a step instead of 0.07-0.09 s on the CPU). So a
+row joins the lane where it adds the fewest bytes a step reads (:func:`pick_lane`), and
+opens its own lane when padding it into any would read more than a forward of its own,
+whose fixed cost is the weights read once more. Rows of like lengths (the common case)
+share one lane and one forward; each step runs every lane's forward in turn.
+
+**Speculation.** Where a :class:`~.extensions.DraftVerify` drafts
+(:mod:`~.speculation`), a lane's step feeds each row its token and drafts in one
+forward and keeps what the model agrees with; it is asked every step and runs the plain
+step where drafting does not pay.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
+import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import KVCache
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
-from omlx_core.scheduling.batch_state import DECODING, BatchState, SequenceState
-from omlx_core.scheduling.decode_step import fuse_sampling
-from omlx_core.scheduling.extensions import DraftVerify
+from omlx_core.scheduling.batch_state import SequenceState
+from omlx_core.scheduling.kv_cache import merge_layers, position_bytes
+from omlx_core.scheduling.sampling import BatchSampling, split_processors
 
-
-#: uids of different lanes never meet: a lane's generator counts from its number times this
-LANE_UIDS = 1 << 40
+#: decode steps between handing mlx's buffer cache back (what mlx-lm's generator does)
+CLEAR_CACHE_EVERY = 512
 
 
 def pick_lane(lanes: Sequence[Sequence[int]], length: int, fixed_tokens: float) -> int | None:
@@ -54,167 +62,301 @@ def pick_lane(lanes: Sequence[Sequence[int]], length: int, fixed_tokens: float) 
     return best
 
 
-class _Lane:
-    """One generator and the uids of the rows in it."""
+def finish_reason(sequence: SequenceState, before: int, token: int) -> str | None:
+    """Why ``token`` ends ``sequence`` (``"stop"``, ``"length"``) or ``None``, when
+    ``before`` of its tokens were handed out earlier in the same step."""
+    if token in sequence.stop_ids:
+        return "stop"
+    if sequence.completion_tokens + before + 1 >= sequence.max_tokens:
+        return "length"
+    return None
 
-    def __init__(self, generator: BatchGenerator) -> None:
-        self.generator = generator
-        self.uids: set[int] = set()
+
+@dataclass
+class Emitted:
+    """One token a step hands out; ``finish_reason`` set on a request's last."""
+
+    sequence: SequenceState
+    token: int
+    logprobs: mx.array | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Finished:
+    """A request the step finished: it left its lane; ``cache`` holds its prompt and
+    completion (for the prefix cache)."""
+
+    sequence: SequenceState
+    reason: str
+    cache: list[Any]
+
+
+Fed = list[tuple[SequenceState, int, "mx.array | None"]]
+
+
+class Lane:
+    """Rows decoded by one forward (see the module): their batch cache and the tokens
+    they feed next, in row order."""
+
+    def __init__(self) -> None:
+        self.rows: list[SequenceState] = []
+        #: one batch cache per model layer (``None`` until a row joins)
+        self.cache: list[Any] | None = None
+        #: ``(rows,)`` token ids each row feeds next: sampled last step (possibly still
+        #: being computed) or, for a row that just joined, its first token
+        self.fed: mx.array | None = None
+        #: the log-probabilities those tokens were sampled from (``None`` where not kept)
+        self.fed_logprobs: list[mx.array | None] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def plain_kv(self) -> bool:
+        """Whether every layer is a full-precision attention batch cache (one whose rows
+        can be cut back one by one: what speculation needs)."""
+        return bool(self.cache) and all(type(layer) is BatchKVCache for layer in self.cache)
+
+    def add(self, sequence: SequenceState, token: int, cache: list[Any]) -> None:
+        """``sequence`` joins with its own ``cache`` and feeds ``token`` next."""
+        merged = merge_layers([cache])
+        if self.cache is None:
+            self.cache = merged
+        else:
+            for mine, theirs in zip(self.cache, merged):
+                mine.extend(theirs)
+        fed = mx.array([token], dtype=mx.uint32)
+        self.fed = fed if self.fed is None else mx.concatenate([self.fed.astype(mx.uint32), fed])
+        self.fed_logprobs.append(None)
+        self.rows.append(sequence)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only the rows at ``rows`` (ascending)."""
+        if len(rows) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in rows]
+        self.fed_logprobs = [self.fed_logprobs[i] for i in rows]
+        if not rows:
+            self.cache, self.fed = None, None
+            return
+        for layer in self.cache or ():
+            layer.filter(list(rows))
+        self.fed = self.fed[mx.array(list(rows))] if self.fed is not None else None
+
+    def extract(self, row: int) -> list[Any]:
+        """Row ``row``'s cache, as a request's own (a compact copy)."""
+        return [layer.extract(row) for layer in self.cache or ()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(layer.nbytes) for layer in self.cache or ())
+
+    def plain_step(self, model: Any, sampling: BatchSampling) -> Fed:
+        """Feed every row its token, start computing the next ones, and return the fed
+        tokens (each row's, with its logprobs) once they are read."""
+        fed = self.fed
+        logits = model(fed[:, None], cache=self.cache)[:, -1, :]  # type: ignore[index]
+        logits, histories = sampling.process(self.rows, logits, fed)  # type: ignore[arg-type]
+        next_tokens, next_logprobs = sampling.sample(self.rows, logits)
+        mx.async_eval(next_tokens, [lp for lp in next_logprobs if lp is not None], histories)
+        # This step's tokens were computed during the previous one; reading them now
+        # lets this step's forward run meanwhile.
+        mx.eval(fed, [lp for lp in self.fed_logprobs if lp is not None])
+        out = list(zip(self.rows, fed.tolist(), self.fed_logprobs))  # type: ignore[union-attr]
+        self.fed, self.fed_logprobs = next_tokens, next_logprobs
+        return out
+
+
+@runtime_checkable
+class DraftVerify(Protocol):
+    """Draft tokens for the decode batch's rows, verified in the step's one forward.
+
+    Once per decode step the decode batch asks :meth:`drafting` with all the rows by
+    request id. When it answers ``False`` every lane runs the plain step: one token per
+    row. When it answers ``True`` the decode batch calls :meth:`verify` instead, once for
+    each lane (:class:`~.decode_batch.Lane`: its rows, their batch cache and the token
+    each feeds next), which owns that lane's step: it drafts, feeds every row its token
+    and drafts in one forward, keeps each row's longest accepted prefix, rolls the rest
+    back out of that row's KV cache, and leaves in ``lane.fed`` each row's next token
+    (the one sampled after what it kept). Where drafting does not pay it runs the lane's
+    plain step (``lane.plain_step``).
+
+    The tokens must be those plain decoding gives under the rows' samplers and logits
+    processors (greedy: identical; sampling: the same distribution). The decode batch
+    applies stop tokens and ``max_tokens`` to what it returns, in order, and drops a
+    row's tokens after the one that ends it.
+    """
+
+    #: KV tokens beyond one that a step may add to a row (a verify forward feeds the
+    #: token and drafts): the memory guard's decode budget covers them
+    lookahead: int
+
+    def drafting(self, rows: Mapping[str, SequenceState]) -> bool:
+        """Whether this step verifies drafts."""
+        ...
+
+    def verify(self, lane: "Lane", model: Any, sampling: BatchSampling
+               ) -> list[tuple[SequenceState, int, mx.array | None]]:
+        """Run one step over ``lane``; return the tokens it fed and kept, each with its
+        row and logprobs (``None`` where not computed), each row's in order, starting with
+        the token the lane fed it."""
+        ...
+
+    def stats(self) -> Mapping[str, Any]:
+        """Counters merged into the scheduler's :meth:`~.scheduler.Scheduler.stats`."""
+        ...
+
+
+class NoDrafts:
+    """No row drafts: every step is the plain one."""
+
+    lookahead = 0
+
+    def stats(self) -> Mapping[str, Any]:
+        return {}
+
+    def drafting(self, rows: Mapping[str, SequenceState]) -> bool:
+        return False
+
+    def verify(self, lane: "Lane", model: Any, sampling: BatchSampling
+               ) -> list[tuple[SequenceState, int, mx.array | None]]:
+        raise TypeError("NoDrafts never drafts; the plain decode step runs")
 
 
 class DecodeBatch:
-    """The lanes' generators, and the rows of :attr:`BatchState.decoding` they decode."""
+    """The lanes, and the rows of :attr:`BatchState.decoding` they decode."""
 
-    def __init__(self, *, model: Any, state: BatchState, eos_token_ids: Sequence[int],
-                 prefill_step_size: int, fused_sampling: bool, drafts: DraftVerify,
-                 lanes: bool = True) -> None:
+    def __init__(self, *, model: Any, state: Any, drafts: DraftVerify, lanes: bool = True) -> None:
         self.model = model
         self.state = state
-        self.prefill_step_size = prefill_step_size
-        self.fused_sampling = fused_sampling
         self.drafts = drafts
-        self.eos = tuple(sorted(eos_token_ids))
+        self.sampling = BatchSampling()
         #: seconds of the latest decode step, averaged (``None``: none ran yet); the
         #: prefill planner keeps a chunk plus a step within the decode latency budget
         self.step_seconds: float | None = None
-        self._default_stops = StopSequences([(t,) for t in self.eos])
-        self.lanes: list[_Lane] = []
-        #: lanes whose rows all left, kept for the next lane to open: a generator is made
-        #: once per lane the batch ever needed at once (as one was, before lanes)
-        self._idle: list[_Lane] = []
-        self._lanes_opened = 0
+        self.lanes: list[Lane] = []
+        self._steps = 0
         #: a forward's fixed cost in KV positions (the weights' bytes over a position's),
         #: measured at the first join; without ``lanes``, every row shares one lane
         self._fixed_tokens: float | None = None if lanes else float("inf")
 
-    def new_generator(self) -> BatchGenerator:
-        """A generator for a new lane (empty; its step fused where configured)."""
-        size = self.state.max_batch_size
-        generator = BatchGenerator(self.model, completion_batch_size=size, prefill_batch_size=size,
-                                   prefill_step_size=self.prefill_step_size)
-        if self.fused_sampling:
-            fuse_sampling(generator, self._wants_logprobs)
-        return generator
+    # -- rows joining and leaving -----------------------------------------------------
 
-    def _wants_logprobs(self, uid: int) -> bool:
-        sequence = self.state.decoding.get(uid)
-        return sequence is None or sequence.request.sampling.logprobs is not None
-
-    def stop_token_ids(self, sampling: Any) -> set[int]:
-        return set(self.eos) | {int(t) for t in (sampling.stop_token_ids or ())}
-
-    def join(self, sequence: SequenceState, first_token: int) -> None:
-        """Hand ``sequence`` (its whole context in its cache) to the batch, which goes on
-        from ``first_token``."""
-        sampling = sequence.request.sampling
-        stops = self._default_stops
-        if sampling.stop_token_ids:
-            stops = StopSequences([(t,) for t in sorted(self.stop_token_ids(sampling))])
-        lane = self._lane_for(sequence)
-        sequence.uid = lane.generator.insert(
-            [[first_token]],
-            max_tokens=[sequence.max_tokens - sequence.completion_tokens - 1],
-            caches=[sequence.cache],
-            all_tokens=[list(sequence.context)],
-            samplers=[sequence.sampler],
-            logits_processors=[sequence.processors],
-            stop_sequences=[stops],
-        )[0]
-        lane.uids.add(sequence.uid)
-        sequence.cache = None
-        sequence.phase = DECODING
-        sequence.first_token_at = sequence.first_token_at or time.monotonic()
+    def join(self, sequence: SequenceState, first_token: int, cache: list[Any]) -> None:
+        """Take ``sequence`` in (``cache``: its whole context; ``first_token``: handed out
+        already, fed by the next step)."""
+        _, others = split_processors(sequence.processors)
+        sequence.history = TokenBuffer(list(sequence.context)) if others else None
+        sequence.fed_token_out = True
         sequence.kv_allowance = None
         sequence.kv_lookahead = self.drafts.lookahead
-        self.state.decoding[sequence.uid] = sequence
+        self._lane_for(sequence, cache).add(sequence, first_token, cache)
 
-    @staticmethod
-    def _length(sequence: SequenceState) -> int:
-        return len(sequence.prompt) + sequence.completion_tokens
-
-    def _lane_for(self, sequence: SequenceState) -> _Lane:
+    def _lane_for(self, sequence: SequenceState, cache: list[Any]) -> Lane:
         if self._fixed_tokens is None:
-            self._fixed_tokens = self._forward_in_positions(sequence.cache or [])
-        decoding = self.state.decoding
-        lengths = [[self._length(decoding[uid]) for uid in lane.uids if uid in decoding]
-                   for lane in self.lanes]
-        index = pick_lane(lengths, self._length(sequence), self._fixed_tokens)
+            self._fixed_tokens = self._forward_in_positions(cache)
+        lengths = [[row.length for row in lane.rows] for lane in self.lanes]
+        index = pick_lane(lengths, sequence.length, self._fixed_tokens)
         if index is not None:
             return self.lanes[index]
-        if self._idle:
-            lane = self._idle.pop()
-        else:
-            self._lanes_opened += 1
-            lane = _Lane(self.new_generator())
-            # Disjoint uids: the scheduler keys rows by uid across lanes.
-            lane.generator._uid_count = self._lanes_opened * LANE_UIDS
-        self.lanes.append(lane)
-        return lane
+        self.lanes.append(Lane())
+        return self.lanes[-1]
 
     def _forward_in_positions(self, cache: Sequence[Any]) -> float:
-        """The weights' bytes over one KV position's bytes (its plain KV layers'); with
-        no plain KV layer padding costs nothing, and every row shares one lane."""
-        per_position = 0
-        for layer in cache:
-            if type(layer) is KVCache and layer.keys is not None:
-                per_position += (layer.keys.nbytes // layer.keys.shape[2]
-                                 + layer.values.nbytes // layer.values.shape[2])
+        """The weights' bytes over one KV position's bytes; with no attention layer
+        padding costs nothing, and every row shares one lane."""
+        per_position = position_bytes(cache)
         if not per_position:
             return float("inf")
         weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         return weights / per_position
 
-    def step(self) -> Sequence[Any]:
-        """One step over every row (each lane's forward in turn): the responses (uid,
-        token, logprobs, finish_reason, prompt_cache, all_tokens), a finished row's last."""
-        decoding = self.state.decoding
-        started = time.perf_counter()
-        drafting = self.drafts.drafting(decoding)
-        responses: list[Any] = []
+    def remove(self, sequences: Iterable[SequenceState], *, caches: bool) -> dict[str, list[Any]]:
+        """Take ``sequences`` out of their lanes; with ``caches``, return their caches by
+        request id (each holding its prompt and completion so far)."""
+        leaving = {id(s) for s in sequences}
+        removed: dict[str, list[Any]] = {}
         for lane in self.lanes:
-            if drafting:
-                rows = {uid: decoding[uid] for uid in lane.uids if uid in decoding}
-                lane_responses = self.drafts.verify(lane.generator, rows)
-            else:
-                _, lane_responses = lane.generator.next()
-            for response in lane_responses:
-                if response.finish_reason is not None:
-                    lane.uids.discard(response.uid)
-            responses.extend(lane_responses)
-        self._close_empty_lanes()
-        seconds = time.perf_counter() - started
-        previous = self.step_seconds
-        self.step_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
-        return responses
-
-    def remove(self, uids: list[int], *, caches: bool) -> dict[int, tuple[list[Any], list[int]]]:
-        """Take rows out of the batch; with ``caches``, their KV caches and tokens."""
-        removed: dict[int, tuple[list[Any], list[int]]] = {}
-        for lane in self.lanes:
-            mine = [uid for uid in uids if uid in lane.uids]
-            if mine:
-                removed.update(lane.generator.remove(mine, return_prompt_caches=caches) or {})
-                lane.uids.difference_update(mine)
-        self._close_empty_lanes()
+            kept = []
+            for index, row in enumerate(lane.rows):
+                if id(row) not in leaving:
+                    kept.append(index)
+                elif caches:
+                    removed[row.request_id] = lane.extract(index)
+            lane.keep(kept)
+        self.lanes = [lane for lane in self.lanes if lane.rows]
         return removed
-
-    def _close_empty_lanes(self) -> None:
-        self._idle += [lane for lane in self.lanes if not lane.uids]
-        self.lanes = [lane for lane in self.lanes if lane.uids]
 
     @property
     def kv_nbytes(self) -> int:
         """Bytes of the rows' KV caches."""
-        return sum(int(lane.generator.prompt_cache_nbytes) for lane in self.lanes)
+        return sum(lane.nbytes for lane in self.lanes)
+
+    # -- the step --------------------------------------------------------------------
+
+    def step(self) -> tuple[list[Emitted], list[Finished]]:
+        """One step over every lane: the tokens handed out (each row's in order), and the
+        rows that finished (they have left their lanes)."""
+        started = time.perf_counter()
+        emitted: list[Emitted] = []
+        finished: list[Finished] = []
+        with mx.stream(generation_stream):
+            drafting = self.drafts.drafting(self.state.decoding)
+            for lane in self.lanes:
+                fed = (self.drafts.verify(lane, self.model, self.sampling) if drafting else None)
+                if fed is None:
+                    fed = lane.plain_step(self.model, self.sampling)
+                self._hand_out(lane, fed, emitted, finished)
+        self.lanes = [lane for lane in self.lanes if lane.rows]
+        self._steps += 1
+        if self._steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        seconds = time.perf_counter() - started
+        previous = self.step_seconds
+        self.step_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        return emitted, finished
+
+    @staticmethod
+    def _hand_out(lane: Lane, fed: Fed,
+                  emitted: list[Emitted], finished: list[Finished]) -> None:
+        """Turn the tokens a lane fed into outputs, in order; a row's first token after it
+        joined was handed out already, and a row's tokens after its last are dropped."""
+        counts: dict[int, int] = {}
+        ended: dict[int, str] = {}
+        for sequence, token, logprobs in fed:
+            key = id(sequence)
+            if key in ended:
+                continue
+            if sequence.fed_token_out:
+                sequence.fed_token_out = False
+                continue
+            before = counts.get(key, 0)
+            reason = finish_reason(sequence, before, token)
+            counts[key] = before + 1
+            emitted.append(Emitted(sequence, token, logprobs, reason))
+            if reason is not None:
+                ended[key] = reason
+        if not ended:
+            return
+        kept = []
+        for index, sequence in enumerate(lane.rows):
+            reason = ended.get(id(sequence))
+            if reason is None:
+                kept.append(index)
+            else:
+                finished.append(Finished(sequence, reason, lane.extract(index)))
+        lane.keep(kept)
 
     def reset(self) -> None:
         """Start over with an empty batch (after a failed step)."""
-        self.lanes, self._idle = [], []
+        self.lanes = []
 
     def close(self) -> None:
-        """Drop the generators and with them every path to the weights."""
+        """Drop the lanes and with them every path to the weights."""
         self.reset()
         self.model = None
 
 
-__all__ = ["DecodeBatch"]
+__all__ = ["CLEAR_CACHE_EVERY", "DecodeBatch", "DraftVerify", "Emitted", "Fed", "Finished", "Lane", "NoDrafts",
+           "finish_reason", "pick_lane"]

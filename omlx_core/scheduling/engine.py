@@ -21,9 +21,11 @@ from omlx_core.engine import (
     QueuedRequestHandle,
     RequestProgress,
 )
+from omlx_core.models.errors import ModelError
+from omlx_core.scheduling.kv_cache import KVFormat, check_kv_format, quantized_layers
 from omlx_core.scheduling.prefix_cache import PrefixCache
 from omlx_core.scheduling.sampling import check_sampling
-from omlx_core.scheduling.scheduler import Scheduler, new_sequence
+from omlx_core.scheduling.scheduler import Scheduler, SequenceState, new_sequence
 from omlx_core.scheduling.speculation import PromptLookupDrafts
 
 if TYPE_CHECKING:
@@ -43,7 +45,6 @@ class EngineSettings:
     cache_budget: int = 1 << 30
     batch_window_s: float = 0.01
     batch_window_max_s: float = 0.1
-    fused_sampling: bool = True
     speculation: bool = True
     max_draft_tokens: int = 6
     max_decode_gap_ms: float = 250.0
@@ -57,18 +58,29 @@ class EngineSettings:
             cache_budget=int(config["plugin.batched.prefix_cache_budget"]),
             batch_window_s=float(config["plugin.batched.batch_window_s"]),
             batch_window_max_s=float(config["plugin.batched.batch_window_max_s"]),
-            fused_sampling=bool(config["plugin.batched.fused_sampling"]),
             speculation=bool(config["plugin.batched.speculation"]),
             max_draft_tokens=int(config["plugin.batched.max_draft_tokens"]),
             max_decode_gap_ms=float(config["plugin.batched.max_decode_gap_ms"]),
         )
 
 
+def kv_format_of(host: EngineHost) -> KVFormat:
+    """The KV format of the host's model: its ``[models.<id>] kv_bits`` and
+    ``kv_group_size`` over ``engine.kv_bits`` and ``engine.kv_group_size``."""
+    return KVFormat.from_settings(host.model_setting("kv_bits", "engine.kv_bits"),
+                                  host.model_setting("kv_group_size", "engine.kv_group_size"))
+
+
 def create_prefix_cache(model: ModelSpec, host: EngineHost) -> PrefixCache:
     """The in-memory prefix cache for ``model``, the first of the host's lower cache
     tiers behind it."""
     settings = EngineSettings.from_config(host.config)
-    cache = PrefixCache(settings.block_size, settings.cache_budget, namespace=f"{model.id}\0{model.path}")
+    kv_format = kv_format_of(host)
+    # Blocks of another KV format never match: the format is part of every block's key.
+    namespace = f"{model.id}\0{model.path}"
+    if kv_format.quantized:
+        namespace += f"\0kv{kv_format.bits}g{kv_format.group_size}"
+    cache = PrefixCache(settings.block_size, settings.cache_budget, namespace=namespace)
     if host.lower_tiers:
         if len(host.lower_tiers) > 1:
             log.warning("model %r: %d lower cache tiers; the prefix cache uses the first",
@@ -119,6 +131,9 @@ class BatchedEngine(GuardedEngine):
         self._preloaded = loaded
         self.config = host.config
         self.settings = EngineSettings.from_config(host.config)
+        #: the KV cache format of the model's plain attention layers (its own
+        #: ``[models.<id>] kv_bits`` over ``engine.kv_bits``)
+        self.kv_format = kv_format_of(host)
         self.prefix_cache = create_prefix_cache(model, host)
         self.scheduler: Scheduler | None = None
         self.tokenizer: Any = None
@@ -126,6 +141,8 @@ class BatchedEngine(GuardedEngine):
         self._lm: Any = None
         #: bytes per activation element of the loaded model (None until started)
         self.activation_dtype_bytes: int | None = None
+        #: (quantized, unquantized) cache layers of the loaded model
+        self.kv_layers: tuple[int, int] = (0, 0)
         self._thread = host.thread
         self._tokenizer_lock = threading.Lock()
         self._start_lock = threading.Lock()
@@ -140,28 +157,41 @@ class BatchedEngine(GuardedEngine):
             self._thread.attach(self.scheduler)
 
     def _load(self) -> Scheduler:
-        from omlx_core.models.loader import activation_dtype_bytes
         from omlx_core.models.loader import load_model
 
-        lm, tokenizer = self._preloaded or load_model(self.model.path)
-        self._lm, self.tokenizer = lm, tokenizer
-        self.activation_dtype_bytes = activation_dtype_bytes(lm)
-        args = getattr(lm, "args", None)
-        self.vocab_size = int(getattr(args, "vocab_size", 0) or self.model.config.get("vocab_size")
-                              or len(tokenizer))
+        self.adopt(*(self._preloaded or load_model(self.model.path)))
+        lm, tokenizer = self._lm, self.tokenizer
         return Scheduler(
             model=lm, tokenizer=tokenizer, model_id=self.model.id, model_config=self.model.config,
             vocab_size=self.vocab_size, max_batch_size=self.settings.max_batch_size,
             prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,
             batch_window_s=self.settings.batch_window_s,
             batch_window_max_s=self.settings.batch_window_max_s,
-            fused_sampling=self.settings.fused_sampling,
             drafts=(PromptLookupDrafts(max_drafts=self.settings.max_draft_tokens)
                     if self.settings.speculation else None),
             max_decode_gap_s=self.settings.max_decode_gap_ms / 1000.0,
             wake=self._thread.wake, boundary_listener=self.host.on_boundary_snapshot,
-            finish_listener=self.host.on_request_finished,
+            finish_listener=self.host.on_request_finished, kv_format=self.kv_format,
         )
+
+    def adopt(self, lm: Any, tokenizer: Any) -> None:
+        """Serve the loaded ``lm`` and ``tokenizer`` (on the MLX thread, while starting):
+        check that its cache takes the KV format, and read its dtype and vocabulary.
+
+        :raises ModelError: the model cannot be served with :attr:`kv_format`.
+        """
+        from omlx_core.models.loader import activation_dtype_bytes
+
+        try:
+            check_kv_format(lm, self.kv_format, self.model.id)
+        except ValueError as exc:
+            raise ModelError(str(exc)) from None
+        self._lm, self.tokenizer = lm, tokenizer
+        self.activation_dtype_bytes = activation_dtype_bytes(lm)
+        self.kv_layers = quantized_layers(lm, self.kv_format)
+        args = getattr(lm, "args", None)
+        self.vocab_size = int(getattr(args, "vocab_size", 0) or self.model.config.get("vocab_size")
+                              or len(tokenizer))
 
     def shutdown(self) -> None:
         with self._start_lock:
@@ -201,7 +231,8 @@ class BatchedEngine(GuardedEngine):
         return MemoryHints(prefill_step_size=self.settings.prefill_step_size,
                            activation_dtype_bytes=self.activation_dtype_bytes or 4,
                            prefill_full_logits=False, cached_kv_resident=False,
-                           decode_batch_padded=True)
+                           decode_batch_padded=True, kv_bits=self.kv_format.bits,
+                           kv_group_size=self.kv_format.group_size)
 
     def reclaimable_bytes(self) -> int:
         return self.prefix_cache.reclaimable_bytes()
@@ -255,17 +286,23 @@ class BatchedEngine(GuardedEngine):
             raise ValueError("prompt_tokens is empty; a request needs at least one prompt token")
         check_sampling(request.sampling)
         sequence = self._new_sequence(request)
-        if request.sampling.grammar is not None:
-            # Compiled here, on the request's thread and bounded in time, not on the MLX
-            # thread; an unusable grammar raises GrammarError (HTTP 400 naming its field).
-            from omlx_core.grammar import GrammarConstraint, compiler_for
-
-            compiled = compiler_for(self.tokenizer, vocab_size=self.vocab_size).compile(
-                request.sampling.grammar)
-            sequence.grammar = GrammarConstraint(compiled)
+        self.constrain(sequence)
         handle = QueuedRequestHandle(request.request_id, sequence.outputs, self.abort)
         scheduler.enqueue(sequence)
         return handle
+
+    def constrain(self, sequence: SequenceState) -> None:
+        """Compile the grammar ``sequence``'s request names, if any, into its constraint.
+
+        Called on the request's thread (bounded in time), not on the MLX thread; an
+        unusable grammar raises ``GrammarError`` (HTTP 400 naming its field)."""
+        grammar = sequence.request.sampling.grammar
+        if grammar is None:
+            return
+        from omlx_core.grammar import GrammarConstraint, compiler_for
+
+        compiled = compiler_for(self.tokenizer, vocab_size=self.vocab_size).compile(grammar)
+        sequence.grammar = GrammarConstraint(compiled)
 
     def _new_sequence(self, request: GenerationRequest) -> Any:
         """The scheduler state of a validated ``request``."""
@@ -290,7 +327,20 @@ class BatchedEngine(GuardedEngine):
         scheduler = self.scheduler
         if scheduler is None:
             return {"model": self.model.id, "started": False}
-        return {"model": self.model.id, "started": True, **scheduler.stats()}
+        return {"model": self.model.id, "started": True, "kv_cache": self.kv_cache_format(),
+                **scheduler.stats()}
+
+
+    def kv_cache_format(self) -> str:
+        """The KV cache's format in words, e.g. ``"8-bit (group 64); 6 sliding-window or
+        recurrent layers at 4-byte activations"`` (``/health``, ``ps``, the dashboard)."""
+        activation = f"{self.activation_dtype_bytes or 4}-byte activations"
+        described = self.kv_format.describe(f"unquantized ({activation})")
+        quantized, kept = self.kv_layers
+        if quantized and kept:
+            described += (f"; {kept} sliding-window or recurrent layers unquantized "
+                          "(mlx-lm has no quantized form of them)")
+        return described
 
     def progress(self) -> list[RequestProgress]:
         scheduler = self.scheduler

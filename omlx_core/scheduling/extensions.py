@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
+# The decode batch's own extension point is declared beside it, and listed here.
+from omlx_core.scheduling.decode_batch import DraftVerify, NoDrafts
+
 if TYPE_CHECKING:
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
 
     from omlx_core.memory.gate import ForwardGate
     from omlx_core.scheduling.batch_state import SequenceState
@@ -95,59 +97,6 @@ class CacheKey(Protocol):
 def token_key(sequence: SequenceState, tokens: Sequence[int]) -> Sequence[int]:
     """A text prompt's tokens are its key."""
     return tokens
-
-
-@runtime_checkable
-class DraftVerify(Protocol):
-    """Draft tokens for the decode batch's rows, verified in the step's one forward.
-
-    Once per decode step the scheduler asks :meth:`drafting` with all the rows by uid.
-    When it answers ``False`` the decode batch runs mlx-lm's plain step: one token per
-    row. When it answers ``True`` the scheduler calls :meth:`verify` instead, once for
-    each lane of the batch (:mod:`~.decode_batch`: a generator and its rows), which owns
-    that lane's step: it drafts, feeds every row's latest token and drafts in one forward over the
-    batch, keeps each row's longest accepted prefix plus the token sampled after it,
-    and rolls the rest back out of that row's KV cache.
-
-    The tokens must be those plain decoding gives under the rows' samplers and logits
-    processors (greedy: identical; sampling: the same distribution), and a row's stop
-    tokens and ``max_tokens`` apply as in the plain step: the response that finishes a
-    row is its last, and the row has left the generator.
-    """
-
-    #: KV tokens beyond one that a step may add to a row (a verify forward feeds the
-    #: anchor and drafts): the memory guard's decode budget covers them
-    lookahead: int
-
-    def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
-        """Whether this step verifies drafts."""
-        ...
-
-    def verify(self, generator: BatchGenerator, rows: Mapping[int, SequenceState]) -> Sequence[Any]:
-        """Run one step over ``generator``'s batch (``rows``: its rows by uid); return its
-        responses (mlx-lm's ``GenerationBatch.Response``: uid, token, logprobs,
-        finish_reason, prompt_cache, all_tokens), one per token handed out, each row's in
-        generation order."""
-        ...
-
-    def stats(self) -> Mapping[str, Any]:
-        """Counters merged into the scheduler's :meth:`~.scheduler.Scheduler.stats`."""
-        ...
-
-
-class NoDrafts:
-    """No row drafts: every step is mlx-lm's plain one."""
-
-    lookahead = 0
-
-    def stats(self) -> Mapping[str, Any]:
-        return {}
-
-    def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
-        return False
-
-    def verify(self, generator: BatchGenerator, rows: Mapping[int, SequenceState]) -> Sequence[Any]:
-        raise TypeError("NoDrafts never drafts; the plain decode step runs")
 
 
 @runtime_checkable

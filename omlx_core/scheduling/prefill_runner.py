@@ -10,24 +10,25 @@ Either way its cache is dropped, and the other chunks and streams go on.
 At the end of the step every request whose chunks are done has its last prompt token
 fed (shared one-token forwards where caches allow, grouped like chunks so that a long
 cached prefix is never copied into a batch buffer; one token of logits each) and its
-first token sampled and handed out at once; then it joins the decode batch.
+first token sampled: the runner returns those first tokens, and the scheduler hands
+them out and moves their requests on (into the decode batch, or done). Requests the
+runner cannot go on with it hands back through the scheduler's ``finish`` and
+``requeue``: the scheduler alone moves a request between phases.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.sample_utils import greedy_sampler
 
 from omlx_core.scheduling.batch_prefill import PrefillRow, can_batch, prefill_together
 from omlx_core.scheduling.batch_state import PREFILLING, BatchState, SequenceState
-from omlx_core.scheduling.decode_batch import DecodeBatch
-from omlx_core.scheduling.decode_budget import DecodeBudgeter
+from omlx_core.scheduling.decode_batch import finish_reason
 from omlx_core.scheduling.extensions import ChunkInputs
-from omlx_core.scheduling.output_emitter import OutputEmitter
 from omlx_core.scheduling.prefill_planner import Chunk, PrefillPlanner
 from omlx_core.scheduling.prefix_writer import PrefixCacheWriter
 from omlx_core.scheduling.sampling import make_logits_processors, make_sampler
@@ -38,24 +39,42 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class PrefillRunner:
-    """Runs the planned prefill forwards and the first-token forwards."""
+@dataclass
+class FirstToken:
+    """A request's first token (or, resumed, its next), sampled at the end of prefill."""
 
-    def __init__(self, *, model: Any, state: BatchState, vocab_size: int, planner: PrefillPlanner,
-                 inputs: ChunkInputs, writer: PrefixCacheWriter, budgeter: DecodeBudgeter,
-                 batch: DecodeBatch, emitter: OutputEmitter) -> None:
+    sequence: SequenceState
+    token: int
+    logprobs: mx.array
+    #: ``"stop"`` or ``"length"`` when the token ends the request
+    finish_reason: str | None
+
+
+class PrefillRunner:
+    """Runs the planned prefill forwards and the first-token forwards.
+
+    :param finish: ends a request (the scheduler's), as ``finish(sequence, reason,
+        error=..., error_type=..., rejected=...)``.
+    :param requeue: puts requests refused for memory back in the queue (the scheduler's).
+    """
+
+    def __init__(self, *, model: Any, state: BatchState, vocab_size: int, eos_token_ids: Any,
+                 planner: PrefillPlanner, inputs: ChunkInputs, writer: PrefixCacheWriter,
+                 finish: Callable[..., None], requeue: Callable[[list[SequenceState]], None]) -> None:
         self.model = model
         self.state = state
         self.counters = state.counters
         self.vocab_size = vocab_size
+        self.eos = frozenset(int(t) for t in eos_token_ids)
         self.planner = planner
         self.inputs = inputs
         self.writer = writer
-        self.budgeter = budgeter
-        self.batch = batch
-        self.emitter = emitter
+        self.finish = finish
+        self.requeue = requeue
 
-    def step(self) -> None:
+    def step(self) -> list[FirstToken]:
+        """Run the step's planned chunks; return the first tokens of the requests whose
+        prompt is now all in their cache."""
         planner, state = self.planner, self.state
         plan = planner.plan()
         groups = planner.forward_groups(plan)
@@ -67,25 +86,26 @@ class PrefillRunner:
             refused, broken = planner.ask_gate(plan, groups)
         if broken is not None:
             for sequence in {id(s): s for s, _, _ in plan}.values():
-                self.emitter.finish(sequence, "error", error=broken, error_type="internal")
+                self.finish(sequence, "error", error=broken, error_type="internal")
         for request_id, rejected in refused.items():
             sequence = state.by_id.get(request_id)
             if sequence is not None and sequence.phase == PREFILLING:
                 if state.running() > 1:
                     # Others hold the memory it needs and will give it back: it waits for
                     # them (its finished chunks stay in the prefix cache), not fails.
-                    self.budgeter.requeue([sequence], tell_gate=True)
+                    self.requeue([sequence])
                 else:
                     # Alone and still short: memory went elsewhere (another process);
                     # waiting on this engine would not bring it back.
-                    self.emitter.finish(sequence, "error", error=str(rejected), rejected=rejected)
+                    self.finish(sequence, "error", error=str(rejected), rejected=rejected)
         for group in groups:
             if len(group) == 1:
                 self._prefill_alone(*group[0])
             else:
                 self._prefill_together(group)
-        self.first_tokens()
+        firsts = self.first_tokens()
         mx.clear_cache()
+        return firsts
 
     def _prefill_alone(self, sequence: SequenceState, start: int, end: int) -> None:
         if sequence.phase != PREFILLING:
@@ -123,7 +143,7 @@ class PrefillRunner:
 
     def _prefill_failed(self, sequence: SequenceState, exc: Exception, what: str = "prefill") -> None:
         log.exception("%s of request %s failed", what, sequence.request_id)
-        self.emitter.finish(sequence, "error", error=f"{what} failed: {type(exc).__name__}: {exc}",
+        self.finish(sequence, "error", error=f"{what} failed: {type(exc).__name__}: {exc}",
                             error_type="internal")
 
     def _prefill_chunk(self, sequence: SequenceState, start: int, end: int) -> None:
@@ -149,7 +169,7 @@ class PrefillRunner:
         self.counters.prefill_chunks += 1
         self.counters.prompt_tokens_prefilled += end - start
         if stopped is not None and stopped[0] is sequence:
-            self.emitter.finish(sequence, "error", error=str(stopped[1]), rejected=stopped[1])
+            self.finish(sequence, "error", error=str(stopped[1]), rejected=stopped[1])
             return
         self.writer.store_prefill_blocks(sequence)
         if end == sequence.prefill_target:
@@ -157,13 +177,10 @@ class PrefillRunner:
 
     # -- first token -----------------------------------------------------------------
 
-    def first_tokens(self) -> None:
-        """Feed the last prompt token of every request whose prefill is done, sample its
-        first token and hand it out now, then let the request join the decode batch.
-
-        The decode batch would hand out a joining request's first token only at the
-        decode step after the one it joins in; sampling it here saves the client that
-        step. Requests whose caches allow it and whose cached prefix is at most
+    def first_tokens(self) -> list[FirstToken]:
+        """Feed the last prompt token of every request whose prefill is done and sample
+        its first token, to be handed out at once (the decode batch's pipelined step
+        would hand it out a step later). Requests whose caches allow it and whose cached prefix is at most
         ``prefill_step_size`` tokens share one forward; a longer one runs alone, since a
         shared forward copies every row's prefix (right-aligned to the longest) into its
         batch buffer. The copy is thus at most ``max_batch_size`` x ``prefill_step_size``
@@ -174,7 +191,7 @@ class PrefillRunner:
         prefilling = self.state.prefilling
         ready = [s for s in prefilling if s.prefilled == s.prefill_target]
         if not ready:
-            return
+            return []
         logits: dict[int, mx.array] = {}
         limit = self.planner.prefill_step_size
         members = [s for s in ready if can_batch(s.cache or ()) and s.prefill_target <= limit]
@@ -201,18 +218,19 @@ class PrefillRunner:
                 continue
             self.counters.first_token_forwards += 1
             logits[id(sequence)] = row
+        firsts = []
         for sequence in ready:
             if id(sequence) not in logits or sequence.phase != PREFILLING:
                 continue
-            prefilling.remove(sequence)
             try:
-                self._first_token(sequence, logits[id(sequence)])
+                firsts.append(self._first_token(sequence, logits[id(sequence)]))
             except Exception as exc:
                 log.exception("request %s failed while sampling its first token", sequence.request_id)
-                self.emitter.finish(sequence, "error", error=f"{type(exc).__name__}: {exc}",
-                                    error_type="internal")
+                self.finish(sequence, "error", error=f"{type(exc).__name__}: {exc}",
+                            error_type="internal")
+        return firsts
 
-    def _first_token(self, sequence: SequenceState, logits: mx.array) -> None:
+    def _first_token(self, sequence: SequenceState, logits: mx.array) -> FirstToken:
         """Sample from the last prompt token's ``(1, vocab)`` logits, as the decode batch
         would (same processors, same sampler, which it then goes on with). A resumed
         request samples its next completion token with the sampler and processors it
@@ -221,6 +239,7 @@ class PrefillRunner:
         if not sequence.preemptions:
             sequence.sampler = make_sampler(sampling, sequence.seed, self.vocab_size)
             sequence.processors = make_logits_processors(sampling, len(sequence.prompt))
+            sequence.stop_ids = self.eos | {int(t) for t in (sampling.stop_token_ids or ())}
             if sequence.grammar is not None:
                 # Last: the mask applies to the logits after bias and penalties.
                 sequence.processors += (sequence.grammar.processor(prompt_length=len(sequence.prompt)),)
@@ -229,16 +248,11 @@ class PrefillRunner:
             for processor in sequence.processors:
                 logits = processor(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = int((sequence.sampler or greedy_sampler)(logprobs).item())
-        finish_reason = None
-        if token in self.batch.stop_token_ids(sampling):
-            finish_reason = "stop"
-        elif sequence.completion_tokens + 1 >= sequence.max_tokens:
-            finish_reason = "length"
-        cache = sequence.cache
-        if finish_reason is None:
-            self.batch.join(sequence, token)
-        self.emitter.accept(sequence, token, logprobs[0], finish_reason, cache, sequence.context)
+        if sequence.sampler is None:
+            token = int(mx.argmax(logprobs, axis=-1).item())
+        else:
+            token = int(sequence.sampler(logprobs).item())
+        return FirstToken(sequence, token, logprobs[0], finish_reason(sequence, 0, token))
 
 
-__all__ = ["PrefillRunner"]
+__all__ = ["FirstToken", "PrefillRunner"]

@@ -1,9 +1,8 @@
-"""Per-request samplers, logits processors and logprobs for mlx-lm's ``BatchGenerator``.
+"""Per-request samplers and logits processors, and a decode step's sampling of all its rows.
 
 Every sampled request draws from its own key sequence: step ``n`` uses a key derived
 from ``(seed, n)`` alone, so a seeded request samples the same tokens whatever else
-shares its batch. Greedy requests share one sampler object, which lets the generator
-take the argmax of the whole batch in one call.
+shares its batch. Greedy requests have no sampler: their tokens come from one argmax over the batch.
 
 Semantics follow the OpenAI/vLLM conventions: temperature scales the logits before
 top-k/top-p/min-p filter them; presence and frequency penalties count completion
@@ -14,12 +13,15 @@ logits after penalties and bias, before temperature and filtering.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
 from omlx_core.engine import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from omlx_core.scheduling.batch_state import SequenceState
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -64,7 +66,7 @@ class SeededSampler:
 
 
 def make_sampler(params: SamplingParams, seed: int, vocab_size: int) -> Sampler | None:
-    """``None`` (the generator's shared greedy sampler) for temperature 0, else a seeded one."""
+    """``None`` (greedy: the argmax) for temperature 0, else a seeded sampler."""
     if params.temperature == 0:
         return None
     return SeededSampler(params, seed, vocab_size)
@@ -74,7 +76,7 @@ class LogitBias:
     """A request's ``logit_bias`` as a logits processor: added to its row's logits.
 
     A class rather than a closure so the decode step can tell biases apart from other
-    processors and add the whole batch's in one scatter (:mod:`.decode_step`)."""
+    processors and add the whole batch's in one scatter (:class:`BatchSampling`)."""
 
     def __init__(self, bias: dict[int, float]) -> None:
         self.indices = mx.array(list(bias.keys()), dtype=mx.int32)
@@ -135,6 +137,118 @@ def make_logits_processors(params: SamplingParams, prompt_length: int) -> tuple[
     return tuple(processors)
 
 
+class _BiasScatter:
+    """The batch's logit biases as one scatter: row, column and value of every entry."""
+
+    def __init__(self, biases: Sequence[tuple[int, LogitBias]]) -> None:
+        self.rows = mx.concatenate([mx.full((b.indices.size,), row, dtype=mx.int32)
+                                    for row, b in biases])
+        self.columns = mx.concatenate([b.indices for _, b in biases])
+        self.values = mx.concatenate([b.values for _, b in biases])
+        # The biases stay referenced with the key, so their ids are not reused.
+        self.biases = [b for _, b in biases]
+
+    def apply(self, logits: mx.array) -> mx.array:
+        return logits.at[self.rows, self.columns].add(self.values.astype(logits.dtype))
+
+
+def split_processors(processors: Sequence[Any]) -> tuple[list[LogitBias], tuple[Any, ...]]:
+    """A row's leading logit biases, and the processors after them."""
+    first = 0
+    while first < len(processors) and isinstance(processors[first], LogitBias):
+        first += 1
+    return list(processors[:first]), tuple(processors[first:])
+
+
+class BatchSampling:
+    """A decode step's rows turned from logits into tokens together.
+
+    - every row's logit bias is added in one scatter over the batch (a bias is always its
+      row's first processor, :func:`make_logits_processors`, so what comes after it,
+      penalties or a grammar, still sees the biased row);
+    - the greedy rows' tokens come from one ``argmax`` over the batch's logits;
+    - the log-softmax is computed only for rows that sample or report logprobs.
+
+    With float32 logits a greedy token is the argmax of the processed logits (mlx-lm
+    takes the argmax of their log-softmax: subtracting the log-sum-exp is monotone, so
+    the two are the same token unless rounding ties the two largest logits, ~1e-6
+    apart). Lower-precision logits (bfloat16, float16) round that subtraction coarsely,
+    so there greedy rows pick from the log-softmax, as mlx-lm does. Either way the token
+    does not depend on whether the request asks for logprobs.
+    """
+
+    def __init__(self) -> None:
+        self._scatter_key: tuple[Any, ...] | None = None
+        self._scatter: _BiasScatter | None = None
+
+    def _bias_scatter(self, biases: list[tuple[int, LogitBias]]) -> _BiasScatter | None:
+        """One scatter per batch composition: built again only when rows or biases change."""
+        if not biases:
+            return None
+        key = tuple((row, id(bias)) for row, bias in biases)
+        if key != self._scatter_key:
+            self._scatter, self._scatter_key = _BiasScatter(biases), key
+        return self._scatter
+
+    def process(self, rows: Sequence[SequenceState], logits: mx.array, fed: mx.array
+                ) -> tuple[mx.array, list[mx.array]]:
+        """``logits`` (one row per request) after each request's processors; ``fed``: the
+        tokens the forward fed, which the processors' histories take in. Also returns
+        the histories read (to evaluate with the step)."""
+        biases: list[tuple[int, LogitBias]] = []
+        rest: dict[int, tuple[Any, ...]] = {}
+        for index, sequence in enumerate(rows):
+            row_biases, others = split_processors(sequence.processors)
+            biases += [(index, bias) for bias in row_biases]
+            if others:
+                rest[index] = others
+        scatter = self._bias_scatter(biases)
+        if scatter is not None:
+            logits = scatter.apply(logits)
+        histories: list[mx.array] = []
+        if rest:
+            processed = []
+            for index, sequence in enumerate(rows):
+                row_logits = logits[index:index + 1]
+                if index in rest:
+                    history = sequence.history.update_and_fetch(fed[index:index + 1])
+                    histories.append(history)
+                    for processor in rest[index]:
+                        row_logits = processor(history, row_logits)
+                processed.append(row_logits)
+            logits = mx.concatenate(processed, axis=0)
+        return logits, histories
+
+    def sample(self, rows: Sequence[SequenceState], logits: mx.array
+               ) -> tuple[mx.array, list[mx.array | None]]:
+        """Each row's next token, and its logprobs where it samples or reports them."""
+        count = len(rows)
+        greedy = [s.sampler is None for s in rows]
+        # Below float32 a rounding step of the log-softmax is coarse enough to tie logits
+        # that differ, so greedy rows pick from the log-softmax there, as mlx-lm does.
+        from_logits = logits.dtype == mx.float32
+        wanted = [not g or not from_logits or s.request.sampling.logprobs is not None
+                  for g, s in zip(greedy, rows)]
+        logprobs: list[mx.array | None] = [None] * count
+        batch_logprobs = None
+        if all(wanted):
+            batch_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            logprobs = list(batch_logprobs)
+        elif any(wanted):
+            chosen = [index for index in range(count) if wanted[index]]
+            subset = logits[mx.array(chosen)]
+            for index, row in zip(chosen, subset - mx.logsumexp(subset, axis=-1, keepdims=True)):
+                logprobs[index] = row
+        picked_from = logits if from_logits else batch_logprobs
+        if all(greedy):
+            return mx.argmax(picked_from, axis=-1), logprobs
+        argmax = mx.argmax(picked_from, axis=-1) if any(greedy) else None
+        tokens = [argmax[index:index + 1] if greedy[index]  # type: ignore[index]
+                  else rows[index].sampler(logprobs[index][None])  # type: ignore[index]
+                  for index in range(count)]
+        return mx.concatenate(tokens, axis=0), logprobs
+
+
 def token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
     """The chosen token's logprob and, when ``top > 0``, the ``top`` most likely tokens."""
     if top <= 0:
@@ -170,6 +284,6 @@ def check_sampling(params: SamplingParams) -> None:
 
 
 __all__ = [
-    "LogitBias", "LogitsProcessor", "Sampler", "SeededSampler", "check_sampling", "greedy_sampler",
-    "make_logits_processors", "make_sampler", "token_logprob",
+    "BatchSampling", "LogitBias", "LogitsProcessor", "Sampler", "SeededSampler", "check_sampling", "greedy_sampler",
+    "make_logits_processors", "make_sampler", "split_processors", "token_logprob",
 ]

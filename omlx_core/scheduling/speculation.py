@@ -47,13 +47,12 @@ from typing import Any, Mapping, Sequence
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
-from mlx_lm.sample_utils import greedy_sampler
 
 from omlx_core.scheduling.acceptance import accepted_prefix
 from omlx_core.scheduling.batch_state import SequenceState
-from omlx_core.scheduling.decode_step import FusedSamplingBatch
-from omlx_core.scheduling.drafters import DraftState, NgramDrafter
-from omlx_core.scheduling.sampling import LogitBias, SeededSampler
+from omlx_core.scheduling.decode_batch import Fed, Lane, finish_reason
+from omlx_core.scheduling.drafters import NgramDrafter
+from omlx_core.scheduling.sampling import BatchSampling, LogitBias, SeededSampler
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,14 @@ class _Row:
     anchor: int = 0
     drafts: tuple[int, ...] = ()
     acceptance: float = 0.0
-    state: DraftState | None = None
+
+
+def _may_draft(sequence: SequenceState) -> bool:
+    """Whether a row's tokens can be verified several at a time: its processors read
+    nothing but logits (a logit bias), and it reports no logprobs."""
+    return (sequence.request.sampling.logprobs is None and sequence.grammar is None
+            and all(isinstance(p, LogitBias) for p in sequence.processors)
+            and (sequence.sampler is None or isinstance(sequence.sampler, SeededSampler)))
 
 
 class PromptLookupDrafts:
@@ -141,7 +147,6 @@ class PromptLookupDrafts:
         # its whole match (no per-request cost cut).
         self.drafter = drafter or NgramDrafter(block_size=max_drafts + 1, token_cost=0.0)
         self.cost = cost or StepCost()
-        self._states: dict[int, DraftState] = {}
         self._verified_last = False
         self.steps = 0
         self.verify_steps = 0
@@ -150,35 +155,31 @@ class PromptLookupDrafts:
 
     # -- DraftVerify -------------------------------------------------------------------
 
-    def drafting(self, rows: Mapping[int, SequenceState]) -> bool:
+    def drafting(self, rows: Mapping[str, SequenceState]) -> bool:
         """Every step runs here (a plain one where drafting does not pay), so the cost
-        model sees every step; ``False`` only for an empty batch. ``rows`` is the whole
-        batch: the drafter forgets the rows that left it."""
-        for key in [k for k in self._states if k not in rows]:
-            self.drafter.end(self._states.pop(key))
+        model sees every step; ``False`` only for an empty batch."""
         return bool(rows)
 
-    def verify(self, generator: Any, rows: Mapping[int, SequenceState]) -> Sequence[Any]:
+    def verify(self, lane: Lane, model: Any, sampling: BatchSampling) -> Fed:
         self.steps += 1
-        batch = getattr(generator, "_generation_batch", None)
-        candidates = self._candidates(generator, batch, rows)
-        if candidates and self._may_pay(len(batch.uids), candidates):
-            responses = self._draft_step(generator, batch, rows, candidates)
-            if responses is not None:
-                return responses
+        candidates = self._candidates(lane)
+        if candidates and self._may_pay(len(lane), candidates):
+            fed = self._draft_step(lane, model, sampling, candidates)
+            if fed is not None:
+                return fed
         else:
             for row in candidates:
-                self.drafter.skip(row.state)  # type: ignore[arg-type]
-        fed = len(batch.uids) if batch is not None else 0
+                self.drafter.skip(row.sequence.draft)
+        size = len(lane)
         started = time.perf_counter()
-        _, responses = generator.next()
+        fed = lane.plain_step(model, sampling)
         # The plain step returns once the previous step's tokens are read, its own forward
         # still running: right after a verify step (which left nothing running) that is
         # no step's cost, so it is not measured.
-        if fed and not self._verified_last:
-            self.cost.observe(fed, time.perf_counter() - started)
+        if size and not self._verified_last:
+            self.cost.observe(size, time.perf_counter() - started)
         self._verified_last = False
-        return responses
+        return fed
 
     def stats(self) -> dict[str, Any]:
         fixed, per_token = self.cost.coefficients() if self.cost.measured else (0.0, 0.0)
@@ -189,30 +190,18 @@ class PromptLookupDrafts:
 
     # -- which rows may draft ----------------------------------------------------------
 
-    def _candidates(self, generator: Any, batch: Any, rows: Mapping[int, SequenceState]) -> list[_Row]:
-        """The rows that may carry drafts this step (none unless the whole batch is in
-        mlx-lm's generation batch, with plain KV caches and the fused sampling step)."""
-        if (not isinstance(batch, FusedSamplingBatch) or not batch.uids
-                or len(generator._unprocessed_sequences) or len(generator._prompt_batch)
-                or len(batch.uids) != len(rows)
-                or not all(type(layer) is BatchKVCache for layer in batch.prompt_cache)):
+    def _candidates(self, lane: Lane) -> list[_Row]:
+        """The rows that may carry drafts this step (none unless the lane's caches can be
+        cut back row by row)."""
+        if not lane.plain_kv:
             return []
         candidates = []
-        for index, uid in enumerate(batch.uids):
-            sequence = rows.get(uid)
-            if sequence is None:
-                return []
-            sampler = batch.samplers[index] if batch.samplers else None
-            processors = tuple(batch.logits_processors[index] or ()) if batch.logits_processors else ()
-            if (sequence.request.sampling.logprobs is not None or sequence.grammar is not None
-                    or not all(isinstance(p, LogitBias) for p in processors)
-                    or not (sampler is None or sampler is greedy_sampler
-                            or isinstance(sampler, SeededSampler))):
+        for index, sequence in enumerate(lane.rows):
+            if not _may_draft(sequence):
                 continue
-            state = self._states.get(uid)
-            if state is None:
-                state = self._states[uid] = self.drafter.begin(sequence.prompt + sequence.generated)
-            candidates.append(_Row(index, sequence, state=state))
+            if sequence.draft is None:
+                sequence.draft = self.drafter.begin(sequence.prompt + sequence.generated)
+            candidates.append(_Row(index, sequence))
         return candidates
 
     def _expected(self, acceptance: float, drafts: int) -> float:
@@ -241,44 +230,45 @@ class PromptLookupDrafts:
         the step stays plain and pipelined (the anchors are not read)."""
         if not self.cost.measured:
             return False
-        outlook = [(self.drafter.outlook(row.state, row.sequence.prompt + row.sequence.generated),  # type: ignore[arg-type]
+        outlook = [(self.drafter.outlook(row.sequence.draft, row.sequence.prompt + row.sequence.generated),
                     self.max_drafts) for row in candidates]
         return self._best_width(size, outlook) > 1
 
     # -- the drafting step -------------------------------------------------------------
 
-    def _draft_step(self, generator: Any, batch: FusedSamplingBatch, rows: Mapping[int, SequenceState],
-                    candidates: list[_Row]) -> list[Any] | None:
+    def _draft_step(self, lane: Lane, model: Any, sampling: BatchSampling,
+                    candidates: list[_Row]) -> Fed | None:
         """Propose, pick the width, verify, accept, roll back; ``None`` when no width
         beats the plain step after all (the caller runs that)."""
-        anchors = batch._next_tokens
+        anchors = lane.fed
         mx.eval(anchors)
-        anchor_ids = anchors.tolist()
+        anchor_ids = anchors.tolist()  # type: ignore[union-attr]
         for row in candidates:
             row.anchor = int(anchor_ids[row.index])
             history = row.sequence.prompt + row.sequence.generated + [row.anchor]
-            draft = self.drafter.propose(row.state, history, self.max_drafts,  # type: ignore[arg-type]
+            draft = self.drafter.propose(row.sequence.draft, history, self.max_drafts,
                                          row.sequence.request.sampling, None)
             row.drafts = tuple(draft.tokens)
-            row.acceptance = self.drafter.acceptance(row.state)  # type: ignore[arg-type]
-        size = len(batch.uids)
+            row.acceptance = self.drafter.acceptance(row.sequence.draft)
+        size = len(lane)
         width = self._best_width(size, [(row.acceptance, len(row.drafts)) for row in candidates
                                         if row.drafts])
         if width == 1:
             for row in candidates:
-                self.drafter.skip(row.state)  # type: ignore[arg-type]
+                self.drafter.skip(row.sequence.draft)
             return None
         started = time.perf_counter()
-        with mx.stream(generator._stream):
-            responses = self._verify(batch, candidates, anchors, anchor_ids, width)
+        fed = self._verify(lane, model, sampling, candidates, anchor_ids, width)
         self.cost.observe(size * width, time.perf_counter() - started)
         self._verified_last = True
         self.verify_steps += 1
-        return responses
+        return fed
 
-    def _verify(self, batch: FusedSamplingBatch, candidates: list[_Row], anchors: mx.array,
-                anchor_ids: list[int], width: int) -> list[Any]:
-        size = len(batch.uids)
+    def _verify(self, lane: Lane, model: Any, sampling: BatchSampling, candidates: list[_Row],
+                anchor_ids: list[int], width: int) -> Fed:
+        rows = lane.rows
+        size = len(rows)
+        anchors = lane.fed
         drafts: list[tuple[int, ...]] = [()] * size
         by_index = {}
         for row in candidates:
@@ -286,11 +276,11 @@ class PromptLookupDrafts:
             drafts[row.index] = row.drafts
             by_index[row.index] = row
         inputs = mx.array([[anchor_ids[i], *drafts[i]] + [0] * (width - 1 - len(drafts[i]))
-                           for i in range(size)], dtype=anchors.dtype)
-        logits = batch.model(inputs, cache=batch.prompt_cache)
+                           for i in range(size)], dtype=anchors.dtype)  # type: ignore[union-attr]
+        logits = model(inputs, cache=lane.cache)
         # Position 0 of every row: exactly the plain step's processing and sampling.
-        first, contexts = batch._processed_logits(logits[:, 0, :], anchors)
-        first_tokens, first_logprobs = batch._sample(first)
+        first, histories = sampling.process(rows, logits[:, 0, :], anchors)  # type: ignore[arg-type]
+        first_tokens, first_logprobs = sampling.sample(rows, first)
         later: dict[int, mx.array] = {}
         steps_before: dict[int, int] = {}
         for row in candidates:
@@ -298,9 +288,9 @@ class PromptLookupDrafts:
             if not k:
                 continue
             row_logits = logits[row.index, 1:k + 1]
-            for bias in (batch.logits_processors[row.index] or ()) if batch.logits_processors else ():
+            for bias in row.sequence.processors:
                 row_logits = bias(None, row_logits)
-            sampler = batch.samplers[row.index] if batch.samplers else None
+            sampler = row.sequence.sampler
             if isinstance(sampler, SeededSampler):
                 steps_before[row.index] = sampler.step
                 row_logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
@@ -310,68 +300,48 @@ class PromptLookupDrafts:
             else:
                 later[row.index] = mx.argmax(row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True),
                                              axis=-1)
-        mx.eval(first_tokens, [lp for lp in first_logprobs if lp is not None], contexts, later)
+        mx.eval(first_tokens, [lp for lp in first_logprobs if lp is not None], histories, later)
         first_ids = first_tokens.tolist()
 
-        anchor_logprobs = batch._next_logprobs
-        responses: list[Any] = []
+        anchor_logprobs = lane.fed_logprobs
+        fed: Fed = []
         kept_fed: list[int] = []
         pending: list[int] = []
         pending_logprobs: list[mx.array | None] = []
-        finished: dict[int, str] = {}
-        for i in range(size):
+        for i, sequence in enumerate(rows):
             row = by_index.get(i)
             targets = [first_ids[i]] + (later[i].tolist() if i in later else [])
             accepted = accepted_prefix(drafts[i], targets)
             if i in steps_before:
                 # The sampler drew for every drafted position; plain decoding draws once
                 # per token kept, so the next draw uses the key after the last one kept.
-                batch.samplers[i].step = steps_before[i] + accepted
+                sequence.sampler.step = steps_before[i] + accepted
             emitted = [anchor_ids[i], *drafts[i][:accepted]]
-            reason = None
-            count = 0
-            for token in emitted:
-                count += 1
-                batch.tokens[i].append(token)
-                batch._num_tokens[i] += 1
-                if batch._num_tokens[i] >= batch.max_tokens[i]:
-                    reason = "length"
-                if batch._matchers[i].advance(token):
-                    reason = "stop"
-                if reason is not None:
+            # A row's tokens after the one that ends it are never handed out.
+            skip = 1 if sequence.fed_token_out else 0
+            count = len(emitted)
+            for position, token in enumerate(emitted[skip:]):
+                if finish_reason(sequence, position, token) is not None:
+                    count = skip + position + 1
                     break
             if row is not None and row.drafts:
-                self.drafter.commit(row.state, (anchor_ids[i], *row.drafts),  # type: ignore[arg-type]
-                                    1 + min(accepted, count - 1), None)
+                kept = min(accepted, count - 1)
+                self.drafter.commit(sequence.draft, (anchor_ids[i], *row.drafts), 1 + kept, None)
                 self.drafted += len(row.drafts)
-                self.accepted += min(accepted, count - 1)
+                self.accepted += kept
+                sequence.drafted += len(row.drafts)
+                sequence.accepted += kept
             elif row is not None:
-                self.drafter.skip(row.state)  # type: ignore[arg-type]
+                self.drafter.skip(sequence.draft)
             kept_fed.append(count)
             pending.append(targets[accepted])
             pending_logprobs.append(first_logprobs[i] if not drafts[i] else None)
             for j, token in enumerate(emitted[:count]):
-                last = j == count - 1
-                responses.append((i, token, anchor_logprobs[i] if j == 0 else None,
-                                  reason if last else None))
-            if reason is not None:
-                finished[i] = reason
-        self._roll_back(batch.prompt_cache, [width - kept for kept in kept_fed])
-
-        batch._current_tokens = anchors
-        batch._current_logprobs = anchor_logprobs
-        batch._next_tokens = mx.array(pending, dtype=anchors.dtype)
-        batch._next_logprobs = pending_logprobs
-        out = []
-        for i, token, logprobs, reason in responses:
-            cache = tokens = None
-            if reason is not None:
-                cache, tokens = batch.extract_cache(i), batch.tokens[i]
-            out.append(batch.Response(uid=batch.uids[i], token=token, logprobs=logprobs,
-                                      finish_reason=reason, prompt_cache=cache, all_tokens=tokens))
-        if finished:
-            batch.filter([i for i in range(size) if i not in finished])
-        return out
+                fed.append((sequence, token, anchor_logprobs[i] if j == 0 else None))
+        self._roll_back(lane.cache, [width - kept for kept in kept_fed])  # type: ignore[arg-type]
+        lane.fed = mx.array(pending, dtype=anchors.dtype)  # type: ignore[union-attr]
+        lane.fed_logprobs = pending_logprobs
+        return fed
 
     @staticmethod
     def _roll_back(cache: Sequence[BatchKVCache], rejected: list[int]) -> None:
@@ -424,7 +394,7 @@ def _roll_in_place(layer: BatchKVCache, shifts: list[int]) -> bool:
         return False
     if not all(view.flags.writeable and view.flags.c_contiguous for view in views):
         return False
-    end = layer._idx
+    end = layer.size()
     starts = layer.left_padding.tolist()
     for view in views:
         for row, shift in enumerate(shifts):

@@ -128,9 +128,9 @@ def family_config(family: str, overrides: dict[str, Any] | None = None) -> dict[
 
 
 def _model_classes(config: dict[str, Any]) -> tuple[type, type]:
-    from mlx_lm.utils import _get_classes
+    from omlx_core.models.loader import model_classes
 
-    return _get_classes(config)
+    return model_classes(config)
 
 
 def _is_projection(module: Any) -> bool:

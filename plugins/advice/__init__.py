@@ -20,7 +20,8 @@ rank's ceiling plus the shortfall where the refusal tells it (preflight, forward
 
 A request refused at admission (it waited for room that never came) is also told the
 largest ``max_tokens`` that would have been admitted when the completion's reservation
-is what did not fit.
+is what did not fit. A request refused at preflight that would fit with the KV cache
+quantized is told so, and which setting quantizes it (``--kv-bits``).
 
 A request refused at the ``load`` stage (its model cannot be loaded: it can never fit,
 or busy and pinned models hold the room) is told to use a smaller or more quantized
@@ -205,12 +206,23 @@ def _max_tokens(rejection: Rejection) -> str | None:
             f"{rejection.fitting_max_tokens} (or less) it would have run now.")
 
 
+def _kv_bits(rejection: Rejection) -> str | None:
+    bits = rejection.fitting_kv_bits
+    if bits is None:
+        return None
+    model = rejection.model_id or "<id>"
+    return (f"With the KV cache quantized to {bits} bits this request would fit: serve with "
+            f"--kv-bits {bits} (engine.kv_bits = {bits}, or kv_bits = {bits} under "
+            f"[models.{model}]; {'within 1 %' if bits == 8 else 'within 5 %'} of the "
+            "unquantized perplexity on the default model, BENCHMARKS.md).")
+
+
 @hookimpl
 def on_rejection(rejection: Rejection) -> str | None:
     if not isinstance(rejection, Rejection):
         return None
     ladder = _ladder(rejection)
-    knob = _max_tokens(rejection) or _unpin(rejection)
+    knob = _max_tokens(rejection) or _unpin(rejection) or _kv_bits(rejection)
     return ladder if knob is None else f"{knob} {ladder}"
 
 

@@ -59,9 +59,6 @@ SETTINGS = (
             default=64),
     Setting("prefix_cache_budget", "size", "bytes the in-memory prefix cache may hold "
             "(0 turns it off)", default=1 << 30),
-    Setting("fused_sampling", "bool", "sample a decode step's rows together (one scatter for "
-            "their logit biases, one argmax for greedy rows, log-softmax only where read); "
-            "false: mlx-lm's row-by-row step", default=True),
     Setting("speculation", "bool", "draft tokens for decoding rows by prompt lookup (the "
             "continuation of an earlier occurrence of their last tokens in prompt and "
             "output) and verify every row's drafts in the decode step's one forward; a cost "

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, Callable, Generator
 
 from omlx_core.hookspecs import hookimpl
-from omlx_core.memory.gate import MemoryReceiver
+from omlx_core.scheduling import MemoryReceiver
 from omlx_core.plugins.dflash.engine import DRAFTERS, DFlashEngine, DFlashSettings, engine_for_model
 from omlx_core.plugins.dflash.memory import with_speculation
 from omlx_core.settings import Setting

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from omlx_core.engine import SamplingParams
-from omlx_core.scheduling.acceptance import KeyStream, target_log_probs
-from omlx_core.scheduling.drafters import Draft, DraftFootprint, Drafter, DraftState
+from omlx_core.scheduling import KeyStream, target_log_probs
+from omlx_core.scheduling import Draft, DraftFootprint, Drafter, DraftState
 from omlx_core.plugins.dflash.hidden import decoder_layers
 
 

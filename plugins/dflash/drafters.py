@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from omlx_core.engine import SamplingParams
-from omlx_core.scheduling.acceptance import KeyStream, target_log_probs
-from omlx_core.scheduling.drafters import Draft, DraftFootprint, Drafter, DraftState
+from omlx_core.scheduling import KeyStream, target_log_probs
+from omlx_core.scheduling import Draft, DraftFootprint, Drafter, DraftState
 
 
 class ModelDrafter(Drafter):
@@ -35,7 +35,7 @@ class ModelDrafter(Drafter):
     def load(self, target: Any) -> None:
         from mlx_lm.models.cache import make_prompt_cache
 
-        from omlx_core.models.loader import load_model
+        from omlx_core.scheduling import load_model
         from omlx_core.plugins.dflash.rollback import unsupported_layers
 
         model, _tokenizer = load_model(self.path)

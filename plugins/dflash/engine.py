@@ -26,10 +26,10 @@ from omlx_core.engine import (
     RequestHandle,
     RequestProgress,
 )
-from omlx_core.models.errors import ModelError
+from omlx_core.scheduling import ModelError
 from omlx_core.scheduling import BatchedEngine
-from omlx_core.scheduling.sampling import check_sampling
-from omlx_core.scheduling.drafters import Drafter, NgramDrafter
+from omlx_core.scheduling import check_sampling
+from omlx_core.scheduling import Drafter, NgramDrafter
 from omlx_core.plugins.dflash.drafters import ModelDrafter
 from omlx_core.plugins.dflash.memory import BothPaths, PrimaryPathGuard, speculative_extra_bytes
 from omlx_core.plugins.dflash.rollback import unsupported_layers
@@ -37,8 +37,8 @@ from omlx_core.plugins.dflash.speculative import PrimaryPath, SpeculativeRequest
 
 if TYPE_CHECKING:
     from omlx_core.host import EngineHost
-    from omlx_core.memory.types import PeakQuery
-    from omlx_core.models.registry import ModelSpec
+    from omlx_core.scheduling import PeakQuery
+    from omlx_core.scheduling import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class DFlashEngine(GuardedEngine):
     def _load(self) -> tuple[Any, Any]:
         from mlx_lm.models.cache import make_prompt_cache
 
-        from omlx_core.models.loader import load_model
+        from omlx_core.scheduling import load_model
 
         lm, tokenizer = load_model(self.model.path)
         unsupported = unsupported_layers(make_prompt_cache(lm))

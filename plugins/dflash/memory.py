@@ -29,11 +29,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from omlx_core.memory.gate import ForwardGate, MemoryReceiver
+from omlx_core.scheduling import ForwardGate, MemoryReceiver
 
 if TYPE_CHECKING:
-    from omlx_core.memory.types import LimitSnapshot, PeakEstimate
-    from omlx_core.scheduling.drafters import DraftFootprint
+    from omlx_core.scheduling import LimitSnapshot, PeakEstimate
+    from omlx_core.scheduling import DraftFootprint
 
 
 class PrimaryPathGuard(MemoryReceiver):

@@ -34,9 +34,9 @@ from omlx_core.engine import (
     RequestProgress,
     Usage,
 )
-from omlx_core.memory.gate import PrefillChunk, PrefillStep
-from omlx_core.scheduling.acceptance import KeyStream, accept_greedy, accept_sampled
-from omlx_core.scheduling.drafters import Drafter, DraftState
+from omlx_core.scheduling import PrefillChunk, PrefillStep
+from omlx_core.scheduling import KeyStream, accept_greedy, accept_sampled
+from omlx_core.scheduling import Drafter, DraftState
 from omlx_core.plugins.dflash.memory import PrimaryPathGuard
 from omlx_core.plugins.dflash.rollback import TargetCache
 

@@ -77,7 +77,7 @@ def estimate_peak(query: Any) -> Generator[None, Any, Any]:
 
 @hookimpl
 def preflight(request: Any) -> None:
-    from omlx_core.memory.types import Rejection, RequestRejected
+    from omlx_core.scheduling import Rejection, RequestRejected
     from omlx_core.plugins.distributed.rank_memory import BOARDS
 
     board = BOARDS.get(request.model_id)

@@ -16,9 +16,9 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from omlx_core.engine import GenerationOutput, QueuedRequestHandle
-from omlx_core.models.errors import ModelError
+from omlx_core.scheduling import ModelError
 from omlx_core.scheduling import BatchedEngine, PrefixCache, Scheduler
-from omlx_core.scheduling.batch_state import DONE, new_sequence
+from omlx_core.scheduling import Phase, new_sequence
 from omlx_core.plugins.distributed.cluster import Cluster, cluster
 from omlx_core.plugins.distributed.rank_memory import BOARDS, RankMemoryBoard
 from omlx_core.plugins.distributed.sharding import load_sharded
@@ -27,8 +27,8 @@ from omlx_core.plugins.distributed.step_sync import CollectiveSteps
 if TYPE_CHECKING:
     from omlx_core.engine import GenerationRequest
     from omlx_core.host import EngineHost
-    from omlx_core.models.registry import ModelSpec
-    from omlx_core.scheduling.batch_state import SequenceState
+    from omlx_core.scheduling import ModelSpec
+    from omlx_core.scheduling import SequenceState
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +62,11 @@ class DistributedEngine(BatchedEngine):
         self.cluster.on_death(self._end_in_flight)
 
     def _load(self) -> Scheduler:
-        from omlx_core.models.loader import activation_dtype_bytes
+        from omlx_core.scheduling import TierPolicy
 
+        # Every rank loads and checks at once: a forward over shards runs on all of them.
         lm, tokenizer = load_sharded(self.model.path, self.mode, self.cluster.group)
-        self._lm, self.tokenizer = lm, tokenizer
-        self.activation_dtype_bytes = activation_dtype_bytes(lm)
-        args = getattr(lm, "args", None)
-        self.vocab_size = int(getattr(args, "vocab_size", 0) or self.model.config.get("vocab_size")
-                              or len(tokenizer))
-        from omlx_core.memory.ceilings import TierPolicy
+        self.adopt(lm, tokenizer)
 
         board = RankMemoryBoard(self.cluster, self.mode, _layers(self.model.config),
                                 TierPolicy.from_config(self.host.config).admit_watermark,
@@ -88,9 +84,9 @@ class DistributedEngine(BatchedEngine):
             prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,
             batch_window_s=self.settings.batch_window_s,
             batch_window_max_s=self.settings.batch_window_max_s,
-            fused_sampling=self.settings.fused_sampling,
             wake=self._thread.wake, boundary_listener=self.host.on_boundary_snapshot,
             finish_listener=self.host.on_request_finished, step_sync=self.step_sync,
+            kv_format=self.kv_format,
             decode_lanes=False,
         )
 
@@ -100,9 +96,9 @@ class DistributedEngine(BatchedEngine):
         dead = self.cluster.dead
         if dead is None:
             return super().submit(request)
-        handle = QueuedRequestHandle(request.request_id, _queue(), self.abort)
-        handle._outputs.put(_group_dead_output(request.request_id, dead))
-        return handle
+        outputs = _queue()
+        outputs.put(_group_dead_output(request.request_id, dead))
+        return QueuedRequestHandle(request.request_id, outputs, self.abort)
 
     def _new_sequence(self, request: GenerationRequest) -> Any:
         sequence = new_sequence(request)
@@ -116,22 +112,17 @@ class DistributedEngine(BatchedEngine):
         sequence.seed = seed
         self._started += 1
         self._live.add(sequence)
-        if request.sampling.grammar is not None:
-            from omlx_core.grammar import GrammarConstraint, compiler_for
-
-            compiled = compiler_for(self.tokenizer, vocab_size=self.vocab_size).compile(
-                request.sampling.grammar)
-            sequence.grammar = GrammarConstraint(compiled)
+        self.constrain(sequence)
         return sequence
 
     def _activity(self) -> tuple[int, bool]:
         """Sequences started so far, and whether one runs now (any thread)."""
-        return self._started, any(s.phase != DONE for s in list(self._live))
+        return self._started, any(s.phase is not Phase.DONE for s in list(self._live))
 
     def _stop_following(self) -> list[str]:
         """Rank 0 shut down: abort what this follower still runs, then stop."""
         _stop_this_process()
-        return [s.request_id for s in list(self._live) if s.phase != DONE]
+        return [s.request_id for s in list(self._live) if s.phase is not Phase.DONE]
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -143,7 +134,7 @@ class DistributedEngine(BatchedEngine):
         """The group died: the MLX thread is stuck in a collective, so every request
         still running gets its final output from here."""
         for sequence in list(self._live):
-            if sequence.phase != DONE:
+            if sequence.phase is not Phase.DONE:
                 sequence.outputs.put(_group_dead_output(sequence.request_id, reason))
 
     def stats(self) -> dict[str, Any]:

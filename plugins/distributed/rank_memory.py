@@ -28,11 +28,11 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from omlx_core.memory.types import CEILING_NAMES, CeilingBreakdown
+from omlx_core.scheduling import CEILING_NAMES, CeilingBreakdown
 from omlx_core.settings import format_size
 
 if TYPE_CHECKING:
-    from omlx_core.memory.types import LimitSnapshot, PeakEstimate
+    from omlx_core.scheduling import LimitSnapshot, PeakEstimate
     from omlx_core.plugins.distributed.cluster import Cluster
 
 #: a row's text: the tier and the kind of device, ``tier,device_kind``

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from omlx_core.models.errors import ModelError
+from omlx_core.scheduling import ModelError
 
 MODES = ("tensor", "pipeline")
 
@@ -71,9 +71,9 @@ def load_sharded(path: Path | str, mode: str, group: Any) -> tuple[Any, Any]:
     import mlx.core as mx
     from mlx_lm.utils import load_model, load_tokenizer
 
-    from omlx_core.models.attention import install_cpu_attention
-    from omlx_core.models.loader import settle_random_state
-    from omlx_core.models.mlp_route import install_cpu_swiglu
+    from omlx_core.scheduling import install_cpu_attention
+    from omlx_core.scheduling import settle_random_state
+    from omlx_core.scheduling import install_cpu_swiglu
 
     path = Path(path)
     model, config = load_model(path, lazy=True, strict=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from omlx_core.memory.gate import (
+from omlx_core.scheduling import (
     UNLIMITED_TOKENS,
     CacheRestore,
     DecodePlan,
@@ -25,12 +25,12 @@ from omlx_core.memory.gate import (
     PrefillStep,
     Refusals,
 )
-from omlx_core.memory.types import RequestRejected
+from omlx_core.scheduling import RequestRejected
 
 if TYPE_CHECKING:
     from omlx_core.engine import GenerationRequest
     from omlx_core.plugins.distributed.rank_memory import RankMemoryBoard
-    from omlx_core.scheduling.batch_state import SequenceState
+    from omlx_core.scheduling import SequenceState
     from omlx_core.plugins.distributed.cluster import Cluster
 
 #: what rank 0 broadcasts when its scheduler shuts down

@@ -278,13 +278,20 @@ class _Settings:
 
     @property
     def kv_row(self) -> int:
+        """Bytes one token adds to one full attention layer (quantized with ``kv_bits``)."""
         return self.dims.kv_bytes_per_token(self.dtype_bytes, self.kv_bits, self.kv_group_size)
+
+    @property
+    def window_row(self) -> int:
+        """Bytes one token adds to one sliding-window layer: mlx-lm has no quantized
+        rotating cache, so those layers stay in the activation dtype whatever ``kv_bits``."""
+        return self.dims.kv_bytes_per_token(self.dtype_bytes)
 
     @property
     def growing_kv_row(self) -> int:
         """Bytes one more token adds over every full and sliding layer (a sliding layer
         stops growing at its window; counting it anyway never undercounts)."""
-        return (self.dims.count(FULL) + self.dims.count(SLIDING)) * self.kv_row
+        return self.dims.count(FULL) * self.kv_row + self.dims.count(SLIDING) * self.window_row
 
 
 def _simulate(s: _Settings, new_tokens: int, chunk_size: int, cached: int, resident: bool, *,
@@ -343,7 +350,7 @@ def _cache_bytes(s: _Settings, state: _CacheState) -> dict[str, int]:
     if dims.linear is not None and state.offset:
         linear = dims.count(LINEAR) * dims.linear.state_bytes(s.dtype_bytes)
     return {"kv_cache": dims.count(FULL) * state.full_capacity * s.kv_row,
-            "window_cache": dims.count(SLIDING) * state.window_length * s.kv_row,
+            "window_cache": dims.count(SLIDING) * state.window_length * s.window_row,
             "recurrent_state": linear}
 
 
@@ -368,7 +375,7 @@ def _chunk_peak(s: _Settings, before: _CacheState, tokens: int, start: dict[str,
         kept = before.offset if before.offset % KV_STEP else before.full_capacity
         per_layer = (before.full_capacity + after.full_capacity - kept) * s.kv_row
     if dims.count(SLIDING):
-        per_layer = max(per_layer, before.window_length * s.kv_row)
+        per_layer = max(per_layer, before.window_length * s.window_row)
     growth = min(2, dims.count(FULL) + dims.count(SLIDING)) * per_layer
 
     # The transient is one layer's allocations (see LAYER_MARGIN); the last layer's
@@ -409,9 +416,10 @@ def _chunk_peak(s: _Settings, before: _CacheState, tokens: int, start: dict[str,
 
 
 def _join_peak(s: _Settings, before: _CacheState, start: dict[str, int]) -> PeakBreakdown:
-    """The prompt's last token in a one-token forward, then the join to mlx-lm's
-    BatchGenerator: each layer's cache is copied into a batch cache of exactly ``offset`` tokens, which then grows one step
-    (sliding layers: a window, updated in place) while the per-request cache is freed."""
+    """The prompt's last token in a one-token forward, then the join to a decode lane:
+    each layer's cache is copied into a batch cache of exactly ``offset`` tokens, which
+    then grows one step (sliding layers: a window, updated in place) while the
+    per-request cache is freed."""
     dims = s.dims
     b = s.dtype_bytes
     offset = before.offset
@@ -428,7 +436,7 @@ def _join_peak(s: _Settings, before: _CacheState, start: dict[str, int]) -> Peak
     if dims.count(FULL):
         per_layer = (before.full_capacity + offset + KV_STEP) * s.kv_row
     if dims.count(SLIDING):
-        per_layer = max(per_layer, (before.window_length + window) * s.kv_row)
+        per_layer = max(per_layer, (before.window_length + window) * s.window_row)
     copies = min(2, dims.count(FULL) + dims.count(SLIDING)) * per_layer
     if dims.linear is not None:
         copies += min(2, dims.count(LINEAR)) * dims.linear.state_bytes(b)

@@ -1,7 +1,9 @@
 """The paged SSD cache's files: one safetensors file per block, one per boundary state.
 
 A **block file** ``<hash>.safetensors`` holds the keys and values of one block's tokens
-for every layer that can be cut at any token (tensors ``kv.<layer>.k`` / ``kv.<layer>.v``).
+for every layer that can be cut at any token (tensors ``kv.<layer>.k`` / ``kv.<layer>.v``;
+a quantized layer's six arrays, packed values, scales and biases of keys then values, as
+``kv.<layer>.0`` ... ``kv.<layer>.5``, stored as they are).
 A **boundary file** holds the whole state of every layer that cannot be cut (recurrent
 ``ArraysCache`` state, rotating windows) at the block's end: tensors ``s.<n>`` plus a JSON
 description of each layer's cache class and state structure, rebuilt with mlx-lm's
@@ -129,10 +131,15 @@ def payload_of_kv(kv: Sequence[Any], *, block_hash: bytes, parent_hash: bytes, i
     payload.metadata["block_size"] = str(block_size)
     if tokens:
         payload.metadata["tokens"] = json.dumps([int(t) for t in tokens])
-    for layer, pair in enumerate(kv):
-        if pair is not None:
-            payload.add(f"kv.{layer}.k", pair[0])
-            payload.add(f"kv.{layer}.v", pair[1])
+    for layer, parts in enumerate(kv):
+        if parts is None:
+            continue
+        if len(parts) == 2:
+            payload.add(f"kv.{layer}.k", parts[0])
+            payload.add(f"kv.{layer}.v", parts[1])
+        else:
+            for index, part in enumerate(parts):
+                payload.add(f"kv.{layer}.{index}", part)
     return payload
 
 
@@ -246,9 +253,16 @@ def read_arrays(path: Path) -> tuple[dict[str, str], dict[str, mx.array]]:
 
 
 def kv_of(arrays: dict[str, mx.array], layers: int) -> tuple[Any, ...]:
-    """Per layer ``(keys, values)`` or ``None``, from a block file's tensors."""
-    return tuple((arrays[f"kv.{i}.k"], arrays[f"kv.{i}.v"]) if f"kv.{i}.k" in arrays else None
-                 for i in range(layers))
+    """Per layer ``(keys, values)``, a quantized layer's six arrays, or ``None``, from a
+    block file's tensors."""
+    def layer(i: int) -> tuple[mx.array, ...] | None:
+        if f"kv.{i}.k" in arrays:
+            return arrays[f"kv.{i}.k"], arrays[f"kv.{i}.v"]
+        if f"kv.{i}.0" in arrays:
+            return tuple(arrays[f"kv.{i}.{j}"] for j in range(6))
+        return None
+
+    return tuple(layer(i) for i in range(layers))
 
 
 def _decode_tree(value: Any, arrays: dict[str, mx.array]) -> Any:

@@ -61,7 +61,8 @@ def layer_types_of(kv: Sequence[Any], boundary: Sequence[Any] | None) -> list[st
     types = []
     for layer, pair in enumerate(kv):
         if pair is not None:
-            types.append("KVCache")
+            # A quantized layer's block holds six arrays (packed, scales, biases of K and V).
+            types.append("KVCache" if len(pair) == 2 else "QuantizedKVCache")
         elif boundary is not None and boundary[layer] is not None:
             types.append(type(boundary[layer]).__name__)
         else:

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from omlx_core.engine import GenerationRequest, ImagePart
-from omlx_core.scheduling.engine import BatchedEngine
-from omlx_core.scheduling.scheduler import new_sequence
+from omlx_core.scheduling import BatchedEngine
+from omlx_core.scheduling import new_sequence
 from omlx_core.plugins.vlm.bound import ImageTokenBound, image_token_bound, read_processor_config
 from omlx_core.plugins.vlm.images import ImageLimits, PreparedImage, check_parts, prepare
 from omlx_core.plugins.vlm.model import (
@@ -24,7 +24,7 @@ from omlx_core.plugins.vlm.scheduler import VLMScheduler, VLMSequence, image_spa
 
 if TYPE_CHECKING:
     from omlx_core.host import EngineHost
-    from omlx_core.models.registry import ModelSpec
+    from omlx_core.scheduling import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -65,16 +65,17 @@ class VLMEngine(BatchedEngine):
         from mlx_lm.utils import load_tokenizer
         from transformers import AutoImageProcessor
 
-        from omlx_core.models.loader import activation_dtype_bytes
+        from omlx_core.scheduling import hf_tokenizer
 
         vlm, lm, config = load_vlm(self.model.path)
         # The estimate reads the model's config: give it the dims the model was built with.
         self.model = dataclasses.replace(self.model, config=config)
         tokenizer = load_tokenizer(Path(self.model.path), eos_token_ids=config.get("eos_token_id"))
-        if getattr(tokenizer._tokenizer, "chat_template", None) is None:
+        hf = hf_tokenizer(tokenizer)
+        if getattr(hf, "chat_template", None) is None:
             template = processor_chat_template(self.model.path)
             if template is not None:
-                tokenizer._tokenizer.chat_template = template
+                hf.chat_template = template
                 tokenizer.has_chat_template = True
         # The PIL backend: transformers' torchvision one needs torch, which is not installed.
         self.image_processor = AutoImageProcessor.from_pretrained(str(self.model.path), backend="pil")
@@ -85,9 +86,7 @@ class VLMEngine(BatchedEngine):
                 f"model {self.model.id!r}: an image takes {self.layout.tokens_per_image} tokens, over "
                 f"the preflight bound of {self.bound.tokens} ({self.bound.source}); preflight would "
                 "undercount its prompts")
-        self._lm, self.tokenizer = lm, tokenizer
-        self.activation_dtype_bytes = activation_dtype_bytes(lm)
-        self.vocab_size = int(lm.args.vocab_size)
+        self.adopt(lm, tokenizer)
         return VLMScheduler(
             vlm=vlm, family=self.family, image_token_id=self.layout.image_token_id,
             model=lm, tokenizer=tokenizer, model_id=self.model.id, model_config=self.model.config,
@@ -95,7 +94,7 @@ class VLMEngine(BatchedEngine):
             prefill_step_size=self.settings.prefill_step_size, prefix_cache=self.prefix_cache,
             batch_window_s=self.settings.batch_window_s,
             wake=self._thread.wake, boundary_listener=self.host.on_boundary_snapshot,
-            finish_listener=self.host.on_request_finished,
+            finish_listener=self.host.on_request_finished, kv_format=self.kv_format,
         )
 
     # -- images ----------------------------------------------------------------------

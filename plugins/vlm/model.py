@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omlx_core.models.registry import ModelError
+from omlx_core.scheduling import ModelError
 
 #: VLM ``model_type`` -> what the engine knows of the family
 SUPPORTED_FAMILIES = ("llava", "gemma3")
@@ -152,9 +152,7 @@ def load_vlm(path: Path) -> tuple[Any, Any, dict[str, Any]]:
     side holding the same weights, and the config completed with mlx-vlm's defaults."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
-    from omlx_core.models.loader import settle_random_state
+    from omlx_core.scheduling import model_classes, settle_random_state
 
     require_vlm_dependencies()
     from mlx_vlm.utils import load_model as load_vlm_model
@@ -168,7 +166,7 @@ def load_vlm(path: Path) -> tuple[Any, Any, dict[str, Any]]:
         raise ModelError(f"cannot load VLM from {path}: {type(exc).__name__}: {exc}") from exc
     config = completed_config(vlm, config)
     text_config = text_model_config(config)
-    model_class, args_class = _get_classes(text_config)
+    model_class, args_class = model_classes(text_config)
     language_model = model_class(args_class.from_dict(text_config))
     weights = dict(tree_flatten(vlm.language_model.parameters()))
     if hasattr(language_model, "sanitize"):

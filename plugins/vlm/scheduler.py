@@ -29,8 +29,8 @@ from typing import Any, Mapping, Sequence
 
 import mlx.core as mx
 
-from omlx_core.scheduling.batch_state import SequenceState
-from omlx_core.scheduling.scheduler import Scheduler
+from omlx_core.scheduling import SequenceState
+from omlx_core.scheduling import Scheduler
 
 
 @dataclass(eq=False)

@@ -288,9 +288,13 @@
     return lines.filter(([, v]) => v !== null && v !== undefined).map(([k, v]) => k + " " + size(v));
   }
   function contextText(m) {
-    if (m.max_context && m.context_length && m.max_context !== m.context_length) return m.max_context + " of " + m.context_length + " tokens";
-    const tokens = m.max_context || m.context_length;
-    return tokens ? tokens + " tokens" : "–";
+    let text;
+    if (m.max_context && m.context_length && m.max_context !== m.context_length) text = m.max_context + " of " + m.context_length + " tokens";
+    else {
+      const tokens = m.max_context || m.context_length;
+      text = tokens ? tokens + " tokens" : "–";
+    }
+    return m.kv_cache ? [text, "KV cache: " + m.kv_cache] : text;
   }
   function useText(m) {
     const lines = [m.last_used_s_ago === null || m.last_used_s_ago === undefined ? "never used" : "used " + seconds(m.last_used_s_ago) + " ago"];

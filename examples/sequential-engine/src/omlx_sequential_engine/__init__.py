@@ -39,7 +39,7 @@ from omlx_core.engine import (
     Usage,
 )
 from omlx_core.hookspecs import hookimpl
-from omlx_core.memory.gate import PrefillChunk, PrefillStep
+from omlx_core.scheduling import PrefillChunk, PrefillStep
 
 #: prompt tokens one prefill forward takes (what memory_hints tells the guard)
 PREFILL_STEP = 256
@@ -80,7 +80,7 @@ class SequentialEngine(GuardedEngine):
     # -- the Engine contract, called from any thread -----------------------------------
 
     def start(self) -> None:
-        from omlx_core.models.loader import activation_dtype_bytes, load_model
+        from omlx_core.scheduling import activation_dtype_bytes, load_model
 
         self._model, self._tokenizer = self.host.thread.run(load_model, self.model.path)
         self._dtype_bytes = self.host.thread.run(activation_dtype_bytes, self._model)

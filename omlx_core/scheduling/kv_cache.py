@@ -1,0 +1,350 @@
+"""The KV cache formats a model is served with, and the decode batch's batch caches.
+
+**Formats.** A :class:`KVFormat` is full precision (the model's activation dtype) or
+quantized to ``bits`` (8 or 4) per element in groups of ``group_size`` elements, each
+group with a scale and a bias in the activation dtype (mlx's affine quantization, as
+mlx-lm's ``QuantizedKVCache`` stores it). Only plain attention layers (mlx-lm's
+``KVCache``) are quantized; sliding-window (``RotatingKVCache``) and recurrent
+(``ArraysCache``) layers keep full precision, since mlx-lm has no quantized form of
+them: :func:`quantized_layers` says which are which, for ``/health``.
+
+**Batch caches.** A decode lane holds its rows' caches merged, one batch cache per
+layer, each row left-padded to the lane's longest (:func:`merge_layers`); mlx-lm's
+cache classes merge themselves (``KVCache.merge`` gives a ``BatchKVCache``, and so on),
+but mlx-lm has no batch form of ``QuantizedKVCache``: :class:`BatchQuantizedKVCache`
+is it, with the same public methods (``update_and_fetch``, ``make_mask``, ``filter``,
+``extend``, ``extract``, ``merge``, ``trim``, ``state``) and the ``bits`` and
+``group_size`` attributes through which mlx-lm's attention takes its quantized path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+#: the KV bits a model may be served with (``None``: full precision)
+KV_BITS = (8, 4)
+#: the quantization group sizes mlx supports
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How a model's attention KV is stored: full precision (``bits=None``) or
+    quantized to ``bits`` in groups of ``group_size``."""
+
+    bits: int | None = None
+    group_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.bits is not None and self.bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} "
+                             f"(or unset for full precision), got {self.bits}")
+        if self.group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of "
+                             f"{', '.join(map(str, KV_GROUP_SIZES))}, got {self.group_size}")
+
+    @classmethod
+    def from_settings(cls, bits: int, group_size: int) -> "KVFormat":
+        """The format ``kv_bits``/``kv_group_size`` settings name (0 bits: unquantized)."""
+        return cls(bits=int(bits) or None, group_size=int(group_size))
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def describe(self, dtype_name: str = "full precision") -> str:
+        """``"8-bit (group 64)"``, or ``dtype_name`` for full precision."""
+        return f"{self.bits}-bit (group {self.group_size})" if self.bits else dtype_name
+
+    def element_bytes(self, dtype_bytes: int) -> float:
+        """Bytes one K or V element takes, its share of its group's scale and bias
+        included."""
+        if self.bits is None:
+            return float(dtype_bytes)
+        return self.bits / 8 + 2 * dtype_bytes / self.group_size
+
+
+FULL_PRECISION = KVFormat()
+
+
+def _is_plain(layer: Any) -> bool:
+    # Exactly KVCache: its subclasses (rotating, chunked, ...) keep state of their own.
+    return type(layer) is KVCache
+
+
+def quantized_layers(model: Any, kv_format: KVFormat) -> tuple[int, int]:
+    """``(quantized, kept)``: how many of ``model``'s cache layers ``kv_format``
+    quantizes, and how many keep full precision (sliding-window, recurrent)."""
+    template = make_prompt_cache(model)
+    plain = sum(1 for layer in template if _is_plain(layer))
+    return (plain if kv_format.quantized else 0), len(template) - (plain if kv_format.quantized else 0)
+
+
+def check_kv_format(model: Any, kv_format: KVFormat, model_id: str) -> None:
+    """Raise ``ValueError`` naming the value, what is allowed and the model when
+    ``model`` (loaded) cannot be served with ``kv_format``: it has no plain attention
+    layer, or its attention cannot read quantized KV (one token is fed to find out)."""
+    if not kv_format.quantized:
+        return
+    _no_plain_layers(model, kv_format, model_id)
+    try:
+        mx.eval(model(mx.array([[0]]), cache=make_request_cache(model, kv_format)))
+    except Exception as exc:  # mlx's quantize or the model's attention refused it
+        raise ValueError(
+            f"model {model_id!r} cannot be served with kv_bits={kv_format.bits}, "
+            f"kv_group_size={kv_format.group_size}: {exc}; use another kv_group_size "
+            f"({', '.join(map(str, KV_GROUP_SIZES))}) or kv_bits=0 for it") from None
+
+
+def check_config_kv_format(config: dict[str, Any], kv_format: KVFormat, model_id: str) -> None:
+    """:func:`check_kv_format`'s layer check from a model's config alone (no weights
+    loaded), for models served on demand: a start-up error rather than a failed load."""
+    if not kv_format.quantized:
+        return
+    from omlx_core.models.loader import model_classes
+
+    model_class, args_class = model_classes(config)
+    _no_plain_layers(model_class(args_class.from_dict(config)), kv_format, model_id)
+
+
+def _no_plain_layers(model: Any, kv_format: KVFormat, model_id: str) -> None:
+    quantized, _ = quantized_layers(model, kv_format)
+    if not quantized:
+        raise ValueError(
+            f"model {model_id!r}: kv_bits={kv_format.bits} needs plain attention layers to "
+            "quantize, and this model has none (mlx-lm has no quantized form of its "
+            "sliding-window or recurrent caches); allowed for it: kv_bits=0")
+
+
+def make_request_cache(model: Any, kv_format: KVFormat = FULL_PRECISION) -> list[Any]:
+    """A fresh cache for one request, its plain attention layers in ``kv_format``."""
+    cache = make_prompt_cache(model)
+    if kv_format.quantized:
+        cache = [QuantizedKVCache(group_size=kv_format.group_size, bits=kv_format.bits)
+                 if _is_plain(layer) else layer for layer in cache]
+    return cache
+
+
+def is_quantized(layer: Any) -> bool:
+    return isinstance(layer, (QuantizedKVCache, BatchQuantizedKVCache))
+
+
+def position_bytes(cache: Sequence[Any]) -> int:
+    """Bytes one KV position takes in ``cache``'s plain attention layers (full
+    precision or quantized; other layers do not grow with positions)."""
+    total = 0
+    for layer in cache:
+        if _is_plain(layer) and layer.keys is not None:
+            total += layer.keys.nbytes // layer.keys.shape[2] + layer.values.nbytes // layer.values.shape[2]
+        elif type(layer) is QuantizedKVCache and layer.keys is not None:
+            length = layer.keys[0].shape[2]
+            total += sum(a.nbytes for a in (*layer.keys, *layer.values)) // length
+    return total
+
+
+def merge_layers(caches: Sequence[Sequence[Any]]) -> list[Any]:
+    """One batch cache per layer holding ``caches`` (one per request) as rows."""
+    merged = []
+    for index, first in enumerate(caches[0]):
+        layers = [cache[index] for cache in caches]
+        if type(first) is QuantizedKVCache:
+            merged.append(BatchQuantizedKVCache.merge(layers))
+        else:
+            merged.append(first.merge(layers))
+    return merged
+
+
+def _slice_rows(arrays: tuple[mx.array, ...], rows: Any) -> tuple[mx.array, ...]:
+    return tuple(a[rows] for a in arrays)
+
+
+class BatchQuantizedKVCache:
+    """Several requests' quantized KV, left-padded to a common length (see the module).
+
+    ``keys`` and ``values`` are mlx's quantized triples ``(packed, scales, biases)``,
+    each ``(rows, kv_heads, capacity, ·)``; columns ``[0, index)`` are in use, row ``i``'s
+    from ``left_padding[i]`` on; ``offset[i]`` is row ``i``'s own token count (the RoPE
+    offset of its next token)."""
+
+    step = 256
+
+    def __init__(self, left_padding: Sequence[int], group_size: int, bits: int) -> None:
+        self.keys: tuple[mx.array, ...] | None = None
+        self.values: tuple[mx.array, ...] | None = None
+        self.left_padding = mx.array(list(left_padding))
+        self.offset = mx.array([-p for p in left_padding])
+        self.index = 0
+        self.group_size = group_size
+        self.bits = bits
+
+    # -- what mlx-lm's attention calls ------------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple[mx.array, ...], ...]:
+        start, count = self.index, keys.shape[2]
+        if self.keys is None or start + count > self.keys[0].shape[2]:
+            self._grow(keys, values, count)
+        quantized_keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+        quantized_values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        for buffer, part in zip((*self.keys, *self.values), (*quantized_keys, *quantized_values)):  # type: ignore[misc]
+            buffer[..., start:start + count, :] = part
+        self.index += count
+        self.offset = self.offset + count
+        return self._used(self.keys), self._used(self.values)  # type: ignore[arg-type]
+
+    def _grow(self, keys: mx.array, values: mx.array, count: int) -> None:
+        rows, heads = keys.shape[:2]
+        added = (count + self.step - 1) // self.step * self.step
+        per_word = 32 // self.bits
+
+        def empty(dim: int) -> tuple[mx.array, ...]:
+            shape = (rows, heads, added)
+            return (mx.zeros((*shape, dim // per_word), dtype=mx.uint32),
+                    mx.zeros((*shape, dim // self.group_size), dtype=keys.dtype),
+                    mx.zeros((*shape, dim // self.group_size), dtype=keys.dtype))
+
+        new_keys, new_values = empty(keys.shape[3]), empty(values.shape[3])
+        if self.keys is None:
+            self.keys, self.values = new_keys, new_values
+            return
+        used_keys, used_values = self._used(self.keys), self._used(self.values)  # type: ignore[arg-type]
+        self.keys = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(used_keys, new_keys))
+        self.values = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(used_values, new_values))
+
+    def _used(self, arrays: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+        return tuple(a[..., :self.index, :] for a in arrays)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:  # noqa: N803 - mlx-lm's name
+        return create_causal_mask(N, offset=self.index, left_padding=self.left_padding, **kwargs)
+
+    # -- rows joining and leaving -------------------------------------------------------
+
+    def filter(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows``, in that order; drop the columns no kept row uses."""
+        indices = mx.array(list(rows))
+        if self.keys is not None:
+            self.keys = _slice_rows(self.keys, indices)
+            self.values = _slice_rows(self.values, indices)  # type: ignore[arg-type]
+        self.offset = self.offset[indices]
+        self.left_padding = self.left_padding[indices]
+        unused = min(self.left_padding.tolist(), default=0)
+        if unused > 0:
+            if self.keys is not None:
+                self.keys = tuple(a[..., unused:, :] for a in self.keys)
+                self.values = tuple(a[..., unused:, :] for a in self.values)  # type: ignore[union-attr]
+            self.index -= unused
+            self.left_padding = self.left_padding - unused
+
+    def extend(self, other: "BatchQuantizedKVCache") -> None:
+        """Append ``other``'s rows, both right-aligned at the longer one's index."""
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        index = max(self.index, other.index)
+        capacity = max(c.keys[0].shape[2] for c in (self, other) if c.keys is not None)
+        template = (self if self.keys is not None else other)
+
+        def aligned(cache: BatchQuantizedKVCache) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...], mx.array]:
+            left = index - cache.index
+            parts = []
+            for arrays, model in ((cache.keys, template.keys), (cache.values, template.values)):
+                if arrays is None:
+                    rows = cache.offset.shape[0]
+                    arrays = tuple(mx.zeros((rows, m.shape[1], 0, m.shape[3]), m.dtype) for m in model)  # type: ignore[union-attr]
+                right = capacity - arrays[0].shape[2] - left
+                padded = []
+                for a in arrays:
+                    if right < 0:
+                        a = a[..., :right, :]
+                    if left or right > 0:
+                        a = mx.pad(a, [(0, 0), (0, 0), (left, max(right, 0)), (0, 0)])
+                    padded.append(a)
+                parts.append(tuple(padded))
+            return parts[0], parts[1], cache.left_padding + left
+
+        mine, theirs = aligned(self), aligned(other)
+        self.keys = tuple(mx.concatenate([a, b]) for a, b in zip(mine[0], theirs[0]))
+        self.values = tuple(mx.concatenate([a, b]) for a, b in zip(mine[1], theirs[1]))
+        self.left_padding = mx.concatenate([mine[2], theirs[2]])
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self.index = index
+
+    def extract(self, row: int) -> QuantizedKVCache:
+        """Row ``row`` as a request's own quantized cache (a compact copy)."""
+        padding = int(self.left_padding[row].item())
+        cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        if self.keys is None:
+            return cache
+        keys = tuple(mx.contiguous(a[row:row + 1, :, padding:self.index]) for a in self.keys)
+        values = tuple(mx.contiguous(a[row:row + 1, :, padding:self.index]) for a in self.values)  # type: ignore[union-attr]
+        cache.state = (keys, values, self.index - padding, self.group_size, self.bits)
+        return cache
+
+    @classmethod
+    def merge(cls, caches: Sequence[QuantizedKVCache]) -> "BatchQuantizedKVCache":
+        """Requests' own quantized caches as the rows of one batch cache."""
+        first = caches[0]
+        lengths = [c.offset for c in caches]
+        longest = max(lengths)
+        batch = cls([longest - n for n in lengths], first.group_size, first.bits)
+        if longest == 0:
+            return batch
+        model = next(c for c in caches if c.keys is not None)
+        rows = len(caches)
+
+        def stacked(pick: Any) -> tuple[mx.array, ...]:
+            parts = []
+            for position, template in enumerate(pick(model)):
+                buffer = mx.zeros((rows, template.shape[1], longest, template.shape[3]), template.dtype)
+                for row, (cache, length) in enumerate(zip(caches, lengths)):
+                    if length:
+                        buffer[row:row + 1, :, longest - length:] = pick(cache)[position][..., :length, :]
+                parts.append(buffer)
+            return tuple(parts)
+
+        batch.keys = stacked(lambda c: c.keys)
+        batch.values = stacked(lambda c: c.values)
+        batch.index = longest
+        batch.offset = batch.offset + longest
+        return batch
+
+    # -- the rest of mlx-lm's cache surface ----------------------------------------------
+
+    def trim(self, n: int) -> int:
+        n = min(self.index, n)
+        self.index -= n
+        self.offset = self.offset - n
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def size(self) -> int:
+        return self.index
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(a.nbytes for a in (*self.keys, *self.values))  # type: ignore[misc]
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return self.keys, self.values, self.offset, self.left_padding, self.index
+
+    @state.setter
+    def state(self, value: tuple[Any, ...]) -> None:
+        self.keys, self.values, self.offset, self.left_padding, self.index = value
+
+
+__all__ = ["FULL_PRECISION", "KV_BITS", "KV_GROUP_SIZES", "BatchQuantizedKVCache", "KVFormat",
+           "check_config_kv_format", "check_kv_format", "is_quantized", "make_request_cache", "merge_layers",
+           "position_bytes", "quantized_layers"]

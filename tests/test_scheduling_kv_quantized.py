@@ -1,0 +1,225 @@
+"""A quantized KV cache end to end: the batch cache, the scheduler's greedy tokens, the
+prefix cache's blocks, the SSD tier's files, the estimate, and the bad settings.
+
+The reference for tokens is a plain loop over mlx-lm's own ``QuantizedKVCache`` (the
+prompt but its last token in one forward, then one token at a time), which is what the
+engine's first prefill chunk, first-token forward and decode lane compute.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import QuantizedKVCache
+
+from omlx_core.engine import SamplingParams
+from omlx_core.mlx_thread import mlx_thread
+from omlx_core.models.loader import load_model
+from omlx_core.models.registry import ModelError, spec_for_path
+from omlx_core.scheduling import BatchedEngine
+from omlx_core.scheduling.kv_cache import (
+    BatchQuantizedKVCache,
+    KVFormat,
+    make_request_cache,
+    merge_layers,
+    position_bytes,
+)
+from omlx_core.testing.host import make_test_host
+from omlx_core.testing.models import build_model
+
+from tests.test_batched_engine import collect, make_config, prompt_of, submit, wait_idle
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+#: mlx quantizes in groups of 32, 64 or 128 elements: the tiny models' 16-wide heads
+#: cannot be, so these tests build them with 64-wide heads
+HEADS = {"head_dim": 64}
+
+
+@pytest.fixture(scope="module")
+def quantizable(tmp_path_factory):
+    built: dict[str, Path] = {}
+
+    def path(family: str) -> Path:
+        if family not in built:
+            built[family] = build_model(family, tmp_path_factory.mktemp(family), overrides=HEADS)
+        return built[family]
+
+    return path
+
+
+def reference_greedy(model: Any, prompt: list[int], count: int, kv_format: KVFormat) -> list[int]:
+    """Greedy tokens over mlx-lm's QuantizedKVCache, one row, no batching."""
+    cache = make_request_cache(model, kv_format)
+    if len(prompt) > 1:
+        mx.eval(model(mx.array(prompt[:-1])[None], cache=cache))
+    token, tokens = prompt[-1], []
+    for _ in range(count):
+        logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
+        token = int(mx.argmax(logits, axis=-1).item())
+        tokens.append(token)
+    return tokens
+
+
+def start(path: Path, **overrides: Any) -> BatchedEngine:
+    engine = BatchedEngine(spec_for_path(path), make_test_host(make_config(**overrides)))
+    engine.start()
+    return engine
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_batch_cache_holds_each_rows_own_quantized_kv(bits):
+    """Merging, growing, filtering and extending rows keeps each row's values: a row
+    extracted from the batch equals the cache it came from, its padding dropped."""
+    def run() -> list[bool]:
+        fmt = KVFormat(bits=bits, group_size=32)
+        rows = []
+        for length in (5, 12, 3):
+            cache = QuantizedKVCache(group_size=fmt.group_size, bits=bits)
+            keys = mx.random.normal((1, 2, length, 64), key=mx.random.key(length))
+            cache.update_and_fetch(keys, keys * 2)
+            rows.append(cache)
+        batch = BatchQuantizedKVCache.merge(rows[:2])
+        batch.extend(BatchQuantizedKVCache.merge(rows[2:]))
+        new = mx.random.normal((3, 2, 1, 64), key=mx.random.key(9))
+        batch.update_and_fetch(new, new * 2)
+        batch.filter([0, 2])
+        same = []
+        for index, original in zip((0, 1), (rows[0], rows[2])):
+            extracted = batch.extract(index)
+            length = original.offset
+            assert extracted.offset == length + 1
+            for mine, theirs in zip((*extracted.keys, *extracted.values), (*original.keys, *original.values)):
+                same.append(bool(mx.array_equal(mine[..., :length, :], theirs[..., :length, :]).item()))
+        return same
+
+    assert all(mlx_thread().run(run))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_kv_gives_the_tokens_of_mlx_lms_quantized_cache(quantizable, family, bits):
+    """Rows of different lengths decoding together (left padding, masked) give each row
+    the tokens it gets alone over mlx-lm's QuantizedKVCache."""
+    path = quantizable(family)
+    engine = start(path, **{"engine.kv_bits": bits, "plugin.batched.prefill_step_size": 256})
+    try:
+        prompts = [prompt_of(engine, words, salt) for words, salt in ((3, 1), (11, 2), (25, 3))]
+        handles = [submit(engine, prompt, GREEDY) for prompt in prompts]
+        outputs = [collect(handle).token_ids for handle in handles]
+        fmt = engine.kv_format
+        references = mlx_thread().run(lambda: [
+            reference_greedy(load_model(path)[0], prompt, GREEDY.max_tokens, fmt) for prompt in prompts])
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    for output, reference in zip(outputs, references):
+        assert output == reference[:len(output)]
+        assert len(output) == GREEDY.max_tokens or reference[len(output)] in (0, 1, 2)
+    assert stats["kv_cache"].startswith(f"{bits}-bit (group 64)")
+
+
+def test_a_quantized_prefix_is_restored_as_stored(quantizable):
+    """Blocks are kept quantized (six arrays a layer) and restored without quantizing
+    again: a prefix hit gives the same tokens as the first time."""
+    engine = start(quantizable("llama"), **{"engine.kv_bits": 8})
+    try:
+        prompt = prompt_of(engine, 40, 7)
+        first = collect(submit(engine, prompt, GREEDY))
+        wait_idle(engine)
+        cache = engine.prefix_cache
+        blocks = mlx_thread().run(lambda: [cache.get(h) for h in cache.hashes(prompt[:-1])])
+        again = collect(submit(engine, prompt, GREEDY))
+    finally:
+        engine.shutdown()
+    held = [block for block in blocks if block is not None]
+    assert held and all(len(parts) == 6 for block in held for parts in block.kv if parts is not None)
+    assert again.usage.cached_tokens > 0
+    assert again.token_ids == first.token_ids
+
+
+def test_a_quantized_block_survives_the_ssd_tier(tmp_path):
+    from omlx_core.plugins.ssd_cache.blockfile import kv_of, payload_of_kv, read_arrays, write_payload
+
+    def roundtrip() -> bool:
+        cache = QuantizedKVCache(group_size=64, bits=4)
+        keys = mx.random.normal((1, 2, 8, 64), key=mx.random.key(1))
+        cache.update_and_fetch(keys, -keys)
+        kv = (tuple(mx.array(a[..., :8, :]) for a in (*cache.keys, *cache.values)), None)
+        payload = payload_of_kv(kv, block_hash=b"h" * 16, parent_hash=b"p" * 16, index=0,
+                                block_size=8, identity="m", layer_types=["QuantizedKVCache", "uncut"])
+        write_payload(payload.to_host(), tmp_path / "block.safetensors")
+        _, arrays = read_arrays(tmp_path / "block.safetensors")
+        (back, missing) = kv_of(arrays, 2)
+        return missing is None and all(mx.array_equal(a, b).item() for a, b in zip(back, kv[0]))
+
+    assert mlx_thread().run(roundtrip)
+
+
+def test_the_estimate_counts_quantized_kv_exactly(quantizable):
+    """The estimator's KV per token is the bytes a quantized cache holds per token
+    (packed values, scales and biases), and a quantized prefill's measured peak stays
+    under its estimate."""
+    from omlx_core.memory.types import PeakQuery
+    from omlx_core.plugins.estimator import estimate_peak
+
+    path = quantizable("llama")
+
+    def measure(bits: int) -> tuple[int, int, int, int]:
+        model, _ = load_model(path)
+        cache = make_request_cache(model, KVFormat(bits=bits))
+        prompt = mx.array(list(range(3, 200)))[None]
+        mx.eval(model.parameters())
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        # What the engine's prefill evaluates: the cache, not the logits.
+        model(prompt, cache=cache)
+        mx.eval([layer.state for layer in cache])
+        peak = mx.get_peak_memory() - base
+        query = PeakQuery(model_config=spec_for_path(path).config, new_tokens=197, chunk_size=512,
+                          kv_bits=bits, kv_group_size=64, first_token=False)
+        estimate = estimate_peak(query)
+        # Bytes per KV position over every layer, from the buffers the prefill filled.
+        return position_bytes(cache), estimate.kv_bytes_per_token, peak, estimate.total
+
+    for bits in (8, 4):
+        measured, estimated, peak, total = mlx_thread().run(lambda: measure(bits))
+        assert estimated == measured
+        assert peak <= total
+
+
+def test_kv_bits_on_a_model_without_plain_attention_is_refused_at_start(tmp_path):
+    path = build_model("gemma3", tmp_path / "sliding", overrides={"sliding_window_pattern": 100})
+    with pytest.raises(ModelError, match=r"kv_bits=8 .*allowed for it: kv_bits=0") as error:
+        start(path, **{"engine.kv_bits": 8})
+    assert "'sliding'" in str(error.value) or path.name in str(error.value)
+
+
+def test_heads_narrower_than_a_group_are_refused_at_start(tiny_model_path):
+    """The tiny models' heads are 16 wide; mlx quantizes groups of 32 at least."""
+    with pytest.raises(ModelError, match=r"cannot be served with kv_bits=4, kv_group_size=32: .*"
+                                         r"divisible by the quantization group size 32"):
+        start(tiny_model_path("llama"), **{"engine.kv_bits": 4, "engine.kv_group_size": 32})
+
+
+@pytest.mark.parametrize("value", ["3", "16", "-8"])
+def test_kv_bits_outside_what_is_offered_is_a_config_error(value):
+    from omlx_core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"engine.kv_bits: {value} KV bits are not offered; use one of 0, 8, 4"):
+        load_config("base", overrides=[("engine.kv_bits", value, "cli --kv-bits")], env={})
+
+
+def test_the_batch_merge_of_plain_rows_stays_mlx_lms(quantizable):
+    """Full-precision rows merge into mlx-lm's own BatchKVCache (quantized ones into ours)."""
+    def kinds() -> tuple[str, str]:
+        model, _ = load_model(quantizable("llama"))
+        plain = make_request_cache(model)
+        quantized = make_request_cache(model, KVFormat(bits=8))
+        return type(merge_layers([plain])[0]).__name__, type(merge_layers([quantized])[0]).__name__
+
+    assert mlx_thread().run(kinds) == ("BatchKVCache", "BatchQuantizedKVCache")
