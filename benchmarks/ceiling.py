@@ -15,7 +15,10 @@ run's own peak), preemptions, and the ratios of the ceiling run to the free run.
 Targets: every request completes under the ceiling too, wall time <= 2x, goodput
 >= 0.5x, peak <= the ceiling.
 
-    python -m benchmarks.ceiling [--ceiling 1GiB] [--out docs/ceiling-bench.md]
+    python -m benchmarks.ceiling [--ceiling 1GiB] [--kv-bits 8] [--out docs/ceiling-bench.md]
+
+``--kv-bits`` serves both with a quantized KV cache (the flag is added to both commands
+and printed in the report).
 """
 
 from __future__ import annotations
@@ -235,9 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ceiling", default="1GiB",
                         help="the --memory-ceiling of the capped server (default 1GiB)")
+    parser.add_argument("--kv-bits", type=int, default=0,
+                        help="serve both with this quantized KV cache (8 or 4; default 0: full precision)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"where to write the report (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
+    kv = ["--kv-bits", str(args.kv_bits)] if args.kv_bits else []
     from omlx_core.config import load_config
     from omlx_core.models.default import ensure_default_model
 
@@ -255,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = [
         f"- {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {platform.machine()}, "
         f"{os.cpu_count()} CPUs; model `{model_dir.name}`",
-        "- both servers started as `./setup.sh serve` starts them; the capped one adds only "
+        "- both servers started as `./setup.sh serve` starts them"
+        + (f" with `{' '.join(kv)}`" if kv else "") + "; the capped one adds only "
         f"`--memory-ceiling {args.ceiling}` ({format_size(ceiling)})",
         f"- one burst of {sum(m[3] for m in MIX)} concurrent streaming chats: {mix}; greedy, "
         "special tokens banned so each runs to max_tokens",
@@ -264,8 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "every 5 ms)",
     ]
     runs = [measure("ceiling", settings, model_dir, served_id, banned,
-                    ["--memory-ceiling", args.ceiling]),
-            measure("none", settings, model_dir, served_id, banned, [])]
+                    ["--memory-ceiling", args.ceiling, *kv]),
+            measure("none", settings, model_dir, served_id, banned, kv)]
     publish_report(render(runs, header, ceiling), args.out)
     return 0
 

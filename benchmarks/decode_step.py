@@ -12,9 +12,11 @@ same shapes, each evaluated on its own:
 - the rest of a layer's arithmetic: norms, rotary embedding, the MLP's gating;
 - the sampling and bookkeeping around the forward (what is left of the step).
 
-Then (alone with ``--ab``) a paired A/B of mlx-lm's decode step against the batched
-engine's fused sampling step (:mod:`omlx_core.scheduling.decode_step`): two
-generators over the same prompts, stepped alternately, the median of per-pair ratios.
+Then (alone with ``--ab``) a paired A/B of mlx-lm's decode step (``BatchGenerator.next``)
+against a step of this project's scheduler (its decode batch,
+:mod:`omlx_core.scheduling.decode_batch`, with its token hand-out to every request's
+queue): the same prompts decoding in both, stepped alternately, the median of per-pair
+ratios.
 
 The forward alone (one graph over the batch's own cache) against the whole step tells
 what sampling and bookkeeping cost. The parts, each evaluated alone, pay their own
@@ -140,17 +142,13 @@ def measure(rows: int, context: int, steps: int) -> list[tuple[str, float]]:
 
 
 def _decoding_generator(model: Any, prompts: list[list[int]], processors: list[tuple[Any, ...]],
-                        steps: int, *, fused: bool) -> Any:
-    """A ``BatchGenerator`` whose rows (greedy, no logprobs) have all started decoding."""
+                        steps: int) -> Any:
+    """mlx-lm's ``BatchGenerator`` whose rows (greedy, no logprobs) have all started decoding."""
     from mlx_lm.generate import BatchGenerator
-
-    from omlx_core.scheduling.decode_step import fuse_sampling
 
     rows = len(prompts)
     generator = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows,
                                prefill_step_size=512)
-    if fused:
-        fuse_sampling(generator, lambda _uid: False)
     generator.insert(prompts, max_tokens=[2 * steps + 8] * rows,
                      logits_processors=[list(p) for p in processors])
     while len(generator.next()[1]) < rows:
@@ -158,14 +156,45 @@ def _decoding_generator(model: Any, prompts: list[list[int]], processors: list[t
     return generator
 
 
+class _OurSteps:
+    """This project's scheduler over the same rows, every one decoding; ``next()`` is
+    one scheduler step (decode, hand-out to each request's queue, which it drains)."""
+
+    def __init__(self, model: Any, tokenizer: Any, prompts: list[list[int]],
+                 banned: dict[int, float] | None, steps: int) -> None:
+        from omlx_core.engine import GenerationRequest, SamplingParams
+        from omlx_core.scheduling import PrefixCache, Scheduler, new_sequence
+
+        rows = len(prompts)
+        self.scheduler = Scheduler(
+            model=model, tokenizer=tokenizer, model_id="default", model_config={},
+            vocab_size=model.args.vocab_size, max_batch_size=rows, prefill_step_size=512,
+            prefix_cache=PrefixCache(block_size=64, budget_bytes=0), wake=lambda: None)
+        sampling = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, logit_bias=banned)
+        self.sequences = [new_sequence(GenerationRequest(f"r{i}", prompt, sampling))
+                          for i, prompt in enumerate(prompts)]
+        for sequence in self.sequences:
+            self.scheduler.enqueue(sequence)
+        while len(self.scheduler.state.decoding) < rows or self.scheduler.state.prefilling:
+            self.next()
+
+    def next(self) -> None:
+        self.scheduler.step()
+        for sequence in self.sequences:
+            while not sequence.outputs.empty():
+                sequence.outputs.get()
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+
+
 def measure_pairs(rows: int, context: int, steps: int) -> list[tuple[str, float, float, float]]:
-    """mlx-lm's decode step against the fused sampling step, alternating, same process.
+    """mlx-lm's decode step against this project's, alternating, same process.
 
     Rows are greedy without logprobs; "biased" rows each carry a ``logit_bias`` banning
-    the special tokens, as every request of ``omlx-core bench`` does. Returns, per case,
-    (case, median ms of mlx-lm's step, median ms of the fused step, median pair ratio),
-    in wall time and in the process's CPU time (all threads; it moves less with the load
-    of a shared machine).
+    the special tokens. Returns, per case, (case, median ms of mlx-lm's step, median ms
+    of ours, median pair ratio), in wall time and in the process's CPU time (all
+    threads; it moves less with the load of a shared machine).
     """
     import time
 
@@ -173,35 +202,35 @@ def measure_pairs(rows: int, context: int, steps: int) -> list[tuple[str, float,
 
     from omlx_core.bench.client import special_token_ids
     from omlx_core.models.default import ensure_default_model
-    from omlx_core.models.loader import load_model
+    from omlx_core.scheduling import load_model
     from omlx_core.scheduling.sampling import LogitBias
 
     model_dir = ensure_default_model(progress=True)
-    model, _tokenizer = load_model(model_dir)
+    model, tokenizer = load_model(model_dir)
     vocab = model.args.vocab_size
     prompts = [[(97 * r + 31 * i) % (vocab - 10) + 5 for i in range(context)] for r in range(rows)]
     banned = {t: -100.0 for t in special_token_ids(model_dir)}
     results = []
-    for case, processors in (("greedy, logit_bias on every row", [(LogitBias(banned),)] * rows),
-                             ("greedy, no processors", [()] * rows)):
-        stock = _decoding_generator(model, prompts, processors, steps, fused=False)
-        fused = _decoding_generator(model, prompts, processors, steps, fused=True)
-        times: dict[str, list[float]] = {"stock": [], "fused": []}
-        cpu: dict[str, list[float]] = {"stock": [], "fused": []}
+    for case, bias in (("greedy, logit_bias on every row", banned), ("greedy, no processors", None)):
+        processors = [(LogitBias(bias),) if bias else ()] * rows
+        stock = _decoding_generator(model, prompts, processors, steps)
+        ours = _OurSteps(model, tokenizer, prompts, bias, steps)
+        times: dict[str, list[float]] = {"stock": [], "ours": []}
+        cpu: dict[str, list[float]] = {"stock": [], "ours": []}
         for step in tqdm(range(steps + 2), desc=f"pairs: {case}", unit="pair"):
-            order = (("stock", stock), ("fused", fused)) if step % 2 else (("fused", fused), ("stock", stock))
-            for name, generator in order:
+            order = (("stock", stock), ("ours", ours)) if step % 2 else (("ours", ours), ("stock", stock))
+            for name, stepper in order:
                 begin, begin_cpu = time.perf_counter(), time.process_time()
-                generator.next()
+                stepper.next()
                 if step >= 2:  # the first pairs warm up
                     times[name].append((time.perf_counter() - begin) * 1000)
                     cpu[name].append((time.process_time() - begin_cpu) * 1000)
         stock.close()
-        fused.close()
+        ours.close()
         for what, figures in (("wall", times), ("CPU", cpu)):
-            ratios = [a / b for a, b in zip(figures["stock"], figures["fused"])]
+            ratios = [a / b for a, b in zip(figures["stock"], figures["ours"])]
             results.append((f"{case}: {what} ms", statistics.median(figures["stock"]),
-                            statistics.median(figures["fused"]), statistics.median(ratios)))
+                            statistics.median(figures["ours"]), statistics.median(ratios)))
     return results
 
 
@@ -209,7 +238,7 @@ def render_pairs(rows: int, context: int, steps: int,
                  results: Sequence[tuple[str, float, float, float]]) -> str:
     lines = [f"## Decode step A/B: {rows} rows x {context} cached tokens, {steps} alternating pairs",
              "", f"- load average at the end: {_load_average()}", "",
-             "| rows: time per step | mlx-lm's step | fused sampling step | mlx-lm / fused (median of pairs) |",
+             "| rows: time per step | mlx-lm's step | this project's step | mlx-lm / ours (median of pairs) |",
              "|---|---:|---:|---:|"]
     for case, stock, fused, ratio in results:
         lines.append(f"| {case} | {stock:.1f} | {fused:.1f} | {ratio:.3f}x |")
@@ -249,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--ab", action="store_true",
-                        help="only the A/B of mlx-lm's step against the fused sampling step")
+                        help="only the A/B of mlx-lm's decode step against this project's")
     args = parser.parse_args(argv)
     if not args.ab:
         print("\n" + render(args.rows, args.context, args.steps,

@@ -189,7 +189,9 @@ def test_cached_kv_counts_as_allocated_unless_the_engine_keeps_it_resident(setup
     with pytest.raises(RequestRejected):
         setup.guard.preflight(copying, "copy", tokens(900))
     setup.guard.preflight(resident, "shared", tokens(900))
-    copy_query, shared_query = setup.estimator.queries
+    # After the refusal the guard asks whether a quantized KV cache would fit (advice).
+    assert [q.kv_bits for q in setup.estimator.queries] == [None, 8, 4, None]
+    copy_query, shared_query = [q for q in setup.estimator.queries if q.kv_bits is None]
     assert (copy_query.new_tokens, copy_query.cached_tokens) == (388, 512)
     assert (copy_query.cached_kv_resident, shared_query.cached_kv_resident) == (False, True)
 
@@ -388,3 +390,38 @@ def test_preflight_judges_the_published_snapshot_without_reading_memory(tmp_path
         assert info.value.rejection.base_bytes == guard.snapshot.baseline_bytes
     finally:
         stop_engines(context)
+
+
+class BitsEstimate(PerTokenEstimate):
+    """One MiB per token at full precision, a quarter at 8 bits, an eighth at 4."""
+
+    @hookimpl
+    def estimate_peak(self, query):
+        self.queries.append(query)
+        per_token = {None: PER_TOKEN, 8: PER_TOKEN // 4, 4: PER_TOKEN // 8}[query.kv_bits]
+        return PeakEstimate(transient_bytes=0, kv_bytes_per_token=per_token,
+                            kv_bytes=query.new_tokens * per_token)
+
+
+@pytest.mark.parametrize("prompt,bits", [(2000, 8), (5000, 4), (9000, None)])
+def test_a_refused_request_is_told_the_kv_bits_that_would_fit(prompt, bits):
+    setup = Setup()
+    setup.plugins.unregister(name="estimator")
+    setup.plugins.register(BitsEstimate(), "estimator")
+    with pytest.raises(RequestRejected) as info:
+        setup.guard.preflight(Engine(), "long", tokens(prompt))
+    assert info.value.rejection.fitting_kv_bits == bits
+    advice = " ".join(info.value.advice)
+    if bits is None:
+        assert "--kv-bits" not in advice
+    else:
+        assert f"serve with --kv-bits {bits} (engine.kv_bits = {bits}" in advice
+        assert "[models.tiny]" in advice
+
+
+def test_a_model_already_at_8_bits_is_told_only_of_4(setup):
+    setup.plugins.unregister(name="estimator")
+    setup.plugins.register(BitsEstimate(), "estimator")
+    with pytest.raises(RequestRejected) as info:
+        setup.guard.preflight(Engine(kv_bits=8), "long", tokens(5000))
+    assert info.value.rejection.fitting_kv_bits == 4

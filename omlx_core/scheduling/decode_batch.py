@@ -358,5 +358,33 @@ class DecodeBatch:
         self.model = None
 
 
+def warm_up(model: Any, make_cache: Any) -> None:
+    """Run what a first request runs, once, with throwaway rows: a prefill chunk and a
+    first-token forward per row, two rows joining one lane (merge, extend), a few
+    pipelined steps with greedy and logprob rows, one row leaving (filter). Whatever a
+    first request would pay once (the attention and SwiGLU routes and CPU kernels, the
+    BLAS threads, the first shapes' buffers) is paid here, before the server says ready.
+    ``make_cache()``: a fresh request cache in the model's KV format."""
+    from omlx_core.engine import GenerationRequest, SamplingParams
+    from omlx_core.scheduling.batch_state import new_sequence
+
+    with mx.stream(generation_stream):
+        lane, sampling = Lane(), BatchSampling()
+        for index, length in enumerate((24, 9)):
+            params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=index or None)
+            row = new_sequence(GenerationRequest(f"warm-up-{index}", [1] * length, params))
+            cache = make_cache()
+            model(mx.array(row.prompt[:-1])[None], cache=cache)
+            mx.eval([layer.state for layer in cache])
+            logits = model(mx.array(row.prompt[-1:])[None], cache=cache)[:, -1, :]
+            lane.add(row, int(mx.argmax(logits, axis=-1).item()), cache)
+        for _ in range(3):
+            lane.plain_step(model, sampling)
+        lane.keep([1])
+        lane.plain_step(model, sampling)
+        mx.eval(lane.fed)
+    mx.clear_cache()
+
+
 __all__ = ["CLEAR_CACHE_EVERY", "DecodeBatch", "DraftVerify", "Emitted", "Fed", "Finished", "Lane", "NoDrafts",
            "finish_reason", "pick_lane"]

@@ -22,7 +22,8 @@ from omlx_core.engine import (
     RequestProgress,
 )
 from omlx_core.models.errors import ModelError
-from omlx_core.scheduling.kv_cache import KVFormat, check_kv_format, quantized_layers
+from omlx_core.scheduling.decode_batch import warm_up
+from omlx_core.scheduling.kv_cache import KVFormat, check_kv_format, make_request_cache, quantized_layers
 from omlx_core.scheduling.prefix_cache import PrefixCache
 from omlx_core.scheduling.sampling import check_sampling
 from omlx_core.scheduling.scheduler import Scheduler, SequenceState, new_sequence
@@ -154,6 +155,7 @@ class BatchedEngine(GuardedEngine):
             if self.scheduler is not None:
                 return
             self.scheduler = self._thread.run(self._load)
+            self._thread.run(self._warm_up)
             self._thread.attach(self.scheduler)
 
     def _load(self) -> Scheduler:
@@ -173,6 +175,17 @@ class BatchedEngine(GuardedEngine):
             wake=self._thread.wake, boundary_listener=self.host.on_boundary_snapshot,
             finish_listener=self.host.on_request_finished, kv_format=self.kv_format,
         )
+
+    def _warm_up(self) -> None:
+        """Pay what a first request would pay once, before the engine serves:
+        :func:`~.decode_batch.warm_up`, and the chat template's first rendering."""
+        warm_up(self._lm, lambda: make_request_cache(self._lm, self.kv_format))
+        if getattr(self.tokenizer, "chat_template", None):
+            try:
+                self.tokenize_chat([{"role": "user", "content": "Hello"}])
+            except Exception:  # a template that wants more than one message: warm it at use
+                log.debug("chat template of %r not warmed up", self.model.id, exc_info=True)
+        self.detokenizer().add_token(0)
 
     def adopt(self, lm: Any, tokenizer: Any) -> None:
         """Serve the loaded ``lm`` and ``tokenizer`` (on the MLX thread, while starting):
