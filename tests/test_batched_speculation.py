@@ -117,7 +117,15 @@ def test_greedy_rows_emit_plain_decodings_tokens_while_drafting() -> None:
     for request_id, outputs in plain.items():
         assert tokens(drafted[request_id]) == tokens(outputs), request_id
         assert drafted[request_id][-1].finish_reason == outputs[-1].finish_reason
-        assert drafted[request_id][-1].usage == outputs[-1].usage
+        usage, plain_usage = drafted[request_id][-1].usage, outputs[-1].usage
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == \
+            (plain_usage.prompt_tokens, plain_usage.completion_tokens, plain_usage.cached_tokens)
+        assert plain_usage.draft_tokens == plain_usage.accepted_draft_tokens == 0
+        assert 0 <= usage.accepted_draft_tokens <= usage.draft_tokens
+    # Each request's usage counts its own drafts: together, what the engine verified.
+    finals = [outputs[-1].usage for outputs in drafted.values()]
+    assert sum(u.draft_tokens for u in finals) == stats["drafted"]
+    assert sum(u.accepted_draft_tokens for u in finals) == stats["accepted"]
 
 
 def test_a_biased_row_drafts_with_its_bias_at_every_position() -> None:

@@ -77,6 +77,10 @@ class SequenceState:
     #: ``time.monotonic()`` when its latest prefill began and its first token came
     prefill_started: float = 0.0
     first_token_at: float = 0.0
+    #: draft tokens verified for the request and how many of them the model kept (its
+    #: usage reports both: :class:`omlx_core.engine.Usage`)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def request_id(self) -> str:

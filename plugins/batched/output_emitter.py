@@ -138,7 +138,9 @@ class OutputEmitter:
             except Exception:
                 log.exception("on_request_finished listener failed for request %s",
                               sequence.request_id)
-        usage = Usage(len(sequence.prompt), sequence.completion_tokens, sequence.reused)
+        usage = Usage(len(sequence.prompt), sequence.completion_tokens, sequence.reused,
+                      draft_tokens=sequence.draft_tokens,
+                      accepted_draft_tokens=sequence.accepted_draft_tokens)
         sequence.outputs.put(self._final_output(
             sequence, reason, token_ids=token_ids, logprobs=logprobs, error=error,
             error_type=error_type, rejected=rejected, usage=usage))

@@ -343,8 +343,11 @@ class PromptLookupDrafts:
             if row is not None and row.drafts:
                 self.drafter.commit(row.state, (anchor_ids[i], *row.drafts),  # type: ignore[arg-type]
                                     1 + min(accepted, count - 1), None)
+                kept = min(accepted, count - 1)
                 self.drafted += len(row.drafts)
-                self.accepted += min(accepted, count - 1)
+                self.accepted += kept
+                row.sequence.draft_tokens += len(row.drafts)
+                row.sequence.accepted_draft_tokens += kept
             elif row is not None:
                 self.drafter.skip(row.state)  # type: ignore[arg-type]
             kept_fed.append(count)
