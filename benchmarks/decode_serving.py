@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = Path(ensure_default_model()).resolve()
     served_id = load_config(None)["server.models"][0]
-    defaults = settings_for(None, [], FULL)
-    unfused = settings_for(None, [STEP_OFF], FULL)
+    defaults = settings_for(None, [])
+    unfused = settings_for(None, [STEP_OFF])
     banned = special_token_ids(model_dir)
     makers: dict[str, Callable[[int], ServerSpec]] = {
         FUSED: lambda port: omlx_spec(None, port, defaults, served_id),
