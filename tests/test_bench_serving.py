@@ -119,9 +119,11 @@ def test_quick_bench_against_our_server_writes_every_figure(tmp_path, capsys):
     for metric in METRICS:
         ours, theirs = rows[metric.label][2], rows[metric.label][3]
         # Measured (a number, not "-"). A rate is above zero; a time may round to 0.000 s
-        # (a loaded machine hands the client several chunks at once).
+        # (a loaded machine hands the client several chunks at once), and so may a share
+        # of the weight-streaming bound (a tiny model's matmul is far faster than serving).
         assert ours != "-", f"{metric.label}: {ours}\n{report}"
-        assert float(ours) > 0 if metric.higher_is_better else float(ours) >= 0, metric.label
+        positive = metric.higher_is_better and metric.unit
+        assert float(ours) > 0 if positive else float(ours) >= 0, metric.label
         assert theirs == "-"
     assert "BLAS mapped in the server process" in report
     assert "first request after ready:" in report and "weight-streaming bound" in report
