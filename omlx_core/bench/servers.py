@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 OMLX = "omlx"
 MLX_LM = "mlx_lm"
@@ -51,6 +52,23 @@ class ServerSpec:
     #: environment variables set for this server only (a benchmark prints them)
     env: tuple[tuple[str, str], ...] = ()
 
+    def command(self) -> str:
+        """The command as a reader can run it: its environment first, ``python`` for this
+        interpreter, ``~`` for the home directory and ``$TMPDIR`` for the temporary one (a
+        committed report shows no machine's paths)."""
+        home, temp = str(Path.home()), tempfile.gettempdir()
+
+        def shown(arg: str) -> str:
+            if arg == sys.executable:
+                return "python"
+            if arg.startswith(temp + os.sep):
+                return "$TMPDIR" + arg[len(temp):]
+            if arg.startswith(home + os.sep):
+                return "~" + arg[len(home):]
+            return arg
+
+        return " ".join([*(f"{k}={shown(v)}" for k, v in self.env), *map(shown, self.argv)])
+
 
 def free_port() -> int:
     """A TCP port free on loopback right now."""
@@ -60,25 +78,27 @@ def free_port() -> int:
 
 
 def fresh_cache_root() -> Path:
-    """A new, empty omlx-core cache root (for ``OMLX_CACHE_DIR``) whose ``models/`` is the
-    user's: a server started on it converts no model again, and its SSD cache starts
-    empty, as on a first start, whatever earlier runs left in the user's cache."""
+    """A new, empty omlx-core cache root (for ``OMLX_CACHE_DIR``) whose ``models/`` and
+    ``cpu-kernels/`` are the user's (what ``setup.sh`` left there): a server started on it
+    converts no model and builds no kernels again, and its SSD cache starts empty, as on a
+    first start, whatever earlier runs left in the user's cache."""
     from omlx_core.models.default import model_cache_dir
 
     root = Path(tempfile.mkdtemp(prefix="omlx-bench-cache-"))
-    models = model_cache_dir() / "models"
-    if models.is_dir():
-        (root / "models").symlink_to(models, target_is_directory=True)
+    for name in ("models", "cpu-kernels"):
+        kept = model_cache_dir() / name
+        if kept.is_dir():
+            (root / name).symlink_to(kept, target_is_directory=True)
     return root
 
 
 def omlx_spec(model_dir: Path | None, port: int, settings: ServerSettings,
               model_id: str | None = None, cache_root: Path | None = None) -> ServerSpec:
-    """``omlx-core serve`` as the README starts it: no flag beyond the address, the
-    model (only when one is named) and the overrides the benchmark was given; with
+    """``omlx-core serve`` as the README starts it (``./setup.sh serve``: no flag, so the
+    tier it picks, its default log level, 127.0.0.1): only the port, the model (only when
+    one is named) and the overrides the benchmark was given are added; with
     ``cache_root``, that directory as ``OMLX_CACHE_DIR``."""
-    argv = [sys.executable, "-m", "omlx_core", "--log-level", "WARNING", "serve",
-            "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "omlx_core", "serve", "--port", str(port)]
     if settings.tier_given:
         argv += ["--tier", settings.tier]
     if model_dir is not None:
@@ -103,6 +123,28 @@ def mlx_lm_spec(model_dir: Path, port: int, settings: ServerSettings) -> ServerS
         "a bounded HTTP worker pool (ThreadingHTTPServer, one thread per connection)",
     )
     return ServerSpec(MLX_LM, "mlx_lm.server", argv, model_id="default_model", lacks=lacks)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system, every thread) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(pids: Sequence[int], *, window_s: float = 0.5, busy_share: float = 0.05,
+               timeout_s: float = 60.0) -> bool:
+    """Wait until the processes together use under ``busy_share`` of one core over a
+    ``window_s`` window (what a server does after a request, such as writing cache
+    blocks to disk, must not run while another server is measured); ``False`` when
+    they were still busy after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        before = sum(cpu_seconds(pid) for pid in pids)
+        time.sleep(window_s)
+        if sum(cpu_seconds(pid) for pid in pids) - before < busy_share * window_s:
+            return True
+        if time.monotonic() > deadline:
+            return False
 
 
 def blas_of(pid: int) -> str:

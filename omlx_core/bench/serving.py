@@ -1,158 +1,77 @@
 """Serving benchmark: ``omlx-core serve`` against ``mlx_lm.server``, same model, same requests.
 
-    omlx-core bench [--model DIR] [--quick] [--only omlx|mlx_lm] [--out FILE]
+    omlx-core bench [--model DIR] [--quick] [--rounds N] [--only omlx|mlx_lm] [--out FILE]
 
-Each server runs as a subprocess on a loopback port, one after the other (never both at
-once), is warmed up, then receives the same request mix: OpenAI streaming chat
-completions, greedy, with the special tokens banned through ``logit_bias`` so every
-stream runs to its ``max_tokens``. Measured per server:
+Three servers take part: omlx-core started as the README starts it (no flag but the
+port), the same with ``plugin.batched.speculation=false`` (the open-ended phases only,
+to show what speculation adds), and ``mlx_lm.server`` given omlx-core's batch and
+prefill sizes. In each round every server is started afresh, in an order rotated from
+round to round; each gets its first request as soon as it answers (measured: what a
+user's first question pays), then a warm-up, then each phase runs on every server in
+turn, with the machine quiet (no server busy) before each. Requests are OpenAI
+streaming chat completions, greedy, with no ``logit_bias`` (a server pays for one as it
+applies logits processors, and not every server alike): an answer ends where the model
+ends it, and rates count the tokens each server's usage reports. Measured per server and
+round (phases in :mod:`.phases`, figures in :mod:`.report`):
 
-- open-ended: aggregate tokens/s at 1, 8 and 16 concurrent streams writing stories
-  (all completion tokens over the wall time from the first request to the last token);
+- the first request after ready: its TTFT and end-to-end time;
+- open-ended: 1 stream (a fixed set of questions and stories, one at a time), 8 and 16
+  concurrent streams: tokens/s end to end (first request sent to last token) and decode
+  tokens/s (first token to last); each as a share of the machine's weight-streaming
+  bound (:mod:`.bound`);
 - input-grounded: the same at 1 and 8 streams asked to return a given text with one
   word changed (an edit: the answer copies its prompt, as code edits and rewrites do);
-- time to first token (TTFT), p50 and p95, for single requests and at 8 streams;
-  inter-token latency (ITL, the gap between text chunks) p95 at 8 streams;
+- time to first token (TTFT) p50 and p95 at 1 and 8 streams; inter-token latency (ITL,
+  the gap between text chunks) at 8 streams;
 - a ~2.3k-token system prompt: cold TTFT, then the TTFT of the same request again (a
   prefix-cache hit), of the same system prompt with a new question, of the system
-  prompt with one word edited in its middle, and of a multi-turn follow-up that
-  re-sends the whole history;
-- long-prompt arrival: the running streams' ITL (max, p99 and p95 gap) and tokens/s
-  while a ~5k-token prompt is admitted beside 8 of them, and that prompt's TTFT.
+  prompt with one word edited in its middle, and of a multi-turn follow-up;
+- long-prompt arrival: the running streams' ITL (max, p99, p95) and tokens/s while a
+  ~5k-token prompt is admitted beside 8 of them, and that prompt's TTFT.
 
-The table gives both servers' figures and ours/theirs, with the better direction.
+The report gives each server's median over the rounds, the median of the per-round
+ratios and their range, the drafted and accepted tokens each server's usage reported,
+and how many answers were word for word the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
-import math
 import os
 import platform
 import shutil
-import statistics
 import sys
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+from functools import partial
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from omlx_core.bench import publish_report
-from omlx_core.bench.client import (StreamRecord, chat_body, run_concurrently, special_token_ids,
-                                    stream_chat)
-from omlx_core.bench.prompts import text_of_tokens
-from omlx_core.bench.servers import (MLX_LM, OMLX, ServerProcess, ServerSettings, ServerSpec,
-                                     blas_of, free_port, fresh_cache_root, mlx_lm_spec,
-                                     omlx_spec)
+from omlx_core.bench.bound import Bound, measure_bound
+from omlx_core.bench.phases import FULL, QUICK, Bench, Plan, percentile
+from omlx_core.bench.report import METRICS, OMLX_NO_SPECULATION, ServerRun, render
+from omlx_core.bench.servers import (MLX_LM, OMLX, ServerProcess, ServerSettings, ServerSpec, blas_of,
+                                     free_port, fresh_cache_root, mlx_lm_spec, omlx_spec,
+                                     preload_env, wait_quiet)
+
+__all__ = ["FULL", "QUICK", "METRICS", "Bench", "Plan", "add_arguments", "main", "percentile",
+           "run", "settings_for"]
 
 DEFAULT_OUT = Path("docs/bench-serving.md")
-TOPICS = ("a lighthouse keeper", "a clockmaker", "a river", "a mountain village", "a robot",
-          "a library at night", "a desert caravan", "an old ship", "a winter garden", "a city",
-          "a beekeeper", "a glass blower", "a night train", "a chess club", "a volcano",
-          "a fishing boat")
+SPECULATION_OFF = "plugin.batched.speculation=false"
 
 
 @dataclass(frozen=True)
-class Plan:
-    """How much of each phase to run."""
+class Contender:
+    """A server configuration: how to start it and which phases it runs."""
 
-    max_tokens: int
-    single_requests: int
-    rounds: int
-    prefix_tokens: int
-    answer_tokens: int
-    admission_prompt_tokens: int
-    running_streams: int
-    running_max_tokens: int
-    #: a warm-up prompt over a few prefill chunks compiles the prefill kernels
-    warmup_prompt_tokens: int
-    #: tokens of the text the input-grounded requests return edited, and of their answers
-    grounded_text_tokens: int = 300
-    grounded_max_tokens: int = 256
-    concurrency: tuple[int, ...] = (8, 16)
-    grounded_concurrency: tuple[int, ...] = (1, 8)
-
-    @property
-    def requests(self) -> int:
-        """Requests one server receives (for the progress bar)."""
-        warmup = 3
-        return (warmup + self.single_requests + self.rounds * sum(self.concurrency) + 5
-                + self.running_streams + 1 + sum(self.grounded_concurrency))
-
-
-FULL = Plan(max_tokens=128, single_requests=5, rounds=2, prefix_tokens=2300, answer_tokens=32,
-            admission_prompt_tokens=5000, running_streams=8, running_max_tokens=2048,
-            warmup_prompt_tokens=600)
-QUICK = Plan(max_tokens=16, single_requests=2, rounds=1, prefix_tokens=300, answer_tokens=8,
-             admission_prompt_tokens=600, running_streams=4, running_max_tokens=1024,
-             warmup_prompt_tokens=200, grounded_text_tokens=120, grounded_max_tokens=48)
-
-
-@dataclass(frozen=True)
-class Metric:
-    key: str
-    label: str
-    higher_is_better: bool
-    #: ours/theirs must be >= this (higher is better) or <= this (lower is better)
-    target: float | None = None
-    digits: int = 2
-    #: ours alone must be <= this (seconds): a target that is not a ratio
-    limit: float | None = None
-
-
-METRICS = (
-    Metric("tps_1", "open-ended: aggregate tokens/s, 1 stream", True, target=1.0, digits=1),
-    Metric("tps_8", "open-ended: aggregate tokens/s, 8 streams", True, target=1.1, digits=1),
-    Metric("tps_16", "open-ended: aggregate tokens/s, 16 streams", True, target=1.3, digits=1),
-    Metric("grounded_tps_1", "input-grounded (edit a given text): tokens/s, 1 stream", True,
-           target=1.8, digits=1),
-    Metric("grounded_tps_8", "input-grounded (edit a given text): tokens/s, 8 streams", True,
-           target=1.4, digits=1),
-    Metric("ttft_1_p50", "TTFT p50, single request (s)", False, digits=3),
-    Metric("ttft_1_p95", "TTFT p95, single request (s)", False, digits=3),
-    Metric("ttft_8_p50", "TTFT p50, 8 streams (s)", False, digits=3),
-    Metric("ttft_8_p95", "TTFT p95, 8 streams (s)", False, target=0.5, digits=3),
-    Metric("itl_8_p50", "ITL p50, 8 streams (s)", False, digits=3),
-    Metric("itl_8_p95", "ITL p95, 8 streams (s)", False, target=1.0, digits=3),
-    Metric("prefix_cold", "shared system prompt: cold TTFT (s)", False),
-    Metric("prefix_hit", "shared system prompt: same request again (prefix hit) TTFT (s)", False,
-           target=0.5, digits=3),
-    Metric("prefix_new_question", "shared system prompt, new question TTFT (s)", False,
-           target=0.5, digits=3),
-    Metric("prefix_edit", "system prompt with one word edited mid-way TTFT (s)", False,
-           digits=3),
-    Metric("prefix_followup", "multi-turn follow-up (whole history) TTFT (s)", False, digits=3),
-    Metric("admission_ttft", "long prompt admitted beside running streams: its TTFT (s)", False),
-    Metric("admission_itl_p95", "running streams' ITL p95 while the long prompt is served (s)",
-           False, digits=3),
-    Metric("admission_itl_p99", "running streams' ITL p99 while the long prompt is served (s)",
-           False, digits=3, limit=0.6),
-    Metric("admission_itl_max", "running streams' ITL max while the long prompt is served (s)",
-           False, digits=3, limit=1.0),
-    Metric("admission_tps", "running streams' tokens/s while the long prompt is served", True,
-           target=1.0, digits=1),
-    Metric("admission_itl_before", "running streams' ITL p50 before the admission (s)", False,
-           digits=3),
-)
-
-
-@dataclass
-class ServerResult:
-    spec: ServerSpec
-    figures: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100), interpolated between the closest ranks."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    name: str
+    make_spec: Callable[[int], ServerSpec]
+    #: whether it runs every phase (or only the open-ended ones)
+    every_phase: bool = True
 
 
 def _load_average() -> str:
@@ -160,276 +79,90 @@ def _load_average() -> str:
     return f"{one:.2f}, {five:.2f}, {fifteen:.2f} (1, 5, 15 min; {os.cpu_count()} CPUs)"
 
 
-class Bench:
-    """The request mix, run against one started server."""
-
-    def __init__(self, server: ServerProcess, model_dir: Path, plan: Plan,
-                 banned_token_ids: Sequence[int], progress: Any):
-        self.server = server
-        self.model_dir = model_dir
-        self.plan = plan
-        self.banned = list(banned_token_ids)
-        self.progress = progress
-        self.retries = 0
-
-    def _phase(self, name: str) -> None:
-        self.progress.set_description(f"{self.server.spec.name}: {name}")
-
-    def request(self, messages: Sequence[dict[str, str]], max_tokens: int, *,
-                stop: threading.Event | None = None,
-                on_text: Callable[[float], None] | None = None) -> StreamRecord:
-        body = chat_body(self.server.spec.model_id, messages, max_tokens, self.banned)
-        record = stream_chat(self.server.host, self.server.port, body, stop=stop, on_text=on_text)
-        self.retries += record.retries
-        self.progress.update(1)
-        if not record.chunk_times:
-            raise RuntimeError(f"{self.server.spec.label} streamed no text for a request of "
-                               f"max_tokens={max_tokens}; its log: {self.server.log_path}")
-        return record
-
-    def concurrent(self, messages: Sequence[Sequence[dict[str, str]]], max_tokens: int
-                   ) -> tuple[list[StreamRecord], float]:
-        return run_concurrently(len(messages), lambda i: self.request(messages[i], max_tokens))
-
-    @staticmethod
-    def story(tag: str, index: int) -> list[dict[str, str]]:
-        topic = TOPICS[index % len(TOPICS)]
-        return [{"role": "user", "content": f"Story {tag}.{index}: write a long, detailed "
-                                            f"story about {topic}."}]
-
-    def warm_up(self) -> None:
-        """Compile the decode and prefill kernels and fault the weights in."""
-        self._phase("warm-up")
-        prefill = text_of_tokens(self.model_dir, self.plan.warmup_prompt_tokens, seed=99,
-                                 heading="Background notes for the warm-up.")
-        self.concurrent([self.story("warm", 0), self.story("warm", 1)], 8)
-        self.request([{"role": "user", "content": prefill + "\nSummarise."}], 4)
-
-    def throughput(self, figures: dict[str, float], notes: list[str]) -> None:
-        plan = self.plan
-        self._phase("1 stream")
-        singles = [self.request(self.story("single", i), plan.max_tokens)
-                   for i in range(plan.single_requests)]
-        figures["tps_1"] = statistics.median(r.completion_tokens / (r.finished - r.started)
-                                             for r in singles)
-        figures["ttft_1_p50"] = percentile([r.ttft for r in singles], 50)
-        figures["ttft_1_p95"] = percentile([r.ttft for r in singles], 95)
-        for streams in plan.concurrency:
-            self._phase(f"{streams} streams")
-            rates, records = [], []
-            for round_index in range(plan.rounds):
-                batch, seconds = self.concurrent(
-                    [self.story(f"{streams}x{round_index}", i) for i in range(streams)],
-                    plan.max_tokens)
-                rates.append(sum(r.completion_tokens for r in batch) / seconds)
-                records += batch
-            figures[f"tps_{streams}"] = statistics.median(rates)
-            tokens = sum(r.completion_tokens for r in records)
-            chunks = sum(len(r.chunk_times) for r in records)
-            short = sum(r.completion_tokens < plan.max_tokens for r in records)
-            notes.append(f"{streams} streams: {plan.rounds} round(s), {tokens} tokens in {chunks} "
-                         f"text chunks ({tokens / chunks:.2f} tokens per chunk)"
-                         + (f", {short} stream(s) shorter than max_tokens" if short else ""))
-            if streams == 8:
-                ttfts = [r.ttft for r in records]
-                gaps = [g for r in records for g in r.gaps]
-                figures["ttft_8_p50"] = percentile(ttfts, 50)
-                figures["ttft_8_p95"] = percentile(ttfts, 95)
-                figures["itl_8_p50"] = percentile(gaps, 50)
-                figures["itl_8_p95"] = percentile(gaps, 95)
-
-    def grounded(self, index: int) -> list[dict[str, str]]:
-        """A request whose answer copies its prompt: return a given text, one word changed."""
-        text = text_of_tokens(self.model_dir, self.plan.grounded_text_tokens, seed=31 + index % 4,
-                              heading="Harbour rules, draft 3.")
-        return [{"role": "user", "content": f"{text}\n\nReturn the text above exactly as it is, "
-                                            "word for word, but write 'harbour' as 'port'."}]
-
-    def input_grounded(self, figures: dict[str, float], notes: list[str]) -> None:
-        plan = self.plan
-        for streams in plan.grounded_concurrency:
-            self._phase(f"input-grounded, {streams} stream(s)")
-            batch, seconds = self.concurrent([self.grounded(i) for i in range(streams)],
-                                             plan.grounded_max_tokens)
-            figures[f"grounded_tps_{streams}"] = sum(r.completion_tokens for r in batch) / seconds
-            tokens = sum(r.completion_tokens for r in batch)
-            notes.append(f"input-grounded, {streams} stream(s): ~{plan.grounded_text_tokens}-token "
-                         f"text to return edited, {tokens} tokens in {seconds:.1f} s")
-
-    def shared_prefix(self, figures: dict[str, float], notes: list[str]) -> None:
-        self._phase("shared prefix")
-        plan = self.plan
-        system = {"role": "system", "content": text_of_tokens(
-            self.model_dir, plan.prefix_tokens, seed=7,
-            heading="You are the operations assistant of a small harbour town. "
-                    "Apply these rules when you answer:")}
-        first_turn = {"role": "user", "content": "Which rules mention the ferry crew?"}
-        cold = self.request([system, first_turn], plan.answer_tokens)
-        hit = self.request([system, first_turn], plan.answer_tokens)
-        question = self.request([system, {"role": "user",
-                                          "content": "What must happen before the first bell?"}],
-                                plan.answer_tokens)
-        words = system["content"].split(" ")
-        words[len(words) // 2] = "lighthouse"
-        edited = self.request([{"role": "system", "content": " ".join(words)}, first_turn],
-                              plan.answer_tokens)
-        followup = self.request([system, first_turn, {"role": "assistant", "content": cold.text},
-                                 {"role": "user", "content": "And during the spring fair?"}],
-                                plan.answer_tokens)
-        figures["prefix_cold"] = cold.ttft
-        figures["prefix_hit"] = hit.ttft
-        figures["prefix_new_question"] = question.ttft
-        figures["prefix_edit"] = edited.ttft
-        figures["prefix_followup"] = followup.ttft
-        described = ", ".join(
-            f"{name} {r.prompt_tokens} prompt tokens ({r.cached_tokens} cached)"
-            if r.cached_tokens is not None else f"{name} {r.prompt_tokens} prompt tokens"
-            for name, r in (("cold", cold), ("hit", hit), ("new question", question),
-                            ("edit", edited), ("follow-up", followup)))
-        notes.append(f"shared prefix: {described}")
-
-    def admission(self, figures: dict[str, float], notes: list[str]) -> None:
-        """Running streams' gaps while a long prompt is prefilled beside them."""
-        self._phase("long-prompt admission")
-        plan = self.plan
-        stop = threading.Event()
-        counts = [0] * plan.running_streams
-        decoding = threading.Condition()
-
-        def counter(index: int) -> Callable[[float], None]:
-            def seen(_: float) -> None:
-                with decoding:
-                    counts[index] += 1
-                    decoding.notify_all()
-            return seen
-
-        records: list[StreamRecord | BaseException | None] = [None] * plan.running_streams
-
-        def run(index: int) -> None:
-            try:
-                records[index] = self.request(self.story("running", index),
-                                              plan.running_max_tokens, stop=stop,
-                                              on_text=counter(index))
-            except BaseException as exc:  # reported below, with the stream it came from
-                records[index] = exc
-                with decoding:
-                    decoding.notify_all()
-
-        threads = [threading.Thread(target=run, args=(i,), daemon=True)
-                   for i in range(plan.running_streams)]
-        for thread in threads:
-            thread.start()
-        # Admit the long prompt only once every running stream is past its prefill.
-        with decoding:
-            decoding.wait_for(lambda: all(c >= 3 for c in counts)
-                              or any(isinstance(r, BaseException) for r in records))
-        long_prompt = text_of_tokens(self.model_dir, plan.admission_prompt_tokens, seed=11,
-                                     heading="Here is the maintenance log of the harbour:")
-        try:
-            admitted = self.request([{"role": "user",
-                                      "content": long_prompt + "\nWhat went wrong most often?"}],
-                                    4)
-        finally:
-            stop.set()
-            for thread in threads:
-                thread.join()
-        for index, record in enumerate(records):
-            if not isinstance(record, StreamRecord):
-                raise RuntimeError(f"running stream {index} failed: {record!r}")
-        # The window runs until the long prompt is served: its prefill, and the steps it
-        # decodes beside the running streams (joining their batch, then leaving it).
-        window_start, window_end = admitted.started, admitted.finished
-        running = [r for r in records if isinstance(r, StreamRecord)]
-        during = [b - a for r in running for a, b in zip(r.chunk_times, r.chunk_times[1:])
-                  if b > window_start and a < window_end]
-        before = [b - a for r in running for a, b in zip(r.chunk_times, r.chunk_times[1:])
-                  if b <= window_start]
-        inside = sum(window_start < t <= window_end for r in running for t in r.chunk_times)
-        ended = sum(r.complete for r in running)
-        figures["admission_ttft"] = admitted.ttft
-        figures["admission_itl_p95"] = percentile(during, 95)
-        figures["admission_itl_p99"] = percentile(during, 99)
-        figures["admission_itl_max"] = max(during, default=math.nan)
-        figures["admission_tps"] = inside / (window_end - window_start)
-        figures["admission_itl_before"] = percentile(before, 50)
-        notes.append(f"admission: {admitted.prompt_tokens}-token prompt beside "
-                     f"{plan.running_streams} running streams, {len(during)} gaps in the window"
-                     + (f"; {ended} running stream(s) ended before the window closed" if ended
-                        else ""))
+def _phases(bench: Bench, every_phase: bool) -> list[tuple[str, Callable]]:
+    """The phases in the order every server runs them (after its first request and its
+    warm-up)."""
+    plan = bench.plan
+    phases: list[tuple[str, Callable]] = [("1 stream", bench.single_stream)]
+    phases += [(f"{n} streams", partial(bench.streams, n)) for n in plan.concurrency]
+    if every_phase:
+        phases += [("input-grounded", bench.input_grounded), ("shared prefix", bench.shared_prefix),
+                   ("admission", bench.admission)]
+    return phases
 
 
-def measure(spec: ServerSpec, port: int, model_dir: Path, plan: Plan,
-            banned: Sequence[int]) -> ServerResult:
-    """Start one server, warm it up, run every phase, stop it."""
-    from tqdm import tqdm
-
-    result = ServerResult(spec)
-    result.notes.append(f"load average before start: {_load_average()}")
-    with ServerProcess(spec, port) as server, tqdm(total=plan.requests, unit="req",
-                                                   desc=spec.name, file=sys.stderr) as progress:
-        result.notes.append(f"BLAS mapped in the server process: {blas_of(server.pid)}")
-        bench = Bench(server, model_dir, plan, banned, progress)
-        bench.warm_up()
-        # A failed phase leaves its figures out and the report says why; the others run.
-        for phase in (bench.throughput, bench.input_grounded, bench.shared_prefix,
-                      bench.admission):
-            try:
-                phase(result.figures, result.notes)
-            except Exception as exc:
-                result.notes.append(f"FAILED {phase.__name__}: {exc!r} (server log: "
-                                    f"{server.log_path})")
-                progress.write(f"{spec.label}: {phase.__name__} failed: {exc!r}; its log "
-                               f"({server.log_path}) ends:\n{server.log_tail()}")
-        if bench.retries:
-            result.notes.append(f"{bench.retries} request(s) sent again after the server dropped "
-                                "the connection before answering")
-    return result
-
-
-def _format(value: float | None, digits: int) -> str:
-    if value is None or math.isnan(value):
-        return "-"
-    return f"{value:.{digits}f}"
-
-
-def render(results: Sequence[ServerResult], header: Sequence[str]) -> str:
-    """The markdown report: header lines, the comparison table, per-server notes."""
-    ours = next((r for r in results if r.spec.name == OMLX), None)
-    theirs = next((r for r in results if r.spec.name == MLX_LM), None)
-    lines = ["## Serving benchmark: omlx-core vs mlx_lm.server", "", *header, ""]
-    lines += ["| metric | better | omlx-core | mlx_lm.server | ours / theirs | target |",
-              "|---|---|---:|---:|---:|---|"]
-    for metric in METRICS:
-        mine = ours.figures.get(metric.key) if ours else None
-        other = theirs.figures.get(metric.key) if theirs else None
-        ratio = mine / other if mine is not None and other else None
-        target = ""
-        if metric.limit is not None:
-            target = f"<= {metric.limit:g} s"
-            if mine is not None and not math.isnan(mine):
-                target += " met" if mine <= metric.limit else " MISSED"
-        elif metric.target is not None:
-            sign = ">=" if metric.higher_is_better else "<="
-            target = f"{sign} {metric.target:g}x"
-            if ratio is not None and not math.isnan(ratio):
-                met = ratio >= metric.target if metric.higher_is_better else ratio <= metric.target
-                target += " met" if met else " MISSED"
-        lines.append(f"| {metric.label} | {'higher' if metric.higher_is_better else 'lower'} | "
-                     f"{_format(mine, metric.digits)} | {_format(other, metric.digits)} | "
-                     f"{_format(ratio, 2)} | {target} |")
-    for result in results:
-        lines += ["", f"**{result.spec.label}** (`{' '.join(_short_argv(result.spec.argv))}`)", ""]
-        lines += [f"- {note}" for note in result.notes]
-        lines += [f"- lacks {item}" for item in result.spec.lacks]
-    return "\n".join(lines) + "\n"
+def run_round(index: int, contenders: Sequence[Contender], runs: dict[str, ServerRun],
+              model_dir: Path, plan: Plan, progress) -> None:
+    """One round: every contender started afresh in a rotated order, its first request
+    and warm-up, then each phase on each contender in turn; every one stopped."""
+    shift = index % len(contenders)
+    order = list(contenders[shift:]) + list(contenders[:shift])
+    with contextlib.ExitStack() as stack:
+        benches: dict[str, Bench] = {}
+        figures: dict[str, dict[str, float]] = {}
+        notes: dict[str, dict[str, str]] = {}
+        for contender in order:
+            port = free_port()
+            spec = contender.make_spec(port)
+            load = _load_average()
+            server = stack.enter_context(ServerProcess(spec, port))
+            result = runs.setdefault(contender.name, ServerRun(spec))
+            if not result.facts:
+                result.facts.append(f"BLAS mapped in the server process: {blas_of(server.pid)}")
+            bench = Bench(server, model_dir, plan, (), progress, result.observations)
+            bench.round = index
+            benches[contender.name] = bench
+            figures[contender.name] = {}
+            notes[contender.name] = {"load": f"load average before start: {load}"}
+            _attempt(bench, "first request", lambda f, n, b=bench: b.first_request(f, n),
+                     figures[contender.name], notes[contender.name])
+            bench.warm_up()
+        pids = [bench.server.pid for bench in benches.values()]
+        phase_lists = {c.name: _phases(benches[c.name], c.every_phase) for c in order}
+        for step in range(max(len(p) for p in phase_lists.values())):
+            for contender in order:
+                phases = phase_lists[contender.name]
+                if step >= len(phases):
+                    continue
+                name, phase = phases[step]
+                if not wait_quiet(pids):
+                    notes[contender.name][f"busy {name}"] = (
+                        f"{name}: the servers were still busy after 60 s of waiting")
+                _attempt(benches[contender.name], name, phase, figures[contender.name],
+                         notes[contender.name])
+        for contender in order:
+            bench = benches[contender.name]
+            if bench.retries:
+                notes[contender.name]["retries"] = (
+                    f"{bench.retries} request(s) sent again after the server dropped the "
+                    "connection before answering")
+            runs[contender.name].rounds.append(figures[contender.name])
+            runs[contender.name].notes.append(notes[contender.name])
 
 
-def _short_argv(argv: Sequence[str]) -> list[str]:
-    """The command as a reader can run it: ``python`` for this interpreter, ``~`` for the
-    home directory (a committed report shows no machine's paths)."""
-    home = str(Path.home())
-    return ["python" if arg == sys.executable else
-            ("~" + arg[len(home):] if arg.startswith(home + os.sep) else arg) for arg in argv]
+def _attempt(bench: Bench, name: str, phase: Callable, figures: dict[str, float],
+             notes: dict[str, str]) -> None:
+    """Run a phase; a failed one leaves its figures out and the report says why."""
+    try:
+        phase(figures, notes)
+    except Exception as exc:
+        notes[f"failed {name}"] = f"FAILED {name}: {exc!r} (server log: {bench.server.log_path})"
+        message = (f"{bench.server.spec.label}: {name} failed: {exc!r}; its log "
+                   f"({bench.server.log_path}) ends:\n{bench.server.log_tail()}")
+        if bench.progress is not None:
+            bench.progress.write(message)
+        else:
+            print(message, file=sys.stderr)
+
+
+def add_bound_shares(runs: dict[str, ServerRun], bound: Bound) -> None:
+    """Each round's decode rates at 1 and 16 streams as shares of the bound."""
+    for run in runs.values():
+        for figures in run.rounds:
+            for rows in (1, 16):
+                rate = figures.get(f"decode_{rows}")
+                if rate is not None and rows in bound.seconds:
+                    figures[f"bound_{rows}"] = rate / bound.tokens_per_s(rows)
 
 
 def _version(package: str) -> str:
@@ -451,7 +184,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and prefill settings also go to mlx_lm.server)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: few tokens, short prompts, one round")
-    parser.add_argument("--only", choices=(OMLX, MLX_LM), help="measure one server only")
+    parser.add_argument("--rounds", type=int,
+                        help=f"alternating rounds (default {FULL.rounds}; --quick: "
+                             f"{QUICK.rounds})")
+    parser.add_argument("--only", choices=(OMLX, MLX_LM),
+                        help="measure one side only (omlx: with and without speculation)")
     parser.add_argument("--out", type=Path,
                         help=f"write the markdown table here (default {DEFAULT_OUT}; "
                              "with --quick, nothing is written unless --out is given)")
@@ -476,8 +213,62 @@ def settings_for(tier: str | None, overrides: Sequence[str]) -> ServerSettings:
                           tier_given=tier is not None)
 
 
+def _header(args: argparse.Namespace, plan: Plan, model_dir: Path, settings: ServerSettings,
+            bound: Bound, load_before: str) -> list[str]:
+    overrides = ", ".join(f"`{o}`" for o in settings.overrides) or "none"
+    return [
+        f"- {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {'--quick' if args.quick else 'full run'}, {plan.rounds} "
+        "round(s)",
+        f"- load average (`uptime`) before the run: {load_before}; after: {_load_average()}",
+        f"- model `{model_dir.name}`; mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}, "
+        f"waitress {_version('waitress')}, omlx-core {_version('omlx-core')}",
+        f"- omlx-core started as `./setup.sh serve` starts it (`omlx-core serve`, only the port "
+        f"added): tier `{settings.tier}` ({'given' if settings.tier_given else 'picked for this machine'}), "
+        f"{settings.http_threads} HTTP threads; overrides: {overrides}; `OMLX_CACHE_DIR` a new "
+        "directory per server and round (its `models/` and `cpu-kernels/` linked to the user's, "
+        "as `setup.sh` leaves them), so the SSD cache starts empty as on a first start. Its "
+        "speculation-off twin adds "
+        f"`--set {SPECULATION_OFF}` and runs the open-ended phases only",
+        f"- mlx_lm.server given omlx-core's max batch ({settings.max_batch_size}: "
+        f"`--decode-concurrency`, `--prompt-concurrency`) and prefill step "
+        f"({settings.prefill_step_size}: `--prefill-step-size`)",
+        f"- weight-streaming bound (one matmul of the model's size, timed on this machine "
+        f"with the servers' BLAS): {bound.describe()}",
+        "- rounds: every server started afresh each round, in an order rotated from round to "
+        "round; its first request sent as soon as it answers `GET /v1/models`, then a "
+        "warm-up; then each phase on every server in turn, each once no server used over 5% "
+        "of a core for 0.5 s",
+        f"- requests: streaming chat completions, greedy, no logit_bias: each answer ends where "
+        f"the model ends it or at max_tokens, and tokens are counted from each server's "
+        f"usage. Open-ended: {plan.max_tokens} tokens at most, {plan.single_requests} prompts "
+        f"one at a time (questions and stories alternating; the first request after ready is "
+        f"the first of them, counted with them and on its own), then {', '.join(map(str, plan.concurrency))} prompts at once; "
+        f"input-grounded: a ~{plan.grounded_text_tokens}-token text returned with one word "
+        f"changed, {plan.grounded_max_tokens} tokens at most, at "
+        f"{', '.join(map(str, plan.grounded_concurrency))} stream(s); ~{plan.prefix_tokens}-token "
+        f"shared system prompt ({plan.answer_tokens}-token answers); "
+        f"{plan.admission_prompt_tokens}-token prompt admitted beside {plan.running_streams} "
+        "running streams (an answer that ends is followed by the next prompt on its slot)",
+        "- TTFT: request sent to first text chunk; ITL: gap between text chunks; end to end: "
+        "completion tokens over the time from sending to the last token (1 stream: the median "
+        "request; N streams: all tokens over the time from sending all to the last token); "
+        "decode: the tokens after the first over the time from the first token to the last "
+        "(N streams: from the earliest first token to the latest last one); the weight-"
+        "streaming share: decode tokens/s over the bound's tokens/s",
+        "- omlx-core, mlx_lm.server: each server's median over the rounds; ours / theirs: "
+        "the median of the per-round ratios (each round measures both); range: their lowest "
+        "and highest",
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     plan = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        if args.rounds < 1:
+            raise SystemExit(f"--rounds must be at least 1, not {args.rounds}")
+        plan = replace(plan, rounds=args.rounds)
+    load_before = _load_average()
     model_dir = args.model
     served_id = None
     if model_dir is None:
@@ -490,51 +281,50 @@ def run(args: argparse.Namespace) -> int:
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"{model_dir} is not an mlx-lm model directory (no config.json)")
     settings = settings_for(args.tier, args.set)
-    banned = special_token_ids(model_dir)
-    # Prompts repeat from run to run: blocks an earlier run left in the SSD cache would
-    # turn this run's cold prefills into hits.
-    cache_root = fresh_cache_root()
-    specs = []
+    no_speculation = replace(settings, overrides=(*settings.overrides, SPECULATION_OFF))
+    # Prompts repeat from run to run and round to round: blocks an earlier server left
+    # in an SSD cache would turn this one's cold prefills into hits.
+    cache_roots: list[Path] = []
+
+    def ours(server_settings: ServerSettings) -> Callable[[int], ServerSpec]:
+        def make(port: int) -> ServerSpec:
+            cache_roots.append(fresh_cache_root())
+            return omlx_spec(None if served_id else model_dir, port, server_settings,
+                             served_id, cache_roots[-1])
+        return make
+
+    contenders: list[Contender] = []
     if args.only in (None, OMLX):
-        specs.append(lambda port: omlx_spec(None if served_id else model_dir, port, settings,
-                                            served_id, cache_root))
+        contenders.append(Contender(OMLX, ours(settings)))
+        made = ours(no_speculation)
+        contenders.append(Contender(OMLX_NO_SPECULATION,
+                                    lambda port: _relabel(made(port), "speculation off"),
+                                    every_phase=False))
     if args.only in (None, MLX_LM):
-        specs.append(lambda port: mlx_lm_spec(model_dir, port, settings))
-    header = [
-        f"- {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, {'--quick' if args.quick else 'full run'}",
-        f"- load average before the run (`uptime`): {_load_average()}",
-        f"- model `{model_dir.name}`; mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}, "
-        f"omlx-core {_version('omlx-core')}",
-        f"- omlx-core started as `./setup.sh serve` starts it: tier `{settings.tier}` "
-        f"({'given' if settings.tier_given else 'picked for this machine'}), "
-        f"{settings.http_threads} HTTP threads; overrides: "
-        f"{', '.join(f'`{o}`' for o in settings.overrides) or 'none'}; `OMLX_CACHE_DIR` a "
-        f"new directory (its `models/` linked to the user's), so the SSD cache starts empty "
-        f"as on a first start",
-        f"- both servers: max batch {settings.max_batch_size}, prefill step "
-        f"{settings.prefill_step_size} (mlx_lm.server given omlx-core's values)",
-        f"- requests: streaming chat completions, greedy, special tokens banned by logit_bias "
-        f"so each stream runs to max_tokens; {plan.max_tokens} tokens per stream, "
-        f"{plan.single_requests} single requests, {plan.rounds} round(s) at each of "
-        f"{', '.join(map(str, plan.concurrency))} streams; input-grounded: a "
-        f"~{plan.grounded_text_tokens}-token text returned with one word changed, "
-        f"{plan.grounded_max_tokens} tokens per stream at "
-        f"{', '.join(map(str, plan.grounded_concurrency))} stream(s); ~{plan.prefix_tokens}-token shared "
-        f"system prompt ({plan.answer_tokens}-token answers); "
-        f"{plan.admission_prompt_tokens}-token prompt admitted beside "
-        f"{plan.running_streams} running streams",
-        "- TTFT: request sent to first text chunk; ITL: gap between text chunks; tokens/s: "
-        "completion tokens (server's usage) over wall time, first request to last token",
-    ]
-    results = []
-    for make_spec in specs:
-        port = free_port()
-        results.append(measure(make_spec(port), port, model_dir, plan, banned))
-    report = render(results, header)
+        contenders.append(Contender(MLX_LM, lambda port: mlx_lm_spec(model_dir, port, settings)))
+    bound = measure_bound(model_dir, (1, 16), preload_env())
+    from tqdm import tqdm
+
+    runs: dict[str, ServerRun] = {}
+    total = plan.rounds * sum(plan.requests if c.every_phase else
+                              3 + plan.single_requests + sum(plan.concurrency)
+                              for c in contenders)
+    try:
+        with tqdm(total=total, unit="req", file=sys.stderr) as progress:
+            for index in range(plan.rounds):
+                run_round(index, contenders, runs, model_dir, plan, progress)
+    finally:
+        for root in cache_roots:
+            shutil.rmtree(root, ignore_errors=True)
+    add_bound_shares(runs, bound)
+    ordered = {name: runs[name] for name in (OMLX, OMLX_NO_SPECULATION, MLX_LM) if name in runs}
+    report = render(ordered, _header(args, plan, model_dir, settings, bound, load_before))
     publish_report(report, args.out if args.out is not None else (None if args.quick else DEFAULT_OUT))
-    shutil.rmtree(cache_root, ignore_errors=True)
     return 0
+
+
+def _relabel(spec: ServerSpec, what: str) -> ServerSpec:
+    return replace(spec, name=OMLX_NO_SPECULATION, label=f"{spec.label}, {what}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

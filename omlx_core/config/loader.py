@@ -7,15 +7,10 @@ from __future__ import annotations
 import difflib
 import os
 import platform
-import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 from omlx_core.config.schema import CORE_SETTINGS, MODEL_SETTINGS, TIER_FILE_KEYS
 from omlx_core.platform.backend import cuda_available

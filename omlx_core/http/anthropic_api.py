@@ -107,8 +107,13 @@ def _stop_reason(generation: Generation) -> str:
 
 
 def _usage(generation: Generation) -> dict[str, Any]:
-    return {"input_tokens": generation.prompt_tokens, "output_tokens": generation.completion_tokens,
-            "cache_read_input_tokens": generation.cached_tokens, "cache_creation_input_tokens": 0}
+    usage = {"input_tokens": generation.prompt_tokens,
+             "output_tokens": generation.completion_tokens,
+             "cache_read_input_tokens": generation.cached_tokens, "cache_creation_input_tokens": 0}
+    speculative = generation.speculative_usage()
+    if speculative is not None:
+        usage["speculative"] = speculative  # an extension: Anthropic's usage has no such field
+    return usage
 
 
 def error_frames(error: Exception) -> list[bytes]:
@@ -181,8 +186,12 @@ class Messages:
             return
         if open_block:
             yield _event("content_block_stop", index=block)
+        final_usage: dict[str, Any] = {"output_tokens": generation.completion_tokens}
+        speculative = generation.speculative_usage()
+        if speculative is not None:
+            final_usage["speculative"] = speculative
         yield _event("message_delta",
                      delta={"stop_reason": _stop_reason(generation),
                             "stop_sequence": generation.stop_sequence},
-                     usage={"output_tokens": generation.completion_tokens})
+                     usage=final_usage)
         yield _event("message_stop")

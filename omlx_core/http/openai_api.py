@@ -177,14 +177,14 @@ def usage_of(generation: Generation) -> dict[str, Any]:
         "total_tokens": generation.prompt_tokens + generation.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
     }
-    drafted, accepted = generation.draft_tokens, generation.accepted_draft_tokens
-    if drafted:
+    speculative = generation.speculative_usage()
+    if speculative is not None:
         # OpenAI's names for predicted tokens the model kept or threw away, and the
-        # speculative engine's own summary beside them.
+        # engine's own summary beside them.
+        drafted, accepted = generation.draft_tokens, generation.accepted_draft_tokens
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
                                               "rejected_prediction_tokens": drafted - accepted}
-        usage["speculative"] = {"drafted_tokens": drafted, "accepted_tokens": accepted,
-                                "acceptance_rate": round(accepted / drafted, 4)}
+        usage["speculative"] = speculative
     return usage
 
 

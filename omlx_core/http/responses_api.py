@@ -129,11 +129,15 @@ class Responses:
 
     @staticmethod
     def _usage(generation: Generation) -> dict[str, Any]:
-        return {"input_tokens": generation.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": generation.cached_tokens},
-                "output_tokens": generation.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": generation.prompt_tokens + generation.completion_tokens}
+        usage = {"input_tokens": generation.prompt_tokens,
+                 "input_tokens_details": {"cached_tokens": generation.cached_tokens},
+                 "output_tokens": generation.completion_tokens,
+                 "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": generation.prompt_tokens + generation.completion_tokens}
+        speculative = generation.speculative_usage()
+        if speculative is not None:
+            usage["speculative"] = speculative  # an extension, as on the other APIs
+        return usage
 
     @staticmethod
     def _message(item_id: str, text: str, status: str) -> dict[str, Any]:

@@ -30,9 +30,9 @@ runs :func:`kernel_attention`: the same graph as mlx's fallback with the softmax
 step, so a decode step keeps its overlap with the next step's graph), or mlx-lm's own
 function where those kernels are not built. Non-float32 activations, quantized KV caches,
 attention sinks and every GPU stream (Metal and CUDA have fused kernels) go to mlx-lm's
-function unchanged. The memory estimator asks :func:`family_takes_route` and
-:func:`route_takes` so that it counts what runs (the kernels' graph holds the arrays
-mlx's fallback holds).
+function unchanged. The memory estimate does not depend on whether a model takes the
+route: it counts mlx's fallback (the kernels' graph holds the arrays the fallback holds,
+the NumPy softmax the same less the mask).
 Evaluating inside the forward is what the engine's prefill does after each chunk
 anyway; a caller tracing the model under ``mx.compile`` would be refused by mlx
 (omlx-core's engines do not compile the forward).
@@ -52,8 +52,8 @@ import numpy as np
 from omlx_core.models import cpu_kernels
 
 __all__ = ["MAX_VERIFY_ROWS", "MIN_KEYS", "MIN_SCORES", "MIN_VERIFY_SCORES", "attention_caches_only",
-           "available_cores", "cpu_attention", "family_modules", "family_takes_route",
-           "install_cpu_attention", "install_route", "kernel_attention", "mask_in_place", "route_takes", "softmax_in_place"]
+           "available_cores", "cpu_attention", "family_modules", "install_cpu_attention",
+           "install_route", "kernel_attention", "mask_in_place", "route_takes", "softmax_in_place"]
 
 #: Fewest keys a multi-row call (a prefill chunk) attends over for the route to take it:
 #: from there on the softmax is most of a chunk's time, even for the small chunks the
@@ -327,19 +327,6 @@ def attention_caches_only(model: Any) -> bool:
     except Exception:  # a model mlx-lm cannot make a cache for: leave it alone
         return False
     return all(type(cache) in (KVCache, RotatingKVCache) for cache in caches)
-
-
-def family_takes_route(model_type: str) -> bool:
-    """Whether models of mlx-lm's ``model_type`` take the route in this process now: its
-    module's attention name is this route's (a model of the family was loaded through
-    :func:`install_cpu_attention`). The name is global to the module, so this is what
-    decides every call; the memory estimator asks it to count what will run. (Nothing is
-    imported: a family no model was loaded of is not routed.)"""
-    utils = sys.modules.get("mlx_lm.utils")
-    remapping = getattr(utils, "MODEL_REMAPPING", {})
-    module = sys.modules.get(f"mlx_lm.models.{remapping.get(model_type, model_type)}")
-    current = getattr(module, "scaled_dot_product_attention", None)
-    return bool(getattr(current, _INSTALLED_MARK, False))
 
 
 def install_cpu_attention(model: Any) -> list[str]:

@@ -19,7 +19,7 @@ Status = Literal["ok", "warn", "fail"]
 
 CHECK_NAMES = ("python", "backend", "blas", "ram", "cgroup", "device", "default model")
 
-MINIMUM_PYTHON = (3, 10)
+MINIMUM_PYTHON = (3, 11)
 LOW_AVAILABLE_BYTES = 1024**3
 CGROUP_PRESSURE_FRACTION = 0.9
 

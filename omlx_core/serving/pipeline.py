@@ -220,6 +220,16 @@ class Generation:
         """The complete tool calls the output made (``ToolCall``: id, name, arguments)."""
         return self._tools.calls if self._tools is not None else []
 
+    def speculative_usage(self) -> dict[str, Any] | None:
+        """The ``speculative`` object every API's usage carries for a request its engine
+        drafted for (drafted and accepted tokens, their ratio); ``None`` when it drafted
+        nothing."""
+        drafted, accepted = self.draft_tokens, self.accepted_draft_tokens
+        if not drafted:
+            return None
+        return {"drafted_tokens": drafted, "accepted_tokens": accepted,
+                "acceptance_rate": round(accepted / drafted, 4)}
+
     def deltas(self) -> Iterator[Delta]:
         """New text as it arrives; sets ``finish_reason`` (and ``failure``) when it ends."""
         usage = None

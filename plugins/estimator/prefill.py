@@ -37,7 +37,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from omlx_core.memory.types import KV_STEP, PeakEstimate
-from omlx_core.models.attention import family_takes_route, route_takes
 from omlx_core.plugins.estimator.dims import FULL, LINEAR, SLIDING, ModelDims
 
 # mlx's CPU eval loop allocates the outputs of up to ~50 queued ops before the worker
@@ -82,14 +81,15 @@ def rotating_length(length: int, window: int, appended: int) -> int:
     return min(length, window - 1) + appended
 
 
-def attention_scores_bytes(heads: int, query_tokens: int, key_tokens: int, dtype_bytes: int,
-                           routed: bool = False) -> int:
+def attention_scores_bytes(heads: int, query_tokens: int, key_tokens: int, dtype_bytes: int) -> int:
     """The materialized score matrix plus its one-byte causal mask (CPU SDPA fallback).
-    ``routed``: the model takes omlx-core's CPU route (:mod:`omlx_core.models.attention`),
-    which masks the scores in place: no mask where a call of this size takes it."""
+
+    omlx-core's CPU attention route (:mod:`omlx_core.models.attention`) masks the scores
+    in place and holds no mask, but whether a model takes it depends on what this
+    process has loaded (the route is a module global of the model's family): the
+    estimate counts the mask either way, so it is the same with the route or without
+    it, and never below what either holds (``tests/test_memory_estimate_routes.py``)."""
     scores = heads * query_tokens * key_tokens * dtype_bytes
-    if routed and dtype_bytes == 4 and route_takes(1, heads, query_tokens, key_tokens):
-        return scores
     mask = query_tokens * key_tokens if query_tokens > 1 else 0
     return scores + mask
 
@@ -241,8 +241,7 @@ def estimate_prefill_peak(dims: ModelDims, new_tokens: int, cached_tokens: int =
                  dtype_bytes=dtype_bytes)
     if backend not in ("cpu", "cuda", "metal"):
         raise ValueError(f"backend must be 'cpu', 'cuda' or 'metal', not {backend!r}")
-    routed = backend == "cpu" and not dims.count(LINEAR) and family_takes_route(dims.model_type)
-    settings = _Settings(dims, dtype_bytes, kv_bits, kv_group_size, full_logits, backend, routed)
+    settings = _Settings(dims, dtype_bytes, kv_bits, kv_group_size, full_logits, backend)
     if new_tokens == 0:
         return PeakBreakdown(0, {}, "nothing to prefill", dims,
                              kv_bytes_per_token=settings.growing_kv_row)
@@ -272,9 +271,6 @@ class _Settings:
     kv_group_size: int
     full_logits: bool
     backend: str
-    #: the model's attention takes omlx-core's CPU route (:mod:`omlx_core.models.attention`)
-    #: for calls large enough: asked once per estimate
-    routed: bool = False
 
     @property
     def kv_row(self) -> int:
@@ -388,7 +384,7 @@ def _chunk_peak(s: _Settings, before: _CacheState, tokens: int, start: dict[str,
     if FULL in computed and dims.latent is not None:
         scores = latent_attention_bytes(dims, tokens, after.offset, b)
     elif FULL in computed and not fused:
-        scores = attention_scores_bytes(dims.num_heads, tokens, after.offset, b, s.routed)
+        scores = attention_scores_bytes(dims.num_heads, tokens, after.offset, b)
     if SLIDING in computed and not fused:
         # Sliding layers pass their window mask (counted below) as an array: nothing to drop.
         scores = max(scores, attention_scores_bytes(dims.num_heads, tokens, after.window_length, b))

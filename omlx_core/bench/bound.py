@@ -1,0 +1,136 @@
+"""The weight-streaming bound of this machine for a model: how fast any server could decode.
+
+A decode step of ``r`` streams reads every weight of the model once (the logits' matmul
+reads the tied embedding too), so it takes at least as long as one matmul of ``r`` rows
+against a matrix of the model's size. :func:`measure_bound` times that matmul (``x @
+w.T``, as a linear layer computes it, in the weights' dtype) in a fresh process with
+the environment the servers get (the same BLAS), and divides: at most ``r / seconds``
+tokens per second at ``r`` streams, whatever a server does around its matmuls.
+Speculation can pass it: a verify step decodes several tokens per weight pass.
+
+    python -m omlx_core.bench.bound MODEL_DIR [--rows 1 16]   # prints one JSON line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+#: bytes per element of the safetensors dtypes a model's floats come in
+FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+MLX_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+REPEATS = 9
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What a decode step reads: the bytes of every tensor, and the float dtype most of
+    them are in (the matmul's dtype)."""
+
+    bytes: int
+    dtype: str
+    hidden_size: int
+
+    @property
+    def elements(self) -> int:
+        return self.bytes // FLOAT_BYTES[self.dtype]
+
+
+def model_weights(model_dir: Path) -> Weights:
+    """The weights of an mlx-lm model directory, from its safetensors headers (nothing
+    is loaded)."""
+    total = 0
+    by_dtype: dict[str, int] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no .safetensors files")
+    for path in files:
+        with path.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        for name, tensor in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = tensor["data_offsets"]
+            total += end - start
+            by_dtype[tensor["dtype"]] = by_dtype.get(tensor["dtype"], 0) + end - start
+    floats = {dtype: size for dtype, size in by_dtype.items() if dtype in FLOAT_BYTES}
+    dtype = max(floats, key=floats.__getitem__) if floats else "F32"
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    hidden = int(config.get("hidden_size") or config.get("text_config", {}).get("hidden_size"))
+    return Weights(total, dtype, hidden)
+
+
+def time_matmul(weights: Weights, rows: Sequence[int]) -> dict[int, float]:
+    """Median seconds of one ``rows x hidden`` by ``hidden x (elements / hidden)`` matmul
+    per row count (run in this process: call it where the servers' BLAS is loaded)."""
+    import mlx.core as mx
+
+    dtype = getattr(mx, MLX_DTYPES[weights.dtype])
+    columns = weights.elements // weights.hidden_size
+    matrix = mx.random.normal((columns, weights.hidden_size)).astype(dtype)
+    mx.eval(matrix)
+    seconds: dict[int, float] = {}
+    for count in rows:
+        inputs = mx.random.normal((count, weights.hidden_size)).astype(dtype)
+        mx.eval(inputs)
+        times = []
+        for _ in range(REPEATS + 2):
+            started = time.perf_counter()
+            mx.eval(inputs @ matrix.T)
+            times.append(time.perf_counter() - started)
+        seconds[count] = statistics.median(times[2:])
+    return seconds
+
+
+@dataclass(frozen=True)
+class Bound:
+    weights: Weights
+    #: seconds of one matmul, by rows
+    seconds: dict[int, float]
+
+    def tokens_per_s(self, rows: int) -> float:
+        return rows / self.seconds[rows]
+
+    def describe(self) -> str:
+        columns = self.weights.elements // self.weights.hidden_size
+        shape = f"{self.weights.hidden_size} x {columns} {MLX_DTYPES[self.weights.dtype]}"
+        return "; ".join(
+            f"{rows} x {shape} ({self.weights.bytes / 2**20:.0f} MiB, the model's weights) in "
+            f"{self.seconds[rows] * 1000:.1f} ms: at most {self.tokens_per_s(rows):.1f} tokens/s "
+            f"at {rows} stream(s)" for rows in sorted(self.seconds))
+
+
+def measure_bound(model_dir: Path, rows: Sequence[int], env: dict[str, str]) -> Bound:
+    """The bound for ``model_dir``, timed in a fresh interpreter with ``env`` (the
+    servers' environment: their BLAS preloaded)."""
+    done = subprocess.run([sys.executable, "-m", "omlx_core.bench.bound", str(model_dir),
+                           "--rows", *map(str, rows)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the weight-streaming matmul failed: {done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return Bound(model_weights(model_dir), {int(k): v for k, v in result["seconds"].items()})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m omlx_core.bench.bound", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    args = parser.parse_args(argv)
+    seconds = time_matmul(model_weights(args.model_dir), args.rows)
+    print(json.dumps({"seconds": seconds}))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
