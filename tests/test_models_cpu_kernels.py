@@ -94,3 +94,77 @@ def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_COMPILER", "no-such-cxx")
     with pytest.raises(cpu_kernels.KernelBuildError, match="no C\\+\\+ compiler"):
         cpu_kernels.build()
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (16, 1, 576), (3, 7, 64), (2, 1, 9, 16)])
+def test_rms_norm_is_mlx_bit_for_bit(kernels, shape):
+    x = mx.random.normal(shape, key=mx.random.key(11)) * 3
+    w = mx.random.normal((shape[-1],), key=mx.random.key(12))
+    assert mx.array_equal(kernels.rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5)).item()
+    strided = mx.random.normal((shape[-1], 5), key=mx.random.key(13)).T  # rows not dense
+    assert mx.array_equal(kernels.rms_norm(strided, w, 1e-6), mx.fast.rms_norm(strided, w, 1e-6)).item()
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize("shape,offsets", [((1, 9, 1, 64), 4095), ((16, 9, 1, 64), "rows"),
+                                           ((1, 4, 37, 64), 5), ((2, 3, 4, 32), "rows")])
+def test_rope_is_mlx_bit_for_bit(kernels, traditional, shape, offsets):
+    import math
+
+    batch, heads, steps, dim = shape
+    # (batch, positions, heads, dim) transposed: the strided view attention passes.
+    x = mx.random.normal((batch, steps, heads, dim), key=mx.random.key(14)).transpose(0, 2, 1, 3)
+    given = mx.array([37 * i + 3 for i in range(batch)], dtype=mx.int32) if offsets == "rows" else offsets
+    base, half = 100000.0, dim // 2
+    inverse = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(base) / half))
+    offset = given if isinstance(given, mx.array) else mx.array(given, dtype=mx.int32)
+    got = kernels.rope(x, offset, inverse, dim, traditional, 1.0)
+    want = mx.fast.rope(x, dim, traditional=traditional, base=base, scale=1.0, offset=given)
+    assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,keys", [(1, 9, 3, 256), (16, 9, 3, 300), (4, 4, 4, 17)])
+@pytest.mark.parametrize("masked", [True, False])
+def test_decode_attention_equals_mlx(kernels, batch, heads, kv_heads, keys, masked):
+    """Scores, a decode lane's left-padding mask, softmax and values: mlx's within float32
+    rounding of a dot product's order (keys and values as the cache's strided views)."""
+    q = mx.random.normal((batch, 1, heads, 64), key=mx.random.key(15)).transpose(0, 2, 1, 3)
+    k = mx.random.normal((batch, kv_heads, keys + 256, 64), key=mx.random.key(16))[:, :, :keys]
+    v = mx.random.normal((batch, kv_heads, keys + 256, 64), key=mx.random.key(17))[:, :, :keys]
+    mask = None
+    if masked:
+        mask = (mx.arange(keys)[None] >= mx.array([3 * i for i in range(batch)])[:, None])[:, None, None, :]
+    got = kernels.decode_attention(q, k, v, mask, 0.125)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+
+
+def test_decode_attention_refuses_what_it_does_not_compute(kernels):
+    q, k = mx.zeros((1, 4, 2, 16)), mx.zeros((1, 2, 8, 16))
+    with pytest.raises(ValueError, match="q \\(B, H, 1, D\\)"):
+        kernels.decode_attention(q, k, k, None, 1.0)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        kernels.decode_attention(q[:, :, :1], k, k, mx.ones((1, 1, 1, 8)), 1.0)
+
+
+def test_a_model_takes_the_norm_and_rope_kernels_on_decode_steps_only(tiny_model_path):
+    """The swapped layers give mlx's results, through the kernels for one position per
+    sequence and through mlx's ops for a prefill chunk."""
+    from omlx_core.models.layer_kernels import KernelRMSNorm, KernelRoPE
+    from omlx_core.models.loader import load_model
+
+    model, _ = load_model(tiny_model_path("llama"))
+    layer = model.model.layers[0]
+    assert isinstance(layer.input_layernorm, KernelRMSNorm) and isinstance(model.model.norm, KernelRMSNorm)
+    assert isinstance(layer.self_attn.rope, KernelRoPE)
+    assert "_inverse_frequencies" not in dict(nn.utils.tree_flatten(model.parameters()))
+    for positions in (1, 12):
+        x = mx.random.normal((3, positions, layer.input_layernorm.weight.shape[0]), key=mx.random.key(18))
+        assert mx.array_equal(layer.input_layernorm(x),
+                              mx.fast.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)).item()
+        q = mx.random.normal((3, 4, positions, 16), key=mx.random.key(19))
+        rope = layer.self_attn.rope
+        want = mx.fast.rope(q, rope.dims, traditional=rope.traditional, base=rope.base,
+                            scale=rope.scale, offset=mx.array([5, 9, 30]))
+        assert mx.array_equal(rope(q, offset=mx.array([5, 9, 30])), want).item()

@@ -182,21 +182,45 @@ def test_the_decode_batch_gives_mlx_lms_tokens_with_low_precision_logits(tmp_pat
     mlx_thread().run(compare)
 
 
+def plain_greedy(model: Any, prompt: list[int], max_tokens: int, params: SamplingParams,
+                 eos: set[int]) -> list[int]:
+    """Plain mlx-lm: ``generate_step`` over one prompt alone, stopped where the engine
+    stops (an end-of-sequence token, not handed out)."""
+    from mlx_lm.generate import generate_step
+
+    tokens = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                                  logits_processors=list(make_logits_processors(params, len(prompt)))):
+        if int(token) in eos:
+            break
+        tokens.append(int(token))
+    return tokens
+
+
 @pytest.mark.slow
-def test_the_default_model_gives_mlx_lms_tokens():
+@pytest.mark.parametrize("lanes,speculation", [(False, False), (True, True)])
+def test_the_default_model_gives_plain_mlx_lms_tokens(lanes, speculation):
+    """Chat prompts decoded together (lanes, drafts) give each the tokens plain mlx-lm
+    gives it alone."""
     from omlx_core.models.default import ensure_default_model
 
     def compare():
         model, tokenizer = load_model(ensure_default_model(progress=False))
-        vocab = model.args.vocab_size
         banned = {t: -100.0 for t in range(17)}
-        rows = [Row(0, list(range(100, 130)), 24, SamplingParams(logit_bias=banned)),
-                Row(0, list(range(400, 412)), 16),
-                Row(2, list(range(900, 950)), 20, SamplingParams(logit_bias=banned, logprobs=1)),
-                Row(5, list(range(2000, 2007)) * 6, 12, SamplingParams(logit_bias=banned))]
-        reference = run_mlx_lm(model, rows, vocab=vocab, eos=list(tokenizer.eos_token_ids))
-        for lanes, speculation in ((False, False), (True, True)):
-            assert_same(reference, run_ours(model, tokenizer, rows, lanes=lanes, speculation=speculation))
+        questions = ["What is the capital of France?", "Name three colors.",
+                     "Write a haiku about the sea.", "Repeat after me: " + "alpha beta gamma delta " * 20]
+        rows = []
+        for index, question in enumerate(questions):
+            prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                        add_generation_prompt=True))
+            params = SamplingParams(temperature=0.0, logit_bias=banned if index % 2 else {})
+            rows.append(Row(index, prompt, 24, params))
+        eos = set(tokenizer.eos_token_ids)
+        reference = [Outcome(plain_greedy(model, row.prompt, row.max_tokens, row.params, eos))
+                     for row in rows]
+        ours = run_ours(model, tokenizer, rows, lanes=lanes, speculation=speculation)
+        for index, (a, b) in enumerate(zip(reference, ours)):
+            assert b.tokens == a.tokens, f"{questions[index]!r}: tokens differ"
 
     mlx_thread().run(compare)
 

@@ -1,24 +1,39 @@
-// Vectorized exponentials for mlx's CPU backend, as two mlx primitives.
+// CPU primitives for mlx's CPU backend, where its "fast" ops are compositions of
+// scalar elementwise ops (its simd width is 1 off Apple silicon).
 //
-// mlx's CPU elementwise kernels are scalar off Apple silicon (its simd width is 1), so
-// every exp in an attention softmax or an MLP's SiLU costs ~12-17 ns. These primitives
-// do the same float32 arithmetic (softmax: exp(x - max) * (1 / sum); SwiGLU:
-// gate * (1 / (1 + exp(-gate))) * x) with a polynomial exp the compiler vectorizes,
-// as nodes of the graph: nothing is evaluated mid-forward, so a decode step keeps
-// mlx's pipelining, and each writes its output into its input's buffer where mlx lets
-// it (as mlx's own softmax does), so the memory a forward needs is unchanged.
+// - softmax and SwiGLU: the same float32 arithmetic (softmax: exp(x - max) * (1 / sum);
+//   SwiGLU: gate * (1 / (1 + exp(-gate))) * x) with a polynomial exp the compiler
+//   vectorizes;
+// - RMS norm and RoPE: mlx's fallback arithmetic in one pass, bit for bit (its sin,
+//   cos and rsqrt, the same order of operations; built with -ffp-contract=off so no
+//   multiply-add is fused where mlx rounds twice): a decode step's 60 norms and 60
+//   rotations were ~20 % of a one-row step in op dispatch alone;
+// - decode attention: one query row per sequence and head (a decode step's), scores,
+//   mask, softmax and the weighted values in one pass over each head's keys and values
+//   (the scores differ from BLAS's in the order of a dot product's sums).
+//
+// Each is a node of the graph: nothing is evaluated mid-forward, so a decode step keeps
+// mlx's pipelining; softmax and SwiGLU write into their input's buffer where mlx lets
+// them (as mlx's own softmax does), so the memory a forward needs is unchanged.
 // Built and loaded by omlx_core/models/cpu_kernels.py.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <stdexcept>
+#include <thread>
+#include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/simd/simd.h"
+#include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
 
@@ -216,6 +231,258 @@ class SwiGLU : public mx::Primitive {
   }
 };
 
+// -- RMS norm ------------------------------------------------------------------------
+
+// mlx's fallback: y = (x * rsqrt(mean(x * x) + eps)) * w, the mean a sequential float32
+// sum times 1/n, rsqrt as 1 / sqrt.
+void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps, float inv_n) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    float square = x[i] * x[i];
+    acc += square;
+  }
+  float scale = 1.0f / std::sqrt(acc * inv_n + eps);
+  for (int64_t i = 0; i < n; ++i) {
+    float normed = x[i] * scale;
+    y[i] = normed * w[i];
+  }
+}
+
+class RmsNorm : public mx::Primitive {
+ public:
+  RmsNorm(mx::Stream s, float eps) : mx::Primitive(s), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    int64_t cols = x.shape().back();
+    int64_t rows = cols == 0 ? 0 : static_cast<int64_t>(x.size()) / cols;
+    bool dense = x.flags().row_contiguous && w.flags().row_contiguous;
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), y = out.data<float>(), rows,
+                      cols, dense, eps = eps_, layout = Strided(x), w_layout = Strided(w)]() {
+      float inv_n = static_cast<float>(1.0 / static_cast<double>(cols));
+      std::vector<float> row, weight;
+      const float* wr = wp;
+      if (!dense) {
+        weight.resize(cols);
+        gather(wp, w_layout, weight.data(), cols);
+        wr = weight.data();
+        row.resize(cols);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = xp + r * cols;
+        if (!dense) {
+          for (int64_t i = 0; i < cols; ++i) row[i] = xp[layout.offset(r * cols + i)];
+          xr = row.data();
+        }
+        rms_norm_row(xr, wr, y + r * cols, cols, eps, inv_n);
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("omlx rms_norm: CPU only");
+  }
+  const char* name() const override { return "OmlxRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+// -- RoPE ------------------------------------------------------------------------------
+
+// mlx's fallback: positions (t + offset) * scale, theta = position * inv_freq, mlx's own
+// sin and cos; out1 = x1 cos - x2 sin, out2 = x1 sin + x2 cos, over pairs (2i, 2i+1)
+// (traditional) or halves (i, i + dims/2); dimensions past dims pass through.
+class Rope : public mx::Primitive {
+ public:
+  Rope(mx::Stream s, int dims, bool traditional, float scale)
+      : mx::Primitive(s), dims_(dims), traditional_(traditional), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& offset = inputs[1];
+    const auto& inv_freqs = inputs[2];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(offset);
+    encoder.set_input_array(inv_freqs);
+    encoder.set_output_array(out);
+    int64_t batch = x.shape(0), heads = x.shape(1), steps = x.shape(2), width = x.shape(3);
+    encoder.dispatch([xp = x.data<float>(), op = offset.data<int32_t>(),
+                      fp = inv_freqs.data<float>(), y = out.data<float>(), batch, heads, steps,
+                      width, offsets = static_cast<int64_t>(offset.size()),
+                      xs = std::vector<int64_t>(x.strides().begin(), x.strides().end()),
+                      dims = dims_, traditional = traditional_, scale = scale_]() {
+      int half = dims / 2;
+      std::vector<float> cosines(half), sines(half);
+      for (int64_t b = 0; b < batch; ++b) {
+        float shift = static_cast<float>(op[offsets == 1 ? 0 : b]);
+        for (int64_t t = 0; t < steps; ++t) {
+          float position = (static_cast<float>(t) + shift) * scale;
+          for (int i = 0; i < half; ++i) {
+            mx::simd::Simd<float, 1> theta(position * fp[i]);
+            cosines[i] = mx::simd::cos(theta).value;
+            sines[i] = mx::simd::sin(theta).value;
+          }
+          for (int64_t h = 0; h < heads; ++h) {
+            const float* xr = xp + b * xs[0] + h * xs[1] + t * xs[2];
+            float* yr = y + ((b * heads + h) * steps + t) * width;
+            int64_t step = xs[3];
+            for (int i = 0; i < half; ++i) {
+              int64_t a = traditional ? 2 * i : i, c = traditional ? 2 * i + 1 : i + half;
+              float x1 = xr[a * step], x2 = xr[c * step];
+              float p = x1 * cosines[i], q = x2 * sines[i];
+              float u = x1 * sines[i], v = x2 * cosines[i];
+              yr[a] = p - q;
+              yr[c] = u + v;
+            }
+            for (int64_t d = dims; d < width; ++d) yr[d] = xr[d * step];
+          }
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("omlx rope: CPU only");
+  }
+  const char* name() const override { return "OmlxRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Rope&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float scale_;
+};
+
+// -- decode attention -------------------------------------------------------------------
+
+OMLX_CLONES float dot(const float* a, const float* b, int64_t n) {
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) s[k] += a[i + k] * b[i + k];
+  float out = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  for (; i < n; ++i) out += a[i] * b[i];
+  return out;
+}
+
+OMLX_CLONES void add_scaled(float* y, const float* x, float a, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// One query row per (sequence, head): softmax(q k^T * scale, masked) v. Keys and values
+// are (batch, kv heads, keys, dim) views whose last axis is dense; the mask, when there
+// is one, is a bool (batch or 1, 1, 1, keys) array (a decode lane's left padding).
+class DecodeAttention : public mx::Primitive {
+ public:
+  DecodeAttention(mx::Stream s, float scale, bool masked)
+      : mx::Primitive(s), scale_(scale), masked_(masked) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& q = inputs[0];
+    const auto& k = inputs[1];
+    const auto& v = inputs[2];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    const bool* mp = nullptr;
+    std::vector<int64_t> ms;
+    if (masked_) {
+      mp = inputs[3].data<bool>();
+      ms.assign(inputs[3].strides().begin(), inputs[3].strides().end());
+      if (inputs[3].shape(0) == 1) ms[0] = 0;
+    }
+    encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), mp,
+                      y = out.data<float>(), batch = q.shape(0), heads = q.shape(1),
+                      kv_heads = k.shape(1), keys = k.shape(2), width = q.shape(3),
+                      qs = std::vector<int64_t>(q.strides().begin(), q.strides().end()),
+                      ks = std::vector<int64_t>(k.strides().begin(), k.strides().end()),
+                      vs = std::vector<int64_t>(v.strides().begin(), v.strides().end()), ms,
+                      scale = scale_]() {
+      int64_t repeats = heads / kv_heads;
+      auto one_group = [&](int64_t b, int64_t g, std::vector<float>& query,
+                           std::vector<float>& scores) {
+        // The group's query heads share each key and value row: read it once.
+        for (int64_t r = 0; r < repeats; ++r) {
+          const float* qr = qp + b * qs[0] + (g * repeats + r) * qs[1];
+          for (int64_t d = 0; d < width; ++d) query[r * width + d] = qr[d * qs[3]] * scale;
+        }
+        const float* kb = kp + b * ks[0] + g * ks[1];
+        const float* vb = vp + b * vs[0] + g * vs[1];
+        const float hidden = -std::numeric_limits<float>::max();
+        for (int64_t l = 0; l < keys; ++l) {
+          bool shown = mp == nullptr || mp[b * ms[0] + l * ms[3]];
+          const float* kr = kb + l * ks[2];
+          for (int64_t r = 0; r < repeats; ++r)
+            scores[r * keys + l] = shown ? dot(query.data() + r * width, kr, width) : hidden;
+        }
+        float* yg = y + (b * heads + g * repeats) * width;
+        std::fill(yg, yg + repeats * width, 0.0f);
+        for (int64_t r = 0; r < repeats; ++r) {
+          float* sr = scores.data() + r * keys;
+          float m = row_max(sr, keys);
+          exp_shifted(sr, sr, keys, m);
+          scale_row(sr, keys, 1.0f / row_sum(sr, keys));
+        }
+        for (int64_t l = 0; l < keys; ++l) {
+          const float* vr = vb + l * vs[2];
+          for (int64_t r = 0; r < repeats; ++r)
+            add_scaled(yg + r * width, vr, scores[r * keys + l], width);
+        }
+      };
+      int64_t groups = batch * kv_heads;
+      auto run = [&](int64_t first, int64_t last) {
+        std::vector<float> query(repeats * width), scores(repeats * keys);
+        for (int64_t i = first; i < last; ++i) one_group(i / kv_heads, i % kv_heads, query, scores);
+      };
+      // Two halves on two threads once there is enough work to pay for a thread.
+      if (groups >= 2 && groups * repeats * keys * width >= (1 << 18)) {
+        std::thread other(run, groups / 2, groups);
+        run(0, groups / 2);
+        other.join();
+      } else {
+        run(0, groups);
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("omlx decode_attention: CPU only");
+  }
+  const char* name() const override { return "OmlxDecodeAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DecodeAttention&>(other);
+    return scale_ == o.scale_ && masked_ == o.masked_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[2].shape(3);
+    return {shape};
+  }
+
+ private:
+  float scale_;
+  bool masked_;
+};
+
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
 
 mx::array softmax(const mx::array& x) {
@@ -234,11 +501,68 @@ mx::array swiglu(const mx::array& gate, const mx::array& x) {
   return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(s), {gate, x});
 }
 
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
+  if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || x.ndim() == 0 ||
+      weight.ndim() != 1 || weight.shape(0) != x.shape().back()) {
+    throw std::invalid_argument("rms_norm: needs float32 x and a float32 weight of x's last axis");
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(cpu_stream(), eps), {x, weight});
+}
+
+mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& inv_freqs, int dims,
+               bool traditional, float scale) {
+  if (x.dtype() != mx::float32 || x.ndim() != 4 || dims % 2 || dims > x.shape(3) ||
+      offset.dtype() != mx::int32 || offset.ndim() > 1 ||
+      (offset.size() != 1 && offset.size() != static_cast<size_t>(x.shape(0))) ||
+      inv_freqs.dtype() != mx::float32 || inv_freqs.ndim() != 1 || inv_freqs.shape(0) != dims / 2) {
+    throw std::invalid_argument("rope: needs float32 (B, H, T, D) x, int32 offset(s), "
+                                "float32 inverse frequencies of dims / 2");
+  }
+  auto s = cpu_stream();
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, traditional, scale),
+                   {x, mx::contiguous(offset, false, s), mx::contiguous(inv_freqs, false, s)});
+}
+
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                           std::optional<mx::array> mask, float scale) {
+  bool shapes = q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && q.shape(2) == 1 &&
+                k.shape(0) == q.shape(0) && v.shape(0) == q.shape(0) && k.shape(1) == v.shape(1) &&
+                q.shape(1) % k.shape(1) == 0 && k.shape(2) == v.shape(2) && k.shape(3) == q.shape(3);
+  if (!shapes || q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) {
+    throw std::invalid_argument("decode_attention: needs float32 q (B, H, 1, D), k and v (B, Hkv, L, D)");
+  }
+  auto s = cpu_stream();
+  std::vector<mx::array> inputs{q, k, v};
+  // The kernel reads each key and value row densely.
+  for (size_t i = 1; i < 3; ++i) {
+    if (inputs[i].strides()[3] != 1) inputs[i] = mx::contiguous(inputs[i], false, s);
+  }
+  if (mask) {
+    const auto& m = *mask;
+    if (m.dtype() != mx::bool_ || m.ndim() != 4 || m.shape(1) != 1 || m.shape(2) != 1 ||
+        (m.shape(0) != 1 && m.shape(0) != q.shape(0)) || m.shape(3) != k.shape(2)) {
+      throw std::invalid_argument("decode_attention: the mask must be bool (B or 1, 1, 1, L)");
+    }
+    inputs.push_back(m);
+  }
+  mx::Shape shape{q.shape(0), q.shape(1), 1, v.shape(3)};
+  return mx::array(shape, mx::float32,
+                   std::make_shared<DecodeAttention>(s, scale, mask.has_value()), inputs);
+}
+
 }  // namespace
 
 NB_MODULE(_omlx_cpu_kernels, m) {
-  m.doc() = "Vectorized float32 softmax and SwiGLU primitives for mlx's CPU backend";
+  m.doc() = "float32 softmax, SwiGLU, RMS norm, RoPE and decode attention primitives for mlx's CPU backend";
   m.def("softmax", &softmax, nb::arg("x"),
         "Softmax over the last axis of a float32 array (mlx CPU stream).");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x, float32.");
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"),
+        "mlx.core.fast.rms_norm's arithmetic over the last axis, float32.");
+  m.def("rope", &rope, nb::arg("x"), nb::arg("offset"), nb::arg("inv_freqs"), nb::arg("dims"),
+        nb::arg("traditional"), nb::arg("scale"),
+        "mlx.core.fast.rope's arithmetic on a float32 (B, H, T, D) array.");
+  m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("mask").none(), nb::arg("scale"),
+        "softmax(q k^T * scale) v for one query row per sequence and head, float32.");
 }

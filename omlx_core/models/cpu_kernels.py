@@ -102,6 +102,8 @@ def _compile_command(output: Path) -> list[str]:
     return [_COMPILER, "-std=c++20", "-O3", "-fPIC", "-shared", "-fvisibility=hidden",
             "-DNDEBUG", "-DNB_DOMAIN=mlx",  # mlx's bindings live in nanobind's "mlx" domain
             "-fno-math-errno", "-fno-trapping-math",
+            # mlx rounds a product and a sum apart: so must the kernels that mirror it.
+            "-ffp-contract=off",
             f"-I{nb_root / 'include'}", f"-I{nb_root / 'ext' / 'robin_map' / 'include'}",
             f"-I{mlx_root / 'include'}", f"-I{python_include}",
             str(SOURCE), str(nb_root / "src" / "nb_combined.cpp"),

@@ -17,8 +17,6 @@ def load_model(path: Path | str) -> tuple[Any, Any]:
     """
     from mlx_lm import load
 
-    from omlx_core.models.attention import install_cpu_attention
-    from omlx_core.models.mlp_route import install_cpu_swiglu
     from omlx_core.models.tokenizer_json import read_tokenizer_json
 
     read_tokenizer_json()
@@ -27,9 +25,22 @@ def load_model(path: Path | str) -> tuple[Any, Any]:
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load model from {path}: {type(exc).__name__}: {exc}") from exc
     settle_random_state()
+    install_cpu_routes(model)
+    return model, tokenizer
+
+
+def install_cpu_routes(model: Any) -> None:
+    """Put a loaded model's attention, SwiGLU, RMS norms and rotary embeddings on the CPU
+    routes and kernels (each does nothing off the CPU backend or where it does not
+    apply): :mod:`~omlx_core.models.attention`, :mod:`~omlx_core.models.mlp_route`,
+    :mod:`~omlx_core.models.layer_kernels`."""
+    from omlx_core.models.attention import install_cpu_attention
+    from omlx_core.models.layer_kernels import install_cpu_layer_kernels
+    from omlx_core.models.mlp_route import install_cpu_swiglu
+
     install_cpu_attention(model)
     install_cpu_swiglu(model)
-    return model, tokenizer
+    install_cpu_layer_kernels(model)
 
 
 def hf_tokenizer(tokenizer: Any) -> Any:

@@ -52,15 +52,14 @@ from omlx_core.memory.types import (
     Rejection,
     RequestRejected,
 )
-from omlx_core.models.attention import install_cpu_attention
 from omlx_core.models.loader import (
     activation_dtype_bytes,
     hf_tokenizer,
+    install_cpu_routes,
     load_model,
     model_classes,
     settle_random_state,
 )
-from omlx_core.models.mlp_route import install_cpu_swiglu
 from omlx_core.models.registry import ModelError, ModelSpec
 from omlx_core.scheduling.acceptance import KeyStream, accept_greedy, accept_sampled, target_log_probs
 from omlx_core.scheduling.batch_state import Phase, SequenceState, new_sequence
@@ -100,6 +99,6 @@ __all__ = [
     "ForwardGate", "LimitSnapshot", "MemoryReceiver", "PeakEstimate", "PeakQuery", "PrefillChunk",
     "PrefillStep", "Refusals", "Rejection", "RequestRejected", "TierPolicy", "UNLIMITED_TOKENS",
     # models
-    "ModelError", "ModelSpec", "activation_dtype_bytes", "hf_tokenizer", "install_cpu_attention",
-    "install_cpu_swiglu", "load_model", "model_classes", "settle_random_state",
+    "ModelError", "ModelSpec", "activation_dtype_bytes", "hf_tokenizer", "install_cpu_routes",
+    "load_model", "model_classes", "settle_random_state",
 ]

@@ -71,9 +71,7 @@ def load_sharded(path: Path | str, mode: str, group: Any) -> tuple[Any, Any]:
     import mlx.core as mx
     from mlx_lm.utils import load_model, load_tokenizer
 
-    from omlx_core.scheduling import install_cpu_attention
-    from omlx_core.scheduling import settle_random_state
-    from omlx_core.scheduling import install_cpu_swiglu
+    from omlx_core.scheduling import install_cpu_routes, settle_random_state
 
     path = Path(path)
     model, config = load_model(path, lazy=True, strict=False)
@@ -87,8 +85,7 @@ def load_sharded(path: Path | str, mode: str, group: Any) -> tuple[Any, Any]:
             model.model.pipeline(group)
     mx.eval(model.parameters())
     settle_random_state()
-    install_cpu_attention(model)  # every rank takes the same routes: the same numbers
-    install_cpu_swiglu(model)
+    install_cpu_routes(model)  # every rank takes the same routes: the same numbers
     return model, tokenizer
 
 
