@@ -17,6 +17,7 @@ from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.vlm.engine import VLMEngine
 from omlx_core.testing.conformance import EngineConformance, collect, run_until_stop, text_of, tokens_of
 from omlx_core.testing.host import make_test_host
+from omlx_core.testing.sampling_check import mlx_vlm_reference
 
 FAMILIES = ("llava", "gemma3")
 
@@ -63,6 +64,8 @@ def vlm_engine(request, tiny_vlm_path):
 
 
 class TestVLMEngineLlava(EngineConformance):
+    reference_forward = staticmethod(mlx_vlm_reference)
+
     @pytest.fixture(scope="class")
     @classmethod
     def engine(cls, tiny_vlm_path):
@@ -72,6 +75,8 @@ class TestVLMEngineLlava(EngineConformance):
 
 
 class TestVLMEngineGemma3(EngineConformance):
+    reference_forward = staticmethod(mlx_vlm_reference)
+
     @pytest.fixture(scope="class")
     @classmethod
     def engine(cls, tiny_vlm_path):
