@@ -149,9 +149,8 @@ def _held(engine: Engine, request_id: str) -> str | None:
 
 def assert_released(engine: Engine, request_id: str) -> None:
     """The engine lets go of an ended request (a bounded wait: it may finish a step)."""
-    wait_for(lambda: _held(engine, request_id) is None, TIMEOUT_S)
-    held = _held(engine, request_id)
-    assert held is None, f"{TIMEOUT_S:.0f} s after request {request_id!r} ended, {held}"
+    assert wait_for(lambda: _held(engine, request_id) is None, TIMEOUT_S), (
+        f"{TIMEOUT_S:.0f} s after request {request_id!r} ended, {_held(engine, request_id)}")
 
 
 class EngineConformance:
