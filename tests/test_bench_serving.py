@@ -27,6 +27,7 @@ def test_stream_record_gaps_and_ttft():
         StreamRecord(started=1.0).ttft
 
 
+@pytest.mark.slow  # a real server and a bench run
 def test_quick_bench_against_our_server_writes_every_figure(tmp_path, capsys):
     out = tmp_path / "bench.md"
     model_dir = cached_model("llama")

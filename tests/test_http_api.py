@@ -742,14 +742,28 @@ def test_full_admission_queue_is_503_with_retry_after(crowded_context) -> None:
         assert status == 200, body
 
 
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path,
+                  queue_timeout_s: str) -> ServerContext:
+    """Room for one request at a time and a queue of one that waits ``queue_timeout_s``."""
+    return start_context(tmp_path_factory.mktemp("one-at-a-time"), tiny_dir,
+                         memory__tier="custom", memory__custom_ceiling=small_ceiling(),
+                         memory__tiers__custom__admit_watermark="0.05",
+                         memory__queue_size="1", memory__queue_timeout_s=queue_timeout_s)
+
+
+def holding_the_room(server: HTTPServer) -> socket.socket:
+    """A stream that holds the only room, read until it decodes."""
+    sock = open_stream(server, "/v1/chat/completions",
+                       {"model": MODEL, "messages": CHAT, "stream": True,
+                        "max_tokens": 3000, "temperature": 0})
+    read_until(sock, b"data: ", 2)
+    return sock
+
+
 @pytest.fixture(scope="module")
 def waiting_context(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[ServerContext]:
-    """Room for one request at a time and a queue of one that waits 0.1 s at most."""
-    context = start_context(tmp_path_factory.mktemp("waiting"), tiny_dir,
-                            memory__tier="custom", memory__custom_ceiling=small_ceiling(),
-                            memory__tiers__custom__admit_watermark="0.05",
-                            memory__queue_size="1", memory__queue_timeout_s="0.1")
+    context = one_at_a_time(tmp_path_factory, tiny_dir, "0.1")
     yield context
     stop_engines(context)
 
@@ -759,10 +773,7 @@ def test_a_wait_past_the_queue_timeout_is_503_admission_queue_timeout(waiting_co
     guard = context.memory_guard
     assert wait_for(lambda: guard.snapshot is not None)
     with HTTPServer(context, port=0) as server:
-        sock = open_stream(server, "/v1/chat/completions",
-                           {"model": MODEL, "messages": CHAT, "stream": True,
-                            "max_tokens": 3000, "temperature": 0})
-        read_until(sock, b"data: ", 2)
+        sock = holding_the_room(server)
         status, headers, body = post(server, "/v1/chat/completions",
                                      {"model": MODEL, "messages": CHAT, "max_tokens": 2})
         assert status == 503, body
@@ -782,11 +793,7 @@ def test_a_wait_past_the_queue_timeout_is_503_admission_queue_timeout(waiting_co
 @pytest.fixture(scope="module")
 def queued_context(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[ServerContext]:
-    """Room for one request at a time and a queue of one that waits as long as it takes."""
-    context = start_context(tmp_path_factory.mktemp("queued"), tiny_dir,
-                            memory__tier="custom", memory__custom_ceiling=small_ceiling(),
-                            memory__tiers__custom__admit_watermark="0.05",
-                            memory__queue_size="1", memory__queue_timeout_s="600")
+    context = one_at_a_time(tmp_path_factory, tiny_dir, "600")
     yield context
     stop_engines(context)
 
@@ -798,10 +805,7 @@ def test_cancelling_a_request_that_waits_for_memory_is_a_409_naming_it(queued_co
     guard = context.memory_guard
     assert wait_for(lambda: guard.snapshot is not None)
     with HTTPServer(context, port=0) as server:
-        sock = open_stream(server, "/v1/chat/completions",
-                           {"model": MODEL, "messages": CHAT, "stream": True,
-                            "max_tokens": 3000, "temperature": 0})
-        read_until(sock, b"data: ", 2)
+        sock = holding_the_room(server)
         second: list = []
         waiter = threading.Thread(target=lambda: second.append(post(
             server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2})))

@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 DEADLOCKED_ENGINE = '''
@@ -49,6 +51,7 @@ def test_the_suite_has_a_per_test_time_limit(pytestconfig) -> None:
     assert float(pytestconfig.getini("timeout")) > 0, "pyproject sets no pytest-timeout limit"
 
 
+@pytest.mark.slow  # a pytest run of its own
 def test_a_deadlocked_engine_fails_the_run_naming_the_test(tmp_path) -> None:
     module = tmp_path / "test_deadlock.py"
     module.write_text(textwrap.dedent(DEADLOCKED_ENGINE))
