@@ -22,10 +22,9 @@ from urllib.parse import quote
 
 import pytest
 
+from conftest import start_tiny_context
 from omlx_core.http.errors import is_anthropic_path
 from omlx_core.server_context import ServerContext
-
-from tests.conftest import start_tiny_context
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Say something."}]
