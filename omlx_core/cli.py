@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -237,7 +238,42 @@ def cmd_launch(args: argparse.Namespace) -> int:
         command += ["--backend", args.backend]
     command += ["--", sys.executable, "-m", "omlx_core", "serve", *serve_args]
     print("omlx-core: " + " ".join(command), file=sys.stderr)
-    return subprocess.call(command)
+    # mlx.launch dies on SIGTERM and leaves its ranks serving: it and the ranks it starts
+    # get a process group of their own, and a stop signal goes to the whole group (each
+    # rank stops as `omlx-core serve` does), then we wait for the last of them.
+    launched = subprocess.Popen(command, start_new_session=True)
+    stopped = threading.Event()
+
+    def stop(signum: int, _frame: Any) -> None:
+        stopped.set()
+        _signal_group(launched.pid, signal.SIGTERM)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    code = launched.wait()
+    if not stopped.is_set():
+        return code
+    deadline = time.monotonic() + LAUNCH_STOP_S
+    while _signal_group(launched.pid, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _signal_group(launched.pid, signal.SIGKILL):
+        print(f"omlx-core: ranks still running {LAUNCH_STOP_S:.0f} s after the stop were killed",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+#: how long `omlx-core launch` waits for its ranks to stop before it kills them
+LAUNCH_STOP_S = 60.0
+
+
+def _signal_group(pgid: int, signum: int) -> bool:
+    """Send ``signum`` to process group ``pgid``; whether any process of it was left."""
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _override_engine(setup: Any, model_ids: list[str] | None, engine: str) -> None:

@@ -12,6 +12,16 @@ import pytest
 
 pytest_plugins = ["omlx_core.testing.pytest_fixtures"]
 
+#: the time limit of a slow test (a real server, the real default model) without a
+#: ``@pytest.mark.timeout`` of its own; the others get pyproject's ``timeout``
+SLOW_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):

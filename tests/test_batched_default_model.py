@@ -17,6 +17,7 @@ from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.serving.output import OutputProcessor
 from omlx_core.testing.host import make_test_host
+from omlx_core.testing import engine_io
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ def submit(engine, prompt, sampling=GREEDY):
 def collect(engine, handle):
     """The completion's text (as the serving pipeline would detokenize it), token ids and
     final output."""
-    outputs = list(handle)
+    outputs = engine_io.collect(handle)
     tokens = [t for o in outputs for t in o.token_ids]
     return engine.tokenizer.decode(tokens), tokens, outputs[-1]
 
@@ -103,8 +104,7 @@ def test_cancellation_frees_the_request(engine):
     before = mlx_thread().run(mx.get_active_memory)
     cache_before = engine.prefix_cache.nbytes
     handle = submit(engine, ask(engine, "Write a very long essay about the sea."), replace(GREEDY, max_tokens=400))
-    outputs = iter(handle)
-    next(outputs)
+    engine_io.first_output(handle)
     def close_between_steps():
         handle.close()
         return engine.stats()["decode_steps"]

@@ -19,6 +19,7 @@ from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.testing.conformance import ScriptedGate
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.testing.host import make_test_host
+from omlx_core.testing import engine_io
 
 PREFILL_STEP = 16
 BLOCK = 8
@@ -51,7 +52,7 @@ class Completion:
 
 def collect(handle) -> Completion:
     tokens, logprobs, last = [], [], None
-    for output in handle:
+    for output in engine_io.collect(handle):
         tokens += output.token_ids
         logprobs += output.logprobs or []
         last = output
@@ -214,11 +215,10 @@ def test_batched_outputs_equal_solo_outputs(llama):
 
 def test_new_request_joins_without_waiting_for_the_batch_to_drain(llama):
     long_handle = submit(llama, prompt_of(llama, 5), replace(GREEDY, max_tokens=5000))
-    long_iter = iter(long_handle)
-    next(long_iter)
+    engine_io.first_output(long_handle)
     short = run(llama, prompt_of(llama, 5, 3), replace(GREEDY, max_tokens=4))
     assert short.finish_reason == "length"
-    still_running = next(long_iter)
+    still_running = engine_io.first_output(long_handle)
     assert still_running.finish_reason is None, "the long request should still be decoding"
     long_handle.close()
     wait_idle(llama)
@@ -510,10 +510,9 @@ def test_a_failed_first_token_forward_says_so(llama, monkeypatch):
 
 def test_abort_ends_a_running_request_within_one_step(llama):
     handle = submit(llama, prompt_of(llama, 5, 7), replace(GREEDY, max_tokens=500))
-    outputs = iter(handle)
-    next(outputs)
+    engine_io.first_output(handle)
     steps_at_abort = abort_between_steps(llama, handle.request_id)
-    final = [o for o in outputs][-1]
+    final = engine_io.collect(handle)[-1]
     assert final.finish_reason == "abort"
     assert final.usage.completion_tokens < 500
     # The abort is taken at the start of the next step, before its decode.
@@ -528,12 +527,11 @@ def test_an_aborted_request_leaves_its_blocks_for_the_next_turn(llama):
     llama.prefix_cache.clear()
     prompt = prompt_of(llama, 12, 5)
     handle = submit(llama, prompt, replace(GREEDY, max_tokens=500))
-    outputs = iter(handle)
     tokens: list[int] = []
     while len(tokens) < 2 * BLOCK:
-        tokens += next(outputs).token_ids
+        tokens += engine_io.first_output(handle).token_ids
     abort_between_steps(llama, handle.request_id)
-    rest = list(outputs)
+    rest = engine_io.collect(handle)
     tokens += [t for o in rest for t in o.token_ids]
     assert rest[-1].finish_reason == "abort"
     wait_idle(llama)
@@ -563,7 +561,7 @@ def test_thousand_aborted_requests_leak_nothing(tiny_model_path):
                 if i % 3 == 0:
                     handle.close()  # waiting or prefilling
                 else:
-                    next(iter(handle))  # decoding
+                    engine_io.first_output(handle)  # decoding
                     handle.close()
             wait_idle(engine)
         gc.collect()

@@ -64,7 +64,7 @@ def _drive(scheduler: Scheduler, requests: list[GenerationRequest]) -> dict[str,
         scheduler.step()
         for sequence in sequences:
             while not sequence.outputs.empty():
-                outputs[sequence.request_id].append(sequence.outputs.get())
+                outputs[sequence.request_id].append(sequence.outputs.get_nowait())
         if all(o and o[-1].finished for o in outputs.values()):
             return outputs
     raise AssertionError(f"requests never ended: {outputs}")

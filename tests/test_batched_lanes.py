@@ -10,6 +10,7 @@ import pytest
 
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.scheduling.decode_batch import pick_lane
+from omlx_core.testing import engine_io
 
 from tests.test_batched_engine import GREEDY, collect, prompt_of, start_engine, submit, wait_idle
 from tests.tiny_scheduler import tiny_scheduler
@@ -82,19 +83,18 @@ def test_a_long_prompt_decodes_in_its_own_lane_with_the_same_tokens(llama_engine
     # Every row runs to max_tokens: the end-of-sequence token is banned.
     sampling = replace(GREEDY, logit_bias={EOS: -100.0})
     runners = [submit(engine, prompt, replace(sampling, max_tokens=400)) for prompt in short]
-    streams = [iter(handle) for handle in runners]
-    firsts = [next(stream) for stream in streams]
+    firsts = [engine_io.first_output(handle) for handle in runners]
     assert lanes_of(engine) == [3]
     long_prompt = prompt_of(engine, 400, 9)
     assert len(long_prompt) > 600
     handle = submit(engine, long_prompt, replace(sampling, max_tokens=8))
-    long_stream = iter(handle)
-    long_first = next(long_stream)
+    long_first = engine_io.first_output(handle)
     assert lanes_of(engine) == [1, 3]
-    long_tokens = list(long_first.token_ids) + [t for output in long_stream for t in output.token_ids]
+    long_tokens = list(long_first.token_ids) + [t for output in engine_io.collect(handle) for t in output.token_ids]
     runner_tokens = []
-    for first, stream in zip(firsts, streams):
-        runner_tokens.append(list(first.token_ids) + [t for output in stream for t in output.token_ids])
+    for first, runner in zip(firsts, runners):
+        runner_tokens.append(list(first.token_ids)
+                             + [t for output in engine_io.collect(runner) for t in output.token_ids])
     wait_idle(engine)
     assert lanes_of(engine) == []
     assert long_tokens == reference_greedy(path, long_prompt, 8)

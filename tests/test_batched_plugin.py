@@ -12,6 +12,7 @@ from omlx_core.pluginmanager import build_plugin_manager
 from omlx_core.plugins.batched import BatchedEngine, PrefixCache, Scheduler
 from omlx_core.server_context import ServerContext
 from omlx_core.testing.host import make_test_host
+from omlx_core.testing import engine_io
 
 
 def config():
@@ -78,7 +79,7 @@ def test_core_hands_the_engine_lower_tiers_and_boundary_snapshot_sink(tiny_model
 
         prompt = engine.tokenize(" ".join(f"w{i % 17}" for i in range(30)))
         handle = engine.submit(GenerationRequest("snap-1", prompt, SamplingParams(temperature=0, max_tokens=2)))
-        assert list(handle)[-1].finish_reason == "length"
+        assert engine_io.collect(handle)[-1].finish_reason == "length"
     finally:
         engine.shutdown()
     # gemma3 has rotating-window layers: prefill captured their state at block ends.

@@ -21,6 +21,8 @@ from omlx_core.mlx_thread import mlx_thread
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.scheduling.batch_prefill import PADDING_SLACK, group_spans, padded_slots
 from omlx_core.testing.host import make_test_host
+from omlx_core.testing.waiting import wait_for
+from omlx_core.testing import engine_io
 
 PREFILL_STEP = 256
 BLOCK = 8
@@ -62,7 +64,7 @@ def submit(engine, prompt, request_id=None, sampling=GREEDY):
 
 
 def collect(handle):
-    outputs = list(handle)
+    outputs = engine_io.collect(handle)
     return [t for o in outputs for t in o.token_ids], outputs[-1]
 
 
@@ -483,7 +485,7 @@ def test_requests_sent_within_the_window_share_one_forward(windowed):
     senders = [threading.Thread(target=lambda p=p: handles.append(submit(windowed, p))) for p in prompts]
     for sender in senders:  # from ordinary threads, not the MLX thread
         sender.start()
-        sender.join()
+        sender.join(60)
     results = [collect(h) for h in handles]
     after = counters(windowed)
     assert [tokens for tokens, _ in results] == solo
@@ -500,8 +502,9 @@ def test_the_window_waits_for_requests_the_pipeline_is_still_preparing(tiny_mode
         with engine.expecting():  # the second request, still being tokenized
             with engine.expecting():
                 first = submit(engine, prompts[0])
-            time.sleep(0.3)  # far past batch_window_s: the first waits for the second
-            assert counters(engine) == before and engine.stats()["queue_depth"] == 1
+            # Far past batch_window_s, the first still waits for the second.
+            assert not wait_for(lambda: counters(engine) != before, 0.3)
+            assert engine.stats()["queue_depth"] == 1
             second = submit(engine, prompts[1])
         results = [collect(first), collect(second)]
         after = counters(engine)

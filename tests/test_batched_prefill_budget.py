@@ -98,7 +98,7 @@ def _drive(scheduler: Scheduler, first: list[GenerationRequest], late: Generatio
             scheduler.enqueue(sequence)
         for sequence in sequences:
             while not sequence.outputs.empty():
-                outputs[sequence.request_id].append(sequence.outputs.get())
+                outputs[sequence.request_id].append(sequence.outputs.get_nowait())
         if len(sequences) > len(first) and all(o and o[-1].finished for o in outputs.values()):
             return {k: [t for o in v for t in o.token_ids] for k, v in outputs.items()}
     raise AssertionError("requests never ended")

@@ -73,7 +73,7 @@ def drive(scheduler: Scheduler, requests: list[GenerationRequest], steps: int = 
         scheduler.step()
         for sequence in sequences:
             while not sequence.outputs.empty():
-                outputs[sequence.request_id].append(sequence.outputs.get())
+                outputs[sequence.request_id].append(sequence.outputs.get_nowait())
         if all(o and o[-1].finished for o in outputs.values()):
             return outputs
     raise AssertionError(f"requests never ended: {outputs}")

@@ -106,6 +106,7 @@ def test_the_bound_reads_every_weight_of_the_model():
     assert on_disk - 100_000 < weights.bytes <= on_disk
 
 
+@pytest.mark.slow  # a real server and a bench run
 def test_quick_bench_against_our_server_writes_every_figure(tmp_path, capsys):
     out = tmp_path / "bench.md"
     model_dir = cached_model("llama")

@@ -4,9 +4,12 @@ module imports them, and they use omlx-core only through public names."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -70,3 +73,24 @@ def test_every_benchmark_runs_both_ways_and_says_how() -> None:
                             capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert script.returncode == 0 and "--streams" in script.stdout, script.stderr
     assert module.returncode == 0 and "--prompt-tokens" in module.stdout, module.stderr
+
+
+@pytest.mark.slow
+def test_the_benchmark_commands_the_docs_show_exist_with_their_flags() -> None:
+    """Every ``python -m benchmarks.NAME --flag ...`` BENCHMARKS.md and CONTRIBUTING.md
+    show names a benchmark that exists, and each flag is in its ``--help``: a renamed
+    benchmark or flag fails here instead of in a reader's terminal."""
+    shown: dict[str, set[str]] = {}
+    for doc in ("BENCHMARKS.md", "CONTRIBUTING.md"):
+        for name, rest in re.findall(r"python -m benchmarks\.([a-z_]+)([^`|\n]*)",
+                                     (ROOT / doc).read_text()):
+            shown.setdefault(name, set()).update(re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", rest))
+    assert len(shown) >= 10, shown
+    missing = sorted(name for name in shown if not (BENCHMARKS / f"{name}.py").is_file())
+    assert not missing, f"the docs show benchmarks that do not exist: {missing}"
+    for name, flags in sorted(shown.items()):
+        result = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"],
+                                capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert result.returncode == 0, f"benchmarks.{name} --help: {result.stderr[-2000:]}"
+        unknown = sorted(flag for flag in flags if flag not in result.stdout)
+        assert not unknown, f"benchmarks.{name} has no {unknown} (the docs show them)"

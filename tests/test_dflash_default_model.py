@@ -24,6 +24,7 @@ from omlx_core.models.loader import load_model
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.dflash import DFlashEngine
 from omlx_core.testing.host import make_test_host
+from omlx_core.testing import engine_io
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,7 @@ def test_ngram_greedy_output_is_the_default_models_own(default_model_dir):
         handle = engine.submit(GenerationRequest("copy", prompt, SamplingParams(
             temperature=0.0, max_tokens=48)))
         tokens, last = [], None
-        for output in handle:
+        for output in engine_io.collect(handle):
             tokens += output.token_ids
             last = output
         assert tokens == expected
@@ -108,4 +109,4 @@ def test_serve_engine_dflash_reports_drafted_and_accepted_tokens(default_model_d
     finally:
         if process.poll() is None:
             process.kill()
-            process.wait()
+            process.wait(timeout=30)

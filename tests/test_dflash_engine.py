@@ -6,7 +6,6 @@ path cannot take go to the batched fallback over the same weights."""
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Sequence
 
 import mlx.core as mx
@@ -27,6 +26,8 @@ from omlx_core.plugins.dflash.drafters import ModelDrafter
 from omlx_core.testing.conformance import EngineConformance
 from omlx_core.testing.host import make_test_host
 from omlx_core.testing.models import build_model
+from omlx_core.testing import engine_io
+from omlx_core.testing.waiting import wait_for
 
 FAMILIES = ("llama", "qwen3_next")
 _ids = itertools.count()
@@ -48,7 +49,7 @@ def start(path, drafter: Drafter | None = None, **overrides) -> DFlashEngine:
 def generate(engine, prompt, sampling):
     handle = engine.submit(GenerationRequest(f"req-{next(_ids)}", list(prompt), sampling))
     tokens, last = [], None
-    for output in handle:
+    for output in engine_io.collect(handle):
         tokens += output.token_ids
         last = output
     return tokens, last
@@ -255,7 +256,7 @@ def test_busy_primary_path_and_unsupported_options_go_to_the_fallback(targets, r
         outputs = {}
         for name, handle in (("first", first), ("second", second)):
             tokens = []
-            for output in handle:
+            for output in engine_io.collect(handle):
                 tokens += output.token_ids
             outputs[name] = tokens
         # Both paths give the target's greedy output.
@@ -277,12 +278,10 @@ def test_abort_on_the_primary_path_frees_it(targets):
     try:
         handle = engine.submit(GenerationRequest("gone", PROMPT, SamplingParams(
             temperature=0.0, max_tokens=2000)))
-        next(iter(handle))
+        engine_io.first_output(handle)
         handle.close()
-        for _ in range(500):  # the abort is taken within one step
-            if not engine.primary.busy:
-                break
-            time.sleep(0.01)
+        # The abort is taken within one step.
+        assert wait_for(lambda: not engine.primary.busy, 60), "the primary path stayed busy"
         tokens, last = generate(engine, PROMPT, SamplingParams(temperature=0.0, max_tokens=4))
         assert last.finish_reason == "length"
         assert engine.stats()["speculative"]["requests"] == 2

@@ -30,6 +30,7 @@ from omlx_core.testing.conformance import ScriptedGate
 from omlx_core.testing.host import make_test_host
 from omlx_core.testing.models import build_model
 from omlx_core.testing.waiting import wait_for
+from omlx_core.testing import engine_io
 
 from test_http_api import error_of, post, small_ceiling
 
@@ -85,7 +86,7 @@ def test_the_engine_reports_no_cached_prefix_even_when_the_fallback_holds_one(ti
         # The primary path is busy, so this runs on the fallback and fills its prefix cache.
         handle = engine.submit(GenerationRequest("warm", PROMPT, SamplingParams(
             temperature=0.0, max_tokens=2)))
-        list(handle)
+        engine_io.collect(handle)
         holder.close()
         assert engine.stats()["speculative"]["fallback_requests"] == 1
         assert engine.fallback.cached_tokens(PROMPT) > 0
@@ -201,7 +202,7 @@ def test_the_primary_path_asks_the_gate_before_every_prefill_chunk(tiny_dir):
         engine.receiver.set_forward_gate(ScriptedGate(refuse_third))
         handle = engine.submit(GenerationRequest("victim", PROMPT, SamplingParams(
             temperature=0.0, max_tokens=8)))
-        outputs = list(handle)
+        outputs = engine_io.collect(handle)
         assert outputs[-1].finish_reason == "error" and outputs[-1].rejected is not None
         assert not [t for o in outputs for t in o.token_ids], "tokens came after a refusal"
         chunks = [step.chunks[0] for step in steps]
@@ -211,7 +212,7 @@ def test_the_primary_path_asks_the_gate_before_every_prefill_chunk(tiny_dir):
         steps.clear()
         handle = engine.submit(GenerationRequest("next", PROMPT, SamplingParams(
             temperature=0.0, max_tokens=4)))
-        assert list(handle)[-1].finish_reason == "length"
+        assert engine_io.collect(handle)[-1].finish_reason == "length"
         assert engine.stats()["speculative"]["requests"] == 2
     finally:
         engine.receiver.set_forward_gate(None)

@@ -1,6 +1,6 @@
 """One model served by two ranks on loopback (``mx.distributed`` ring on the CPU):
 the same greedy tokens as one process, streaming, cancellation, and a rank killed
-mid-stream."""
+mid-stream. The tests that start a group of servers are slow."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def _wait_idle(group: RankGroup) -> dict:
     raise AssertionError(f"requests still running: {health}")
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_greedy_tokens_of_one_process(group, one_process) -> None:
     for prompt in ("The quick brown fox", "hello world, hello", "a"):
         body = {**PROMPT, "prompt": prompt, "max_tokens": 24, "logprobs": 0}
@@ -61,6 +62,7 @@ def test_two_ranks_give_the_greedy_tokens_of_one_process(group, one_process) -> 
     assert engine["distributed_ranks"] == 2 and engine["distributed_mode"] == "tensor"
 
 
+@pytest.mark.slow
 def test_concurrent_requests_batch_identically_on_both_ranks(group, one_process) -> None:
     import concurrent.futures
 
@@ -73,6 +75,7 @@ def test_concurrent_requests_batch_identically_on_both_ranks(group, one_process)
         assert result["choices"][0]["text"] == single["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_streaming_matches_the_whole_response(group) -> None:
     body = {**PROMPT, "max_tokens": 16}
     _, whole = group.post("/v1/completions", body)
@@ -82,19 +85,20 @@ def test_streaming_matches_the_whole_response(group) -> None:
     assert text == whole["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_a_cancelled_stream_leaves_the_ranks_in_step(group) -> None:
     response, events = group.stream("/v1/completions", {**PROMPT, "max_tokens": 3000})
     first = next(events)
     assert first["choices"][0]["text"] is not None
     response.close()
     health = _wait_idle(group)
-    assert health["engines"]["llama-seed0"]["finished"]["abort"] >= 1 if isinstance(
-        health["engines"]["llama-seed0"].get("finished"), dict) else True
+    assert health["engines"]["llama-seed0"]["finished_abort"] >= 1, health
     # Both ranks still take the same steps: the next request completes.
     status, result = group.post("/v1/completions", {**PROMPT, "max_tokens": 8})
     assert status == 200 and result["usage"]["completion_tokens"] == 8, result
 
 
+@pytest.mark.slow
 def test_a_request_that_cannot_fit_on_one_rank_gets_a_413_naming_it(tmp_path, model_dir) -> None:
     # Rank 1's ceiling sits below what it already holds: nothing can ever fit there,
     # while rank 0 (no ceiling of its own) would serve the request.
@@ -201,6 +205,7 @@ def test_the_estimate_is_one_ranks_share_of_the_kv_cache() -> None:
     assert (half.kv_bytes, half.kv_bytes_per_token, half.transient_bytes) == (3200, 32, 1000)
 
 
+@pytest.mark.slow
 def test_a_refused_split_names_what_would_work(tmp_path, model_dir) -> None:
     with pytest.raises(AssertionError) as failed:
         RankGroup(tmp_path, model_dir, 3, ready_timeout_s=120)
@@ -208,6 +213,7 @@ def test_a_refused_split_names_what_would_work(tmp_path, model_dir) -> None:
             "--distributed pipeline") in str(failed.value)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_stream_with_an_error_and_the_group_exits(tmp_path, model_dir) -> None:
     group = RankGroup(tmp_path, model_dir, 2, extra=["--set", "plugin.distributed.exit_after_s=20"])
     try:
@@ -229,6 +235,7 @@ def test_a_killed_rank_ends_the_stream_with_an_error_and_the_group_exits(tmp_pat
         group.close()
 
 
+@pytest.mark.slow
 def test_a_hung_rank_ends_the_stream_with_an_error_and_rank_0_exits(tmp_path, model_dir) -> None:
     """A rank stopped (SIGSTOP) mid-stream: rank 0's collective never returns. The
     watchdog declares the group dead within the collective timeout: the stream ends
@@ -254,6 +261,7 @@ def test_a_hung_rank_ends_the_stream_with_an_error_and_rank_0_exits(tmp_path, mo
         group.close()
 
 
+@pytest.mark.slow
 def test_pipeline_split_gives_the_greedy_tokens_of_one_process(tmp_path_factory) -> None:
     model = cached_model("qwen3_next", 0, cache_dir=tmp_path_factory.mktemp("qwen3next"))
     single = RankGroup.single(tmp_path_factory.mktemp("qwen3next-single"), model)

@@ -16,7 +16,7 @@ from omlx_core.kvblocks import BlockStore, StoredBlock
 from omlx_core.memory.gate import ForwardGate
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.serving import Job, ServingPipeline
-from omlx_core.testing import SPECIAL_TOKENS, cached_model, special_token_id
+from omlx_core.testing import SPECIAL_TOKENS, cached_model, engine_io, special_token_id
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 
@@ -109,15 +109,14 @@ def test_the_finish_sink_names_the_model_and_the_reason(served) -> None:
     context, listener = served
     engine = context.engines["first"]
     handle = engine.submit(GenerationRequest("done", [20, 21, 22, 23], GREEDY))
-    final = list(handle)[-1]
+    final = engine_io.collect(handle)[-1]
     # Nothing but the abort ends it: no length within reach, no end-of-sequence token.
     endless = SamplingParams(temperature=0.0, max_tokens=1000,
                              logit_bias={special_token_id(t): -100.0 for t in SPECIAL_TOKENS})
     handle = engine.submit(GenerationRequest("gone", [20, 21, 22, 24], endless))
-    next(iter(handle))
+    engine_io.first_output(handle)
     handle.close()
-    while not (last := handle.next_output()).finished:
-        pass
+    last = engine_io.collect(handle)[-1]
     assert last.finish_reason == "abort"
     # The sink runs before the final output goes out.
     assert ("first", "done", final.finish_reason) in listener.finished

@@ -105,17 +105,18 @@ engine = "sequential"
             if "ready" in line:
                 break
         output = "".join(lines)
-        assert "ready" in output, output
-        assert "SequentialEngine" in output or "sequential" in output
-        if "http://" in output:
-            from openai import OpenAI
+        assert f"omlx-core ready: http://127.0.0.1:{port}" in output, output
+        assert "starting engine 'sequential' for model 'tiny'" in output, output
+        from openai import OpenAI
 
-            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-            reply = client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5,
-                temperature=0)
-            assert reply.choices[0].finish_reason in ("stop", "length")
-            assert reply.usage.completion_tokens >= 1
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                        timeout=120)
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+            temperature=0)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert reply.usage.completion_tokens >= 1
+        assert "tiny" in [m.id for m in client.models.list().data]
     finally:
         server.send_signal(signal.SIGTERM)
         rest, _ = server.communicate(timeout=30)

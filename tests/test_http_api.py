@@ -445,11 +445,19 @@ def dechunk(raw: bytes) -> bytes:
     return body
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+STREAMED = {
+    "/v1/chat/completions": {"messages": CHAT, "max_tokens": 3000},
+    "/v1/completions": {"prompt": "Say something.", "max_tokens": 3000},
+    "/v1/messages": {"messages": CHAT, "max_tokens": 3000},
+    "/v1/responses": {"input": "Say something.", "max_output_tokens": 3000},
+}
+
+
+@pytest.mark.parametrize("path", list(STREAMED))
 def test_error_after_the_first_byte_travels_in_band(context: ServerContext, path: str) -> None:
     with HTTPServer(context, port=0) as server:
-        sock = open_stream(server, path, {"model": MODEL, "messages": CHAT, "stream": True,
-                                          "max_tokens": 3000, "temperature": 0})
+        sock = open_stream(server, path, {"model": MODEL, "stream": True, "temperature": 0,
+                                          **STREAMED[path]})
         head = read_until(sock, b"data: ", 3)
         assert head.startswith(b"HTTP/1.1 200")
         assert server.frontend.pipeline.in_flight.abort_all() == 1  # what a shutdown does mid-stream
@@ -462,6 +470,14 @@ def test_error_after_the_first_byte_travels_in_band(context: ServerContext, path
         assert name == "error" and json.loads(payload)["type"] == "error"
         assert "aborted" in json.loads(payload)["error"]["message"]
         assert all(n != "error" for n, _ in events[:-1])
+    elif path == "/v1/responses":
+        # A Responses stream ends with an error event in place of response.completed.
+        name, payload = events[-1]
+        error = json.loads(payload)
+        assert name == "error" and error["type"] == "error" and "aborted" in error["message"]
+        assert error["code"] and "param" in error
+        assert [n for n, _ in events[:-1] if n in ("error", "response.completed")] == []
+        assert events[0][0] == "response.created"
     else:
         assert events[-1] == (None, "[DONE]")
         assert "aborted" in json.loads(events[-2][1])["error"]["message"]
@@ -479,10 +495,13 @@ def test_client_disconnect_mid_stream_aborts_the_request(context, server) -> Non
     read_until(sock, b"data: ", 3)
     assert engine.stats()["running"] == 1
     sock.close()
-    assert wait_for(lambda: engine_idle(context), timeout=5), engine.stats()
+    assert wait_for(lambda: engine_idle(context), timeout=60), engine.stats()
     stats = engine.stats()
     assert stats["finished"]["abort"] == aborted_before + 1
     assert stats["tokens_generated"] - before["tokens_generated"] < 3000
+    # /health shows the engine's nested counters flattened, as /metrics does.
+    _, _, data = request(server, "GET", "/health")
+    assert json.loads(data)["engines"][MODEL]["finished_abort"] == aborted_before + 1
     assert wait_for(lambda: len(server.frontend.pipeline.in_flight) == 0)
     guard = context.memory_guard
     assert guard is None or wait_for(lambda: guard.admission.running == 0)
@@ -493,9 +512,9 @@ def test_client_disconnect_during_a_non_streaming_request_aborts_it(context, ser
     aborted_before = engine.stats()["finished"]["abort"]
     sock = open_stream(server, "/v1/completions",
                        {"model": MODEL, "prompt": "x", "max_tokens": 3000, "temperature": 0})
-    assert wait_for(lambda: engine.stats()["running"] == 1, timeout=5)
+    assert wait_for(lambda: engine.stats()["running"] == 1, timeout=60)
     sock.close()
-    assert wait_for(lambda: engine_idle(context), timeout=5), engine.stats()
+    assert wait_for(lambda: engine_idle(context), timeout=60), engine.stats()
     assert engine.stats()["finished"]["abort"] == aborted_before + 1
 
 
@@ -723,14 +742,28 @@ def test_full_admission_queue_is_503_with_retry_after(crowded_context) -> None:
         assert status == 200, body
 
 
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path,
+                  queue_timeout_s: str) -> ServerContext:
+    """Room for one request at a time and a queue of one that waits ``queue_timeout_s``."""
+    return start_context(tmp_path_factory.mktemp("one-at-a-time"), tiny_dir,
+                         memory__tier="custom", memory__custom_ceiling=small_ceiling(),
+                         memory__tiers__custom__admit_watermark="0.05",
+                         memory__queue_size="1", memory__queue_timeout_s=queue_timeout_s)
+
+
+def holding_the_room(server: HTTPServer) -> socket.socket:
+    """A stream that holds the only room, read until it decodes."""
+    sock = open_stream(server, "/v1/chat/completions",
+                       {"model": MODEL, "messages": CHAT, "stream": True,
+                        "max_tokens": 3000, "temperature": 0})
+    read_until(sock, b"data: ", 2)
+    return sock
+
+
 @pytest.fixture(scope="module")
 def waiting_context(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[ServerContext]:
-    """Room for one request at a time and a queue of one that waits 0.1 s at most."""
-    context = start_context(tmp_path_factory.mktemp("waiting"), tiny_dir,
-                            memory__tier="custom", memory__custom_ceiling=small_ceiling(),
-                            memory__tiers__custom__admit_watermark="0.05",
-                            memory__queue_size="1", memory__queue_timeout_s="0.1")
+    context = one_at_a_time(tmp_path_factory, tiny_dir, "0.1")
     yield context
     stop_engines(context)
 
@@ -740,10 +773,7 @@ def test_a_wait_past_the_queue_timeout_is_503_admission_queue_timeout(waiting_co
     guard = context.memory_guard
     assert wait_for(lambda: guard.snapshot is not None)
     with HTTPServer(context, port=0) as server:
-        sock = open_stream(server, "/v1/chat/completions",
-                           {"model": MODEL, "messages": CHAT, "stream": True,
-                            "max_tokens": 3000, "temperature": 0})
-        read_until(sock, b"data: ", 2)
+        sock = holding_the_room(server)
         status, headers, body = post(server, "/v1/chat/completions",
                                      {"model": MODEL, "messages": CHAT, "max_tokens": 2})
         assert status == 503, body
@@ -758,6 +788,45 @@ def test_a_wait_past_the_queue_timeout_is_503_admission_queue_timeout(waiting_co
         assert body["error"]["code"] == "admission_queue_timeout" and "retry-after" in headers
         sock.close()
         assert wait_for(lambda: guard.admission.running == 0)
+
+
+@pytest.fixture(scope="module")
+def queued_context(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[ServerContext]:
+    context = one_at_a_time(tmp_path_factory, tiny_dir, "600")
+    yield context
+    stop_engines(context)
+
+
+def test_cancelling_a_request_that_waits_for_memory_is_a_409_naming_it(queued_context) -> None:
+    import threading
+
+    context = queued_context
+    guard = context.memory_guard
+    assert wait_for(lambda: guard.snapshot is not None)
+    with HTTPServer(context, port=0) as server:
+        sock = holding_the_room(server)
+        second: list = []
+        waiter = threading.Thread(target=lambda: second.append(post(
+            server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2})))
+        waiter.start()
+
+        def queued() -> list[dict]:
+            _, _, data = request(server, "GET", "/dashboard/api/requests")
+            return [r for r in json.loads(data)["requests"] if r.get("queue") == "memory"]
+
+        assert wait_for(lambda: len(queued()) == 1, 60)
+        (waiting,) = queued()
+        assert waiting["cancellable"] is False
+        status, _, data = request(server, "DELETE", f"/dashboard/api/requests/{waiting['request_id']}")
+        error = error_of(json.loads(data))
+        assert status == 409, error
+        assert (error["code"], error["param"]) == ("request_not_cancellable", "request_id")
+        assert waiting["request_id"] in error["message"] and "waits for memory" in error["message"]
+        sock.close()  # the first one leaves: the second gets its room and runs
+        waiter.join(60)
+        (status, _, body), = second
+        assert status == 200, body
 
 
 # -- metrics --------------------------------------------------------------------------------

@@ -28,8 +28,10 @@ def limits(hard: int, baseline: int = 0) -> LimitSnapshot:
                          baseline_bytes=baseline)
 
 
-def make_queue(hard=1000 * MIB, baseline=200 * MIB, watermark=1.0, size=8, timeout=5.0):
-    queue = AdmissionQueue(queue_size=size, timeout_s=timeout, admit_watermark=watermark)
+def make_queue(hard=1000 * MIB, baseline=200 * MIB, watermark=1.0, size=8, timeout=60.0,
+               clock=time.monotonic):
+    queue = AdmissionQueue(queue_size=size, timeout_s=timeout, admit_watermark=watermark,
+                           clock=clock)
     queue.update(limits(hard, baseline))
     return queue
 
@@ -61,7 +63,7 @@ class Arrivals:
         self.threads.append(thread)
         thread.start()
         # Each arrival is queued before the next one starts.
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with self._lock:
                 if name in self.order or name in self.errors:
@@ -74,7 +76,7 @@ class Arrivals:
     def release(self, name: str) -> None:
         self.tickets[name].release()
 
-    def wait_granted(self, *names: str, timeout: float = 2.0) -> None:
+    def wait_granted(self, *names: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
@@ -131,7 +133,6 @@ def test_a_big_request_at_the_head_is_admitted_first_once_it_fits():
     arrivals.arrive("big", 700 * MIB)        # does not fit next to "running": waits
     arrivals.arrive("small-1", 200 * MIB)    # fits beside "running": backfilled now
     arrivals.arrive("small-2", 200 * MIB)    # does not fit beside both: waits
-    time.sleep(0.05)
     assert arrivals.order == ["running", "small-1"]
     assert [w.request_id for w in queue._waiting] == ["big", "small-2"]
     arrivals.release("running")             # 200 held: big (700) still cannot fit, so
@@ -181,9 +182,9 @@ def test_a_timed_out_head_lets_the_next_waiter_through():
     arrivals.arrive("running", 500 * MIB)
     queue.timeout_s = 0.2
     arrivals.arrive("big", 700 * MIB)      # will time out
-    queue.timeout_s = 5.0
+    queue.timeout_s = 60.0
     arrivals.arrive("small", 400 * MIB)    # does not fit beside "running" either: waits
-    arrivals.threads[1].join(2)
+    arrivals.threads[1].join(60)
     assert is_timeout(arrivals.errors.get("big"))
     assert [w.request_id for w in queue._waiting] == ["small"]  # now the head
     arrivals.release("running")
@@ -230,10 +231,11 @@ def test_no_limit_means_no_waiting():
 
 
 def test_retry_after_learns_from_hold_times():
-    queue = make_queue()
+    now = [0.0]
+    queue = make_queue(clock=lambda: now[0])
     for _ in range(3):
         ticket = queue.admit("a", MIB)
-        time.sleep(0.05)
+        now[0] += 0.05  # held 50 ms
         ticket.release()
     assert queue.retry_after_s() == 1.0  # short holds: the floor
     queue._mean_hold_s = 3.7

@@ -43,7 +43,7 @@ def admit_later(queue: AdmissionQueue, name: str, reserve: int, results: dict) -
     return thread
 
 
-def wait_until(condition, timeout: float = 2.0) -> None:
+def wait_until(condition, timeout: float = 60.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout

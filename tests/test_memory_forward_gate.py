@@ -26,6 +26,7 @@ from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.plugins.batched import resolve_scheduler as batched_resolve_scheduler
 from omlx_core.models.registry import spec_for_path
 from omlx_core.testing.host import make_test_host
+from omlx_core.testing import engine_io
 
 GIB = 1024**3
 MIB = 1024**2
@@ -316,8 +317,8 @@ def test_batched_engine_ends_only_the_request_whose_chunk_would_overshoot(served
     assert engine.scheduler.limits is guard.snapshot
     long_handle = run(engine, "long", [5 + i % 50 for i in range(100)])  # 32-token chunks
     short_handle = run(engine, "short", [7, 8, 9, 10, 11, 12, 13, 14, 15, 16])  # one 9-token chunk
-    long_outputs = list(long_handle)
-    short_outputs = list(short_handle)
+    long_outputs = engine_io.collect(long_handle)
+    short_outputs = engine_io.collect(short_handle)
     long_last, short_last = long_outputs[-1], short_outputs[-1]
     assert long_last.finish_reason == "error"
     assert "stopped before the forward ran" in (long_last.error or "")

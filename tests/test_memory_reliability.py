@@ -133,7 +133,7 @@ class Server:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-                self.process.wait()
+                self.process.wait(timeout=30)
         self._log.close()
 
 

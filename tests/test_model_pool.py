@@ -227,7 +227,7 @@ def test_concurrent_first_requests_share_one_load(context):
     engines: list[Any] = []
 
     def first_request() -> None:
-        start.wait()
+        start.wait(60)
         lease = pool.acquire("tiny-b")
         engines.append(lease.engine)
         lease.release()
@@ -256,7 +256,7 @@ def test_a_corrupt_model_fails_every_waiter_clearly_and_leaves_the_pool_as_it_wa
     start = threading.Barrier(4)
 
     def first_request() -> None:
-        start.wait()
+        start.wait(60)
         try:
             pool.acquire("broken")
         except ModelLoadFailed as exc:
@@ -379,6 +379,24 @@ def test_admin_routes_need_a_key_and_steer_the_pool(served, context):
     assert status == 404 and "tiny-a" in body["error"]["message"]
     status, body, _ = _http(served, "POST", "/admin/models/tiny-a/explode", key="sekrit")
     assert status == 404 and body["error"]["code"] == "unknown_action"
+
+
+def test_unloading_a_model_whose_requests_do_not_end_is_a_409_naming_them(served, context):
+    status, _, _ = _http(served, "POST", "/admin/models/tiny-a/load", key="sekrit")
+    assert status == 200
+    context.pool.wait_s = 0.5  # how long an unload waits for the model's requests to end
+    lease = context.pool.acquire("tiny-a")  # a request running on it
+    try:
+        status, body, _ = _http(served, "POST", "/admin/models/tiny-a/unload", key="sekrit")
+    finally:
+        lease.release()
+    assert status == 409, body
+    error = body["error"]
+    assert error["code"] == "model_busy" and "tiny-a" in error["message"]
+    assert "still runs 1 request(s)" in error["message"] and "retry" in error["message"]
+    assert context.pool.record("tiny-a").state == RESIDENT  # not left half-drained
+    status, body, _ = _http(served, "POST", "/admin/models/tiny-a/unload", key="sekrit")
+    assert status == 200 and body["state"] == AVAILABLE
 
 
 def test_a_chat_loads_its_model_and_a_bad_keep_alive_is_a_400_naming_it(served, context):
@@ -562,6 +580,22 @@ def test_a_load_that_fails_after_the_stream_began_ends_it_with_an_error_naming_t
     assert body.rstrip().endswith("data: [DONE]")
     assert loads.context.pool.record("tiny-b").state == FAILED
     assert len(frontend.pipeline.in_flight) == 0
+
+
+def test_unloading_a_model_that_is_loading_is_a_409_naming_it(held):
+    url, loads, _ = held
+    connection, response = _open_stream(url, "tiny-b")
+    with contextlib.closing(connection):
+        assert response.status == 200
+        _read_keepalives(response, 1)
+        assert loads.context.pool.record("tiny-b").state == "loading"
+        status, body, _ = _http(url, "POST", "/admin/models/tiny-b/unload")
+        loads.release.set()
+        response.read()
+    assert status == 409, body
+    error = body["error"]
+    assert error["code"] == "model_busy" and error["type"] == "invalid_request_error"
+    assert "tiny-b" in error["message"] and "is loading" in error["message"]
 
 
 def test_a_model_load_refused_at_once_is_still_an_http_status_on_a_stream(held):

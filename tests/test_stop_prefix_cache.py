@@ -14,6 +14,7 @@ from omlx_core.pluginmanager import build_plugin_manager
 from omlx_core.server_context import ServerContext
 from omlx_core.serving import Job, ServingPipeline
 from omlx_core.testing import make_test_host
+from omlx_core.testing import engine_io
 
 BLOCK = 8
 PROMPT = [(7 * i) % 90 + 20 for i in range(21)]
@@ -46,7 +47,7 @@ def test_a_turn_a_stop_string_ended_is_a_prefix_hit_for_the_next(pipeline) -> No
     reference, _, _ = generate(pipeline, max_tokens=40)
     handle = engine.submit(GenerationRequest("answer", PROMPT,
                                              SamplingParams(temperature=0.0, max_tokens=40)))
-    answer = [t for output in handle for t in output.token_ids]
+    answer = [t for output in engine_io.collect(handle) for t in output.token_ids]
     engine.prefix_cache.clear()
     start = 2 * len(reference) // 3
     stop = next(reference[i:i + 3] for i in range(start, len(reference) - 3)

@@ -18,6 +18,7 @@ from conftest import start_tiny_context
 
 openai = pytest.importorskip("openai")
 import jsonschema
+from omlx_core.testing import engine_io
 
 MODEL = "tiny"
 PERSON = {"type": "object", "properties": {
@@ -80,7 +81,7 @@ def test_constrained_rows_leave_the_others_of_the_batch_unchanged(context) -> No
             grammar = schemas[i // 2] if constrained and i % 2 == 0 else None
             sampling = SamplingParams(temperature=0.0, max_tokens=12, grammar=grammar)
             handles.append(engine.submit(GenerationRequest(f"{tag}-{i}", prompt, sampling)))
-        return [[t for o in handle for t in o.token_ids] for handle in handles]
+        return [[t for o in engine_io.collect(handle) for t in o.token_ids] for handle in handles]
 
     engine.prefix_cache.clear()
     free = run("free", False)

@@ -5,7 +5,6 @@ own forward, the prefix cache keyed by image bytes, cancellation and batching.""
 from __future__ import annotations
 
 import io
-import threading
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +16,8 @@ from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.vlm.engine import VLMEngine
 from omlx_core.testing.conformance import EngineConformance, collect, run_until_stop, text_of, tokens_of
 from omlx_core.testing.host import make_test_host
+from omlx_core.testing.waiting import wait_for
+from omlx_core.testing.sampling_check import mlx_vlm_reference
 
 FAMILIES = ("llava", "gemma3")
 
@@ -63,6 +64,8 @@ def vlm_engine(request, tiny_vlm_path):
 
 
 class TestVLMEngineLlava(EngineConformance):
+    reference_forward = staticmethod(mlx_vlm_reference)
+
     @pytest.fixture(scope="class")
     @classmethod
     def engine(cls, tiny_vlm_path):
@@ -72,6 +75,8 @@ class TestVLMEngineLlava(EngineConformance):
 
 
 class TestVLMEngineGemma3(EngineConformance):
+    reference_forward = staticmethod(mlx_vlm_reference)
+
     @pytest.fixture(scope="class")
     @classmethod
     def engine(cls, tiny_vlm_path):
@@ -165,15 +170,8 @@ def test_image_requests_batch_with_text_requests_and_cancel_alone(vlm_engine):
     long_run.close()
     outputs = collect(text)
     assert outputs[-1].finish_reason == "length"
-    done = threading.Event()
-
-    def wait_idle():
-        while vlm_engine.stats()["running"] or vlm_engine.stats()["prefilling"]:
-            threading.Event().wait(0.01)
-        done.set()
-
-    threading.Thread(target=wait_idle, daemon=True).start()
-    assert done.wait(30)
+    assert wait_for(lambda: not (vlm_engine.stats()["running"] or vlm_engine.stats()["prefilling"]),
+                    60), vlm_engine.stats()
     assert vlm_engine.stats()["finished"]["abort"] >= 1
 
 

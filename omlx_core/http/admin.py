@@ -25,7 +25,7 @@ class AdminModels:
         pool = self.context.pool
         if action not in ACTIONS:
             raise NotFoundError(f"no admin action {action!r}; use one of {', '.join(ACTIONS)} "
-                                f"(POST /admin/models/{{id}}/load)", "unknown_action")
+                                f"(POST /admin/models/{{id}}/load)", "unknown_action", "action")
         if pool is None:
             raise bad_request("this server was started without a model pool; models cannot "
                               "be loaded or unloaded at run time", "model", "no_pool")

@@ -15,7 +15,7 @@ from omlx_core.http.anthropic_api import Messages
 from omlx_core.http.auth import APIKeyAuth
 from omlx_core.http.dashboard import add_dashboard_routes
 from omlx_core.http.errors import install_error_handlers
-from omlx_core.http.metrics import CONTENT_TYPE, Metrics
+from omlx_core.http.metrics import CONTENT_TYPE, Metrics, flatten_stats
 from omlx_core.http.openai_api import ChatCompletions, Models, TextCompletions
 from omlx_core.http.openapi import openapi_document
 from omlx_core.http.responses_api import CountTokens, Responses
@@ -66,7 +66,7 @@ class Health:
         engines = {}
         for model_id, engine in list(self.context.engines.items()):
             try:
-                stats = engine.stats() or {}
+                stats = flatten_stats(engine.stats() or {})
             except Exception as exc:
                 stats = {"error": f"{type(exc).__name__}: {exc}"}
             engines[model_id] = {str(k): v for k, v in stats.items() if _plain(v)}

@@ -91,13 +91,14 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _flatten(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"prefix_cache": {"hits": 3}}`` -> ``{"prefix_cache_hits": 3}``."""
+def flatten_stats(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"prefix_cache": {"hits": 3}}`` -> ``{"prefix_cache_hits": 3}``: an engine's
+    nested counters as ``/metrics`` and ``/health`` show them."""
     flat: dict[str, Any] = {}
     for key, value in stats.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            flat.update(_flatten(value, name + "_"))
+            flat.update(flatten_stats(value, name + "_"))
         else:
             flat[name] = value
     return flat
@@ -133,7 +134,7 @@ class _LiveValues(Collector):
         stats_by_name: dict[str, GaugeMetricFamily] = {}
         for model_id, engine in list(self._context.engines.items()):
             try:
-                stats = _flatten(engine.stats() or {})
+                stats = flatten_stats(engine.stats() or {})
             except Exception:
                 log.warning("engine.stats() of %s failed", model_id, exc_info=True)
                 continue

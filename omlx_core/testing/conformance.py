@@ -20,117 +20,85 @@ random-weight models of :mod:`omlx_core.testing` are made for this)::
             yield engine
             engine.shutdown()
 
-It checks, on the engine object itself (no server): streaming token ids, cancellation,
-stop token ids, ``max_tokens``, seeded determinism, the limits and memory hints, that a
-forward-gate refusal ends only the refused request, and that the engine's
-``detokenizer()`` serves the pipeline's output processor: a stop string is cut where
-the pipeline cuts it and the engine request it aborts then ends with ``"abort"``. The forward gate is installed on the object the real
-``resolve_scheduler`` hook finds for the engine (the installed plugins answer), so a
-receiver that is never reached fails here rather than in production.
+It checks, on the engine object itself (no server):
+
+- outputs: token ids streamed as they come, ``max_tokens`` never exceeded (the check
+  fails as soon as one token too many arrives), stop token ids end the request with
+  ``"stop"`` before the stop token, usage counts what was streamed;
+- sampling, as a distribution (:mod:`omlx_core.testing.sampling_check`): a few hundred
+  seeded one-token requests are compared with the model's own next-token probabilities
+  (an independent forward, :meth:`EngineConformance.reference`) at a temperature where
+  greedy or unscaled sampling is told apart, and at temperature 1 with ``top_k``,
+  ``top_p`` and ``min_p``: no token outside what they keep, frequencies within an exact
+  binomial bound. A correct engine fails one of these checks with probability at most
+  1e-6 over the choice of seeds; the seeds are fixed, so the outcome is the same on
+  every run;
+- seeds: a seed gives the same tokens again, and two seeds give different ones;
+- cancellation: ``abort`` ends a running request with ``"abort"`` within
+  :data:`~omlx_core.testing.engine_io.AFTER_ABORT_TOKENS` tokens, also before its
+  first token, closing the handle does the same, and the engine then holds nothing of
+  it (its ``progress()`` and ``stats()`` running and queued counts);
+- stop strings: the engine's ``detokenizer()`` serves the pipeline's output processor,
+  the stop string is cut where the pipeline cuts it, and the abort it causes ends the
+  request within the same bound;
+- logprobs (when the engine lists them in ``supported_sampling``): the chosen token's
+  and the top ones, equal to the reference's;
+- memory: the limits and memory hints, every prefill forward asked of the forward gate
+  in chunks no larger than the hinted prefill step and covering the prompt, and a
+  gate refusal ending only the refused request. The gate is installed on the object
+  the real ``resolve_scheduler`` hook finds for the engine (the installed plugins
+  answer), so a receiver that is never reached fails here rather than in production.
+
+Every wait on the engine is bounded (:data:`~omlx_core.testing.engine_io.TIMEOUT_S`).
+An engine whose models mlx-lm cannot load sets
+:attr:`EngineConformance.reference_forward`.
 """
 
 from __future__ import annotations
 
-import threading
+import random
 from typing import Iterator
 
 import pytest
 
 from omlx_core.engine import (
     Engine,
-    GenerationOutput,
     GenerationRequest,
     GuardedEngine,
-    RequestHandle,
     SamplingParams,
 )
 from omlx_core.memory.gate import ForwardGate, MemoryReceiver, PrefillStep, Refusals
 from omlx_core.memory.types import Rejection, RequestRejected
-from omlx_core.serving.output import OutputProcessor
+from omlx_core.testing import sampling_check
+from omlx_core.testing.engine_io import (
+    AFTER_ABORT_TOKENS,
+    ENDLESS,
+    PROMPT,
+    TIMEOUT_S,
+    abort_after_first_output,
+    collect,
+    first_tokens,
+    fresh_prompt,
+    run,
+    run_until_stop,
+    text_of,
+    tokens_of,
+)
+from omlx_core.testing.sampling_check import Reference, frequency_failures
+from omlx_core.testing.waiting import wait_for
 
-#: a prompt long enough that every engine prefills it before its first token
-PROMPT = [(17 * i) % 90 + 20 for i in range(40)]
+__all__ = [
+    "AFTER_ABORT_TOKENS", "EngineConformance", "PROMPT", "ScriptedGate", "TIMEOUT_S", "collect",
+    "fresh_prompt", "refusal", "run", "run_until_stop", "text_of", "tokens_of",
+]
 
+#: one-token requests per distribution check, and per top-k / top-p / min-p check
+SAMPLES = 200
+FILTER_SAMPLES = 100
+#: the first seed of the sampling checks (each check uses its own range of seeds)
+SEED_BASE = 7_000
 
-def fresh_prompt(salt: int) -> list[int]:
-    """A prompt no earlier request shares a prefix with (a prefix cache cannot skip its
-    prefill)."""
-    return [(salt * 31 + 13 * i) % 90 + 20 for i in range(40)]
-#: seconds any one request of the suite may take on a tiny model before it is a hang
-TIMEOUT_S = 60.0
-
-
-def run(engine: Engine, request_id: str, **sampling: object) -> list[GenerationOutput]:
-    """Every output of one request, the final one last (fails on a hang)."""
-    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **sampling})  # type: ignore[arg-type]
-    handle = engine.submit(GenerationRequest(request_id, PROMPT, params))
-    return collect(handle)
-
-
-def collect(handle: RequestHandle) -> list[GenerationOutput]:
-    outputs: list[GenerationOutput] = []
-    done = threading.Event()
-
-    def read() -> None:
-        try:
-            for output in handle:
-                outputs.append(output)
-                if output.finished:
-                    break
-        finally:
-            done.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    assert done.wait(TIMEOUT_S), f"request {handle.request_id} did not finish in {TIMEOUT_S} s"
-    handle.close()
-    return outputs
-
-
-def text_of(engine: Engine, outputs: list[GenerationOutput]) -> str:
-    """The text of a request's outputs, as the serving pipeline makes it."""
-    processor = OutputProcessor(engine.detokenizer())
-    text = "".join(processor.add(o.token_ids).text for o in outputs)
-    return text + processor.finish().text
-
-
-def run_until_stop(engine: Engine, request: GenerationRequest,
-                   stop: str) -> tuple[str, list[GenerationOutput], OutputProcessor]:
-    """What the pipeline does with a stop string: outputs through an output processor
-    until the stop matches, then the handle is closed (aborting the engine request) and
-    read to its final output. Returns the text, every output the engine sent, and the
-    processor."""
-    request_id = request.request_id
-    handle = engine.submit(request)
-    processor = OutputProcessor(engine.detokenizer(), (stop,))
-    outputs: list[GenerationOutput] = []
-    text: list[str] = []
-    done = threading.Event()
-
-    def read() -> None:
-        try:
-            while True:
-                output = handle.next_output()
-                if output is None:
-                    continue
-                outputs.append(output)
-                text.append(processor.add(output.token_ids).text)
-                if processor.stopped and not output.finished:
-                    handle.close()
-                if output.finished:
-                    if not processor.stopped:
-                        text.append(processor.finish().text)
-                    return
-        finally:
-            done.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    assert done.wait(TIMEOUT_S), f"request {request_id} did not finish in {TIMEOUT_S} s"
-    handle.close()
-    return "".join(text), outputs, processor
-
-
-def tokens_of(outputs: list[GenerationOutput]) -> list[int]:
-    return [t for o in outputs for t in o.token_ids]
+_REFERENCES: dict[tuple[str, str, tuple[int, ...]], Reference] = {}
 
 
 class _RefuseOne(ForwardGate):
@@ -152,6 +120,39 @@ class _RefuseOne(ForwardGate):
         return {}
 
 
+class _Recording(ForwardGate):
+    """A gate that refuses nothing and keeps every step it was asked about."""
+
+    def __init__(self) -> None:
+        self.steps: list[PrefillStep] = []
+
+    def check_prefill(self, step: PrefillStep) -> Refusals:
+        self.steps.append(step)
+        return {}
+
+    def check_after_prefill(self, step: PrefillStep) -> Refusals:
+        return {}
+
+
+def _seeds(check: int, count: int) -> list[int]:
+    return list(range(SEED_BASE + 1_000 * check, SEED_BASE + 1_000 * check + count))
+
+
+def _held(engine: Engine, request_id: str) -> str | None:
+    """What the engine still holds of ``request_id`` (``None``: nothing)."""
+    if any(p.request_id == request_id for p in engine.progress()):
+        return f"progress() still lists {request_id!r}"
+    stats = engine.stats()
+    busy = {k: stats[k] for k in ("running", "queue_depth") if stats.get(k)}
+    return f"stats() says {busy}" if busy else None
+
+
+def assert_released(engine: Engine, request_id: str) -> None:
+    """The engine lets go of an ended request (a bounded wait: it may finish a step)."""
+    assert wait_for(lambda: _held(engine, request_id) is None, TIMEOUT_S), (
+        f"{TIMEOUT_S:.0f} s after request {request_id!r} ended, {_held(engine, request_id)}")
+
+
 class EngineConformance:
     """Subclass in a test module and provide an ``engine`` fixture (a started engine)."""
 
@@ -169,6 +170,30 @@ class EngineConformance:
             f"no installed plugin's resolve_scheduler returns a MemoryReceiver for "
             f"{type(engine).__qualname__} (got {found!r}): the enforcer could not reach it")
         return found
+
+    #: the model's own forward for :meth:`reference`, run on the engine's MLX thread as
+    #: ``reference_forward(model_path, prompt)``: mlx-lm's by default; an engine on
+    #: mlx-vlm models sets :func:`~omlx_core.testing.sampling_check.mlx_vlm_reference`
+    reference_forward = staticmethod(sampling_check.mlx_lm_reference)
+
+    def reference(self, engine: Engine, prompt: list[int]) -> Reference:
+        """The model's next-token log-probabilities after ``prompt``, computed without the
+        engine (:attr:`reference_forward`, once per model and prompt)."""
+        forward = self.reference_forward
+        key = (forward.__qualname__, str(engine.model.path), tuple(prompt))
+        if key not in _REFERENCES:
+            _REFERENCES[key] = engine.host.thread.submit(
+                forward, engine.model.path, prompt).result(TIMEOUT_S)
+        return _REFERENCES[key]
+
+    def _check_sampling(self, engine: Engine, check: int, count: int, **sampling: float) -> None:
+        reference = self.reference(engine, PROMPT)
+        expected = sampling_check.category_probs(
+            sampling_check.filtered(reference.logprobs, **sampling), reference.end_ids)
+        drawn = first_tokens(engine, f"sample-{check}", _seeds(check, count), **sampling)
+        failures = frequency_failures(drawn, expected)
+        assert not failures, (f"{count} draws with {sampling} do not follow the model's "
+                              f"distribution: " + "; ".join(failures))
 
     # -- the contract's shape -----------------------------------------------------------
 
@@ -192,17 +217,21 @@ class EngineConformance:
         assert final.finish_reason in ("stop", "length")
         assert final.usage is not None and final.usage.prompt_tokens == len(PROMPT)
         generated = len(tokens_of(outputs))
-        assert final.usage.completion_tokens >= generated
+        # A stop token is counted but not streamed.
+        assert final.usage.completion_tokens - generated == (final.finish_reason == "stop"), (
+            f"usage counts {final.usage.completion_tokens} tokens, {generated} were streamed "
+            f"and the request ended {final.finish_reason!r}")
         if generated >= 2:
             assert len(outputs) >= 2, "every token arrived in one output: nothing was streamed"
 
     @pytest.mark.parametrize("max_tokens", [1, 5])
     def test_max_tokens_is_never_exceeded(self, engine: Engine, max_tokens: int) -> None:
-        outputs = run(engine, f"max-{max_tokens}", max_tokens=max_tokens)
+        outputs = run(engine, f"max-{max_tokens}", max_tokens=max_tokens)  # fails past it
         final = outputs[-1]
+        assert final.finish_reason in ("stop", "length"), final
         assert final.usage is not None and final.usage.completion_tokens <= max_tokens
         if final.finish_reason == "length":
-            assert final.usage.completion_tokens == max_tokens
+            assert len(tokens_of(outputs)) == final.usage.completion_tokens == max_tokens
 
     def test_a_stop_string_is_cut_by_the_pipeline_and_aborts_the_request(self, engine: Engine) -> None:
         reference = text_of(engine, run(engine, "stop-ref", max_tokens=24))
@@ -213,7 +242,7 @@ class EngineConformance:
         # No max_tokens to end it: only the abort the stop string causes does (or an
         # end-of-sequence token past the 24 the reference shows none in).
         text, outputs, processor = run_until_stop(engine, GenerationRequest(
-            "stop", PROMPT, SamplingParams(temperature=0.0, max_tokens=10_000)), stop)
+            "stop", PROMPT, SamplingParams(temperature=0.0, max_tokens=ENDLESS)), stop)
         assert stop not in text
         assert text == reference[:reference.index(stop)]
         assert processor.stop_sequence == stop
@@ -221,6 +250,7 @@ class EngineConformance:
         ran_past_reference = len(tokens_of(outputs)) >= 24
         assert final.finish_reason == "abort" or (ran_past_reference and final.finish_reason == "stop"), (
             f"the engine did not end the request the stop string aborted: {final}")
+        assert_released(engine, "stop")
         after = run(engine, "after-stop", max_tokens=3)
         assert after[-1].finish_reason in ("stop", "length")
 
@@ -228,28 +258,112 @@ class EngineConformance:
         reference = tokens_of(run(engine, "stop-id-ref", max_tokens=6))
         if len(reference) < 3:
             pytest.skip("the greedy completion is too short to stop in")
-        outputs = run(engine, "stop-id", max_tokens=6, stop_token_ids=(reference[2],))
-        assert outputs[-1].finish_reason == "stop"
-        assert reference[2] not in tokens_of(outputs)[:2]
-        assert len(tokens_of(outputs)) <= 3
+        stop_id = reference[2]
+        ends_at = reference.index(stop_id)
+        outputs = run(engine, "stop-id", max_tokens=6, stop_token_ids=(stop_id,))
+        final = outputs[-1]
+        assert final.finish_reason == "stop", f"stop_token_ids={[stop_id]} did not end it: {final}"
+        assert tokens_of(outputs) == reference[:ends_at], "the stop token or tokens past it streamed"
+        assert final.usage is not None and final.usage.completion_tokens == ends_at + 1
 
-    def test_seeded_sampling_is_reproducible(self, engine: Engine) -> None:
-        first = tokens_of(run(engine, "seed-a", temperature=1.0, seed=1234, max_tokens=8))
-        again = tokens_of(run(engine, "seed-b", temperature=1.0, seed=1234, max_tokens=8))
-        assert first == again
+    def test_logprobs_are_the_models(self, engine: Engine) -> None:
+        if "logprobs" not in engine.supported_sampling:
+            pytest.skip("the engine does not honour logprobs (the pipeline refuses them)")
+        reference = self.reference(engine, PROMPT).logprobs
+        outputs = run(engine, "logprobs", max_tokens=3, logprobs=5)
+        entries = [entry for o in outputs for entry in (o.logprobs or ())]
+        assert [e.token_id for e in entries] == tokens_of(outputs), (
+            "one logprob entry per streamed token, in order")
+        first = entries[0]
+        fifth = float(sorted(reference)[-5])
+        assert len(first.top) == 5
+        for token, logprob in ((first.token_id, first.logprob), *first.top):
+            assert abs(logprob - reference[token]) < 1e-3, (
+                f"token {token}: logprob {logprob:.5f}, the model's {reference[token]:.5f}")
+            if (token, logprob) != (first.token_id, first.logprob):
+                assert reference[token] >= fifth - 1e-3, f"token {token} is not among the top 5"
+        for entry in entries:
+            values = [lp for _, lp in entry.top]
+            assert values == sorted(values, reverse=True) and entry.logprob <= 0.0
+            assert entry.top[0][0] == entry.token_id, "greedy: the chosen token is the likeliest"
+
+    # -- sampling --------------------------------------------------------------------------
+
+    def test_sampling_follows_the_models_distribution(self, engine: Engine) -> None:
+        """Seeded draws at a temperature where the likeliest token has about a third of
+        the mass: greedy decoding, an ignored temperature or a fixed key all fail."""
+        temperature = sampling_check.temperature_for(self.reference(engine, PROMPT).logprobs)
+        self._check_sampling(engine, 0, SAMPLES, temperature=temperature)
+
+    def test_top_k_is_honoured(self, engine: Engine) -> None:
+        top_k = sampling_check.top_k_for(self.reference(engine, PROMPT).logprobs)
+        self._check_sampling(engine, 1, FILTER_SAMPLES, temperature=1.0, top_k=top_k)
+
+    def test_top_p_is_honoured(self, engine: Engine) -> None:
+        top_p = sampling_check.top_p_for(self.reference(engine, PROMPT).logprobs)
+        self._check_sampling(engine, 2, FILTER_SAMPLES, temperature=1.0, top_p=top_p)
+
+    def test_min_p_is_honoured(self, engine: Engine) -> None:
+        min_p = sampling_check.min_p_for(self.reference(engine, PROMPT).logprobs)
+        self._check_sampling(engine, 3, FILTER_SAMPLES, temperature=1.0, min_p=min_p)
+
+    def test_a_seed_fixes_the_tokens_and_another_seed_changes_them(self, engine: Engine) -> None:
+        first = tokens_of(run(engine, "seed-a", temperature=1.0, seed=1234))
+        again = tokens_of(run(engine, "seed-b", temperature=1.0, seed=1234))
+        other = tokens_of(run(engine, "seed-c", temperature=1.0, seed=4321))
+        assert first == again, "the same seed gave different tokens"
+        assert first != other, "two seeds gave the same 8 tokens at temperature 1"
 
     # -- cancellation ----------------------------------------------------------------------
 
-    def test_closing_the_handle_aborts_and_the_engine_goes_on(self, engine: Engine) -> None:
+    def test_abort_ends_a_running_request_within_a_few_tokens(self, engine: Engine) -> None:
+        outputs, _ = abort_after_first_output(engine, "abort")  # fails past the bound
+        final = outputs[-1]
+        assert final.finish_reason == "abort", f"abort() did not end the request: {final}"
+        assert_released(engine, "abort")
+
+    def test_abort_before_the_first_token_ends_the_request(self, engine: Engine) -> None:
         handle = engine.submit(GenerationRequest(
-            "cancel", PROMPT, SamplingParams(temperature=0.0, max_tokens=10_000)))
-        first = next(iter(handle))
-        assert not first.finished or first.finish_reason in ("stop", "length")
-        handle.close()
+            "abort-early", fresh_prompt(9), SamplingParams(temperature=0.0, max_tokens=ENDLESS)))
+        engine.abort("abort-early")
+        outputs = collect(handle, max_tokens=AFTER_ABORT_TOKENS)
+        assert outputs[-1].finish_reason == "abort", outputs[-1]
+        assert_released(engine, "abort-early")
+
+    def test_closing_the_handle_aborts_and_the_engine_goes_on(self, engine: Engine) -> None:
+        outputs, _ = abort_after_first_output(engine, "cancel", close=True)
+        assert outputs[-1].finish_reason == "abort", f"closing the handle did not end it: {outputs[-1]}"
+        assert_released(engine, "cancel")
         after = run(engine, "after-cancel", max_tokens=3)
         assert after[-1].finish_reason in ("stop", "length")
 
     # -- memory ----------------------------------------------------------------------------
+
+    def test_prefill_chunks_keep_to_the_memory_hints(self, engine: Engine) -> None:
+        """The gate is asked before every prefill forward, for chunks no larger than the
+        hinted prefill step (what the estimate assumed), covering the whole prompt."""
+        step = engine.memory_hints().prefill_step_size
+        context = engine.limits().context_length or 4 * step
+        length = max(len(PROMPT), min(step + 8, context - 16, 4_096))
+        draw = random.Random(length)
+        prompt = [draw.randrange(20, min(engine.limits().vocab_size, 500)) for _ in range(length)]
+        receiver = self.receiver(engine)
+        gate = _Recording()
+        receiver.set_forward_gate(gate)
+        try:
+            outputs = run(engine, "hinted", prompt, max_tokens=2)
+        finally:
+            receiver.set_forward_gate(None)
+        assert outputs[-1].finish_reason in ("stop", "length")
+        chunks = [c for s in gate.steps for c in s.chunks if c.request_id == "hinted"]
+        assert chunks, "the engine never asked its forward gate before a prefill"
+        assert max(c.new_tokens for c in chunks) <= step, (
+            f"a prefill chunk of {max(c.new_tokens for c in chunks)} tokens; the memory hints "
+            f"say {step}")
+        assert max(c.cached_tokens + c.new_tokens for c in chunks) >= length - 1, (
+            "the gate was not asked about every prefilled token")
+        if length - 1 > step:
+            assert len(chunks) >= 2
 
     def test_a_forward_gate_refusal_ends_only_that_request(self, engine: Engine) -> None:
         receiver = self.receiver(engine)
@@ -259,7 +373,7 @@ class EngineConformance:
             handles = [engine.submit(GenerationRequest(
                 rid, fresh_prompt(salt), SamplingParams(temperature=0.0, max_tokens=4)))
                 for salt, rid in ((7, "victim"), (11, "survivor"))]
-            victim, survivor = (collect(h) for h in handles)
+            victim, survivor = (collect(h, max_tokens=4) for h in handles)
         finally:
             receiver.set_forward_gate(None)
         assert gate.asked >= 1, "the engine never asked its forward gate before a prefill"
