@@ -163,11 +163,12 @@ def measure(label: str, settings: ServerSettings, model_dir: Path, served_id: st
     port = free_port()
     spec = omlx_spec(None, port, settings, served_id)
     spec = type(spec)(spec.name, spec.label, spec.argv + list(extra_argv), spec.model_id)
-    # The command as a user types it: the loopback address and free port are the bench's.
+    # The command as a user types it: the free port is the bench's.
     shown = spec.argv[spec.argv.index("serve"):]
     for flag in ("--host", "--port"):
-        at = shown.index(flag)
-        del shown[at:at + 2]
+        if flag in shown:
+            at = shown.index(flag)
+            del shown[at:at + 2]
     run = ServerRun(label, ["omlx-core", *shown])
     jobs = prompts(model_dir)
     with ServerProcess(spec, port) as server:

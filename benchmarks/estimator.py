@@ -258,11 +258,11 @@ def random_prompt(length: int, vocab_size: int, seed: int = 0) -> list[int]:
 def run_model(family: str, model_path: Path, grid: Iterable[tuple[int, int]],
               progress: Any = None) -> list[BenchRow]:
     """Measure and estimate every (prompt, chunk) of ``grid`` on one model."""
-    from mlx_lm import load
+    from omlx_core.models.loader import load_model
 
     config = json.loads((Path(model_path) / "config.json").read_text())
     dims = ModelDims.from_config(config)
-    model, _ = load(str(model_path))
+    model, _ = load_model(model_path)  # with the CPU routes, as the server loads it
     dtype_bytes = activation_dtype_bytes(model)
     rows = []
     for prompt_tokens, chunk in grid:

@@ -343,23 +343,24 @@ def test_a_structured_estimate_refuses_negative_parts_and_adds_extra_bytes():
 
 # Tiny models carry a fixed per-forward overhead (token ids, RoPE tables, mask index
 # vectors: ~0.1 MiB) and a layer-allocation allowance that is large next to their
-# sub-MiB KV, so below 2k tokens the overcount bound is looser; at 2k+ tokens the
-# target of 1.15 holds, except for the tiny MoE, whose 32-wide experts the MoE
-# allowance (sized for real expert widths) overcounts: measured 1.13 at 2k / chunk 512,
-# bounded at 1.20 so run-to-run timing cannot flake it. The measured peaks themselves
-# differ between machines by a few hundred KiB (mlx's CPU temporaries): the full-logits
-# qwen3 prefill measured 1.136 on a development machine and 1.154 on a CI machine, so
-# the 2k+ bound carries that spread above the 1.15 target.
+# sub-MiB KV, so below 2k tokens the overcount bound is looser. The models are measured
+# as the server runs them, with the CPU routes installed at load: the attention route
+# masks the scores in place and holds no mask, which the estimate counts anyway (so it
+# is the same whatever this process loaded, tests/test_memory_estimate_routes.py). For
+# a tiny model's 4 heads that mask is 1/17 of the score matrix that dominates a 2k
+# prompt's peak (for the default model's 9 bfloat16 heads, 1/19): measured 1.185 for
+# the tiny llama's 2k prompt in 512-token chunks, 1.192 over 1,536 cached tokens, 1.202
+# for qwen3's full logits (and 1.200 on a CI machine for the tiny MoE, whose 32-wide
+# experts the MoE allowance sized for real expert widths overcounts). The 2k+ bound
+# carries that plus the few hundred KiB the measured peaks differ by between machines.
 TINY_MAX_RATIO_SHORT = 1.35
-TINY_MAX_RATIO_LONG = 1.18
-TINY_MAX_RATIO_LONG_BY_FAMILY = {"qwen3_moe": 1.20}
+TINY_MAX_RATIO_LONG = 1.22
 REAL_RUNS = [(512, 256), (1000, 300), (2048, 512), (2048, 2048)]
 
 
 @pytest.fixture(scope="module")
 def loaded_models(tmp_path_factory):
-    from mlx_lm import load
-
+    from omlx_core.models.loader import load_model
     from omlx_core.testing import cached_model
 
     root = tmp_path_factory.mktemp("estimate-models")
@@ -367,7 +368,7 @@ def loaded_models(tmp_path_factory):
 
     def get(family: str):
         if family not in cache:
-            cache[family] = load(str(cached_model(family, cache_dir=root)))[0]
+            cache[family] = load_model(cached_model(family, cache_dir=root))[0]
         return cache[family]
 
     return get
@@ -384,8 +385,7 @@ def test_real_prefill_never_undercounts(loaded_models, family, prompt_tokens, ch
     detail = (f"{family} {prompt_tokens} tokens / chunk {chunk}: measured "
               f"{measured.peak_bytes / MIB:.2f} MiB, {estimate.describe()} (ratio {ratio:.3f})")
     assert ratio >= 1.0, "undercount: " + detail
-    bound = (TINY_MAX_RATIO_LONG_BY_FAMILY.get(family, TINY_MAX_RATIO_LONG)
-             if prompt_tokens >= 2048 else TINY_MAX_RATIO_SHORT)
+    bound = TINY_MAX_RATIO_LONG if prompt_tokens >= 2048 else TINY_MAX_RATIO_SHORT
     assert ratio <= bound, "overcount: " + detail
 
 

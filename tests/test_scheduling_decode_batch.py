@@ -116,7 +116,7 @@ def run_ours(model: Any, tokenizer: Any, rows: list[Row], *, lanes: bool, specul
         scheduler.step()
         for index, sequence in list(live.items()):
             while not sequence.outputs.empty():
-                output = sequence.outputs.get()
+                output = sequence.outputs.get_nowait()
                 outcomes[index].tokens += output.token_ids
                 if output.logprobs:
                     outcomes[index].logprobs += [lp.logprob for lp in output.logprobs]

@@ -71,7 +71,9 @@ def test_a_vision_model_without_vision_dims_is_not_guessed(caplog) -> None:
 
 @pytest.mark.parametrize("family", ["vlm-llava", "vlm-gemma3"])
 def test_estimate_covers_a_real_prefill_with_images(family, tmp_path, capsys) -> None:
-    """The accuracy benchmark's quick runs: never under the measured peak, at most 1.15x."""
+    """The accuracy benchmark's quick runs: never under the measured peak, at most 1.20x
+    (the text side takes the CPU attention route, which holds no mask; the estimate
+    counts one: see TINY_MAX_RATIO_LONG in test_memory_estimate.py)."""
     from benchmarks.estimator import QUICK_VLM_GRID, VLM_IMAGE_SIZE, run_vlm_model
     from omlx_core.testing.vlm_models import build_vlm_model
 
@@ -86,7 +88,7 @@ def test_estimate_covers_a_real_prefill_with_images(family, tmp_path, capsys) ->
             print(f"\n{family} {rows[0].prompt_tokens} tokens, {rows[0].images} image(s), chunk "
                   f"{rows[0].chunk_size}: ratio {ratio:.3f} ({rows[0].estimate.dominant})", end="")
         assert all(row.ratio >= 1.0 for row in rows), [row.measured for row in rows]
-        assert ratio <= 1.15, (highest, rows[0].estimate.describe())
+        assert ratio <= 1.20, (highest, rows[0].estimate.describe())
 
 
 def test_vision_phase_wins_when_it_is_larger() -> None:

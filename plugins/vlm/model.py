@@ -152,7 +152,7 @@ def load_vlm(path: Path) -> tuple[Any, Any, dict[str, Any]]:
     side holding the same weights, and the config completed with mlx-vlm's defaults."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
-    from omlx_core.scheduling import model_classes, settle_random_state
+    from omlx_core.scheduling import install_cpu_routes, model_classes, settle_random_state
 
     require_vlm_dependencies()
     from mlx_vlm.utils import load_model as load_vlm_model
@@ -178,5 +178,8 @@ def load_vlm(path: Path) -> tuple[Any, Any, dict[str, Any]]:
                     class_predicate=lambda p, m: f"{p}.scales" in weights)
     language_model.load_weights(list(weights.items()), strict=True)
     language_model.eval()
+    # The routes every text model takes at load, so the text side runs the same path
+    # whatever else this process has loaded (a route is a module global of the family).
+    install_cpu_routes(language_model)
     settle_random_state()
     return vlm, language_model, config
