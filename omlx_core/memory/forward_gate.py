@@ -377,8 +377,9 @@ class PrefillForwardGate(ForwardGate):
                 model_config=step.model_config, new_tokens=chunk.new_tokens,
                 cached_tokens=chunk.cached_tokens, chunk_size=max(1, chunk.new_tokens),
                 dtype_bytes=self.dtype_bytes, full_logits=self.full_logits,
-                model_id=step.model_id, first_token=last, cached_kv_resident=True,
-                backend=self.backend, images=chunk.images))
+                model_id=step.model_id, first_token=last and not step.encode,
+                cached_kv_resident=True, backend=self.backend, images=chunk.images,
+                encode=step.encode))
             if estimate is None:
                 return None
             estimates.append(estimate)

@@ -1,0 +1,75 @@
+"""The peak of an encode forward (embeddings, relevance scores): ``rows`` sequences padded
+to one width, run once, caching nothing.
+
+- **BERT-family encoders** (the ``encoder`` plugin's mlx.nn model): measured with
+  ``mx.get_peak_memory()`` on the CPU backend over widths 16-3072 hidden, 1-24 heads,
+  2-12 layers, 4-256 rows of 8-256 tokens (``python -m benchmarks.embeddings --peaks``
+  prints the comparison): mlx's eval runs ahead about a layer, so a forward holds per
+  token about 19 hidden-wide and one intermediate-wide activations at once, plus the
+  attention scores (``heads x width x width`` a row) and the softmax's copy of part of
+  them. :data:`HIDDEN_PER_TOKEN`, :data:`INTERMEDIATE_PER_TOKEN` and :data:`SCORE_COPIES`
+  bound those measurements from above by 5-20 %.
+- **Decoders** (an mlx-lm model run for its hidden states): each row costs what the
+  prefill estimate gives for one chunk of its width over no cache, with its keys and
+  values counted as transient (nothing keeps them), plus its final hidden states.
+
+Nothing stays held after the forward but the pooled rows, which are counted in the
+transient too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from omlx_core.memory.types import PeakEstimate, PeakQuery
+from omlx_core.plugins.estimator.dims import EstimatorDisabledError, ModelDims, positive_int
+from omlx_core.plugins.estimator.prefill import FIXED_OVERHEAD_BYTES, estimate_prefill_peak
+
+#: model_types the encoder plugin's BERT-family model builds
+ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert"})
+HIDDEN_PER_TOKEN = 20
+INTERMEDIATE_PER_TOKEN = 1.25
+SCORE_COPIES = 1.25
+
+
+def is_encoder_config(config: Mapping[str, Any]) -> bool:
+    return str(config.get("model_type", "")) in ENCODER_MODEL_TYPES
+
+
+def encoder_forward_bytes(config: Mapping[str, Any], rows: int, width: int,
+                          dtype_bytes: int) -> int:
+    """The peak a BERT-family encoder's forward of ``rows`` x ``width`` tokens adds."""
+    hidden = positive_int(config.get("hidden_size"), "hidden_size")
+    intermediate = positive_int(config.get("intermediate_size"), "intermediate_size")
+    heads = positive_int(config.get("num_attention_heads"), "num_attention_heads")
+    tokens = rows * width
+    activations = tokens * (HIDDEN_PER_TOKEN * hidden + INTERMEDIATE_PER_TOKEN * intermediate)
+    scores = SCORE_COPIES * heads * rows * width * width
+    return int((activations + scores) * dtype_bytes) + FIXED_OVERHEAD_BYTES
+
+
+def decoder_forward_bytes(dims: ModelDims, rows: int, width: int, dtype_bytes: int,
+                          backend: str) -> int:
+    """The peak a decoder's cache-less forward of ``rows`` x ``width`` tokens adds."""
+    one = estimate_prefill_peak(dims, width, 0, width, dtype_bytes=dtype_bytes,
+                                full_logits=False, first_token=False, backend=backend)
+    final_states = 2 * width * dims.hidden_size * dtype_bytes
+    return rows * (one.as_estimate().total + final_states)
+
+
+def estimate_encode(query: PeakQuery) -> PeakEstimate:
+    """The :class:`PeakEstimate` of an encode forward: all transient.
+
+    :raises EstimatorDisabledError: the config lacks a dim the estimate needs.
+    """
+    rows, width = max(1, query.rows), max(1, query.new_tokens)
+    if is_encoder_config(query.model_config):
+        peak = encoder_forward_bytes(query.model_config, rows, width, query.dtype_bytes)
+    else:
+        peak = decoder_forward_bytes(ModelDims.from_config(query.model_config), rows, width,
+                                     query.dtype_bytes, query.backend)
+    return PeakEstimate(transient_bytes=int(peak), kv_bytes_per_token=0)
+
+
+__all__ = ["ENCODER_MODEL_TYPES", "EstimatorDisabledError", "decoder_forward_bytes",
+           "encoder_forward_bytes", "estimate_encode", "is_encoder_config"]
