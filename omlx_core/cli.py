@@ -41,6 +41,8 @@ def _overrides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     distributed = getattr(args, "distributed", None)
     if distributed is not None:
         items.append(("plugin.distributed.mode", distributed, "cli --distributed"))
+    if getattr(args, "no_embeddings", False):
+        items.append(("server.embeddings", "false", "cli --no-embeddings"))
     ceiling = getattr(args, "memory_ceiling", None)
     if ceiling is not None:
         items.append(("memory.tier", "custom", "cli --memory-ceiling"))
@@ -65,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model id from the configuration, or an mlx-lm directory (repeatable)")
     serve.add_argument("--memory-ceiling", metavar="SIZE",
                        help='pin the memory ceiling, e.g. "1.5GiB" (sets memory tier custom)')
+    serve.add_argument("--no-embeddings", action="store_true",
+                       help="leave out the shipped embedding model (all-MiniLM-L6-v2), which "
+                            "is otherwise served next to the chat models (server.embeddings)")
     serve.add_argument("--engine", metavar="NAME",
                        help="serve every model with this engine (e.g. dflash), whatever its "
                             "configuration names; `omlx-core plugins` lists the engines")
