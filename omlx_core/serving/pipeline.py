@@ -1,5 +1,8 @@
 """One request from a job to its last output: the checks, in the order they run.
 
+(Embedding and rerank jobs take :meth:`ServingPipeline.encode`, whose checks, in the
+same order on the same pool and memory guard, are in :mod:`omlx_core.serving.encode`.)
+
 :meth:`ServingPipeline.start` does everything that can refuse a request before any work
 is done for it or any byte is sent, then submits it and waits for its first output:
 
@@ -62,6 +65,7 @@ from omlx_core.serving.tools import ToolRequest, ToolTurn, content_of, prepare
 
 if TYPE_CHECKING:
     from omlx_core.memory.admission import AdmissionTicket
+    from omlx_core.serving.encode import EncodeJob, EncodeResult
     from omlx_core.server_context import ServerContext
 
 log = logging.getLogger(__name__)
@@ -424,6 +428,14 @@ class ServingPipeline:
             return len(self._tokenize(engine, job, engine.limits()))
         finally:
             lease.release()
+
+    def encode(self, job: EncodeJob, *, client_gone: Callable[[], bool] | None = None
+               ) -> EncodeResult:
+        """Embed or rerank: ``job`` through every check, its engine and back (the order
+        is in :mod:`omlx_core.serving.encode`); the same errors as :meth:`start`."""
+        from omlx_core.serving.encode import run_encode
+
+        return run_encode(self, job, client_gone)
 
     # -- starting a request --------------------------------------------------------------
 
