@@ -13,7 +13,8 @@ group):
   instruction before queries) or rerankers (yes/no logits), per ``[models.<id>] task``
   (:mod:`.backbone`);
 - ``register_settings``: ``max_batch_tokens`` and ``max_batch_rows``, the caps of one
-  forward.
+  forward; ``busy_share`` and ``busy_forward_ms``, how it paces itself while another
+  engine (chat) has work on the MLX thread.
 
 It needs no ``resolve_scheduler`` of its own: the engine reads its limits and forward
 gate from ``host.memory``, where the built-in ``memory_guard`` plugin has them put.
@@ -37,6 +38,14 @@ SETTINGS = (
             "forwards up to it", minimum=16, maximum=1 << 20, default=4096),
     Setting("max_batch_rows", "int", "most inputs one forward takes", minimum=1,
             maximum=65536, default=256),
+    Setting("busy_share", "float", "share of the MLX thread's time embedding and rerank "
+            "forwards may take while another engine has work (chat streams keep their "
+            "speed); alone they take all of it; 1: no pacing", minimum=0.01, maximum=1.0,
+            default=0.1),
+    Setting("busy_forward_ms", "float", "longest an embedding or rerank forward may take "
+            "while another engine has work (the pause it adds between a chat's tokens), "
+            "from measured forward times; one input longer than that still runs, alone",
+            minimum=1.0, maximum=600000.0, default=100.0),
 )
 
 

@@ -12,6 +12,12 @@ back after each forward that ran); a lone row refused while other requests wait 
 retried a moment later; a lone row of the only request ends it with the rejection
 (HTTP 503 with ``Retry-After``). After the forward, ``check_after_prefill`` is the
 backstop, as for a prefill.
+
+The engine shares the MLX thread with the chat engines. While another of its workers
+has work, a forward is cut to what takes ``busy_forward_ms`` at the measured speed, and
+the next one waits until forwards have taken no more than ``busy_share`` of the time:
+chat streams keep their speed beside an embedding client; alone, embeddings take the
+whole thread.
 """
 
 from __future__ import annotations
@@ -94,6 +100,11 @@ class EncoderEngine(EncodingEngine):
                                                        "plugin.encoder.max_batch_tokens"))
         self.max_batch_rows = int(host.model_setting("max_batch_rows",
                                                      "plugin.encoder.max_batch_rows"))
+        self.busy_share = float(host.model_setting("busy_share", "plugin.encoder.busy_share"))
+        self.busy_forward_s = float(host.model_setting(
+            "busy_forward_ms", "plugin.encoder.busy_forward_ms")) / 1000
+        #: measured seconds per padded token of a forward (moving average)
+        self._s_per_token: float | None = None
         self._backbone: Any = None
         self._lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}
@@ -104,7 +115,8 @@ class EncoderEngine(EncodingEngine):
         self._retry_at = 0.0
         self._running: list[_Job] = []
         self.counters = {"requests": 0, "forwards": 0, "rows": 0, "tokens": 0,
-                         "padded_tokens": 0, "gate_splits": 0, "gate_waits": 0, "refused": 0}
+                         "padded_tokens": 0, "gate_splits": 0, "gate_waits": 0, "refused": 0,
+                         "paced_s": 0.0}
 
     # -- the contract, from any thread ---------------------------------------------------
 
@@ -218,9 +230,12 @@ class EncoderEngine(EncodingEngine):
 
     def step(self) -> None:
         self._end_aborted()
+        busy = self.host.thread.others_busy(self)
+        max_tokens = self.max_batch_tokens
+        if busy and self._s_per_token:
+            max_tokens = min(max_tokens, max(1, int(self.busy_forward_s / self._s_per_token)))
         with self._lock:
-            plan = plan_forward(self._waiting, max_tokens=self.max_batch_tokens,
-                                max_rows=self._row_cap)
+            plan = plan_forward(self._waiting, max_tokens=max_tokens, max_rows=self._row_cap)
             rows = [(self._jobs[item.key[0]], item.key[1]) for item in plan]
             pending = len(self._jobs)
         if not rows:
@@ -244,9 +259,11 @@ class EncoderEngine(EncodingEngine):
         for job in self._running:
             job.started = job.started or time.monotonic()
         inputs = [job.request.inputs[index] for job, index in rows]
+        started = time.monotonic()
         out = self._backbone.run(PaddedBatch.of(inputs, self._backbone.pad_id), self.kind)
         self._running = []
         self._count(plan)
+        self._pace(time.monotonic() - started, padded_tokens(plan), busy)
         self._row_cap = min(self.max_batch_rows, self._row_cap * 2)
         for (job, index), value, item in zip(rows, out, plan):
             job.results[index] = value
@@ -258,6 +275,16 @@ class EncoderEngine(EncodingEngine):
                           rejected=stopped[job.request_id])
             elif job.complete and job.seq in self._jobs:
                 self._finish(job)
+
+    def _pace(self, seconds: float, tokens: int, busy: bool) -> None:
+        """Learn the forward's speed; while another engine has work, wait long enough
+        that forwards take at most ``busy_share`` of the thread's time."""
+        rate = seconds / max(1, tokens)
+        self._s_per_token = rate if self._s_per_token is None else (
+            0.7 * self._s_per_token + 0.3 * rate)
+        if busy and self.busy_share < 1.0:
+            self._retry_at = time.monotonic() + seconds * (1 - self.busy_share) / self.busy_share
+            self.counters["paced_s"] += round(self._retry_at - time.monotonic(), 3)
 
     def _refused(self, rows: list[tuple[_Job, int]], refused: Any, pending: int) -> None:
         """Act on the gate's refusal of the planned forward: fewer rows next time, a
