@@ -311,7 +311,8 @@ class RequestProgress:
 
     request_id: str
     #: ``"waiting"`` (queued in the engine, or preempted and waiting to resume),
-    #: ``"prefilling"`` or ``"decoding"``
+    #: ``"prefilling"`` or ``"decoding"``; an encoding engine's ``"encoding"`` (its
+    #: ``prefilled_tokens`` of ``prefill_tokens`` encoded so far)
     phase: str
     prompt_tokens: int
     #: of ``prefill_tokens``, those prefilled so far

@@ -64,6 +64,10 @@ def _engine_row(model_id: str, progress: RequestProgress) -> dict[str, Any]:
                    queue_position=progress.queue_position)
         row["detail"] = ("preempted for memory, resumes when it fits" if progress.preempted
                          else f"waiting for a batch slot, #{progress.queue_position} in line")
+    elif progress.phase == "encoding":
+        done, total = progress.prefilled_tokens, progress.prefill_tokens
+        row.update(encoded_tokens=done, encode_tokens=total)
+        row["detail"] = f"encoding {done}/{total} tokens (embeddings or rerank)"
     elif progress.phase == "prefilling":
         done, total = progress.prefilled_tokens, progress.prefill_tokens
         rate = done / progress.prefill_s if done and progress.prefill_s > 0 else None
