@@ -1,6 +1,6 @@
-"""The encoder engine's BERT against an independent float64 NumPy BERT written here (from
-the architecture's definition, not from the engine's code), and all-MiniLM-L6-v2 against
-sentence-transformers' documented similarity.
+"""The encoder engine's BERT against an independent float64 NumPy BERT written in the
+tests (``tests/numpy_bert.py``: from the architecture's definition, not from the engine's
+code), and all-MiniLM-L6-v2 against sentence-transformers' documented similarity.
 
 The reference reads the checkpoint's safetensors by their Hugging Face names, runs each
 text alone (no padding, no mask), with exact erf GELU, and mean-pools and normalises as
@@ -10,8 +10,6 @@ masked, batched forwards and one by one: every vector must agree to cosine >= 0.
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,6 +21,7 @@ from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.encoder.engine import EncoderEngine
 from omlx_core.testing import make_test_host
 from omlx_core.testing.encoder_models import TINY_MAX_SEQ_LENGTH, cached_bert_model
+from tests.numpy_bert import NumpyBert
 
 #: sentence-transformers' documentation: util.cos_sim of these two with all-MiniLM-L6-v2
 DOCUMENTED_PAIR = ("A man is eating food.", "A man is eating a piece of bread.")
@@ -55,70 +54,6 @@ TEXTS = [
     " ".join(["A journey of a thousand miles begins with a single step."] * 3),
     "x",
 ]
-
-
-# -- the reference -------------------------------------------------------------------------
-
-
-def _erf(values: np.ndarray) -> np.ndarray:
-    return np.vectorize(math.erf, otypes=[np.float64])(values)
-
-
-def _layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + eps) * weight + bias
-
-
-class NumpyBert:
-    """BERT (Devlin et al.) in float64 NumPy, one sequence at a time."""
-
-    def __init__(self, path: Path):
-        from safetensors.numpy import load_file
-        from tokenizers import Tokenizer
-
-        self.config = json.loads((path / "config.json").read_text())
-        raw = load_file(str(path / "model.safetensors"))
-        self.w = {name.removeprefix("bert."): value.astype(np.float64)
-                  for name, value in raw.items()}
-        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        self.tokenizer.no_truncation()
-        self.tokenizer.no_padding()
-
-    def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        return x @ self.w[name + ".weight"].T + self.w[name + ".bias"]
-
-    def token_states(self, ids: list[int]) -> np.ndarray:
-        c, w = self.config, self.w
-        eps = c["layer_norm_eps"]
-        x = (w["embeddings.word_embeddings.weight"][ids]
-             + w["embeddings.position_embeddings.weight"][: len(ids)]
-             + w["embeddings.token_type_embeddings.weight"][0])
-        x = _layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
-        heads = c["num_attention_heads"]
-        size = c["hidden_size"] // heads
-        for layer in range(c["num_hidden_layers"]):
-            p = f"encoder.layer.{layer}"
-            q, k, v = (self._linear(x, f"{p}.attention.self.{part}").reshape(len(ids), heads, size)
-                       for part in ("query", "key", "value"))
-            scores = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(size)
-            scores = np.exp(scores - scores.max(-1, keepdims=True))
-            probs = scores / scores.sum(-1, keepdims=True)
-            context = np.einsum("hqk,khd->qhd", probs, v).reshape(len(ids), -1)
-            x = _layer_norm(x + self._linear(context, f"{p}.attention.output.dense"),
-                            w[f"{p}.attention.output.LayerNorm.weight"],
-                            w[f"{p}.attention.output.LayerNorm.bias"], eps)
-            inner = self._linear(x, f"{p}.intermediate.dense")
-            inner = 0.5 * inner * (1 + _erf(inner / math.sqrt(2)))
-            x = _layer_norm(x + self._linear(inner, f"{p}.output.dense"),
-                            w[f"{p}.output.LayerNorm.weight"], w[f"{p}.output.LayerNorm.bias"], eps)
-        return x
-
-    def embed(self, text: str, max_length: int) -> np.ndarray:
-        ids = self.tokenizer.encode(text).ids
-        assert len(ids) <= max_length, f"test text over {max_length} tokens: {text[:40]}"
-        vector = self.token_states(ids).mean(0)
-        return vector / np.linalg.norm(vector)
 
 
 # -- the engine ------------------------------------------------------------------------------

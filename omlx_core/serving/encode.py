@@ -157,8 +157,7 @@ def run_encode(pipeline: ServingPipeline, job: EncodeJob,
         request_id = job.id_prefix + uuid.uuid4().hex
         output = _run(pipeline, engine, model_id, request_id, kind, inputs, limits, client_gone)
         tokens = sum(len(item) for item in inputs)
-        pipeline.events.admitted(model_id, tokens, time.monotonic() - arrived)
-        pipeline.events.finished(model_id, 0, 0)
+        pipeline.events.encoded(model_id, len(inputs), tokens, time.monotonic() - arrived)
     finally:
         lease.release()
     result = EncodeResult(request_id, model_id, tokens)

@@ -151,6 +151,9 @@ class ServingEvents:
     def rejected(self, model_id: str, error: RequestRejected) -> None:
         """A memory guard refused a request, at any stage, before or after its first byte."""
 
+    def encoded(self, model_id: str, inputs: int, tokens: int, seconds: float) -> None:
+        """An embedding or rerank request was answered ``seconds`` after it arrived."""
+
     def finished(self, model_id: str, completion_tokens: int, cached_tokens: int) -> None:
         """A started request ended (completed, failed or aborted)."""
 

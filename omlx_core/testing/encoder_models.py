@@ -33,9 +33,15 @@ def build_wordpiece_tokenizer(out_dir: Path, vocab_size: int) -> int:
     its vocabulary size."""
     from tokenizers.implementations import BertWordPieceTokenizer
 
+    from tokenizers.processors import TemplateProcessing
+
     tokenizer = BertWordPieceTokenizer(lowercase=True)
     tokenizer.train_from_iterator(TRAINING_CORPUS.splitlines(), vocab_size=vocab_size,
                                   min_frequency=1, show_progress=False)
+    # BERT's template, as a downloaded tokenizer.json carries it (training leaves it out).
+    tokenizer.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[(token, tokenizer.token_to_id(token)) for token in ("[CLS]", "[SEP]")])
     tokenizer.save(str(out_dir / "tokenizer.json"))
     return tokenizer.get_vocab_size()
 
@@ -76,9 +82,11 @@ def _weights(config: dict[str, Any], seed: int, prefix: str, classifier: bool) -
 
 
 def build_bert_model(out_dir: Path, *, seed: int = 0, cross_encoder: bool = False,
-                     overrides: dict[str, Any] | None = None) -> Path:
-    """A tiny BERT in ``out_dir`` (created): a sentence-transformers embedding model, or a
-    cross-encoder with ``cross_encoder``. The same arguments give identical files."""
+                     overrides: dict[str, Any] | None = None,
+                     max_seq_length: int = TINY_MAX_SEQ_LENGTH) -> Path:
+    """A tiny BERT in ``out_dir`` (created): a sentence-transformers embedding model taking
+    inputs of up to ``max_seq_length`` tokens, or a cross-encoder with ``cross_encoder``.
+    The same arguments give identical files."""
     from safetensors.numpy import save_file
 
     out_dir = Path(out_dir)
@@ -104,7 +112,7 @@ def build_bert_model(out_dir: Path, *, seed: int = 0, cross_encoder: bool = Fals
             "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
             "pooling_mode_mean_sqrt_len_tokens": False}, indent=2))
         (out_dir / "sentence_bert_config.json").write_text(json.dumps(
-            {"max_seq_length": TINY_MAX_SEQ_LENGTH, "do_lower_case": False}))
+            {"max_seq_length": max_seq_length, "do_lower_case": False}))
     return out_dir
 
 

@@ -9,9 +9,10 @@ to one width, run once, caching nothing.
   attention scores (``heads x width x width`` a row) and the softmax's copy of part of
   them. :data:`HIDDEN_PER_TOKEN`, :data:`INTERMEDIATE_PER_TOKEN` and :data:`SCORE_COPIES`
   bound those measurements from above by 5-20 %.
-- **Decoders** (an mlx-lm model run for its hidden states): each row costs what the
-  prefill estimate gives for one chunk of its width over no cache, with its keys and
-  values counted as transient (nothing keeps them), plus its final hidden states.
+- **Decoders** (an mlx-lm model run for its hidden states): one layer's allocations for
+  all the rows at once, as for a prefill chunk over no cache (its keys and values are
+  transient: nothing keeps them), every layer run (the final states are evaluated),
+  plus the embeddings and final states.
 
 Nothing stays held after the forward but the pooled rows, which are counted in the
 transient too.
@@ -19,11 +20,26 @@ transient too.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from omlx_core.memory.types import PeakEstimate, PeakQuery
-from omlx_core.plugins.estimator.dims import EstimatorDisabledError, ModelDims, positive_int
-from omlx_core.plugins.estimator.prefill import FIXED_OVERHEAD_BYTES, estimate_prefill_peak
+from omlx_core.plugins.estimator.dims import (
+    LINEAR,
+    EstimatorDisabledError,
+    ModelDims,
+    positive_int,
+)
+from omlx_core.plugins.estimator.prefill import (
+    FIXED_OVERHEAD_BYTES,
+    LAYER_MARGIN,
+    attention_activation_bytes,
+    attention_scores_bytes,
+    latent_attention_bytes,
+    linear_scan_bytes,
+    mlp_bytes,
+    moe_bytes,
+)
 
 #: model_types the encoder plugin's BERT-family model builds
 ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert"})
@@ -50,11 +66,25 @@ def encoder_forward_bytes(config: Mapping[str, Any], rows: int, width: int,
 
 def decoder_forward_bytes(dims: ModelDims, rows: int, width: int, dtype_bytes: int,
                           backend: str) -> int:
-    """The peak a decoder's cache-less forward of ``rows`` x ``width`` tokens adds."""
-    one = estimate_prefill_peak(dims, width, 0, width, dtype_bytes=dtype_bytes,
-                                full_logits=False, first_token=False, backend=backend)
-    final_states = 2 * width * dims.hidden_size * dtype_bytes
-    return rows * (one.as_estimate().total + final_states)
+    """The peak a decoder's cache-less forward of ``rows`` x ``width`` tokens adds: one
+    layer's allocations alive at once (:data:`~.prefill.LAYER_MARGIN`), as for a prefill
+    chunk over no cache, its keys and values among them (nothing keeps them), plus the
+    embeddings and the final states every layer ends in."""
+    tokens = rows * width
+    wide = max(dtype_bytes, 4)
+    if dims.latent is not None:
+        scores = rows * latent_attention_bytes(dims, width, width, dtype_bytes)
+    elif backend == "metal" and dims.head_dim in (64, 80, 128):
+        scores = 0
+    else:
+        scores = rows * attention_scores_bytes(dims.num_heads, width, width, dtype_bytes)
+    dense = mlp_bytes(dims, tokens, wide) if dims.intermediate_size else 0
+    layer = scores + attention_activation_bytes(dims, tokens, wide) + max(
+        dense, moe_bytes(dims, tokens, wide))
+    if LINEAR in dims.layer_kinds:
+        layer = max(layer, linear_scan_bytes(dims, tokens, dtype_bytes, backend))
+    states = 2 * tokens * dims.hidden_size * wide
+    return math.ceil(LAYER_MARGIN * layer) + states + FIXED_OVERHEAD_BYTES
 
 
 def estimate_encode(query: PeakQuery) -> PeakEstimate:
