@@ -302,7 +302,9 @@ def test_the_default_model_served_with_task_embed_gives_the_same_vectors_batched
         batched = engine_vectors(engine, texts, "batched")
         alone = np.concatenate([engine_vectors(engine, [t], f"a{i}") for i, t in enumerate(texts)])
         assert batched.shape == (12, 576)
-        assert np.allclose(batched, alone, atol=1e-5), np.abs(batched - alone).max()
+        # Equal to float32 rounding (a padded batch's matmuls block differently: ~1e-6).
+        assert np.allclose(batched, alone, rtol=0, atol=1e-5), np.abs(batched - alone).max()
+        assert np.min(np.sum(batched * alone, axis=1)) >= 0.99999
         assert engine.stats()["forwards"] >= 13
     finally:
         engine.shutdown()
