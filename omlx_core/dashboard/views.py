@@ -132,7 +132,8 @@ def _poolless_row(model_id: str, engine: Engine) -> dict[str, Any]:
         weights: int | None = weights_bytes(Path(engine.model.path))
     except Exception:  # a model without safetensors (another engine's format)
         weights = None
-    return {"model": model_id, "state": "resident", "engine": engine.model.engine,
+    task = "generate" if "generate" in engine.tasks else min(engine.tasks)
+    return {"model": model_id, "state": "resident", "task": task, "engine": engine.model.engine,
             "pinned": None, "planned_bytes": None, "weights_bytes": weights,
             "measured_bytes": None, "resident_bytes": weights, "context_length": None,
             "last_used_s_ago": None, "keep_alive_s": None, "expires_in_s": None,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -38,15 +38,10 @@ from omlx_core.encoding import (
     largest_forward,
 )
 from omlx_core.memory.types import RequestRejected
-from omlx_core.serving.pipeline import (
-    EngineFailed,
-    InvalidRequest,
-    RequestAborted,
-    UnknownModel,
-)
+from omlx_core.serving.errors import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 
-if TYPE_CHECKING:
-    from omlx_core.serving.pipeline import ServingPipeline
+# The pipeline is passed in, never imported: it imports this module (its encode()).
+ServingPipeline = Any
 
 #: the tasks a model may be served for that answer each kind of job
 ANSWERS = {"embed": ("embed",), "rerank": ("rerank", "embed")}

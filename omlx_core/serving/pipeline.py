@@ -58,6 +58,7 @@ from omlx_core.engine import (
 from omlx_core.grammar import GrammarError
 from omlx_core.memory.types import RequestRejected
 from omlx_core.pool import Lease
+from omlx_core.serving.errors import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 from omlx_core.serving.inflight import InFlight
 from omlx_core.serving.output import LogprobEntry, OutputProcessor, ProcessedText
 from omlx_core.grammar.toolcalls import ContentDelta
@@ -111,33 +112,6 @@ class Job:
 
 
 # -- what can go wrong before the first byte ------------------------------------------------
-
-
-class InvalidRequest(Exception):
-    """The request cannot be served as sent (HTTP 400); ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-class UnknownModel(InvalidRequest):
-    """No engine serves the requested model (HTTP 404)."""
-
-    def __init__(self, model_id: str, served: list[str]):
-        super().__init__(f"model {model_id!r} is not served here; served models: "
-                         f"{', '.join(sorted(served)) or 'none'} (GET /v1/models lists them)",
-                         "model", "model_not_found")
-
-
-class EngineFailed(Exception):
-    """The engine failed (HTTP 500 before the first byte, an in-band error after it)."""
-
-
-class RequestAborted(Exception):
-    """The request was aborted (client gone, server shutting down) before it finished."""
 
 
 class ServingEvents:
