@@ -5,7 +5,8 @@ beside eight chat streams under one memory ceiling.
 Every server is ``omlx-core serve`` as the README starts it (the default chat model and
 the shipped embedding model); what a run adds is printed in the report.
 
-1. **Throughput**: 1,000 short texts (8-16 tokens) and 100 texts of ~256 tokens, sent by
+1. **Throughput**: 1,000 short texts (sentences of 4-10 words, 6-14 tokens with [CLS] and
+   [SEP], like the documented "A man is eating food.") and 100 texts of ~256 tokens, sent by
    1 and by 8 concurrent clients (32 and 8 texts per request), against two servers up
    at once: the default one, and a peer given ``--set plugin.encoder.max_batch_rows=1``
    (one text per forward). The two alternate, ``--rounds`` times (>= 3); medians and
@@ -81,7 +82,7 @@ class Workload:
 
 
 def workloads(short: int, long: int) -> list[Workload]:
-    short_texts = texts(short, (6, 13), seed=1)
+    short_texts = texts(short, (4, 10), seed=1)
     # ~256 tokens with [CLS]/[SEP]: all-MiniLM-L6-v2 takes 256, these run 230-250 words
     long_texts = texts(long, (190, 205), seed=2)
     return [Workload(f"{short} short", short_texts, 32, 1),
@@ -235,7 +236,7 @@ def mixed(settings: ServerSettings, ceiling: str, rounds: int, log: Callable[[st
     overrides = ("--memory-ceiling", ceiling)
     spec = omlx_spec(None, port, settings, chat_model)
     spec = type(spec)(spec.name, spec.label, spec.argv + list(overrides), chat_model)
-    batch = texts(32, (6, 13), seed=3)
+    batch = texts(32, (4, 10), seed=3)
     alone_rounds: list[MixedRound] = []
     with_rounds: list[MixedRound] = []
     with ServerProcess(spec, port) as server:

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: seconds per padded token assumed before the first forward was timed (a slow CPU's
+#: small encoder): the first forward beside chat stays short
+UNMEASURED_S_PER_TOKEN = 1e-3
 #: how long a lone row the gate refused waits before it is asked about again, while
 #: other requests are in the engine (their forwards may free the room)
 RETRY_S = 0.05
@@ -232,8 +235,9 @@ class EncoderEngine(EncodingEngine):
         self._end_aborted()
         busy = self.host.thread.others_busy(self)
         max_tokens = self.max_batch_tokens
-        if busy and self._s_per_token:
-            max_tokens = min(max_tokens, max(1, int(self.busy_forward_s / self._s_per_token)))
+        if busy:
+            rate = self._s_per_token or UNMEASURED_S_PER_TOKEN
+            max_tokens = min(max_tokens, max(1, int(self.busy_forward_s / rate)))
         with self._lock:
             plan = plan_forward(self._waiting, max_tokens=max_tokens, max_rows=self._row_cap)
             rows = [(self._jobs[item.key[0]], item.key[1]) for item in plan]
