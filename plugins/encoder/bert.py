@@ -6,7 +6,8 @@ Module names follow the Hugging Face checkpoints, so their safetensors load as t
 (:func:`checkpoint_weights` only drops the ``bert.``/``roberta.`` prefix and renames
 ``attention.self`` to ``attention.self_attn``). A padded batch runs with an additive
 attention mask over the padding keys; rows are right-padded, so a row's real positions
-keep the position ids they have alone.
+keep the position ids they have alone. On the CPU backend the GELU and the attention's
+softmax run on the vector units (:mod:`.cpu_routes`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from omlx_core.models.errors import ModelError
+from omlx_core.plugins.encoder.cpu_routes import cpu_attention, cpu_gelu
 
 #: model_types this module builds
 BERT_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert"})
@@ -117,9 +119,8 @@ class BertSelfAttention(nn.Module):
         def heads(y: mx.array) -> mx.array:
             return y.reshape(batch, length, self.heads, -1).transpose(0, 2, 1, 3)
 
-        out = mx.fast.scaled_dot_product_attention(
-            heads(self.query(x)), heads(self.key(x)), heads(self.value(x)),
-            scale=self.scale, mask=mask)
+        out = cpu_attention(heads(self.query(x)), heads(self.key(x)), heads(self.value(x)),
+                            self.scale, mask)
         return out.transpose(0, 2, 1, 3).reshape(batch, length, hidden)
 
 
@@ -150,6 +151,8 @@ class BertIntermediate(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.act is nn.gelu:
+            return cpu_gelu(self.dense(x), nn.gelu)
         return self.act(self.dense(x))
 
 

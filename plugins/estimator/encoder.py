@@ -2,13 +2,16 @@
 to one width, run once, caching nothing.
 
 - **BERT-family encoders** (the ``encoder`` plugin's mlx.nn model): measured with
-  ``mx.get_peak_memory()`` on the CPU backend over widths 16-3072 hidden, 1-24 heads,
-  2-12 layers, 4-256 rows of 8-256 tokens (``python -m benchmarks.embeddings --peaks``
-  prints the comparison): mlx's eval runs ahead about a layer, so a forward holds per
-  token about 19 hidden-wide and one intermediate-wide activations at once, plus the
-  attention scores (``heads x width x width`` a row) and the softmax's copy of part of
-  them. :data:`HIDDEN_PER_TOKEN`, :data:`INTERMEDIATE_PER_TOKEN` and :data:`SCORE_COPIES`
-  bound those measurements from above by 5-20 %.
+  ``mx.get_peak_memory()`` on the CPU backend over hidden widths 32-768, intermediate
+  64-3072, 4-32 heads, 2-12 layers, 1-256 rows of 16-1,024 tokens
+  (``tests/test_encoder_estimate.py``; ``python -m benchmarks.embeddings --peaks`` on the
+  shipped model): mlx's eval runs ahead about a layer, so a forward holds per token a
+  number of hidden-wide activations and about one intermediate-wide one at once, plus
+  the attention scores (``heads x width x width`` a row) and part of a copy. On the
+  CPU backend in float32 the GELU runs in place in NumPy and the softmax through the
+  CPU attention route (the encoder's CPU routes), which leaves fewer hidden-wide arrays
+  alive (:data:`HIDDEN_PER_TOKEN_ROUTED`, 10-46 % over the measured peaks) than mlx's
+  own ops (:data:`HIDDEN_PER_TOKEN`, 5-20 % over them before those routes).
 - **Decoders** (an mlx-lm model run for its hidden states): one layer's allocations for
   all the rows at once, as for a prefill chunk over no cache (its keys and values are
   transient: nothing keeps them), every layer run (the final states are evaluated),
@@ -44,6 +47,7 @@ from omlx_core.plugins.estimator.prefill import (
 #: model_types the encoder plugin's BERT-family model builds
 ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert"})
 HIDDEN_PER_TOKEN = 20
+HIDDEN_PER_TOKEN_ROUTED = 17
 INTERMEDIATE_PER_TOKEN = 1.25
 SCORE_COPIES = 1.25
 
@@ -53,13 +57,15 @@ def is_encoder_config(config: Mapping[str, Any]) -> bool:
 
 
 def encoder_forward_bytes(config: Mapping[str, Any], rows: int, width: int,
-                          dtype_bytes: int) -> int:
+                          dtype_bytes: int, backend: str = "cpu") -> int:
     """The peak a BERT-family encoder's forward of ``rows`` x ``width`` tokens adds."""
     hidden = positive_int(config.get("hidden_size"), "hidden_size")
     intermediate = positive_int(config.get("intermediate_size"), "intermediate_size")
     heads = positive_int(config.get("num_attention_heads"), "num_attention_heads")
     tokens = rows * width
-    activations = tokens * (HIDDEN_PER_TOKEN * hidden + INTERMEDIATE_PER_TOKEN * intermediate)
+    routed = backend == "cpu" and dtype_bytes == 4
+    per_hidden = HIDDEN_PER_TOKEN_ROUTED if routed else HIDDEN_PER_TOKEN
+    activations = tokens * (per_hidden * hidden + INTERMEDIATE_PER_TOKEN * intermediate)
     scores = SCORE_COPIES * heads * rows * width * width
     return int((activations + scores) * dtype_bytes) + FIXED_OVERHEAD_BYTES
 
@@ -94,7 +100,8 @@ def estimate_encode(query: PeakQuery) -> PeakEstimate:
     """
     rows, width = max(1, query.rows), max(1, query.new_tokens)
     if is_encoder_config(query.model_config):
-        peak = encoder_forward_bytes(query.model_config, rows, width, query.dtype_bytes)
+        peak = encoder_forward_bytes(query.model_config, rows, width, query.dtype_bytes,
+                                     query.backend)
     else:
         peak = decoder_forward_bytes(ModelDims.from_config(query.model_config), rows, width,
                                      query.dtype_bytes, query.backend)
