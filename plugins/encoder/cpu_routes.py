@@ -24,8 +24,8 @@ import numpy as np
 from omlx_core.models.attention import cpu_attention as omlx_cpu_attention
 
 #: Fewest elements a GELU call must have for the NumPy route (evaluating mid-forward
-#: costs a short forward its overlap; below this mlx's own GELU is as fast)
-MIN_ELEMENTS = 1 << 16
+#: costs a one-text forward a sync a layer, less than mlx's scalar erf from here on)
+MIN_ELEMENTS = 1 << 12
 #: Most elements of each NumPy temporary (a block of the activation's rows)
 BLOCK_ELEMENTS = 1 << 16
 
