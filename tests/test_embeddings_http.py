@@ -176,9 +176,13 @@ def test_truncate_cuts_an_input_the_model_cannot_take_whole(server: HTTPServer) 
     status, body = post(server, "/v1/embeddings", {"model": EMBEDDER, "input": long,
                                                    "truncate": True})
     assert status == 200 and body["usage"]["prompt_tokens"] == 128, body
-    status, cut = post(server, "/v1/embeddings", {"model": EMBEDDER, "input": long,
-                                                  "truncate_prompt_tokens": 16})
-    assert status == 200 and cut["usage"]["prompt_tokens"] == 16, cut
+    for given in (16, 16.0):  # an integral float is a JSON Schema integer
+        status, cut = post(server, "/v1/embeddings", {"model": EMBEDDER, "input": long,
+                                                      "truncate_prompt_tokens": given})
+        assert status == 200 and cut["usage"]["prompt_tokens"] == 16, cut
+    status, cut = post(server, "/rerank", {"model": RERANKER, "query": "q", "documents": [long],
+                                           "truncate_prompt_tokens": 20.0, "top_n": 1.0})
+    assert status == 200 and cut["usage"]["prompt_tokens"] == 20, cut
 
 
 # -- bad input: a 400 naming the field, before any engine sees it --------------------------------

@@ -30,8 +30,10 @@ def _keep_alive(body: Mapping[str, Any]) -> Any:
 
 
 def _truncation(body: Mapping[str, Any]) -> dict[str, Any]:
+    cut = body.get("truncate_prompt_tokens")  # JSON's 16.0 is a schema integer too
     return {"truncate": bool(body.get("truncate")),
-            "truncate_to": body.get("truncate_prompt_tokens"), "keep_alive": _keep_alive(body)}
+            "truncate_to": int(cut) if cut is not None else None,
+            "keep_alive": _keep_alive(body)}
 
 
 def embeddings_job(body: Mapping[str, Any]) -> EncodeJob:
