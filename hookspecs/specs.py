@@ -125,7 +125,9 @@ def estimate_peak(query: PeakQuery) -> PeakEstimate | None:
 
     The query carries the model (dims from its config), ``new_tokens`` to prefill over
     ``cached_tokens`` already resident, in chunks of ``chunk_size``, and for a vision
-    model the ``images`` it encodes first. The answer is structured so that every stage
+    model the ``images`` it encodes first. An ``encode`` query is one forward of an
+    embedding or reranking batch: ``rows`` inputs padded to ``new_tokens`` each, nothing
+    cached, nothing held after it (its ``kv_bytes`` and ``kv_bytes_per_token`` are 0). The answer is structured so that every stage
     decides from one estimate: preflight and admission compare its ``total`` with the
     limit, admission grows a reservation by ``kv_bytes_per_token`` per completion token,
     and the forward gate keeps its ``held_bytes`` in use after a forward. The estimate

@@ -115,6 +115,7 @@ def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
     model_ids = list(model_ids or config["server.models"])
     discover_models(config)
     check_kv_formats(config)
+    offer_embedding_models(config, model_ids, progress=progress)
     required = set(config["plugins.required"])
     for model_id in model_ids:
         required.add(_engine_factory(plugins, config.models[model_id].engine, model_id)[1])
@@ -158,6 +159,8 @@ def check_kv_formats(config: Config) -> None:
     from omlx_core.scheduling.kv_cache import KVFormat, check_config_kv_format
 
     for model_id, entry in config.models.items():
+        if entry.get("task") in ("embed", "rerank"):
+            continue  # an encoder keeps no KV cache
         bits = entry.get("kv_bits")
         bits = config["engine.kv_bits"] if bits is None else bits
         group = entry.get("kv_group_size") or config["engine.kv_group_size"]
@@ -169,6 +172,30 @@ def check_kv_formats(config: Config) -> None:
             check_config_kv_format(read_model_config(Path(path).expanduser()), kv_format, model_id)
         except ValueError as exc:
             raise ModelError(str(exc)) from None
+
+
+def offer_embedding_models(config: Config, served: Iterable[str], *, progress: bool = True) -> None:
+    """The shipped embedding model's part in a start: with ``server.embeddings`` on, its
+    zip is unpacked into the model cache now (a progress bar the first time), so that
+    its first request only loads it; off, its entry is dropped (unless ``served``
+    names it). A missing package is logged, and its load fails saying how to install it."""
+    from omlx_core.models.default_embedding import (
+        DEFAULT_EMBEDDING_MODEL_ID,
+        ensure_default_embedding_model,
+    )
+
+    shipped = [model_id for model_id, entry in config.models.items()
+               if entry.get("embedded") == DEFAULT_EMBEDDING_MODEL_ID]
+    if not config["server.embeddings"]:
+        for model_id in shipped:
+            if model_id not in served:
+                del config.models[model_id]
+        return
+    if shipped:
+        try:
+            ensure_default_embedding_model(progress=progress)
+        except Exception as exc:  # the model's load reports it to its requests
+            log.warning("the shipped embedding model is not available: %s", exc)
 
 
 def build_pool(context: ServerContext, *, progress: bool = True) -> ModelPool:

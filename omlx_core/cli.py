@@ -43,6 +43,8 @@ def _overrides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     distributed = getattr(args, "distributed", None)
     if distributed is not None:
         items.append(("plugin.distributed.mode", distributed, "cli --distributed"))
+    if getattr(args, "no_embeddings", False):
+        items.append(("server.embeddings", "false", "cli --no-embeddings"))
     ceiling = getattr(args, "memory_ceiling", None)
     if ceiling is not None:
         items.append(("memory.tier", "custom", "cli --memory-ceiling"))
@@ -74,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-group-size", type=int, metavar="N",
                        help="elements per quantization group of a quantized KV cache (32, 64 "
                             "or 128; default 64)")
+    serve.add_argument("--no-embeddings", action="store_true",
+                       help="leave out the shipped embedding model (all-MiniLM-L6-v2), which "
+                            "is otherwise served next to the chat models (server.embeddings)")
     serve.add_argument("--engine", metavar="NAME",
                        help="serve every model with this engine (e.g. dflash), whatever its "
                             "configuration names; `omlx-core plugins` lists the engines")

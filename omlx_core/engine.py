@@ -311,7 +311,8 @@ class RequestProgress:
 
     request_id: str
     #: ``"waiting"`` (queued in the engine, or preempted and waiting to resume),
-    #: ``"prefilling"`` or ``"decoding"``
+    #: ``"prefilling"`` or ``"decoding"``; an encoding engine's ``"encoding"`` (its
+    #: ``prefilled_tokens`` of ``prefill_tokens`` encoded so far)
     phase: str
     prompt_tokens: int
     #: of ``prefill_tokens``, those prefilled so far
@@ -368,6 +369,10 @@ class Engine(abc.ABC):
     #: what the engine may use of the server (``None`` only for an engine that did not
     #: call ``Engine.__init__``)
     host: EngineHost | None = None
+    #: what the engine serves (:data:`omlx_core.encoding.TASKS`): ``"generate"`` (chat and
+    #: completions, through :meth:`submit`), ``"embed"`` and ``"rerank"`` (vectors and
+    #: relevance scores, through an :class:`~omlx_core.encoding.EncodingEngine`'s ``encode``)
+    tasks: frozenset[str] = frozenset({"generate"})
     #: the :data:`OPTIONAL_SAMPLING` fields this engine honours
     supported_sampling: frozenset[str] = frozenset()
     #: whether chat messages may carry images (:class:`ImagePart` content parts); the

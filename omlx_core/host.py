@@ -77,6 +77,13 @@ class EngineHost:
     #: its memory is released and before its final output
     on_request_finished: Callable[[str, str], None] = _ignore
 
+    def model_entry(self, key: str) -> Any:
+        """The model's own ``[models.<id>] key`` (``None`` where unset): what an engine
+        reads of a model's table beyond its plugin's settings (an encoder's ``task``)."""
+        entry = self.config.models.get(self.model_id)
+        own = entry.get(key) if entry is not None else None
+        return None if own == "" else own
+
     def model_setting(self, key: str, default_key: str) -> Any:
         """The model's own ``[models.<id>] key`` when set, else ``config[default_key]``."""
         entry = self.config.models.get(self.model_id)

@@ -84,6 +84,12 @@ class MLXThread:
             if worker in self._workers:
                 self._workers.remove(worker)
 
+    def others_busy(self, worker: Worker) -> bool:
+        """Whether a worker other than ``worker`` has work now: for a worker that yields
+        to the others (an embedding engine paces itself beside chat). Call it on the MLX
+        thread, from ``step``."""
+        return any(other is not worker and other.has_work() for other in list(self._workers))
+
     def wake(self) -> None:
         """Tell the thread that a worker may have new work."""
         with self._cond:

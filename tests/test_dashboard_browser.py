@@ -1,6 +1,7 @@
 """The dashboard in a real browser (Debian's headless Chromium, driven by Selenium): the
 page loads with no console error; under concurrent chats on the real default model its
-plots fill and its request table shows each chat, whose cancel button aborts it; a 413
+plots fill and its request table shows each chat, whose cancel button aborts it, and an
+embedding request to the shipped embedding model, which its cancel button aborts too; a 413
 under a small ceiling appears in the refusals with its advice, found by request id; the
 memory plot's limit line is /health's hard limit; with API keys the page asks for one
 and the JSON behind it refuses requests without one. The models panel lists every model
@@ -35,6 +36,7 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 pytestmark = pytest.mark.slow
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+EMBEDDING_MODEL = "all-minilm-l6-v2"
 TINY = "tiny"
 MIB = 1 << 20
 #: how long a condition may take to come true on a loaded 2-core machine
@@ -163,6 +165,41 @@ def test_the_cancel_button_aborts_a_running_chat(server: HTTPServer, context: Se
     assert not thread.is_alive()
     assert "error" in outcome or outcome["chunks"] < 400
     assert context.engines[DEFAULT_MODEL].stats()["finished"]["abort"] == aborted_before + 1
+    assert console_errors(browser) == []
+
+
+def test_an_embedding_request_shows_in_the_request_table_and_its_cancel_button_aborts_it(
+        server: HTTPServer, browser: Any) -> None:
+    open_dashboard(browser, server)
+    passage = " ".join(["the server keeps a careful account of every byte it hands out"] * 18)
+    outcome: dict[str, Any] = {}
+
+    def embed() -> None:
+        connection = http.client.HTTPConnection(server.host, server.port, timeout=PATIENCE_S * 3)
+        try:
+            connection.request("POST", "/v1/embeddings", body=json.dumps(
+                {"model": EMBEDDING_MODEL, "input": [passage] * 1024, "truncate": True}),
+                headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            outcome["status"], outcome["body"] = response.status, json.loads(response.read())
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=embed)
+    thread.start()
+
+    def encoding_row(driver: Any) -> list[Any]:
+        return [row for row in driver.find_elements(By.CSS_SELECTOR, "#requests tbody tr")
+                if EMBEDDING_MODEL in row.text and "encoding" in row.text]
+
+    row = until(browser, encoding_row, "the request table never showed the embedding request")[0]
+    assert "tokens (embeddings or rerank)" in row.text
+    row.find_element(By.CSS_SELECTOR, "button").click()
+    thread.join(PATIENCE_S)
+    assert not thread.is_alive()
+    assert outcome["status"] == 503 and outcome["body"]["error"]["code"] == "aborted", outcome
+    models = browser.find_element(By.CSS_SELECTOR, "#models tbody").text
+    assert EMBEDDING_MODEL in models and "encoder (embed)" in models
     assert console_errors(browser) == []
 
 

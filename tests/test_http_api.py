@@ -936,8 +936,9 @@ def test_fuzz_from_openapi_never_answers_5xx(short_context: ServerContext) -> No
             call()
     assert sum(statuses.values()) >= 100
     posts = {label for label, status in statuses if label.startswith("POST")}
-    # chat, completions, messages, count_tokens, responses, the model pool's admin actions
-    assert len(posts) == 6
+    # chat, completions, messages, count_tokens, responses, the model pool's admin actions,
+    # embeddings, rerank (twice: /v1/rerank and /rerank)
+    assert len(posts) == 9
     # Both valid generations and refusals were exercised.
     assert any(s == 200 for (label, s) in statuses if label.startswith("POST"))
     assert any(s == 400 for (label, s) in statuses)

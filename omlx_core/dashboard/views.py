@@ -64,6 +64,10 @@ def _engine_row(model_id: str, progress: RequestProgress) -> dict[str, Any]:
                    queue_position=progress.queue_position)
         row["detail"] = ("preempted for memory, resumes when it fits" if progress.preempted
                          else f"waiting for a batch slot, #{progress.queue_position} in line")
+    elif progress.phase == "encoding":
+        done, total = progress.prefilled_tokens, progress.prefill_tokens
+        row.update(encoded_tokens=done, encode_tokens=total)
+        row["detail"] = f"encoding {done}/{total} tokens (embeddings or rerank)"
     elif progress.phase == "prefilling":
         done, total = progress.prefilled_tokens, progress.prefill_tokens
         rate = done / progress.prefill_s if done and progress.prefill_s > 0 else None
@@ -128,7 +132,8 @@ def _poolless_row(model_id: str, engine: Engine) -> dict[str, Any]:
         weights: int | None = weights_bytes(Path(engine.model.path))
     except Exception:  # a model without safetensors (another engine's format)
         weights = None
-    return {"model": model_id, "state": "resident", "engine": engine.model.engine,
+    task = "generate" if "generate" in engine.tasks else min(engine.tasks)
+    return {"model": model_id, "state": "resident", "task": task, "engine": engine.model.engine,
             "pinned": None, "planned_bytes": None, "weights_bytes": weights,
             "measured_bytes": None, "resident_bytes": weights, "context_length": None,
             "last_used_s_ago": None, "keep_alive_s": None, "expires_in_s": None,

@@ -14,6 +14,7 @@ from omlx_core.dashboard import DashboardRecorder, ServingEventsFanOut
 from omlx_core.http.anthropic_api import Messages
 from omlx_core.http.auth import APIKeyAuth
 from omlx_core.http.dashboard import add_dashboard_routes
+from omlx_core.http.embeddings_api import Embeddings, Rerank
 from omlx_core.http.errors import install_error_handlers
 from omlx_core.http.metrics import CONTENT_TYPE, Metrics, flatten_stats
 from omlx_core.http.openai_api import ChatCompletions, Models, TextCompletions
@@ -161,6 +162,10 @@ def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = N
     app.add_route("/v1/messages", Messages(responder, body_limit))
     app.add_route("/v1/messages/count_tokens", CountTokens(responder, body_limit))
     app.add_route("/v1/responses", Responses(responder, body_limit))
+    app.add_route("/v1/embeddings", Embeddings(pipeline, body_limit))
+    rerank = Rerank(pipeline, body_limit)
+    app.add_route("/v1/rerank", rerank)
+    app.add_route("/rerank", rerank)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="one")
     app.add_route("/admin/models/{model_id}/{action}", AdminModels(context))

@@ -45,6 +45,14 @@ class Metrics(ServingEvents):
             ["model"], registry=registry)
         self.completion_tokens = Counter("omlx_completion_tokens", "tokens generated",
                                          ["model"], registry=registry)
+        self.encoded_inputs = Counter("omlx_encoded_inputs", "inputs embedded or scored "
+                                      "(embeddings, rerank documents)", ["model"],
+                                      registry=registry)
+        self.encoded_tokens = Counter("omlx_encoded_tokens", "tokens of the inputs embedded "
+                                      "or scored", ["model"], registry=registry)
+        self.encode_seconds = Histogram("omlx_encode_seconds", "an embedding or rerank "
+                                        "request's arrival to its answer", ["model"],
+                                        buckets=TTFT_BUCKETS, registry=registry)
         self.ttft = Histogram("omlx_time_to_first_token_seconds",
                               "request arrival to first generated output", ["model"],
                               buckets=TTFT_BUCKETS, registry=registry)
@@ -68,6 +76,11 @@ class Metrics(ServingEvents):
     def admitted(self, model_id: str, prompt_tokens: int, ttft_s: float) -> None:
         self.ttft.labels(model_id).observe(ttft_s)
         self.prompt_tokens.labels(model_id).inc(prompt_tokens)
+
+    def encoded(self, model_id: str, inputs: int, tokens: int, seconds: float) -> None:
+        self.encoded_inputs.labels(model_id).inc(inputs)
+        self.encoded_tokens.labels(model_id).inc(tokens)
+        self.encode_seconds.labels(model_id).observe(seconds)
 
     def rejected(self, model_id: str, error: RequestRejected) -> None:
         rejection = error.rejection

@@ -9,7 +9,8 @@ from omlx_core import __version__
 from omlx_core.http import schemas
 
 _ERROR_STATUSES = {
-    "400": "invalid request: the message names the parameter",
+    "400": "invalid request: the message names the parameter (model_not_supported: the "
+           "model is not served for this task; the message names those that are)",
     "401": "missing or invalid API key",
     "404": "unknown model",
     "413": "request_too_large (body over server.max_body), prefill_memory_exceeded (the "
@@ -55,6 +56,16 @@ def _generation(summary: str, request_ref: str, error_ref: str, stream_text: str
                                 "text/event-stream": {"schema": {"type": "string"}}}},
             **_errors(error_ref, protected),
         },
+    }}
+
+
+def _encode(summary: str, request_ref: str, error_ref: str, protected: bool) -> dict[str, Any]:
+    """A route that answers one JSON document (embeddings, rerank)."""
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json({"$ref": request_ref})},
+        "responses": {"200": {"description": summary, "content": _json({"type": "object"})},
+                      **_errors(error_ref, protected)},
     }}
 
 
@@ -180,6 +191,17 @@ def openapi_document(model_ids: Sequence[str], api_keys: bool) -> dict[str, Any]
                 "OpenAI Responses (text output; nothing is stored)",
                 "#/components/schemas/ResponsesRequest", error,
                 "server-sent response.* events ending with response.completed", api_keys),
+            "/v1/embeddings": _encode(
+                "OpenAI embeddings: a vector per input (float, or base64 little-endian "
+                "float32), from a model served for task embed",
+                "#/components/schemas/EmbeddingsRequest", error, api_keys),
+            "/v1/rerank": _encode(
+                "rerank documents against a query (Cohere/Jina shape): results sorted by "
+                "relevance_score, each with its index; scoring says how (cross_encoder, "
+                "yes_no_logits, or cosine for an embedding model)",
+                "#/components/schemas/RerankRequest", error, api_keys),
+            "/rerank": _encode("the same as POST /v1/rerank",
+                               "#/components/schemas/RerankRequest", error, api_keys),
             "/v1/models": _get("available models with their pool state (resident, loading, "
                                "available, failed), bytes, pinned, last use, engine and "
                                "context length", _json({"type": "object"}), error, api_keys),
@@ -207,6 +229,10 @@ def openapi_document(model_ids: Sequence[str], api_keys: bool) -> dict[str, Any]
                 **schemas.COUNT_TOKENS_REQUEST["properties"], "model": model_schema}},
             "ResponsesRequest": {**schemas.RESPONSES_REQUEST, "properties": {
                 **schemas.RESPONSES_REQUEST["properties"], "model": model_schema}},
+            "EmbeddingsRequest": {**schemas.EMBEDDINGS_REQUEST, "properties": {
+                **schemas.EMBEDDINGS_REQUEST["properties"], "model": model_schema}},
+            "RerankRequest": {**schemas.RERANK_REQUEST, "properties": {
+                **schemas.RERANK_REQUEST["properties"], "model": model_schema}},
             "Error": schemas.ERROR_RESPONSE,
             "AnthropicError": schemas.ANTHROPIC_ERROR_RESPONSE,
         }},

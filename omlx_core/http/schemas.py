@@ -351,6 +351,83 @@ RESPONSES_REQUEST = {
     },
 }
 
+#: inputs one embedding or rerank request may carry (OpenAI's limit for embeddings)
+MAX_ENCODE_INPUTS = 2048
+#: token ids one token-array input may carry
+MAX_INPUT_TOKEN_IDS = 65536
+
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": INT32_MAX}
+_ENCODE_TRUNCATION = {
+    "truncate": _nullable({"type": "boolean", "description": "cut inputs over the model's "
+                           "longest to fit instead of refusing them with 400 (omlx-core "
+                           "extension)"}),
+    "truncate_prompt_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": INT32_MAX,
+                                         "description": "cut every input to at most this many "
+                                                        "tokens (vLLM's parameter)"}),
+    "keep_alive": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 32},
+                             {"type": "number"}],
+                   "description": "how long the model stays resident once idle (Ollama's form)"},
+    "user": {"type": "string"},
+}
+
+EMBEDDINGS_REQUEST = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": MODEL,
+        "input": {"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "maxItems": MAX_ENCODE_INPUTS,
+             "items": {"type": "string", "minLength": 1}},
+            {"type": "array", "minItems": 1, "maxItems": MAX_INPUT_TOKEN_IDS,
+             "items": _TOKEN_ID, "description": "one input's token ids"},
+            {"type": "array", "minItems": 1, "maxItems": MAX_ENCODE_INPUTS,
+             "items": {"type": "array", "minItems": 1, "maxItems": MAX_INPUT_TOKEN_IDS,
+                       "items": _TOKEN_ID}, "description": "several inputs' token ids"},
+        ], "description": "a string, an array of strings, an array of token ids, or an array "
+                          f"of such arrays; at most {MAX_ENCODE_INPUTS} inputs, none empty. "
+                          "Token ids are encoded as given (include the model's special tokens)",
+            "x-error": "input must be a non-empty string, an array of 1 to "
+                       f"{MAX_ENCODE_INPUTS} non-empty strings, an array of token ids "
+                       f"(integers >= 0) or an array of 1 to {MAX_ENCODE_INPUTS} non-empty "
+                       "arrays of token ids"},
+        "encoding_format": _nullable({"enum": ["float", "base64"], "type": "string",
+                                      "x-error": "encoding_format must be float or base64"}),
+        "dimensions": _nullable({"type": "integer", "minimum": 1, "maximum": INT32_MAX,
+                                 "description": "shorten each vector to this many values and "
+                                                "normalise it again (models with Matryoshka "
+                                                "training only)"}),
+        "input_type": _nullable({"enum": ["query", "document"], "type": "string",
+                                 "description": "query (default) puts the model's instruction, "
+                                                "if it has one, before each input; document "
+                                                "does not (omlx-core extension)"}),
+        **_ENCODE_TRUNCATION,
+    },
+}
+
+RERANK_DOCUMENT = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "object", "required": ["text"],
+     "properties": {"text": {"type": "string", "minLength": 1}}},
+], "x-error": "each document must be a non-empty string or an object with a non-empty text"}
+
+RERANK_REQUEST = {
+    "type": "object",
+    "required": ["query", "documents"],
+    "properties": {
+        "model": {**MODEL, "description": "a model served for reranking, or for embeddings "
+                                          "(scored by cosine similarity); default: the first "
+                                          "reranker, else the first embedding model"},
+        "query": {"type": "string", "minLength": 1},
+        "documents": {"type": "array", "minItems": 1, "maxItems": MAX_ENCODE_INPUTS,
+                      "items": RERANK_DOCUMENT},
+        "top_n": _nullable({"type": "integer", "minimum": 1, "maximum": INT32_MAX,
+                            "description": "return only the n most relevant documents"}),
+        "return_documents": _nullable({"type": "boolean"}),
+        **_ENCODE_TRUNCATION,
+    },
+}
+
 ERROR_RESPONSE = {
     "type": "object",
     "required": ["error"],

@@ -381,8 +381,9 @@ class PrefillForwardGate(ForwardGate):
                 cached_tokens=chunk.cached_tokens, chunk_size=max(1, chunk.new_tokens),
                 dtype_bytes=self.dtype_bytes, full_logits=self.full_logits,
                 kv_bits=self.kv_bits, kv_group_size=self.kv_group_size,
-                model_id=step.model_id, first_token=last, cached_kv_resident=True,
-                backend=self.backend, images=chunk.images))
+                model_id=step.model_id, first_token=last and not step.encode,
+                cached_kv_resident=True, backend=self.backend, images=chunk.images,
+                encode=step.encode))
             if estimate is None:
                 return None
             estimates.append(estimate)

@@ -110,6 +110,10 @@ class PrefillStep:
     #: only refusals of a request running alone as final
     running: int = 1
     model_config: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    #: the forwards encode (embeddings, relevance scores): each chunk is one row of a
+    #: padded batch at the forward's width, nothing is cached and nothing stays held
+    #: after the forward but its pooled outputs
+    encode: bool = False
 
 
 Refusals = Mapping[str, "RequestRejected"]

@@ -392,6 +392,48 @@ class MemoryGuard:
         except RequestRejected as error:
             raise self.advised(error) from None
 
+    # -- encode requests (embeddings, relevance scores) ----------------------------------
+
+    def encode_query(self, engine: Engine, rows: int, width: int) -> PeakQuery:
+        """The ``estimate_peak`` question for one encode forward of ``rows`` inputs padded
+        to ``width`` tokens on ``engine``."""
+        hints = memory_hints_of(engine)
+        return PeakQuery(model_config=dict(engine.model.config), new_tokens=width,
+                         chunk_size=width, dtype_bytes=hints.activation_dtype_bytes,
+                         full_logits=False, model_id=engine.model.id, first_token=False,
+                         backend=self.backend, encode=True, rows=rows)
+
+    def preflight_encode(self, engine: Engine, request_id: str, longest: int) -> None:
+        """Raise :class:`RequestRejected` (stage ``"preflight"``) if the request's longest
+        input can never be encoded here, even alone in a forward: the engine can always
+        split a batch down to that, never further."""
+        snapshot = self._preflight_limits()
+        query = self.encode_query(engine, 1, longest)
+        estimate = self.estimate(query)
+        request = PreflightRequest(
+            request_id=request_id, model_id=engine.model.id, prompt_tokens=longest,
+            cached_tokens=0, chunk_size=longest,
+            estimated_bytes=estimate.total if estimate is not None else None, limits=snapshot,
+            model_config=query.model_config,
+            margin_bytes=self.policy.margin(snapshot.hard_bytes if snapshot else None))
+        try:
+            self.plugins.hook.preflight(request=request)
+        except RequestRejected as error:
+            raise self.advised(error) from None
+
+    def admit_encode(self, engine: Engine, request_id: str, rows: int, width: int,
+                     tokens: int) -> AdmissionTicket:
+        """Block until the request's largest forward (``rows`` x ``width``) fits next to
+        the running requests; nothing grows after it. Raises :class:`RequestRejected`
+        (stage ``"admission"``)."""
+        estimate = self.estimate(self.encode_query(engine, rows, width))
+        reserve = estimate.total if estimate is not None else 0
+        try:
+            return self.admission.admit(request_id, reserve, None, model_id=engine.model.id,
+                                        prompt_tokens=tokens)
+        except RequestRejected as error:
+            raise self.advised(error) from None
+
     def forward_gate_for(self, engine: Engine) -> PrefillForwardGate:
         """The forward gate installed in ``engine``'s scheduler (one per engine)."""
         entry = self._gates.get(id(engine))

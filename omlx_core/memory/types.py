@@ -144,6 +144,11 @@ class PeakQuery:
     #: are part of its peak, their features (one row per image token) are held while
     #: prefill feeds them
     images: int = 0
+    #: an encode forward (embeddings, relevance scores): ``rows`` sequences, each padded
+    #: to ``new_tokens``, in one forward that caches nothing; only its transient and the
+    #: pooled outputs count, nothing stays held after it
+    encode: bool = False
+    rows: int = 1
 
 
 #: Tokens by which mlx-lm's KV caches (``KVCache``, ``QuantizedKVCache``,

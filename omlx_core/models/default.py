@@ -73,7 +73,7 @@ def cached_model_dir(model_id: str) -> Path:
 
 
 @contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+def exclusive_lock(lock_path: Path) -> Iterator[None]:
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a") as lock_file:
         try:
@@ -87,7 +87,7 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _remove_abandoned_staging(model_dir: Path) -> None:
+def remove_abandoned_staging(model_dir: Path) -> None:
     """Delete staging/retired dirs a killed conversion left (only safe while holding the lock)."""
     for prefix in (f".{model_dir.name}.tmp-", f".{model_dir.name}.old-"):
         for leftover in model_dir.parent.glob(f"{prefix}*"):
@@ -114,12 +114,12 @@ def ensure_converted(gguf_path: Path, model_id: str, *, dtype: str = DEFAULT_MOD
     if marker and marker.get("source_mtime_ns") == gguf_path.stat().st_mtime_ns:
         if conversion_is_current(model_dir, gguf_path, dtype):
             return model_dir
-    with _exclusive_lock(model_dir.parent / f".{model_id}.lock"):
+    with exclusive_lock(model_dir.parent / f".{model_id}.lock"):
         # Another process may have converted while this one waited for the lock.
         if conversion_is_current(model_dir, gguf_path, dtype):
             _refresh_marker_mtime(model_dir, gguf_path)
             return model_dir
-        _remove_abandoned_staging(model_dir)
+        remove_abandoned_staging(model_dir)
         logger.info("converting %s into %s", gguf_path, model_dir)
         return convert_gguf(gguf_path, model_dir, dtype=dtype, progress=progress)
 

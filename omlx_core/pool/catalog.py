@@ -3,7 +3,9 @@
 
 A directory under ``server.model_dirs`` is a model when it holds ``config.json`` and
 ``*.safetensors`` (mlx-lm and mlx-vlm save that layout; a ``vision_config`` in
-``config.json`` makes it a ``vlm`` model); a ``*.gguf`` file there is a model too,
+``config.json`` makes it a ``vlm`` model; a sentence-transformers ``modules.json`` or a
+BERT-family ``model_type`` an ``encoder`` model for embeddings, or for reranking when it
+is a ``*ForSequenceClassification``); a ``*.gguf`` file there is a model too,
 converted on first use like a configured ``gguf`` entry. A configured id wins over a
 discovered one of the same name.
 
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: model_types of the encoders the ``encoder`` engine serves (a directory of one is an
+#: embedding model, or a reranker when it is a ``*ForSequenceClassification``)
+ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert"})
 #: bytes per element of each safetensors dtype
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
                "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
@@ -64,9 +69,17 @@ def _entry_for(path: Path, source: str) -> ModelEntry | None:
     except (OSError, json.JSONDecodeError) as exc:
         log.warning("%s: config.json cannot be read (%s); the directory is skipped", path, exc)
         return None
-    engine = "vlm" if isinstance(model_config, dict) and "vision_config" in model_config else "batched"
-    return ModelEntry(path.name, {"path": Sourced(str(path), source),
-                                  "engine": Sourced(engine, source)})
+    if not isinstance(model_config, dict):
+        model_config = {}
+    fields = {"path": Sourced(str(path), source)}
+    if (path / "modules.json").is_file() or model_config.get("model_type") in ENCODER_MODEL_TYPES:
+        cross = any(str(a).endswith("ForSequenceClassification")
+                    for a in model_config.get("architectures") or [])
+        fields.update(engine=Sourced("encoder", source),
+                      task=Sourced("rerank" if cross else "embed", source))
+    else:
+        fields["engine"] = Sourced("vlm" if "vision_config" in model_config else "batched", source)
+    return ModelEntry(path.name, fields)
 
 
 def weights_bytes(path: Path) -> int:

@@ -80,6 +80,8 @@ class ModelRecord:
     pinned: bool
     #: seconds an idle model stays resident (``None``: forever)
     keep_alive_s: float | None
+    #: what it is served for: ``generate``, ``embed`` or ``rerank``
+    task: str = "generate"
     state: str = AVAILABLE
     engine: Engine | None = None
     #: leases held now (requests running) and requests waiting for the model to load
@@ -215,7 +217,8 @@ class ModelPool:
                 keep_alive = (parse_keep_alive(own) if own not in (None, "")
                               else self.default_keep_alive_s)
                 record = self._records[model_id] = ModelRecord(
-                    model_id, entry.engine, bool(entry.get("pinned", False)), keep_alive)
+                    model_id, entry.engine, bool(entry.get("pinned", False)), keep_alive,
+                    task=entry.task)
             if pinned is not None:
                 record.pinned = pinned
             return record
@@ -646,7 +649,8 @@ class ModelPool:
                 expires = max(0.0, record.keep_alive_s - (now - record.last_used)) \
                     if record.idle else record.keep_alive_s
             return {
-                "state": state, "engine": record.engine_name, "pinned": record.pinned,
+                "state": state, "task": record.task, "engine": record.engine_name,
+                "pinned": record.pinned,
                 "planned_bytes": record.planned_bytes, "weights_bytes": record.weights_bytes,
                 "measured_bytes": record.measured_bytes,
                 "resident_bytes": record.bytes() if state == RESIDENT else 0,

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 from omlx_core.settings import format_size
 
-COLUMNS = ("NAME", "STATE", "SIZE", "PINNED", "ENGINE", "CONTEXT", "KV CACHE", "IN FLIGHT", "UNTIL")
+COLUMNS = ("NAME", "STATE", "SIZE", "PINNED", "ENGINE", "TASK", "CONTEXT", "KV CACHE",
+           "IN FLIGHT", "UNTIL")
 
 
 class PsError(Exception):
@@ -81,6 +82,7 @@ def ps_rows(models: Sequence[dict[str, Any]], *, everything: bool = False) -> li
         size = model.get("measured_bytes") or model.get("planned_bytes")
         rows.append((str(model["id"]), state, format_size(size) if size else "",
                      "yes" if model.get("pinned") else "no", str(model.get("engine") or ""),
-                     str(model.get("context_length") or ""), _kv_text(model.get("kv_cache")),
-                     str(model.get("in_flight", "")), until_text(model)))
+                     str(model.get("task") or "generate"), str(model.get("context_length") or ""),
+                     _kv_text(model.get("kv_cache")), str(model.get("in_flight", "")),
+                     until_text(model)))
     return rows

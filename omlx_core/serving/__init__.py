@@ -2,7 +2,8 @@
 
 HTTP, the benchmarks and an embedding program all go through
 :class:`~omlx_core.serving.pipeline.ServingPipeline`: a :class:`Job` in, a started
-:class:`Generation` out (or a typed error before any work or byte). See
+:class:`Generation` out (or a typed error before any work or byte); an
+:class:`EncodeJob` in, its vectors or scores out (:mod:`omlx_core.serving.encode`). See
 :mod:`omlx_core.serving.pipeline` for the order of the checks, and
 :mod:`omlx_core.serving.output` for how the engine's token ids become text.
 """
@@ -20,8 +21,9 @@ from omlx_core.serving.pipeline import (
     ServingPipeline,
     UnknownModel,
 )
+from omlx_core.serving.encode import EncodeJob, EncodeResult
 from omlx_core.serving.tools import ToolRequest
 
-__all__ = ["Delta", "EngineFailed", "Generation", "InvalidRequest", "Job", "LogprobEntry",
+__all__ = ["Delta", "EncodeJob", "EncodeResult", "EngineFailed", "Generation", "InvalidRequest", "Job", "LogprobEntry",
            "OutputProcessor", "RequestAborted", "RequestRejected", "ServingEvents",
            "ServingPipeline", "StopMatcher", "ToolRequest", "UnknownModel"]

@@ -1,5 +1,8 @@
 """One request from a job to its last output: the checks, in the order they run.
 
+(Embedding and rerank jobs take :meth:`ServingPipeline.encode`, whose checks, in the
+same order on the same pool and memory guard, are in :mod:`omlx_core.serving.encode`.)
+
 :meth:`ServingPipeline.start` does everything that can refuse a request before any work
 is done for it or any byte is sent, then submits it and waits for its first output:
 
@@ -55,6 +58,7 @@ from omlx_core.engine import (
 from omlx_core.grammar import GrammarError
 from omlx_core.memory.types import RequestRejected
 from omlx_core.pool import Lease
+from omlx_core.serving.errors import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 from omlx_core.serving.inflight import InFlight
 from omlx_core.serving.output import LogprobEntry, OutputProcessor, ProcessedText
 from omlx_core.grammar.toolcalls import ContentDelta
@@ -62,6 +66,7 @@ from omlx_core.serving.tools import ToolRequest, ToolTurn, content_of, prepare
 
 if TYPE_CHECKING:
     from omlx_core.memory.admission import AdmissionTicket
+    from omlx_core.serving.encode import EncodeJob, EncodeResult
     from omlx_core.server_context import ServerContext
 
 log = logging.getLogger(__name__)
@@ -109,33 +114,6 @@ class Job:
 # -- what can go wrong before the first byte ------------------------------------------------
 
 
-class InvalidRequest(Exception):
-    """The request cannot be served as sent (HTTP 400); ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-class UnknownModel(InvalidRequest):
-    """No engine serves the requested model (HTTP 404)."""
-
-    def __init__(self, model_id: str, served: list[str]):
-        super().__init__(f"model {model_id!r} is not served here; served models: "
-                         f"{', '.join(sorted(served)) or 'none'} (GET /v1/models lists them)",
-                         "model", "model_not_found")
-
-
-class EngineFailed(Exception):
-    """The engine failed (HTTP 500 before the first byte, an in-band error after it)."""
-
-
-class RequestAborted(Exception):
-    """The request was aborted (client gone, server shutting down) before it finished."""
-
-
 class ServingEvents:
     """What the pipeline reports as requests run (the HTTP front end counts them in
     ``/metrics``). Every method is a no-op here; override what you need. Called on the
@@ -146,6 +124,9 @@ class ServingEvents:
 
     def rejected(self, model_id: str, error: RequestRejected) -> None:
         """A memory guard refused a request, at any stage, before or after its first byte."""
+
+    def encoded(self, model_id: str, inputs: int, tokens: int, seconds: float) -> None:
+        """An embedding or rerank request was answered ``seconds`` after it arrived."""
 
     def finished(self, model_id: str, completion_tokens: int, cached_tokens: int) -> None:
         """A started request ended (completed, failed or aborted)."""
@@ -434,6 +415,14 @@ class ServingPipeline:
             return len(self._tokenize(engine, job, engine.limits()))
         finally:
             lease.release()
+
+    def encode(self, job: EncodeJob, *, client_gone: Callable[[], bool] | None = None
+               ) -> EncodeResult:
+        """Embed or rerank: ``job`` through every check, its engine and back (the order
+        is in :mod:`omlx_core.serving.encode`); the same errors as :meth:`start`."""
+        from omlx_core.serving.encode import run_encode
+
+        return run_encode(self, job, client_gone)
 
     # -- starting a request --------------------------------------------------------------
 

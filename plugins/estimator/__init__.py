@@ -1,7 +1,8 @@
 """The built-in ``estimator`` plugin: ``estimate_peak`` from a model's ``config.json``.
 
 It reads the language model's dims (:mod:`.dims`), simulates the prefill chunk by chunk
-as mlx-lm allocates it (:mod:`.prefill`) and, for a vision model's prompt with images,
+as mlx-lm allocates it (:mod:`.prefill`), costs an encode forward (embeddings, scores:
+:mod:`.encoder`) and, for a vision model's prompt with images,
 adds the vision tower's activations and the image features (:mod:`.vision`). It
 answers with a :class:`~omlx_core.memory.types.PeakEstimate`: the worst step's
 transient, the KV per token and the cache the prefill leaves held, and the image
@@ -18,6 +19,7 @@ import logging
 from omlx_core.hookspecs import hookimpl
 from omlx_core.memory.types import PeakEstimate, PeakQuery
 from omlx_core.plugins.estimator.dims import EstimatorDisabledError, ModelDims
+from omlx_core.plugins.estimator.encoder import estimate_encode, is_encoder_config
 from omlx_core.plugins.estimator.prefill import PeakBreakdown, estimate_prefill_peak
 from omlx_core.plugins.estimator.vision import VisionDims, estimate_with_images
 
@@ -31,8 +33,26 @@ _defaulted_logged: set[str] = set()
 
 @hookimpl
 def estimate_peak(query: PeakQuery) -> PeakEstimate | None:
+    if query.encode or is_encoder_config(query.model_config):
+        return _encode_estimate(query)
     breakdown = estimate_breakdown(query)
     return None if breakdown is None else breakdown.as_estimate()
+
+
+def _encode_estimate(query: PeakQuery) -> PeakEstimate | None:
+    """An encode forward's estimate (:mod:`.encoder`); ``None``, logged once, when the
+    model's config cannot give one."""
+    key = query.model_id or str(query.model_config.get("model_type", ""))
+    try:
+        estimate = estimate_encode(query)
+    except EstimatorDisabledError as exc:
+        if _disabled.get(key) != str(exc):
+            _disabled[key] = str(exc)
+            log.error("encode memory estimator disabled for model %r: %s; its requests are "
+                      "not checked against memory", key, exc)
+        return None
+    _disabled.pop(key, None)
+    return estimate
 
 
 def estimate_breakdown(query: PeakQuery) -> PeakBreakdown | None:

@@ -385,7 +385,7 @@
         error.textContent = "last load: " + m.error;
         cells.state.append(error);
       }
-      fill(cells.engine, [m.engine || "–"]);
+      fill(cells.engine, [(m.engine || "–") + (m.task && m.task !== "generate" ? " (" + m.task + ")" : "")]);
       fill(cells.bytes, bytesText(m));
       fill(cells.context, [contextText(m)]);
       fill(cells.use, useText(m));
