@@ -163,13 +163,7 @@ def measure(label: str, settings: ServerSettings, model_dir: Path, served_id: st
     port = free_port()
     spec = omlx_spec(None, port, settings, served_id)
     spec = type(spec)(spec.name, spec.label, spec.argv + list(extra_argv), spec.model_id)
-    # The command as a user types it: the free port is the bench's.
-    shown = spec.argv[spec.argv.index("serve"):]
-    for flag in ("--host", "--port"):
-        if flag in shown:
-            at = shown.index(flag)
-            del shown[at:at + 2]
-    run = ServerRun(label, ["omlx-core", *shown])
+    run = ServerRun(label, spec.typed())
     jobs = prompts(model_dir)
     with ServerProcess(spec, port) as server:
         # Warm up (first forward compiles nothing on CPU, but loads pages), then reset

@@ -81,22 +81,13 @@ def _health(host: str, port: int) -> dict[str, Any]:
         connection.close()
 
 
-def _shown(argv: Sequence[str]) -> list[str]:
-    """The command as a user types it (the bench's loopback address and port left out)."""
-    shown = list(argv[argv.index("serve"):])
-    for flag in ("--host", "--port"):
-        at = shown.index(flag)
-        del shown[at:at + 2]
-    return ["omlx-core", *shown]
-
-
 def capacity(bits: int, ceiling: str, settings: ServerSettings, model_dir: Path,
              served_id: str, banned: Sequence[int]) -> Capacity:
     port = free_port()
     spec = omlx_spec(None, port, settings, served_id)
     argv = spec.argv + ["--memory-ceiling", ceiling, "--kv-bits", str(bits)]
     spec = type(spec)(spec.name, spec.label, argv, spec.model_id)
-    run = Capacity(bits, _shown(argv))
+    run = Capacity(bits, spec.typed())
     conversation = text_of_tokens(model_dir, CONVERSATION_TOKENS, seed=4)
     system = {"role": "system", "content": "Answer from this record.\n" + conversation}
     with ServerProcess(spec, port) as server:
@@ -188,7 +179,7 @@ def decode_rate(bits: int, settings: ServerSettings, model_dir: Path, served_id:
             return (len(record.chunk_times) - 1) / span if span > 0 else 0.0
 
         rates, _ = run_concurrently(STREAMS, one)
-    return _shown(argv), sum(rates)
+    return spec.typed(), sum(rates)
 
 
 # -- the report -------------------------------------------------------------------------

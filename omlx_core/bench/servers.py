@@ -52,6 +52,16 @@ class ServerSpec:
     #: environment variables set for this server only (a benchmark prints them)
     env: tuple[tuple[str, str], ...] = ()
 
+    def typed(self) -> list[str]:
+        """``omlx-core serve ...`` as a user types it: the bench's address and port left
+        out (its free port is the bench's, not a setting)."""
+        shown = list(self.argv[self.argv.index("serve"):])
+        for flag in ("--host", "--port"):
+            if flag in shown:
+                at = shown.index(flag)
+                del shown[at:at + 2]
+        return ["omlx-core", *shown]
+
     def command(self) -> str:
         """The command as a reader can run it: its environment first, ``python`` for this
         interpreter, ``~`` for the home directory and ``$TMPDIR`` for the temporary one (a
