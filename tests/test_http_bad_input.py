@@ -85,6 +85,23 @@ BAD_INPUT: dict[tuple[str, str], list[Bad] | NoInput] = {
         ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
         ({"model": MODEL, "prompt": "x", "top_p": 7}, "top_p"),
     ]),
+    # The embedding and rerank routes' full tables are tests/test_embeddings_http.py's (on
+    # a server with an embedder and a reranker); here, on a chat model only.
+    ("POST", "/v1/embeddings"): _posts("/v1/embeddings", [
+        ({"input": "a"}, "model"),
+        ({"model": "", "input": "a"}, "model"),
+        ({"model": MODEL, "input": "a"}, "model"),
+        ({"model": MODEL, "input": "a", "encoding_format": "int8"}, "encoding_format"),
+    ]),
+    ("POST", "/v1/rerank"): _posts("/v1/rerank", [
+        ({"query": "q", "documents": ["a"]}, "model"),
+        ({"model": MODEL, "query": "q", "documents": ["a"]}, "model"),
+        ({"model": MODEL, "query": "q", "documents": []}, "documents"),
+    ]),
+    ("POST", "/rerank"): _posts("/rerank", [
+        ({"model": MODEL, "query": "q", "documents": ["a"]}, "model"),
+        ({"model": MODEL, "documents": ["a"]}, "query"),
+    ]),
     ("POST", "/v1/messages"): _posts("/v1/messages", [
         (_without(_messages(), "model"), "model"),
         (_without(_messages(), "max_tokens"), "max_tokens"),
