@@ -38,6 +38,8 @@ def _overrides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         value = getattr(args, flag, None)
         if value is not None:
             items.append((key, str(value), f"cli --{flag}"))
+    if getattr(args, "insecure_no_auth", None):
+        items.append(("server.insecure_no_auth", "true", "cli --insecure-no-auth"))
     distributed = getattr(args, "distributed", None)
     if distributed is not None:
         items.append(("plugin.distributed.mode", distributed, "cli --distributed"))
@@ -68,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine", metavar="NAME",
                        help="serve every model with this engine (e.g. dflash), whatever its "
                             "configuration names; `omlx-core plugins` lists the engines")
+    serve.add_argument("--insecure-no-auth", action="store_true", default=None,
+                       help="serve on an address other machines reach without any API key "
+                            "(refused otherwise: anyone on the network could use and unload "
+                            "the models)")
     serve.add_argument("--distributed", choices=("tensor", "pipeline"),
                        help="serve each model sharded over the ranks mlx.launch started "
                             "(engine 'distributed'): rank 0 serves HTTP, the others follow; "
@@ -184,9 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from omlx_core.bootstrap import load_setup, served_models, start_engines, stop_engines
 
+    from omlx_core.http.serve import check_exposure
+
     setup = load_setup(args.tier, args.config, _overrides(args))
     for warning in setup.warnings:
         logging.getLogger("omlx_core").warning(warning)
+    check_exposure(str(setup.config["server.host"]), setup.config)  # before any model loads
     model_ids = served_models(setup, args.model)
     if args.engine or args.distributed:
         _override_engine(setup, model_ids, "distributed" if args.distributed else args.engine)
@@ -342,7 +351,8 @@ def _plugin_stack(setup: Any) -> str:
 
 def _masked(rows: list[tuple[str, Any, str]]) -> list[tuple[str, Any, str]]:
     """Secrets are shown as a count, never as values."""
-    return [(k, f"<{len(v)} key(s) hidden>" if k == "server.api_keys" and v else v, s)
+    secret = ("server.api_keys", "server.admin_keys")
+    return [(k, f"<{len(v)} key(s) hidden>" if k in secret and v else v, s)
             for k, v, s in rows]
 
 

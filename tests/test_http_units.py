@@ -190,7 +190,8 @@ def test_api_keys_come_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("OMLX_SERVER_API_KEYS", "env-key-1,env-key-2")
     setup = load_setup("cpu-small")
     client = falcon.testing.TestClient(build_frontend(ServerContext(setup.config,
-                                                                    setup.plugins)).app)
+                                                                    setup.plugins)).app,
+                                       headers={"Host": "localhost"})
     assert client.simulate_get("/v1/models").status_code == 401
     assert client.simulate_get("/v1/models", headers={"x-api-key": "env-key-2"}).status_code == 200
     assert client.simulate_get(

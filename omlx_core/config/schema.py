@@ -48,6 +48,15 @@ CORE_SETTINGS: list[Setting] = [
             "starts anyway and sends a keep-alive comment this often until it comes",
             minimum=0.05, maximum=300),
     Setting("server.api_keys", "list", "accepted API keys; empty means no authentication"),
+    Setting("server.admin_keys", "list", "keys for what changes the server for everyone "
+            "(/admin/*: load, unload, pin; cancelling requests); accepted as API keys too. "
+            "With API keys set and none of these, those routes are refused"),
+    Setting("server.allowed_hosts", "list", "Host names answered besides loopback names and "
+            "the bound address (others get 421: DNS rebinding); \"*\" answers any"),
+    Setting("server.cors_origins", "list", "browser origins allowed to call the API "
+            "(CORS, e.g. \"http://localhost:3000\"); empty: none, \"*\": any"),
+    Setting("server.insecure_no_auth", "bool", "serve on an address other machines reach "
+            "without any API key (refused at start otherwise)"),
     Setting("server.models", "list", "model ids loaded at start (pinned unless their "
             "[models.<id>] says pinned = false); the first is the default"),
     Setting("server.model_dirs", "list", "directories whose mlx-lm / mlx-vlm model "

@@ -13,6 +13,7 @@ from omlx_core.http.admin import AdminModels
 from omlx_core.dashboard import DashboardRecorder, ServingEventsFanOut
 from omlx_core.http.anthropic_api import Messages
 from omlx_core.http.auth import APIKeyAuth
+from omlx_core.http.browser_guard import CORS, HostAllowlist, JSONBodiesOnly
 from omlx_core.http.dashboard import add_dashboard_routes
 from omlx_core.http.errors import install_error_handlers
 from omlx_core.http.metrics import CONTENT_TYPE, Metrics
@@ -58,22 +59,31 @@ def _plain_scalar(value: Any) -> bool:
 
 
 class Health:
-    def __init__(self, context: ServerContext, pipeline: ServingPipeline):
+    """Liveness for anyone; with keys configured, the engines, memory and pool only for a
+    caller that sends one (they name models, their errors and the machine's memory)."""
+
+    def __init__(self, context: ServerContext, pipeline: ServingPipeline, keys_set: bool = False):
         self.context = context
         self.in_flight = pipeline.in_flight
+        self.keys_set = keys_set
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        serving = bool(self.context.engines) or bool(
+            self.context.pool is not None and self.context.pool.records())
+        resp.status = 200 if serving else 503
+        status = "ok" if serving else "no models loaded"
+        if self.keys_set and getattr(req.context, "key_role", None) is None:
+            resp.media = {"status": status}
+            return
         engines = {}
         for model_id, engine in list(self.context.engines.items()):
             try:
                 stats = engine.stats() or {}
             except Exception as exc:
-                stats = {"error": f"{type(exc).__name__}: {exc}"}
+                log.error("the stats of model %r failed", model_id, exc_info=exc)
+                stats = {"error": f"{type(exc).__name__} (the server log has the details)"}
             engines[model_id] = {str(k): v for k, v in stats.items() if _plain(v)}
-        serving = bool(self.context.engines) or bool(
-            self.context.pool is not None and self.context.pool.records())
-        resp.status = 200 if serving else 503
-        resp.media = {"status": "ok" if serving else "no models loaded",
+        resp.media = {"status": status,
                       "models": list(self.context.engines), "in_flight": len(self.in_flight),
                       "engines": engines, "memory": self._memory(), "pool": self._pool()}
 
@@ -141,18 +151,32 @@ class Frontend:
 
 
 def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = None,
-                   max_body: int | None = None) -> Frontend:
-    """The app with its state; ``api_keys`` and ``max_body`` default to the configuration."""
+                   admin_keys: Sequence[str] | None = None, max_body: int | None = None,
+                   bound_host: str | None = None) -> Frontend:
+    """The app with its state; ``api_keys``, ``admin_keys``, ``max_body`` and the address
+    the server is bound to (``bound_host``: the hosts it answers for) default to the
+    configuration."""
     config = context.config
     keys = list(config.get("server.api_keys", []) or []) if api_keys is None else list(api_keys)
+    admins = (list(config.get("server.admin_keys", []) or []) if admin_keys is None
+              else list(admin_keys))
+    host = str(config.get("server.host", "127.0.0.1")) if bound_host is None else bound_host
     body_limit = parse_size(config.get("server.max_body", "8MiB")) if max_body is None else max_body
     holder: dict[str, ServingPipeline] = {}
     metrics = Metrics(context, lambda: len(holder["pipeline"].in_flight))
     dashboard = DashboardRecorder(context)
     pipeline = holder["pipeline"] = ServingPipeline(context, ServingEventsFanOut(metrics, dashboard))
     responder = Responder(pipeline, metrics)
-    auth = APIKeyAuth(keys)
-    app = falcon.App(middleware=[RequestCounter(metrics), auth])
+    auth = APIKeyAuth(keys, admins)
+    # The host is checked first: a rebinding page learns nothing else. CORS answers are
+    # added to every response, refusals included, so a trusted browser app can read them.
+    middleware: list[Any] = [RequestCounter(metrics),
+                             HostAllowlist(host, config.get("server.allowed_hosts", []) or [])]
+    origins = list(config.get("server.cors_origins", []) or [])
+    if origins:
+        middleware.append(CORS(origins))
+    middleware += [JSONBodiesOnly(), auth]
+    app = falcon.App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     install_error_handlers(app)
     models = Models(responder)
@@ -164,7 +188,7 @@ def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = N
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="one")
     app.add_route("/admin/models/{model_id}/{action}", AdminModels(context))
-    app.add_route("/health", Health(context, pipeline))
+    app.add_route("/health", Health(context, pipeline, auth.enabled))
     app.add_route("/metrics", MetricsResource(metrics))
     app.add_route("/openapi.json", OpenAPIResource(openapi_document(list(context.engines),
                                                                     auth.enabled)))

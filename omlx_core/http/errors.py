@@ -26,6 +26,7 @@ import falcon
 from omlx_core.grammar import GrammarError
 from omlx_core.memory.types import RequestRejected
 from omlx_core.pool import ModelLoadFailed, PoolError
+from omlx_core.redaction import redact_paths
 from omlx_core.serving import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 
 log = logging.getLogger(__name__)
@@ -35,13 +36,15 @@ ANTHROPIC_PATH_PREFIX = "/v1/messages"
 _OPENAI_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
-    413: "invalid_request_error", 415: "invalid_request_error", 503: "overloaded_error",
+    413: "invalid_request_error", 415: "invalid_request_error", 421: "invalid_request_error",
+    503: "overloaded_error",
 }
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
     413: "request_too_large",
-    415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
+    415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error",
+    503: "overloaded_error",
 }
 
 #: the typed errors of the serving pipeline a responder lets through
@@ -58,13 +61,16 @@ class APIError(falcon.HTTPError):
     Takes falcon's ``HTTPError`` arguments (the message is the ``description``), and
     ``code`` is the machine-readable string both APIs' bodies carry. ``param`` names the
     request field at fault; ``extra`` fields are added to the error object as they are
-    (e.g. the byte counts of a memory rejection).
+    (e.g. the byte counts of a memory rejection). The message a client reads names no
+    absolute path of this machine (:func:`~omlx_core.redaction.redact_paths`).
     """
 
     def __init__(self, status: int | str, *, title: str | None = None,
                  description: str | None = None, headers: Any = None,
                  code: str | None = None, param: str | None = None,
                  extra: Mapping[str, Any] | None = None, **kwargs: Any):
+        if description is not None:
+            description = redact_paths(description)
         super().__init__(status, title=title, description=description, headers=headers,
                          code=code, **kwargs)  # type: ignore[arg-type]
         self.param = param
@@ -90,6 +96,20 @@ class AuthenticationError(falcon.HTTPUnauthorized, APIError):
 
     def __init__(self, message: str, code: str, realm: str):
         super().__init__(description=message, code=code, challenges=[f'Bearer realm="{realm}"'])
+
+
+class ForbiddenError(falcon.HTTPForbidden, APIError):
+    """403: the key is valid but does not allow this (an API key on an admin route)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(description=message, code=code)
+
+
+class MisdirectedRequestError(APIError):
+    """421: the request names a host this server does not answer for (DNS rebinding)."""
+
+    def __init__(self, message: str, code: str = "host_not_allowed"):
+        super().__init__(falcon.HTTP_421, description=message, code=code)
 
 
 class NotFoundError(falcon.HTTPNotFound, APIError):
@@ -197,7 +217,9 @@ def api_error(error: Exception) -> APIError:
         return ServerError(str(error), "model_load_failed")
     if isinstance(error, PoolError):
         return ConflictError(str(error), "model_busy")
-    return ServerError(f"internal error ({type(error).__name__}: {error})", "internal_error")
+    log.error("an unexpected error reached a client", exc_info=error)
+    return ServerError(f"internal error ({type(error).__name__}); the server log has the "
+                       "details", "internal_error")
 
 
 def falcon_error(req: falcon.Request, error: falcon.HTTPError) -> APIError:
