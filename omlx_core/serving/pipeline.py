@@ -249,7 +249,7 @@ class Generation:
         except Exception as exc:
             log.exception("engine failed while generating request %s", self.request_id)
             self.finish_reason = "error"
-            self.failure = EngineFailed(f"the engine failed: {type(exc).__name__}: {exc}")
+            self.failure = EngineFailed(_in_the_log("the engine failed while generating", exc))
         finally:  # also when the client hung up and the stream was closed mid-way
             self.completion_tokens = self._output.completion_tokens
             if usage is not None:
@@ -353,7 +353,15 @@ def _failure_of(output: GenerationOutput) -> Exception:
     message = output.error or "the engine reported an error"
     if output.error_type == "invalid":
         return InvalidRequest(f"the engine cannot serve this request: {message}")
-    return EngineFailed(message)
+    # An internal failure's text (an exception's) is the operator's, not the client's.
+    log.error("the engine failed request %s: %s", output.request_id, message)
+    return EngineFailed(f"the engine failed request {output.request_id}; the server log "
+                        "has the details")
+
+
+def _in_the_log(what: str, exc: BaseException) -> str:
+    """A client's message for a failure whose details only the log keeps."""
+    return f"{what} ({type(exc).__name__}); the server log has the details"
 
 
 # -- the pipeline ----------------------------------------------------------------------------
@@ -428,12 +436,17 @@ class ServingPipeline:
     # -- starting a request --------------------------------------------------------------
 
     def start(self, job: Job, *, client_gone: Callable[[], bool] | None = None,
-              first_output_wait_s: float | None = None) -> Generation:
+              first_output_wait_s: float | None = None,
+              on_checked: Callable[[], None] | None = None) -> Generation:
         """Run every check, submit, and wait for the first output.
 
         With ``first_output_wait_s``, wait that long at most: a request still in prefill
         then starts anyway, and its deltas carry a keep-alive every as many seconds
         until the first output (and any refusal after that comes in-band).
+        ``on_checked`` is called once every check that refuses a request for good has
+        passed (its model loaded, its prompt tokenized and preflighted): only waits that
+        can end in a retryable refusal (memory, the first token) are left, so a stream
+        may begin then without a 413 ever coming after its status line.
 
         :raises InvalidRequest: the request cannot be served as sent (its subclass
             :class:`UnknownModel` for a model not served here).
@@ -450,14 +463,16 @@ class ServingPipeline:
             self.events.rejected(job.model_id, error)
             raise
         try:
-            return self._start(job, lease, arrived, client_gone, first_output_wait_s)
+            return self._start(job, lease, arrived, client_gone, first_output_wait_s,
+                               on_checked)
         except BaseException:
             lease.release()
             raise
 
     def _start(self, job: Job, lease: Lease | _FixedLease, arrived: float,
                client_gone: Callable[[], bool] | None,
-               first_output_wait_s: float | None) -> Generation:
+               first_output_wait_s: float | None,
+               on_checked: Callable[[], None] | None = None) -> Generation:
         engine = lease.engine
         # The engine may hold a batch window open for this request until it is
         # submitted: requests sent together then share one prefill forward.
@@ -474,7 +489,8 @@ class ServingPipeline:
             tokens = self._tokenize(engine, job, limits)
             sampling = self._settle_max_tokens(job, limits, len(tokens))
             self._check_token_ids(sampling, limits)
-            release = self._reserve(engine, request_id, tokens, sampling.max_tokens, images=len(images))
+            release = self._reserve(engine, request_id, tokens, sampling.max_tokens,
+                                    images=len(images), on_checked=on_checked)
             try:
                 # Stop strings are the output processor's: the engine never sees them.
                 handle = engine.submit(GenerationRequest(request_id, tokens,
@@ -489,8 +505,8 @@ class ServingPipeline:
             except Exception as exc:
                 release()
                 log.error("engine of %s failed to take a request", job.model_id, exc_info=exc)
-                raise EngineFailed(f"the engine failed to take the request: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                raise EngineFailed(_in_the_log("the engine failed to take the request",
+                                               exc)) from exc
             except BaseException:
                 release()
                 raise
@@ -524,8 +540,8 @@ class ServingPipeline:
             if isinstance(exc, Exception):
                 log.error("engine failed before the first output of a request for %s",
                           job.model_id, exc_info=exc)
-                raise EngineFailed(f"the engine failed before the first token: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                raise EngineFailed(_in_the_log("the engine failed before the first token",
+                                               exc)) from exc
             raise
         if first is None:
             return None
@@ -659,13 +675,19 @@ class ServingPipeline:
                                      f"(0..{vocab - 1})", param)
 
     def _reserve(self, engine: Engine, request_id: str, tokens: list[int],
-                 max_tokens: int, images: int = 0) -> Callable[[], None]:
-        """Preflight and admission; returns the callable that gives the reservation back."""
+                 max_tokens: int, images: int = 0,
+                 on_checked: Callable[[], None] | None = None) -> Callable[[], None]:
+        """Preflight and admission; returns the callable that gives the reservation back.
+        ``on_checked`` is called between the two."""
         guard = self.context.memory_guard
         if guard is None:
+            if on_checked is not None:
+                on_checked()
             return lambda: None
         try:
             guard.preflight(engine, request_id, tokens, max_tokens=max_tokens, images=images)
+            if on_checked is not None:
+                on_checked()
             ticket: AdmissionTicket = guard.admit(engine, request_id, tokens, max_tokens=max_tokens,
                                                   images=images)
         except RequestRejected as error:
