@@ -238,3 +238,29 @@ def test_serve_on_all_interfaces_without_keys_refuses_at_start() -> None:
                            "--port", "0"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "no API key is set" in done.stderr and "--insecure-no-auth" in done.stderr
+
+
+# -- the prefix cache tells no client of another's prompts -------------------------------------
+
+
+def cached_tokens(server: HTTPServer, prompt: list[int], salt: str | None = None) -> int:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    status, _, answer = call(server, "POST", "/v1/completions", json.dumps(body).encode(), JSON)
+    assert status == 200, answer
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_cache_salt_keeps_a_clients_prefix_cache_entries_apart(server) -> None:
+    prompt = [(11 * i) % 250 + 3 for i in range(300)]  # several blocks of the prefix cache
+    assert cached_tokens(server, prompt) == 0
+    assert cached_tokens(server, prompt) > 0  # the unsalted entries serve unsalted requests
+    # Another client, salted: it cannot tell that someone sent this prompt before.
+    assert cached_tokens(server, prompt, "client-b-3f9a1c") == 0
+    assert cached_tokens(server, prompt, "client-b-3f9a1c") > 0  # its own entries serve it
+    assert cached_tokens(server, prompt, "client-c-77d0e2") == 0
+    # And an unsalted client learns nothing of the salted ones' prompts either.
+    other = [(13 * i) % 250 + 4 for i in range(300)]  # no token in common at the start
+    assert cached_tokens(server, other, "client-b-3f9a1c") == 0
+    assert cached_tokens(server, other) == 0

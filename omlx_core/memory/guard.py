@@ -247,12 +247,15 @@ class MemoryGuard:
     # -- estimates ---------------------------------------------------------------------
 
     def peak_query(self, engine: Engine, prompt_tokens: Sequence[int],
-                   extra_tokens: int = 0, images: int = 0) -> PeakQuery:
+                   extra_tokens: int = 0, images: int = 0, salted: bool = False) -> PeakQuery:
         """The ``estimate_peak`` question for prefilling ``prompt_tokens`` on ``engine``,
         plus ``extra_tokens`` of KV (the completion) where admission reserves it, after
-        encoding ``images`` images into the prompt's embeddings."""
+        encoding ``images`` images into the prompt's embeddings. A ``salted`` request
+        (``cache_salt``) is costed as if nothing were cached: the engine's count is of
+        unsalted entries, which it will not reuse."""
         hints = memory_hints_of(engine)
-        cached = min(int(engine.cached_tokens(prompt_tokens)), max(0, len(prompt_tokens) - 1))
+        cached = 0 if salted else min(int(engine.cached_tokens(prompt_tokens)),
+                                      max(0, len(prompt_tokens) - 1))
         return PeakQuery(
             model_config=dict(engine.model.config),
             new_tokens=len(prompt_tokens) - cached + extra_tokens, cached_tokens=cached,
@@ -295,12 +298,12 @@ class MemoryGuard:
     # -- the stages before the first byte -----------------------------------------------
 
     def preflight(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int], *,
-                  max_tokens: int = 0, images: int = 0) -> None:
+                  max_tokens: int = 0, images: int = 0, salted: bool = False) -> None:
         """Raise :class:`RequestRejected` (stage ``"preflight"``) if the request can never
         fit: its prefill (after encoding its ``images``), or the KV of its prompt and
         ``max_tokens`` completion tokens."""
         snapshot = self._preflight_limits()
-        query = self.peak_query(engine, prompt_tokens, images=images)
+        query = self.peak_query(engine, prompt_tokens, images=images, salted=salted)
         estimate = self.estimate(query)
         # The completion's KV is checked only when one is asked for.
         per_token = estimate.kv_bytes_per_token if estimate is not None and max_tokens else 0
@@ -345,7 +348,7 @@ class MemoryGuard:
             self.enforcer.poll_soon()
 
     def admit(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int], *,
-              max_tokens: int, images: int = 0) -> AdmissionTicket:
+              max_tokens: int, images: int = 0, salted: bool = False) -> AdmissionTicket:
         """Block until the request fits next to the running ones; see :mod:`.admission`.
 
         The reservation covers the prompt's prefill and the KV of its first
@@ -356,7 +359,7 @@ class MemoryGuard:
         hints = memory_hints_of(engine)
         soon = min(max_tokens, self.decode_reserve_tokens)
         estimate = self.estimate(self.peak_query(engine, prompt_tokens, extra_tokens=soon,
-                                                 images=images))
+                                                 images=images, salted=salted))
         reserve = estimate.total if estimate is not None else 0
         decode = min(reserve, estimate.kv_bytes_per_token * soon) if estimate is not None else 0
         batch = id(engine) if hints.decode_batch_padded else None

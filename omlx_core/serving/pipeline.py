@@ -104,6 +104,8 @@ class Job:
     #: ``keep_alive``: seconds, a duration string, -1 forever, 0 unload when idle);
     #: ``None`` leaves the model's setting as it is
     keep_alive: Any = None
+    #: the client's prefix-cache salt (:attr:`GenerationRequest.cache_salt`)
+    cache_salt: str | None = None
 
 
 # -- what can go wrong before the first byte ------------------------------------------------
@@ -490,12 +492,14 @@ class ServingPipeline:
             sampling = self._settle_max_tokens(job, limits, len(tokens))
             self._check_token_ids(sampling, limits)
             release = self._reserve(engine, request_id, tokens, sampling.max_tokens,
-                                    images=len(images), on_checked=on_checked)
+                                    images=len(images), on_checked=on_checked,
+                                    salted=job.cache_salt is not None)
             try:
                 # Stop strings are the output processor's: the engine never sees them.
                 handle = engine.submit(GenerationRequest(request_id, tokens,
                                                          replace(sampling, stop=()),
-                                                         images=prepared))
+                                                         images=prepared,
+                                                         cache_salt=job.cache_salt))
             except GrammarError as exc:
                 release()
                 raise InvalidRequest(str(exc), exc.field, "invalid_grammar") from None
@@ -676,7 +680,8 @@ class ServingPipeline:
 
     def _reserve(self, engine: Engine, request_id: str, tokens: list[int],
                  max_tokens: int, images: int = 0,
-                 on_checked: Callable[[], None] | None = None) -> Callable[[], None]:
+                 on_checked: Callable[[], None] | None = None,
+                 salted: bool = False) -> Callable[[], None]:
         """Preflight and admission; returns the callable that gives the reservation back.
         ``on_checked`` is called between the two."""
         guard = self.context.memory_guard
@@ -685,11 +690,12 @@ class ServingPipeline:
                 on_checked()
             return lambda: None
         try:
-            guard.preflight(engine, request_id, tokens, max_tokens=max_tokens, images=images)
+            guard.preflight(engine, request_id, tokens, max_tokens=max_tokens, images=images,
+                            salted=salted)
             if on_checked is not None:
                 on_checked()
             ticket: AdmissionTicket = guard.admit(engine, request_id, tokens, max_tokens=max_tokens,
-                                                  images=images)
+                                                  images=images, salted=salted)
         except RequestRejected as error:
             self.events.rejected(engine.model.id, error)
             raise

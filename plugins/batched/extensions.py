@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
+from omlx_core.plugins.batched.block_hashes import salted_keys
+
 if TYPE_CHECKING:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
@@ -93,8 +95,8 @@ class CacheKey(Protocol):
 
 
 def token_key(sequence: SequenceState, tokens: Sequence[int]) -> Sequence[int]:
-    """A text prompt's tokens are its key."""
-    return tokens
+    """A text prompt's tokens are its key, in its ``cache_salt``'s key space."""
+    return salted_keys(tokens, sequence.request.cache_salt)
 
 
 @runtime_checkable
