@@ -264,3 +264,24 @@ def test_a_cache_salt_keeps_a_clients_prefix_cache_entries_apart(server) -> None
     other = [(13 * i) % 250 + 4 for i in range(300)]  # no token in common at the start
     assert cached_tokens(server, other, "client-b-3f9a1c") == 0
     assert cached_tokens(server, other) == 0
+
+
+# -- what a client nests ------------------------------------------------------------------------
+
+DEEP = "[" * 50_000 + "]" * 50_000
+
+
+def test_tool_call_arguments_nested_50000_deep_are_a_4xx_not_a_500(server) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}}}}
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    for body in ({"model": MODEL, "messages": history, "max_tokens": 2, "tools": [tool]},
+                 {"model": MODEL, "messages": history, "max_tokens": 2}):
+        status, _, answer = call(server, "POST", "/v1/chat/completions",
+                                 json.dumps(body).encode(), JSON)
+        assert 400 <= status < 500, answer
+        assert "traceback" not in json.dumps(answer).lower()
+    assert call(server, "POST", "/v1/chat/completions", json.dumps(CHAT).encode(), JSON)[0] == 200

@@ -151,6 +151,8 @@ def test_a_memory_refusal_is_coded_by_its_stage_and_cause(raising, stage, cause,
     (RequestAborted("the server is shutting down"), 503, "aborted", None),
     (EngineFailed("the engine died"), 500, "engine_error", None),
     (ZeroDivisionError("a bug"), 500, "internal_error", None),
+    # only what a client sent nests deep enough to exhaust the parser's recursion
+    (RecursionError("maximum recursion depth exceeded"), 400, "nested_too_deep", None),
 ])
 def test_every_error_is_one_of_falcons_in_both_shapes(raising, error, status, code,
                                                       param) -> None:

@@ -286,6 +286,12 @@ def handle_error(req: falcon.Request, resp: falcon.Response, error: Exception,
     its details in the log."""
     if isinstance(error, SERVING_ERRORS):
         raise api_error(error)
+    if isinstance(error, RecursionError):
+        # Only what a client sent nests deep enough for this (JSON in a JSON string).
+        log.warning("a request to %s %s nested too deep to handle", req.method, req.path,
+                    exc_info=error)
+        raise BadRequestError("the request nests values deeper than this server handles; "
+                              "send flatter JSON", code="nested_too_deep")
     log.error("bug while serving %s %s", req.method, req.path, exc_info=error)
     raise ServerError(f"internal error ({type(error).__name__}); the server log has the "
                       "traceback", "internal_error")

@@ -730,4 +730,5 @@ def _is_template_error(exc: Exception) -> bool:
         from jinja2 import TemplateError
     except ImportError:  # pragma: no cover - transformers needs jinja2
         TemplateError = ()  # type: ignore[assignment]
-    return isinstance(exc, (TemplateError, ValueError, TypeError, KeyError))
+    # RecursionError: a template walking a structure the client nested thousands deep
+    return isinstance(exc, (TemplateError, ValueError, TypeError, KeyError, RecursionError))
