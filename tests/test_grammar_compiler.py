@@ -179,3 +179,29 @@ def test_a_hugging_face_tokenizer_works_as_well_as_mlx_lms_wrapper(tokenizer, tm
         assert cache.compile(GrammarSpec.regex("(yes|no)")).grammar is not None
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("installed, warned", [("0.2.8", False), ("0.2.9", True), ("0.1.25", True),
+                                               (None, False)])
+def test_an_xgrammar_release_other_than_the_tested_one_is_warned_about(monkeypatch, caplog,
+                                                                       installed, warned):
+    from importlib.metadata import PackageNotFoundError
+
+    from omlx_core.grammar import compiler
+
+    def version(name):
+        assert name == "xgrammar"
+        if installed is None:
+            raise PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(compiler, "version", version)
+    monkeypatch.setattr(compiler, "XGRAMMAR_TESTED", "0.2.8")
+    with caplog.at_level("WARNING", logger="omlx_core.grammar.compiler"):
+        warning = compiler.check_xgrammar_version()
+    if not warned:
+        assert warning is None and not caplog.records
+        return
+    assert warning is not None and f"xgrammar {installed} is installed" in warning
+    assert "pip install --no-deps 'xgrammar==0.2.8'" in warning
+    assert [r.levelname for r in caplog.records] == ["WARNING"]

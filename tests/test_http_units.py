@@ -127,7 +127,9 @@ def rejected(stage: str, cause: str) -> RequestRejected:
     ("admission", "queue_timeout", 503, "admission_queue_timeout"),
     ("forward", "memory_short", 503, "forward_memory_short"),
     ("forward", "over_limit", 503, "forward_over_limit"),
-    ("forward", "no_estimate", 503, "forward_no_estimate"),
+    # No plugin estimates the model: no retry can help, so no Retry-After.
+    ("forward", "no_estimate", 500, "model_not_estimable"),
+    ("preflight", "no_estimate", 500, "model_not_estimable"),
 ])
 def test_a_memory_refusal_is_coded_by_its_stage_and_cause(raising, stage, cause, status,
                                                           code) -> None:
@@ -137,12 +139,12 @@ def test_a_memory_refusal_is_coded_by_its_stage_and_cause(raising, stage, cause,
     anthropic = client.simulate_post("/v1/messages")
     for response in (openai, anthropic):
         assert response.status_code == status
-        assert response.headers.get("retry-after") == (None if status == 413 else "3")
+        assert response.headers.get("retry-after") == (None if status != 503 else "3")
     assert openai.json["error"]["code"] == code and openai.json["error"]["stage"] == stage
     assert openai.json["error"]["cause"] == cause and openai.json["error"]["advice"] == ["wait"]
     assert anthropic.json["type"] == "error" and anthropic.json["error"]["code"] == code
-    assert anthropic.json["error"]["type"] == ("request_too_large" if status == 413
-                                               else "overloaded_error")
+    assert anthropic.json["error"]["type"] == {413: "request_too_large", 500: "api_error",
+                                               503: "overloaded_error"}[status]
 
 
 @pytest.mark.parametrize("error, status, code, param", [

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal, Sequence
 
 from omlx_core.grammar import torch_stub
@@ -37,6 +38,7 @@ __all__ = [
     "GrammarError",
     "GrammarSpec",
     "GrammarUnavailable",
+    "check_xgrammar_version",
     "compiler_for",
     "import_xgrammar",
     "json_safe_strings",
@@ -104,22 +106,26 @@ def import_xgrammar() -> Any:
                 raise GrammarUnavailable(
                     f"structured output needs xgrammar, which does not import ({exc}); {INSTALL_HINT}"
                 ) from exc
-            _warn_on_version_drift()
+            check_xgrammar_version()
             _xgrammar = xgrammar
     return _xgrammar
 
 
-def _warn_on_version_drift() -> None:
-    from importlib.metadata import PackageNotFoundError, version
-
+def check_xgrammar_version() -> str | None:
+    """Log a warning, and return it, when the installed xgrammar is not the release the
+    torch stub and the workarounds here are tested with (``None``: it is, or none is
+    installed)."""
     try:
         installed = version("xgrammar")
     except PackageNotFoundError:
-        return
-    if installed != XGRAMMAR_TESTED:
-        log.warning("xgrammar %s is installed; omlx-core's torch stub and grammar workarounds are "
-                    "tested with %s. If constrained decoding misbehaves, pip install --no-deps "
-                    "'xgrammar==%s'", installed, XGRAMMAR_TESTED, XGRAMMAR_TESTED)
+        return None
+    if installed == XGRAMMAR_TESTED:
+        return None
+    warning = (f"xgrammar {installed} is installed; omlx-core's torch stub and grammar "
+               f"workarounds are tested with {XGRAMMAR_TESTED}. If constrained decoding "
+               f"misbehaves, pip install --no-deps 'xgrammar=={XGRAMMAR_TESTED}'")
+    log.warning(warning)
+    return warning
 
 
 @dataclass(frozen=True)

@@ -150,10 +150,10 @@ class ConflictError(falcon.HTTPConflict, APIError):
 
 
 class ServerError(falcon.HTTPInternalServerError, APIError):
-    """500: an engine failure or a bug."""
+    """500: an engine failure, a model the server cannot serve safely, or a bug."""
 
-    def __init__(self, message: str, code: str):
-        super().__init__(description=message, code=code)
+    def __init__(self, message: str, code: str, extra: Mapping[str, Any] | None = None):
+        super().__init__(description=message, code=code, extra=extra)
 
 
 def bad_request(message: str, param: str | None = None,
@@ -168,6 +168,8 @@ def rejection_code(stage: str, cause: str) -> str:
     """The code of a memory refusal: where it happened and why (``memory.types.STAGES``
     and ``CAUSES``), e.g. ``admission_queue_timeout``. A preflight refusal (the request
     can never fit here) keeps the name OpenAI-style clients know: ``prefill_memory_exceeded``."""
+    if cause == "no_estimate":
+        return "model_not_estimable"
     return "prefill_memory_exceeded" if stage == "preflight" else f"{stage}_{cause}"
 
 
@@ -190,6 +192,9 @@ def rejection_error(error: RequestRejected) -> APIError:
         extra.update(model=rejection.model_id, model_bytes=rejection.estimated_bytes,
                      pinned_models=list(rejection.pinned_models))
     code = rejection_code(rejection.stage, rejection.cause)
+    if rejection.cause == "no_estimate":
+        # The server cannot judge this model's memory: its fault, and no retry helps.
+        return ServerError(str(error), code, extra)
     if not error.retryable:
         return ContentTooLargeError(str(error), code, extra)
     retry_after = max(1, int(round(error.retry_after_s or 1.0)))

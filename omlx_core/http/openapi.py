@@ -26,7 +26,7 @@ _ERROR_STATUSES = {
            "(no room in the admission queue), admission_queue_timeout (waited "
            "memory.queue_timeout_s without room), forward_memory_short (a prefill chunk did "
            "not fit next to the running requests), forward_over_limit (memory passed the "
-           "limit after a forward), forward_no_estimate (no plugin estimates this model), "
+           "limit after a forward), "
            "load_memory_short (busy or pinned models held the room the model needs for "
            "server.model_load_wait_s) or load_queue_timeout (the model did not finish "
            "loading within server.model_load_wait_s); "
@@ -34,7 +34,9 @@ _ERROR_STATUSES = {
            "down",
     "500": "engine_error (an engine failure before the first token), model_load_failed (the "
            "model's files are missing or corrupt, or its architecture is unsupported; the "
-           "message names the model and the cause) or internal_error (a server bug)",
+           "message names the model and the cause), model_not_estimable (no plugin estimates "
+           "the model's memory, so the guard never lets it run; no Retry-After: a retry "
+           "cannot help) or internal_error (a server bug)",
 }
 
 

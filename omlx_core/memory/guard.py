@@ -317,7 +317,9 @@ class MemoryGuard:
         try:
             self.plugins.hook.preflight(request=request)
         except RequestRejected as error:
-            raise self.advised(error) from None
+            refused = self.advised(error)
+            _log_refusal(refused)
+            raise refused from None
 
     def _preflight_limits(self) -> LimitSnapshot | None:
         """The snapshot preflight judges against. It runs on the request thread, so it
@@ -370,7 +372,9 @@ class MemoryGuard:
                                         kv_tokens=len(prompt_tokens) + soon,
                                         kv_tokens_cap=len(prompt_tokens) + max_tokens)
         except RequestRejected as error:
-            raise self.advised(error) from None
+            refused = self.advised(error)
+            _log_refusal(refused)
+            raise refused from None
 
     def forward_gate_for(self, engine: Engine) -> PrefillForwardGate:
         """The forward gate installed in ``engine``'s scheduler (one per engine)."""
@@ -402,3 +406,10 @@ class MemoryGuard:
                 totals[key] = totals.get(key, 0) + count
         return totals
 
+
+def _log_refusal(error: RequestRejected) -> None:
+    """Every refusal at WARNING, as the forward gate logs its own: an operator reading the
+    log sees what was refused, where and why without the client's copy of the answer."""
+    rejection = error.rejection
+    log.warning("refused request %s (model %r) at %s (%s): %s", rejection.request_id,
+                rejection.model_id, rejection.stage, rejection.cause, rejection.summary())
