@@ -285,3 +285,36 @@ def test_tool_call_arguments_nested_50000_deep_are_a_4xx_not_a_500(server) -> No
         assert 400 <= status < 500, answer
         assert "traceback" not in json.dumps(answer).lower()
     assert call(server, "POST", "/v1/chat/completions", json.dumps(CHAT).encode(), JSON)[0] == 200
+
+
+# -- the grammar flood ------------------------------------------------------------------------
+
+
+def _words(count: int, length: int = 40) -> list[str]:
+    import random
+    import string
+
+    rng = random.Random(count)
+    return ["".join(rng.choices(string.ascii_letters, k=length)) for _ in range(count)]
+
+
+def test_flood_grammars_are_refused_at_once_naming_the_cap(server) -> None:
+    flood = {"type": "object", "properties": {"pick": {"enum": _words(60_000)}}}
+    wide = {"type": "object", "properties": {"pick": {"enum": _words(600, 8)}}}
+    for schema, setting in ((flood, "grammar.max_grammar_bytes"), (wide, "grammar.max_alternatives")):
+        body = {**CHAT, "response_format": {"type": "json_schema",
+                                            "json_schema": {"name": "x", "schema": schema}}}
+        status, _, answer = call(server, "POST", "/v1/chat/completions", json.dumps(body).encode(),
+                                 JSON)
+        assert status == 400 and setting in answer["error"]["message"], answer
+        assert answer["error"]["param"] == "response_format.json_schema.schema"
+        # A tool whose parameters are the same: its grammar is capped the same way.
+        tool = {"type": "function", "function": {"name": "pick", "parameters": schema}}
+        status, _, answer = call(server, "POST", "/v1/chat/completions",
+                                 json.dumps({**CHAT, "tools": [tool]}).encode(), JSON)
+        assert status == 400 and setting in answer["error"]["message"], answer
+    # Grammars within the caps are served.
+    small = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    body = {**CHAT, "max_tokens": 8, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": small}}}
+    assert call(server, "POST", "/v1/chat/completions", json.dumps(body).encode(), JSON)[0] == 200

@@ -9,6 +9,7 @@ import pytest
 
 from omlx_core.http.errors import (APIError, anthropic_error_body, install_error_handlers,
                                    openai_error_body)
+from omlx_core.grammar import GrammarBusy
 from omlx_core.memory.types import Rejection, RequestRejected
 from omlx_core.serving import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST, MESSAGES_REQUEST
@@ -155,6 +156,7 @@ def test_a_memory_refusal_is_coded_by_its_stage_and_cause(raising, stage, cause,
     (ZeroDivisionError("a bug"), 500, "internal_error", None),
     # only what a client sent nests deep enough to exhaust the parser's recursion
     (RecursionError("maximum recursion depth exceeded"), 400, "nested_too_deep", None),
+    (GrammarBusy("the grammar compile queue is full", 4.2), 503, "grammar_compile_busy", None),
 ])
 def test_every_error_is_one_of_falcons_in_both_shapes(raising, error, status, code,
                                                       param) -> None:
@@ -168,6 +170,8 @@ def test_every_error_is_one_of_falcons_in_both_shapes(raising, error, status, co
     assert anthropic.json["error"]["code"] == code
     if isinstance(error, ZeroDivisionError):  # a bug keeps its details in the log
         assert "a bug" not in openai.text and "ZeroDivisionError" in openai.text
+    if isinstance(error, GrammarBusy):  # the compile queue is full now: retry later
+        assert openai.headers["retry-after"] == "5"
 
 
 def test_our_errors_are_falcons_error_classes() -> None:

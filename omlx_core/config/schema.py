@@ -98,6 +98,28 @@ CORE_SETTINGS: list[Setting] = [
             "engine names allowed to run without the memory guard's cooperation (no memory "
             "hints, no forward gate); empty: such engines are refused at start"),
     *(s for tier in MEMORY_TIERS for s in _tier_settings(tier)),
+    Setting("grammar.max_grammar_bytes", "size", "largest grammar compiled (a response_format "
+            "schema, regex or EBNF, or a request's tool definitions); larger ones get 400",
+            minimum=64),
+    Setting("grammar.max_alternatives", "int", "most entries in one enum, anyOf or oneOf of "
+            "a grammar", minimum=1),
+    Setting("grammar.max_total_alternatives", "int", "most enum, anyOf and oneOf entries in "
+            "a whole grammar", minimum=1),
+    Setting("grammar.max_depth", "int", "deepest nesting of a grammar's JSON", minimum=2,
+            maximum=512),
+    Setting("grammar.compile_timeout_s", "float", "a grammar compile running longer is "
+            "stopped (its worker process killed) and the request gets 400", minimum=0.1,
+            maximum=3600),
+    Setting("grammar.compile_memory_limit", "size", "a grammar compile taking more memory "
+            "is stopped and the request gets 400", minimum=16 * 1024**2),
+    Setting("grammar.compile_workers", "int", "processes compiling grammars at once",
+            minimum=1, maximum=64),
+    Setting("grammar.compile_queue_size", "int", "grammar compiles that may wait; past "
+            "that, 503 with Retry-After", minimum=0),
+    Setting("grammar.compile_queue_per_client", "int", "grammar compiles one client may "
+            "have waiting or running at once (clients: API keys, else addresses)", minimum=1),
+    Setting("grammar.cache_size", "size", "bytes of compiled grammars kept per model's "
+            "tokenizer (least recently used evicted first)"),
     Setting("engine.max_tokens", "int", "completion tokens when a request sets none", minimum=1),
     Setting("engine.max_context", "int", "longest prompt + completion accepted (0 = model's own)",
             minimum=0),

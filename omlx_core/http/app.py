@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import falcon
 
 from omlx_core.http.admin import AdminModels
 from omlx_core.dashboard import DashboardRecorder, ServingEventsFanOut
+from omlx_core.grammar.compile_queue import compile_client
 from omlx_core.http.anthropic_api import Messages
 from omlx_core.http.auth import APIKeyAuth
 from omlx_core.http.browser_guard import CORS, HostAllowlist, JSONBodiesOnly
@@ -30,6 +32,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+
+class CompileClient:
+    """Falcon middleware: who the grammar compile queue takes this request to be from (its
+    fair share): the API key it presented on a server with keys (checked by then), else
+    its address. A key is never kept, only its digest."""
+
+    def __init__(self, keys_set: bool):
+        self.keys_set = keys_set
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        client = f"address {req.remote_addr}"
+        if self.keys_set and getattr(req.context, "key_role", None) is not None:
+            presented = req.get_header("Authorization") or req.get_header("X-API-Key") or ""
+            client = "key " + hashlib.sha256(presented.encode("latin-1", "replace")).hexdigest()[:16]
+        req.context.compile_client = compile_client.set(client)
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any,
+                         req_succeeded: bool) -> None:
+        token = getattr(req.context, "compile_client", None)
+        if token is not None:
+            compile_client.reset(token)
 
 
 class RequestCounter:
@@ -175,7 +199,7 @@ def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = N
     origins = list(config.get("server.cors_origins", []) or [])
     if origins:
         middleware.append(CORS(origins))
-    middleware += [JSONBodiesOnly(), auth]
+    middleware += [JSONBodiesOnly(), auth, CompileClient(auth.enabled)]
     app = falcon.App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     install_error_handlers(app)

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any, Mapping
 
 import falcon
 
-from omlx_core.grammar import GrammarError
+from omlx_core.grammar import GrammarBusy, GrammarError
 from omlx_core.memory.types import RequestRejected
 from omlx_core.pool import ModelLoadFailed, PoolError
 from omlx_core.redaction import redact_paths
@@ -48,8 +49,8 @@ _ANTHROPIC_TYPES = {
 }
 
 #: the typed errors of the serving pipeline a responder lets through
-SERVING_ERRORS = (InvalidRequest, RequestRejected, GrammarError, RequestAborted, EngineFailed,
-                  ModelLoadFailed, PoolError)
+SERVING_ERRORS = (InvalidRequest, RequestRejected, GrammarError, GrammarBusy, RequestAborted,
+                  EngineFailed, ModelLoadFailed, PoolError)
 
 
 # -- the errors -----------------------------------------------------------------------------
@@ -214,6 +215,10 @@ def api_error(error: Exception) -> APIError:
         return BadRequestError(error.message, error.param, error.code)
     if isinstance(error, GrammarError):
         return BadRequestError(str(error), error.field, "invalid_grammar")
+    if isinstance(error, GrammarBusy):
+        retry_after = max(1, math.ceil(error.retry_after_s))
+        return OverloadedError(str(error), "grammar_compile_busy", retry_after,
+                               {"retry_after_s": retry_after})
     if isinstance(error, RequestAborted):
         return OverloadedError(str(error), "aborted")
     if isinstance(error, EngineFailed):

@@ -52,7 +52,7 @@ from omlx_core.engine import (
     SamplingParams,
     images_of,
 )
-from omlx_core.grammar import GrammarError
+from omlx_core.grammar import GrammarBusy, GrammarError
 from omlx_core.memory.types import RequestRejected
 from omlx_core.pool import Lease
 from omlx_core.serving.inflight import InFlight
@@ -503,6 +503,9 @@ class ServingPipeline:
             except GrammarError as exc:
                 release()
                 raise InvalidRequest(str(exc), exc.field, "invalid_grammar") from None
+            except GrammarBusy:  # the compile queue is full now: 503, retry later
+                release()
+                raise
             except ValueError as exc:  # the engine's own check of an unservable request
                 release()
                 raise InvalidRequest(f"the engine cannot serve this request: {exc}") from None
