@@ -192,7 +192,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from omlx_core.http.serve import check_exposure
 
-    setup = load_setup(args.tier, args.config, _overrides(args))
+    overrides = _overrides(args)
+    if args.distributed:
+        stack = distributed_stack(args.tier, args.config, overrides)
+        overrides += stack
+        logging.getLogger("omlx_core").info(
+            "--distributed: serving with the cluster tier's plugin stack (%s)",
+            "; ".join(f"{key} = {value}" for key, value, _ in stack))
+    setup = load_setup(args.tier, args.config, overrides)
     for warning in setup.warnings:
         logging.getLogger("omlx_core").warning(warning)
     check_exposure(str(setup.config["server.host"]), setup.config)  # before any model loads
@@ -214,6 +221,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         stop_engines(context)
     return 0
+
+
+#: what ``--distributed`` takes of the ``cluster`` tier, whatever tier it is given
+CLUSTER_STACK_KEYS = ("plugins.disabled", "plugins.required", "plugin.batched.prefix_cache_budget")
+
+
+def distributed_stack(tier: str | None, files: Sequence[str],
+                      overrides: Sequence[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """Overrides that give ``serve --distributed`` the ``cluster`` tier's plugin stack
+    on top of ``tier``: what the cluster tier disables stays off (an SSD cache per rank
+    would fight over one directory, and a prefix-cache hit on one rank and a miss on
+    another would run different forwards), what it requires is required, and no prefix
+    cache. Lists are joined, so the tier's own choices stay."""
+    from omlx_core.config.loader import raw_value, read_layers
+
+    _tier, _paths, chosen = read_layers(tier, files)
+    _cluster, _paths, cluster = read_layers("cluster")
+    source = "cli --distributed (the cluster tier's plugin stack)"
+    result = []
+    for key in CLUSTER_STACK_KEYS:
+        wanted = raw_value(cluster, key)
+        given = next((text for k, text, _ in reversed(list(overrides)) if k == key), None)
+        if isinstance(wanted, list):
+            mine = (given.split(",") if given is not None
+                    else list(raw_value(chosen, key, []) or []))
+            joined = sorted({item.strip() for item in [*mine, *wanted] if item.strip()})
+            result.append((key, ",".join(joined), source))
+        else:
+            result.append((key, str(wanted), source))
+    return result
 
 
 def _rank() -> int:
