@@ -136,8 +136,8 @@ def test_clients_take_turns_so_one_clients_flood_does_not_delay_anothers(jobs):
             futures.append(future)
         hold.set()
         for future in futures:
-            grammar, output = future.result(timeout=120)
-            assert grammar is not None and output.seconds >= 0
+            grammar, _ = future.result(timeout=120)
+            assert grammar is not None
         # The other client, who had no turn yet, went before the flooder's second.
         assert done == ["flooder-1", "other-1", "flooder-2", "flooder-3"]
     finally:
