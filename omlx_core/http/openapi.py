@@ -9,7 +9,8 @@ from omlx_core import __version__
 from omlx_core.http import schemas
 
 _ERROR_STATUSES = {
-    "400": "invalid request: the message names the parameter",
+    "400": "invalid request: the message names the parameter (a grammar over a cap names "
+           "the cap and its grammar.* setting)",
     "401": "missing or invalid API key",
     "404": "unknown model",
     "413": "request_too_large (body over server.max_body), prefill_memory_exceeded (the "
@@ -30,8 +31,9 @@ _ERROR_STATUSES = {
            "load_memory_short (busy or pinned models held the room the model needs for "
            "server.model_load_wait_s) or load_queue_timeout (the model did not finish "
            "loading within server.model_load_wait_s); "
-           "the body has stage, cause, reason and advice. aborted: the server is shutting "
-           "down",
+           "the body has stage, cause, reason and advice. grammar_compile_busy: the grammar "
+           "compile queue is full, or this client has its share of it (grammar.*). aborted: "
+           "the server is shutting down",
     "500": "engine_error (an engine failure before the first token), model_load_failed (the "
            "model's files are missing or corrupt, or its architecture is unsupported; the "
            "message names the model and the cause), model_not_estimable (no plugin estimates "
