@@ -74,15 +74,17 @@ KEY = "attacks-api-key"
 class Served:
     """``omlx-core serve`` of one checkout on a port of its own, until closed."""
 
-    def __init__(self, python: str, port: int, cache_root: Path, extra: list[str]):
+    def __init__(self, python: str, checkout: Path, port: int, cache_root: Path,
+                 extra: list[str]):
         self.port = port
         self.argv = [python, "-m", "omlx_core", "--log-level", "WARNING", "serve", "--host",
                      "127.0.0.1", "--port", str(port), *extra]
         self.log_path = Path(tempfile.mkstemp(prefix="omlx-attacks-", suffix=".log")[1])
         env = preload_env() | {"OMLX_CACHE_DIR": str(cache_root)}
         with open(self.log_path, "wb") as log:
+            # In the checkout: ``python -m`` imports from the working directory first.
             self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env,
+                                            stdin=subprocess.DEVNULL, env=env, cwd=checkout,
                                             start_new_session=True)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -147,7 +149,7 @@ def request(server: Served | int, method: str, path: str, body: Any = None, *,
 
 def timed(server: Served | int, body: dict, **kwargs: Any) -> tuple[float, int, Any]:
     started = time.monotonic()
-    status, answer = request(server, "POST", "/v1/chat/completions", body, **kwargs)
+    status, answer = request(server, "POST", "/v1/chat/completions", body or None, **kwargs)
     return time.monotonic() - started, status, answer
 
 
@@ -208,14 +210,17 @@ def grammar_flood(server: Served, seconds: float) -> FloodResult:
     timed(server, tool_chat("warm"))
     result.rss_before = server.tree_rss()
     stop = threading.Event()
-    flood_bodies = [chat("Pick one.", response_format={"type": "json_schema", "json_schema": {
-        "name": "pick", "schema": {"type": "object", "properties": {
-            "pick": {"enum": words(60_000, seed)}}}}}) for seed in range(3)]
+    # Encoded once: the flooders' own work on this machine's cores stays small.
+    flood_bodies = [json.dumps(chat("Pick one.", response_format={
+        "type": "json_schema", "json_schema": {"name": "pick", "schema": {
+            "type": "object", "properties": {"pick": {"enum": words(60_000, seed)}}}}})).encode()
+        for seed in range(3)]
     lock = threading.Lock()
 
-    def flooder(body: dict) -> None:
+    def flooder(body: bytes) -> None:
         while not stop.is_set():
-            took, status, answer = timed(server, body)
+            took, status, answer = timed(server, {}, raw=body,
+                                         headers={"Content-Type": "application/json"})
             with lock:
                 result.flood_statuses[status] = result.flood_statuses.get(status, 0) + 1
                 result.flood_s.append(took)
@@ -327,10 +332,10 @@ def stream_after_load(server: Served) -> str:
         connection.close()
 
 
-def nan_setting(python: str) -> str:
+def nan_setting(python: str, checkout: Path) -> str:
     done = subprocess.run([python, "-m", "omlx_core", "config", "show", "--set",
                            "memory.queue_timeout_s=nan"], capture_output=True, text=True,
-                          timeout=120, env=preload_env())
+                          timeout=120, env=preload_env(), cwd=checkout)
     return "accepted" if done.returncode == 0 else "refused (exit 2)"
 
 
@@ -342,7 +347,7 @@ def distributed_source(checkout: Path) -> dict[str, str]:
             "tokenizer loaded with trust_remote_code=True": str('"trust_remote_code": True' in source)}
 
 
-def distributed_group(python: str, cache_root: Path, tier_args: list[str]) -> str:
+def distributed_group(python: str, checkout: Path, cache_root: Path, tier_args: list[str]) -> str:
     """``mlx.launch -n 3 --backend ring -- omlx-core serve --distributed tensor`` answering
     a 40-token chat, or how it died."""
     port = free_port()
@@ -354,7 +359,7 @@ def distributed_group(python: str, cache_root: Path, tier_args: list[str]) -> st
                                     "omlx_core", "serve", "--distributed", "tensor",
                                     "--port", str(port), *tier_args],
                                    stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
+                                   cwd=checkout, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         while f":{port}" not in log_path.read_text(errors="replace") or "ready" not in \
@@ -394,7 +399,7 @@ def run_checkout(label: str, python: str, checkout: Path, models: dict[str, Path
     cache_root = fresh_cache_root()
     try:
         print(f"[{label}] default server: grammar flood for {args.flood_s:.0f} s", flush=True)
-        server = Served(python, free_port(), cache_root, [])
+        server = Served(python, checkout, free_port(), cache_root, [])
         try:
             run.flood = grammar_flood(server, args.flood_s)
             run.findings.update(csrf_and_rebinding(server))
@@ -405,21 +410,21 @@ def run_checkout(label: str, python: str, checkout: Path, models: dict[str, Path
                  ("--set", f"server.api_keys={KEY}"), ("--set", "server.stream_keepalive_s=0.05")]
         print(f"[{label}] server with an API key, a broken and a second model: "
               + " ".join(f"{flag} {value}" for flag, value in extra), flush=True)
-        server = Served(python, free_port(), cache_root, [a for pair in extra for a in pair])
+        server = Served(python, checkout, free_port(), cache_root, [a for pair in extra for a in pair])
         try:
             run.findings.update(keyed_server_holes(server, models["broken"]))
             run.findings["stream for a model loading past the keep-alive, prompt over its "
                          "context"] = stream_after_load(server)
         finally:
             server.close()
-        run.findings["memory.queue_timeout_s = nan"] = nan_setting(python)
+        run.findings["memory.queue_timeout_s = nan"] = nan_setting(python, checkout)
         run.findings.update(distributed_source(checkout))
         if args.distributed:
             for name, tier_args in (("with --tier cluster", ["--tier", "cluster"]),
                                     ("without --tier", [])):
                 print(f"[{label}] 3 ranks {name}", flush=True)
                 run.findings[f"3 ranks, default model, 2 cores, {name}: a 40-token chat"] = \
-                    distributed_group(python, cache_root, tier_args)
+                    distributed_group(python, checkout, cache_root, tier_args)
     finally:
         shutil.rmtree(cache_root, ignore_errors=True)
     return run

@@ -318,3 +318,33 @@ def test_flood_grammars_are_refused_at_once_naming_the_cap(server) -> None:
     body = {**CHAT, "max_tokens": 8, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": small}}}
     assert call(server, "POST", "/v1/chat/completions", json.dumps(body).encode(), JSON)[0] == 200
+
+
+def test_refusals_of_large_bodies_are_paced_so_a_refused_flood_cannot_take_the_cpu() -> None:
+    import falcon
+    import falcon.testing
+
+    from omlx_core.http.errors import bad_request, install_error_handlers
+    from omlx_core.http.refusal_pacing import MAX_DELAY_S, RefusalPacing
+
+    waits: list[float] = []
+
+    class Route:
+        def on_post(self, req, resp):
+            req.bounded_stream.read()
+            if req.get_param("refuse"):
+                raise bad_request("the grammar is over a cap (grammar.max_grammar_bytes)")
+            resp.media = {"ok": True}
+
+    app = falcon.App(middleware=[RefusalPacing(sleep=waits.append)])
+    install_error_handlers(app)
+    app.add_route("/x", Route())
+    client = falcon.testing.TestClient(app)
+    mib = b"x" * (1024 * 1024)
+    assert client.simulate_post("/x", params={"refuse": 1}, body=mib).status_code == 400
+    assert waits == [1.0]  # a MiB refused: answered at a MiB a second
+    assert client.simulate_post("/x", params={"refuse": 1}, body=mib * 20).status_code == 400
+    assert waits[-1] == MAX_DELAY_S
+    assert client.simulate_post("/x", body=mib).status_code == 200  # served: at once
+    assert client.simulate_post("/x", params={"refuse": 1}, body=b"x" * 1000).status_code == 400
+    assert len(waits) == 2  # small refusals: at once

@@ -211,6 +211,13 @@ class CompileQueue:
                     worker.stop()  # idle: give its memory back
 
     def _serve(self, worker: CompileWorker) -> None:
+        # Every worker starts with the first grammar: what they hold is there from then
+        # on, not added later by a burst of compiles.
+        try:
+            worker.start()
+        except Exception:
+            log.exception("grammar compile worker %s did not start; it is retried with its "
+                          "first compile", worker.name)
         while (job := self._next(worker)) is not None:
             try:
                 self._run(worker, job)

@@ -20,6 +20,7 @@ from omlx_core.http.dashboard import add_dashboard_routes
 from omlx_core.http.errors import install_error_handlers
 from omlx_core.http.metrics import CONTENT_TYPE, Metrics
 from omlx_core.http.openai_api import ChatCompletions, Models, TextCompletions
+from omlx_core.http.refusal_pacing import RefusalPacing
 from omlx_core.http.openapi import openapi_document
 from omlx_core.http.responses_api import CountTokens, Responses
 from omlx_core.http.sse import Responder
@@ -194,7 +195,7 @@ def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = N
     auth = APIKeyAuth(keys, admins)
     # The host is checked first: a rebinding page learns nothing else. CORS answers are
     # added to every response, refusals included, so a trusted browser app can read them.
-    middleware: list[Any] = [RequestCounter(metrics),
+    middleware: list[Any] = [RequestCounter(metrics), RefusalPacing(),
                              HostAllowlist(host, config.get("server.allowed_hosts", []) or [])]
     origins = list(config.get("server.cors_origins", []) or [])
     if origins:
