@@ -174,8 +174,6 @@ def capacity(model_dir: Path, ranks: int, ceiling: str, workdir: Path, max_promp
     command = [sys.executable, "-m", "omlx_core", "serve", "--model", str(model_dir),
                "--port", str(port), "--tier", "cluster", "--memory-ceiling", ceiling,
                "--set", f"engine.max_context={max_prompt + 64}",
-               # Three ranks on two cores make one prefill chunk take tens of seconds.
-               "--set", "plugin.distributed.collective_timeout_s=600",
                "--distributed", "tensor"]
     processes = start_ranks(command, ranks, workdir, f"capacity{ranks}")
     try:
@@ -228,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         port = _free_port()
         ours = serve_and_measure(
             [sys.executable, "-m", "omlx_core", "serve", "--model", str(model_dir), "--port",
-             str(port), "--tier", "cluster", "--distributed", "tensor",
-             "--set", "plugin.distributed.collective_timeout_s=600"],
+             str(port), "--tier", "cluster", "--distributed", "tensor"],
             args.ranks, port, workdir, "omlx", model_dir.name, banned, args.max_tokens)
         port = _free_port()
         theirs = serve_and_measure(

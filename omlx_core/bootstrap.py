@@ -121,6 +121,9 @@ def start_engines(setup: Setup, model_ids: Iterable[str] | None = None, *,
         required.add(_engine_factory(plugins, config.models[model_id].engine, model_id)[1])
     plugins.require(sorted(required))
 
+    from omlx_core.grammar.configure import configure_grammar
+
+    configure_grammar(config)
     context = ServerContext(config=config, plugins=plugins)
     context.pool = build_pool(context, progress=progress)
     try:

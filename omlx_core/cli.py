@@ -40,6 +40,8 @@ def _overrides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         value = getattr(args, flag, None)
         if value is not None:
             items.append((key, str(value), f"cli --{flag.replace('_', '-')}"))
+    if getattr(args, "insecure_no_auth", None):
+        items.append(("server.insecure_no_auth", "true", "cli --insecure-no-auth"))
     distributed = getattr(args, "distributed", None)
     if distributed is not None:
         items.append(("plugin.distributed.mode", distributed, "cli --distributed"))
@@ -82,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine", metavar="NAME",
                        help="serve every model with this engine (e.g. dflash), whatever its "
                             "configuration names; `omlx-core plugins` lists the engines")
+    serve.add_argument("--insecure-no-auth", action="store_true", default=None,
+                       help="serve on an address other machines reach without any API key "
+                            "(refused otherwise: anyone on the network could use and unload "
+                            "the models)")
     serve.add_argument("--distributed", choices=("tensor", "pipeline"),
                        help="serve each model sharded over the ranks mlx.launch started "
                             "(engine 'distributed'): rank 0 serves HTTP, the others follow; "
@@ -198,9 +204,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from omlx_core.bootstrap import load_setup, served_models, start_engines, stop_engines
 
-    setup = load_setup(args.tier, args.config, _overrides(args))
+    from omlx_core.http.serve import check_exposure
+
+    overrides = _overrides(args)
+    if args.distributed:
+        stack = distributed_stack(args.tier, args.config, overrides)
+        overrides += stack
+        logging.getLogger("omlx_core").info(
+            "--distributed: serving with the cluster tier's plugin stack (%s)",
+            "; ".join(f"{key} = {value}" for key, value, _ in stack))
+    setup = load_setup(args.tier, args.config, overrides)
     for warning in setup.warnings:
         logging.getLogger("omlx_core").warning(warning)
+    check_exposure(str(setup.config["server.host"]), setup.config)  # before any model loads
     model_ids = served_models(setup, args.model)
     if args.engine or args.distributed:
         _override_engine(setup, model_ids, "distributed" if args.distributed else args.engine)
@@ -219,6 +235,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         stop_engines(context)
     return 0
+
+
+#: what ``--distributed`` takes of the ``cluster`` tier, whatever tier it is given
+CLUSTER_STACK_KEYS = ("plugins.disabled", "plugins.required", "plugin.batched.prefix_cache_budget")
+
+
+def distributed_stack(tier: str | None, files: Sequence[str],
+                      overrides: Sequence[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """Overrides that give ``serve --distributed`` the ``cluster`` tier's plugin stack
+    on top of ``tier``: what the cluster tier disables stays off (an SSD cache per rank
+    would fight over one directory, and a prefix-cache hit on one rank and a miss on
+    another would run different forwards), what it requires is required, and no prefix
+    cache. Lists are joined, so the tier's own choices stay."""
+    from omlx_core.config.loader import raw_value, read_layers
+
+    _tier, _paths, chosen = read_layers(tier, files)
+    _cluster, _paths, cluster = read_layers("cluster")
+    source = "cli --distributed (the cluster tier's plugin stack)"
+    result = []
+    for key in CLUSTER_STACK_KEYS:
+        wanted = raw_value(cluster, key)
+        given = next((text for k, text, _ in reversed(list(overrides)) if k == key), None)
+        if isinstance(wanted, list):
+            mine = (given.split(",") if given is not None
+                    else list(raw_value(chosen, key, []) or []))
+            joined = sorted({item.strip() for item in [*mine, *wanted] if item.strip()})
+            result.append((key, ",".join(joined), source))
+        else:
+            result.append((key, str(wanted), source))
+    return result
 
 
 def _rank() -> int:
@@ -391,7 +437,8 @@ def _plugin_stack(setup: Any) -> str:
 
 def _masked(rows: list[tuple[str, Any, str]]) -> list[tuple[str, Any, str]]:
     """Secrets are shown as a count, never as values."""
-    return [(k, f"<{len(v)} key(s) hidden>" if k == "server.api_keys" and v else v, s)
+    secret = ("server.api_keys", "server.admin_keys")
+    return [(k, f"<{len(v)} key(s) hidden>" if k in secret and v else v, s)
             for k, v, s in rows]
 
 

@@ -152,6 +152,10 @@ class GenerationRequest:
     #: what the engine's :meth:`Engine.prepare_images` made of the request's images
     #: (``None``: a text-only request)
     images: Any = None
+    #: the client's ``cache_salt``: an engine with a prefix cache keeps this request's
+    #: entries apart from those of every other salt and of unsalted requests, so what it
+    #: reports as cached tells a client nothing of another's prompts (``None``: unsalted)
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ the command line becomes a value, and the message when it doesn't."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -135,6 +136,10 @@ class Setting:
                 return value
         elif kind == "float":
             if isinstance(value, (int, float)) and not isinstance(value, bool):
+                # A comparison with NaN is always false: it would pass every bound and
+                # then make every decision that reads it (a timeout never ending).
+                if not math.isfinite(value):
+                    raise ValueError(f"{value!r} is not a finite number; expected {self.expected}")
                 return float(value)
         elif kind == "str":
             if isinstance(value, str):

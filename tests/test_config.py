@@ -238,3 +238,16 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects(text):
     with pytest.raises(ValueError):
         parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf"])
+def test_float_settings_refuse_nan_and_infinities(tmp_path, text):
+    bad = write(tmp_path, "bad.toml", f"""
+        base = ["base"]
+        [memory]
+        queue_timeout_s = {text}
+        """)
+    with pytest.raises(ConfigError, match=r"memory.queue_timeout_s: .* is not a finite number"):
+        load_config(str(bad), env={})
+    with pytest.raises(ConfigError, match="OMLX_MEMORY_POLL_INTERVAL_S"):
+        load_config("cpu-small", env={"OMLX_MEMORY_POLL_INTERVAL_S": text.upper()})

@@ -29,6 +29,9 @@ from conftest import start_tiny_context
 DASHBOARD_JSON = ("/dashboard/api/history", "/dashboard/api/requests",
                   "/dashboard/api/refusals", "/dashboard/api/models")
 
+#: the Host a client on loopback sends (falcon's test client sends its own site's)
+LOCAL = {"Host": "localhost"}
+
 
 @pytest.fixture(scope="module")
 def context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerContext]:
@@ -143,9 +146,9 @@ def test_the_last_refusals_are_kept_newest_first_and_found_by_request_id(context
 
 
 def test_the_json_endpoints_are_documented_and_need_a_key_when_keys_are_set(context) -> None:
-    frontend = build_frontend(context, api_keys=["k1"])
+    frontend = build_frontend(context, api_keys=["k1"], admin_keys=["a1"])
     try:
-        client = falcon.testing.TestClient(frontend.app)
+        client = falcon.testing.TestClient(frontend.app, headers=LOCAL)
         document = client.simulate_get("/openapi.json").json
         for path in DASHBOARD_JSON:
             assert "get" in document["paths"][path] and "401" in document["paths"][path]["get"]["responses"]
@@ -156,7 +159,10 @@ def test_the_json_endpoints_are_documented_and_need_a_key_when_keys_are_set(cont
         assert page.status_code == 200 and "default-src 'self'" in page.headers["content-security-policy"]
         assert client.simulate_get("/dashboard/assets/vendor/uPlot.iife.min.js").status_code == 200
         assert client.simulate_get("/dashboard/assets/../api/models").status_code == 404
-        missing = client.simulate_delete("/dashboard/api/requests/nope", headers={"x-api-key": "k1"})
+        # Cancelling another client's request is an admin action.
+        refused = client.simulate_delete("/dashboard/api/requests/nope", headers={"x-api-key": "k1"})
+        assert refused.status_code == 403 and refused.json["error"]["code"] == "admin_key_required"
+        missing = client.simulate_delete("/dashboard/api/requests/nope", headers={"x-api-key": "a1"})
         assert missing.status_code == 404 and missing.json["error"]["code"] == "request_not_found"
         bad = client.simulate_get("/dashboard/api/history", params={"since": "yesterday"},
                                   headers={"x-api-key": "k1"})
@@ -168,7 +174,7 @@ def test_the_json_endpoints_are_documented_and_need_a_key_when_keys_are_set(cont
 def test_the_models_panel_names_engine_weights_context_and_caches(context) -> None:
     frontend = build_frontend(context, api_keys=[])
     try:
-        body = falcon.testing.TestClient(frontend.app).simulate_get("/dashboard/api/models").json
+        body = falcon.testing.TestClient(frontend.app, headers=LOCAL).simulate_get("/dashboard/api/models").json
     finally:
         frontend.shutdown()
     assert body["pool"] is True
@@ -198,9 +204,9 @@ def test_the_models_panel_without_a_pool_lists_the_engines(context) -> None:
                          engines=dict(context.engines))
     frontend = build_frontend(bare, api_keys=[])
     try:
-        client = falcon.testing.TestClient(frontend.app)
+        client = falcon.testing.TestClient(frontend.app, headers=LOCAL)
         body = client.simulate_get("/dashboard/api/models").json
-        refused = client.simulate_post("/admin/models/tiny/load")
+        refused = client.simulate_post("/admin/models/tiny/load", json={})
     finally:
         frontend.shutdown()
     assert body["pool"] is False

@@ -457,7 +457,9 @@ def test_with_api_keys_a_model_action_without_the_key_is_refused(
     key = "pool-admin-key"
     context = start(tmp_path, pool_toml)
     try:
-        with HTTPServer(context, port=0, frontend=build_frontend(context, api_keys=[key])) as server:
+        # The page's buttons change the server for everyone: they need an admin key.
+        frontend = build_frontend(context, api_keys=["reader-key"], admin_keys=[key])
+        with HTTPServer(context, port=0, frontend=frontend) as server:
             browser.get(server.url + "/dashboard")
             browser.execute_script("sessionStorage.clear()")
             browser.refresh()

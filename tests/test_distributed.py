@@ -237,12 +237,12 @@ def test_a_killed_rank_ends_the_stream_with_an_error_and_the_group_exits(tmp_pat
 
 @pytest.mark.slow
 def test_a_hung_rank_ends_the_stream_with_an_error_and_rank_0_exits(tmp_path, model_dir) -> None:
-    """A rank stopped (SIGSTOP) mid-stream: rank 0's collective never returns. The
-    watchdog declares the group dead within the collective timeout: the stream ends
-    with an in-band error naming the rank, and rank 0 exits with 75 (not the GIL-free
-    backstop's 1, which a thread frozen behind the collective would leave)."""
+    """A rank stopped (SIGSTOP) mid-stream: rank 0's collective never returns, and the
+    rank's heartbeats stop. The group is declared dead within the liveness timeout: the
+    stream ends with an in-band error naming the rank, and rank 0 exits with 75 (not the
+    GIL-free backstop's 1, which a thread frozen behind the collective would leave)."""
     group = RankGroup(tmp_path, model_dir, 2, extra=[
-        "--set", "plugin.distributed.collective_timeout_s=3",
+        "--set", "plugin.distributed.liveness_timeout_s=3",
         "--set", "plugin.distributed.exit_after_s=2"])
     try:
         response, events = group.stream("/v1/completions", {**PROMPT, "max_tokens": 4000}, timeout=300)

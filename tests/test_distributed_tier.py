@@ -37,3 +37,21 @@ def test_the_cluster_tier_refuses_to_start_without_the_distributed_plugin() -> N
                                               "test")])
     with pytest.raises(PluginError, match="distributed"):
         setup.plugins.require(sorted(setup.config["plugins.required"]))
+
+
+@pytest.mark.parametrize("tier", ["cpu-small", "workstation-128gb", "cluster"])
+def test_distributed_brings_the_cluster_tiers_stack_on_any_tier(tier) -> None:
+    """`serve --distributed` without `--tier cluster` used to start with an SSD cache per
+    rank (two lost its directory lock) and a prefix cache: now it serves with the
+    cluster tier's stack, the tier's own choices kept."""
+    from omlx_core.cli import distributed_stack
+
+    overrides = [("plugins.disabled", "dflash", "test")]
+    setup = load_setup(tier, overrides=overrides + distributed_stack(tier, [], overrides))
+    loaded = {i.name for i in setup.plugins.list() if i.enabled and not i.error}
+    assert {"distributed", "batched", "estimator", "memory_guard"} <= loaded
+    assert not loaded & {"ssd_cache", "dflash", "vlm"}
+    assert {"distributed", "batched", "estimator", "memory_guard"} <= set(
+        setup.config["plugins.required"])
+    assert setup.config["plugin.batched.prefix_cache_budget"] == 0
+    assert "cluster tier" in setup.config.source("plugins.disabled")

@@ -1,5 +1,5 @@
-"""Compiled grammars: cached once per tokenizer, bounded, errors that name the field,
-compiles that cannot hang a request."""
+"""Compiled grammars: cached once per tokenizer, bounded in bytes, errors that name the
+field, compiles in worker processes that stop at their deadline."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def tokenizer(tiny_model_path):
 
 @pytest.fixture()
 def cache(tokenizer):
-    cache = GrammarCompilerCache(tokenizer, vocab_size=512, capacity=2)
+    cache = GrammarCompilerCache(tokenizer, vocab_size=512)
     yield cache
     cache.close()
 
@@ -58,15 +58,24 @@ def test_property_order_and_strictness_make_distinct_grammars(cache):
     assert len(keys) == 3
 
 
-def test_cache_keeps_the_most_recently_used_up_to_its_capacity(cache):
+def test_cache_keeps_the_most_recently_used_up_to_its_byte_budget(tokenizer, cache):
     first, second, third = (GrammarSpec.regex(p) for p in ("a+", "b+", "c+"))
     cache.compile(first)
-    cache.compile(second)
-    cache.compile(first)  # first is now the most recent
-    cache.compile(third)
-    assert len(cache) == 2 and cache.stats.evictions == 1
-    assert first in cache and third in cache and second not in cache
-    assert not cache.compile(second).cached
+    one = cache.bytes
+    assert one > 0
+    # Room for two of them (they are the same size), not three.
+    bounded = GrammarCompilerCache(tokenizer, vocab_size=512, cache_bytes=int(2.5 * one))
+    bounded.compile(first)
+    bounded.compile(second)
+    bounded.compile(first)  # first is now the most recent
+    bounded.compile(third)
+    assert len(bounded) == 2 and bounded.stats.evictions == 1
+    assert bounded.bytes <= bounded.cache_bytes
+    assert first in bounded and third in bounded and second not in bounded
+    assert not bounded.compile(second).cached
+    # A grammar larger than the whole budget is compiled, used and not kept.
+    tiny = GrammarCompilerCache(tokenizer, vocab_size=512, cache_bytes=one // 2)
+    assert tiny.compile(first).grammar is not None and len(tiny) == 0 and tiny.bytes == 0
 
 
 def test_every_kind_compiles(cache):
@@ -118,30 +127,42 @@ def test_unknown_token_in_a_structural_tag_is_named(cache):
 
 def slow_grammar() -> GrammarSpec:
     # 6000 alternatives take ~2 s to compile against the 512-token test vocabulary on
-    # one core: 40x the time limit below, so the timeout is certain.
+    # one core: several times the time limit below, so the deadline is certain.
     return GrammarSpec.ebnf("root ::= " + " | ".join(f'"word{i}" root?' for i in range(6000)),
                             field="grammar")
 
 
-def test_a_compile_past_the_time_limit_raises_and_finishes_in_the_background(tokenizer):
-    cache = GrammarCompilerCache(tokenizer, vocab_size=512, compile_timeout_s=0.05)
+def test_a_compile_past_its_deadline_is_stopped_and_its_worker_killed(tokenizer):
+    from omlx_core.grammar.compile_queue import compile_queue
+
+    queue = compile_queue()
+    cache = GrammarCompilerCache(tokenizer, vocab_size=512, compile_timeout_s=0.3)
+    cache.compile(GrammarSpec.regex("warm"))  # a worker is running
+    before = set(queue.worker_pids())
+    killed = queue.killed
+    spec = slow_grammar()
+    with pytest.raises(GrammarCompileTimeout) as caught:
+        cache.compile(spec)
+    assert caught.value.field == "grammar" and "0.3 s" in caught.value.message
+    assert "grammar.compile_timeout_s" in caught.value.message
+    assert spec not in cache and cache.stats.timeouts == 1 and queue.killed == killed + 1
+    # The process that ran it is gone, and what it held with it.
+    gone = before - set(queue.worker_pids())
+    assert len(gone) == 1 and not _alive(gone.pop())
+    # The next grammar compiles in a fresh worker.
+    assert cache.compile(GrammarSpec.regex("(yes|no)")).grammar is not None
+
+
+def _alive(pid: int) -> bool:
+    import os
+
     try:
-        spec = slow_grammar()
-        with pytest.raises(GrammarCompileTimeout) as caught:
-            cache.compile(spec)
-        assert spec not in cache, "the caller waited for the compile instead of its time limit"
-        assert caught.value.field == "grammar" and "0.05 s" in caught.value.message
-        assert cache.stats.timeouts == 1
-        # A retry while it compiles waits on the same compile rather than starting another.
-        with pytest.raises(GrammarCompileTimeout):
-            cache.compile(spec)
-        assert cache.stats.misses == 2 and len(cache._inflight) <= 1
-        deadline = time.monotonic() + 120
-        while spec not in cache and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert cache.compile(spec).cached
-    finally:
-        cache.close()
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie that was reaped is gone; one that was not would still answer
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
 
 
 def test_vocab_size_is_the_logits_width_not_the_tokenizer_size(tokenizer):
@@ -179,3 +200,29 @@ def test_a_hugging_face_tokenizer_works_as_well_as_mlx_lms_wrapper(tokenizer, tm
         assert cache.compile(GrammarSpec.regex("(yes|no)")).grammar is not None
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("installed, warned", [("0.2.8", False), ("0.2.9", True), ("0.1.25", True),
+                                               (None, False)])
+def test_an_xgrammar_release_other_than_the_tested_one_is_warned_about(monkeypatch, caplog,
+                                                                       installed, warned):
+    from importlib.metadata import PackageNotFoundError
+
+    from omlx_core.grammar import compiler
+
+    def version(name):
+        assert name == "xgrammar"
+        if installed is None:
+            raise PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(compiler, "version", version)
+    monkeypatch.setattr(compiler, "XGRAMMAR_TESTED", "0.2.8")
+    with caplog.at_level("WARNING", logger="omlx_core.grammar.compiler"):
+        warning = compiler.check_xgrammar_version()
+    if not warned:
+        assert warning is None and not caplog.records
+        return
+    assert warning is not None and f"xgrammar {installed} is installed" in warning
+    assert "pip install --no-deps 'xgrammar==0.2.8'" in warning
+    assert [r.levelname for r in caplog.records] == ["WARNING"]

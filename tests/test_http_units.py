@@ -9,6 +9,7 @@ import pytest
 
 from omlx_core.http.errors import (APIError, anthropic_error_body, install_error_handlers,
                                    openai_error_body)
+from omlx_core.grammar import GrammarBusy
 from omlx_core.memory.types import Rejection, RequestRejected
 from omlx_core.serving import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST, MESSAGES_REQUEST
@@ -127,7 +128,9 @@ def rejected(stage: str, cause: str) -> RequestRejected:
     ("admission", "queue_timeout", 503, "admission_queue_timeout"),
     ("forward", "memory_short", 503, "forward_memory_short"),
     ("forward", "over_limit", 503, "forward_over_limit"),
-    ("forward", "no_estimate", 503, "forward_no_estimate"),
+    # No plugin estimates the model: no retry can help, so no Retry-After.
+    ("forward", "no_estimate", 500, "model_not_estimable"),
+    ("preflight", "no_estimate", 500, "model_not_estimable"),
 ])
 def test_a_memory_refusal_is_coded_by_its_stage_and_cause(raising, stage, cause, status,
                                                           code) -> None:
@@ -137,12 +140,12 @@ def test_a_memory_refusal_is_coded_by_its_stage_and_cause(raising, stage, cause,
     anthropic = client.simulate_post("/v1/messages")
     for response in (openai, anthropic):
         assert response.status_code == status
-        assert response.headers.get("retry-after") == (None if status == 413 else "3")
+        assert response.headers.get("retry-after") == (None if status != 503 else "3")
     assert openai.json["error"]["code"] == code and openai.json["error"]["stage"] == stage
     assert openai.json["error"]["cause"] == cause and openai.json["error"]["advice"] == ["wait"]
     assert anthropic.json["type"] == "error" and anthropic.json["error"]["code"] == code
-    assert anthropic.json["error"]["type"] == ("request_too_large" if status == 413
-                                               else "overloaded_error")
+    assert anthropic.json["error"]["type"] == {413: "request_too_large", 500: "api_error",
+                                               503: "overloaded_error"}[status]
 
 
 @pytest.mark.parametrize("error, status, code, param", [
@@ -151,6 +154,9 @@ def test_a_memory_refusal_is_coded_by_its_stage_and_cause(raising, stage, cause,
     (RequestAborted("the server is shutting down"), 503, "aborted", None),
     (EngineFailed("the engine died"), 500, "engine_error", None),
     (ZeroDivisionError("a bug"), 500, "internal_error", None),
+    # only what a client sent nests deep enough to exhaust the parser's recursion
+    (RecursionError("maximum recursion depth exceeded"), 400, "nested_too_deep", None),
+    (GrammarBusy("the grammar compile queue is full", 4.2), 503, "grammar_compile_busy", None),
 ])
 def test_every_error_is_one_of_falcons_in_both_shapes(raising, error, status, code,
                                                       param) -> None:
@@ -164,6 +170,8 @@ def test_every_error_is_one_of_falcons_in_both_shapes(raising, error, status, co
     assert anthropic.json["error"]["code"] == code
     if isinstance(error, ZeroDivisionError):  # a bug keeps its details in the log
         assert "a bug" not in openai.text and "ZeroDivisionError" in openai.text
+    if isinstance(error, GrammarBusy):  # the compile queue is full now: retry later
+        assert openai.headers["retry-after"] == "5"
 
 
 def test_our_errors_are_falcons_error_classes() -> None:
@@ -190,7 +198,8 @@ def test_api_keys_come_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("OMLX_SERVER_API_KEYS", "env-key-1,env-key-2")
     setup = load_setup("cpu-small")
     client = falcon.testing.TestClient(build_frontend(ServerContext(setup.config,
-                                                                    setup.plugins)).app)
+                                                                    setup.plugins)).app,
+                                       headers={"Host": "localhost"})
     assert client.simulate_get("/v1/models").status_code == 401
     assert client.simulate_get("/v1/models", headers={"x-api-key": "env-key-2"}).status_code == 200
     assert client.simulate_get(

@@ -221,3 +221,21 @@ def test_an_admission_refusal_advises_a_ceiling_under_which_it_is_admitted(plugi
     target = re.search(r"to at least ([\d.]+) GiB", text)
     assert target and float(target.group(1)) * 1024 >= 950 / 0.9, text
     assert "serve --memory-ceiling 1280MiB" in text, text
+
+
+@pytest.mark.parametrize("tier, expected", [
+    ("safe", "raise the memory tier to 'balanced' or 'aggressive' (memory.tier)"),
+    ("balanced", "raise the memory tier to 'aggressive' (memory.tier)"),
+    ("aggressive", None),
+])
+def test_dynamic_binding_also_says_raise_the_memory_tier(plugins, tier, expected):
+    """The dynamic ceiling is the tier's share of what is free: a tier above takes more
+    (the design history's rung, which the advice lacked)."""
+    b = CeilingBreakdown(static=40 * GIB, dynamic=int(36.7 * GIB), tier=tier,
+                         total_ram=48 * GIB, reclaimable=12 * GIB, own_footprint=int(31.2 * GIB))
+    [text] = advise(plugins, rejection(b))
+    assert "Close other applications" in text
+    if expected is None:
+        assert "memory tier" not in text
+    else:
+        assert expected in text

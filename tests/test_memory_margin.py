@@ -24,7 +24,9 @@ GIB = 1024**3
 @pytest.mark.parametrize("tier, hard, expected", [
     ("cpu-small", 15 * GIB, 64 * MIB),             # the floor: CPU footprint slack
     ("laptop-16gb", 12 * GIB, int(0.05 * 12 * GIB)),
-    ("workstation-128gb", 108 * GIB, int(0.10 * 108 * GIB)),  # > the 10.6 GB spike seen
+    # The design history's 128 GB Mac: Metal cap 107.5 GB, a 10.6 GB spike, 12 GB settled on.
+    ("workstation-128gb", int(107.5e9), 12 * GIB),
+    ("workstation-128gb", 160 * GIB, 16 * GIB),  # a larger limit: its 10 %
     ("cuda-80gb", 76 * GIB, int(0.05 * 76 * GIB)),
 ])
 def test_the_margin_scales_with_the_machine_the_tier_is_for(tier, hard, expected) -> None:

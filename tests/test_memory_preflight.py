@@ -140,15 +140,39 @@ def test_no_limits_yet_means_no_refusal():
     guard.preflight(Engine(), "early", tokens(10**6))
 
 
-def test_without_an_estimator_requests_pass_and_the_gap_is_logged_once(caplog):
+def test_without_an_estimate_a_request_is_refused_for_good_and_the_gap_is_logged_once(caplog):
+    """The forward gate refuses every chunk it cannot estimate: preflight says so at once,
+    not retryable (a retry meets the same gap), naming the model and what to fix."""
     plugins = PluginManager()
     plugins.register(memory_guard_plugin, "memory_guard")
     guard = MemoryGuard(plugins, load_config(tier="cpu-small", env={}), mlx_cache=lambda: 0)
     guard.update(Setup().guard.snapshot)
     with caplog.at_level(logging.WARNING, logger="omlx_core.memory.guard"):
-        guard.preflight(Engine(), "a", tokens(10**6))
-        guard.preflight(Engine(), "b", tokens(10**6))
-    assert sum("no estimate_peak plugin" in r.getMessage() for r in caplog.records) == 1
+        for request_id in ("a", "b"):
+            with pytest.raises(RequestRejected) as refused:
+                guard.preflight(Engine(), request_id, tokens(10))
+            assert refused.value.rejection.cause == "no_estimate"
+            assert not refused.value.retryable and refused.value.retry_after_s is None
+            assert "'tiny'" in str(refused.value) and "estimator" in str(refused.value)
+    assert sum("no estimate_peak plugin" in r.getMessage() for r in caplog.records) == 3
+    assert sum("refused request" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_preflight_and_admission_refusals_are_logged_at_warning(setup, caplog):
+    with caplog.at_level(logging.WARNING, logger="omlx_core.memory.guard"):
+        with pytest.raises(RequestRejected):
+            setup.guard.preflight(Engine(), "too-big", tokens(900))
+        setup.guard.admission.timeout_s = 0.05
+        first = setup.guard.admit(Engine(), "a", tokens(500), max_tokens=0)
+        with pytest.raises(RequestRejected):
+            setup.guard.admit(Engine(), "waits", tokens(400), max_tokens=0)
+        first.release()
+    refusals = [r for r in caplog.records if r.levelno == logging.WARNING
+                and r.getMessage().startswith("refused request")]
+    assert [r.getMessage().split()[2] for r in refusals] == ["too-big", "waits"]
+    assert "at preflight (never_fits)" in refusals[0].getMessage()
+    assert "custom ceiling binds" in refusals[0].getMessage()
+    assert "at admission (queue_timeout)" in refusals[1].getMessage()
 
 
 def test_a_third_party_preflight_rejection_gets_the_advice_ladder(setup):

@@ -20,7 +20,9 @@ import pytest
 from omlx_core.bootstrap import close_engine, create_engine, load_setup
 from omlx_core.config.keep_alive import parse_keep_alive
 from omlx_core.memory.admission import AdmissionQueue
-from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, RequestRejected
+from omlx_core.hookspecs import hookimpl
+from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, Rejection, RequestRejected
+from omlx_core.models.errors import ModelError
 from omlx_core.models.registry import resolve_model
 from omlx_core.pool import AVAILABLE, FAILED, RESIDENT, ModelLoadFailed, ModelPool
 from omlx_core.server_context import ServerContext
@@ -355,7 +357,7 @@ def served(context: ServerContext) -> Iterator[str]:
     from omlx_core.http.serve import HTTPServer
 
     make_pool(context, None).start()
-    frontend = build_frontend(context, api_keys=["sekrit"])
+    frontend = build_frontend(context, admin_keys=["sekrit"])
     with HTTPServer(context, port=0, frontend=frontend) as server:
         yield server.url
 
@@ -410,7 +412,7 @@ def test_a_chat_loads_its_model_and_a_bad_keep_alive_is_a_400_naming_it(served, 
     assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
     record = context.pool.record("tiny-b")
     assert record.state == RESIDENT and record.keep_alive_s is None
-    status, health, _ = _http(served, "GET", "/health")
+    status, health, _ = _http(served, "GET", "/health", key="sekrit")
     assert status == 200 and health["pool"]["models"]["tiny-b"]["state"] == RESIDENT
     request = urllib.request.Request(served + "/metrics",
                                      headers={"Authorization": "Bearer sekrit"})
@@ -523,7 +525,8 @@ def held(tmp_path: Path, model_dirs: dict[str, Path]) -> Iterator[tuple[str, Hel
             close_engine(context, model_id)
 
 
-def _open_stream(url: str, model_id: str, max_tokens: int = 4) -> Any:
+def _send_stream(url: str, model_id: str, max_tokens: int = 4) -> Any:
+    """A streamed chat sent; its answer not read yet."""
     import http.client
     from urllib.parse import urlparse
 
@@ -532,29 +535,35 @@ def _open_stream(url: str, model_id: str, max_tokens: int = 4) -> Any:
     connection.request("POST", "/v1/chat/completions", json.dumps({
         "model": model_id, "stream": True, "max_tokens": max_tokens,
         "messages": [{"role": "user", "content": "hi"}]}), {"Content-Type": "application/json"})
+    return connection
+
+
+def _open_stream(url: str, model_id: str, max_tokens: int = 4) -> Any:
+    connection = _send_stream(url, model_id, max_tokens)
     return connection, connection.getresponse()
 
 
-def _read_keepalives(response: Any, count: int) -> None:
-    seen = 0
-    while seen < count:
-        line = response.readline()
-        assert line, "the stream ended before its keep-alives"
-        assert not line.startswith(b"data:"), line
-        seen += line.startswith(b": keepalive")
+def _nothing_sent(connection: Any, loads: HeldLoads, model_id: str) -> bool:
+    """Whether the server has sent no byte while the load of ``model_id`` is held (and
+    the request waits for it) for five keep-alive intervals."""
+    import select
+
+    record = loads.context.pool.record(model_id)
+    assert wait_for(lambda: record.state == "loading" and record.waiters == 1)
+    readable, _, _ = select.select([connection.sock], [], [], 1.0)
+    return not readable
 
 
-def test_a_stream_waiting_for_its_models_load_gets_keepalives_then_its_tokens(held):
+def test_a_stream_waiting_for_its_models_load_starts_once_the_model_is_loaded(held):
     url, loads, _ = held
-    connection, response = _open_stream(url, "tiny-b")
+    connection = _send_stream(url, "tiny-b")
     with contextlib.closing(connection):
-        # The status line and keep-alives come while the load is still held.
+        # Not a byte while the load is held: a refusal could still come as a status.
+        assert _nothing_sent(connection, loads, "tiny-b")
+        loads.release.set()
+        response = connection.getresponse()
         assert response.status == 200
         assert response.getheader("Content-Type").startswith("text/event-stream")
-        _read_keepalives(response, 2)
-        record = loads.context.pool.record("tiny-b")
-        assert record.state == "loading" and record.waiters == 1
-        loads.release.set()
         body = response.read().decode()
     events = [json.loads(line[6:]) for line in body.splitlines()
               if line.startswith("data: {")]
@@ -563,39 +572,81 @@ def test_a_stream_waiting_for_its_models_load_gets_keepalives_then_its_tokens(he
     assert body.rstrip().endswith("data: [DONE]")
 
 
-def test_a_load_that_fails_after_the_stream_began_ends_it_with_an_error_naming_the_model(held):
+def test_a_load_that_fails_while_a_stream_waits_is_its_status_naming_the_model(held):
     url, loads, frontend = held
-    connection, response = _open_stream(url, "tiny-b")
+    connection = _send_stream(url, "tiny-b")
     with contextlib.closing(connection):
-        assert response.status == 200
-        _read_keepalives(response, 1)
-        loads.failure = RuntimeError("unsupported architecture 'mystery'")
+        assert _nothing_sent(connection, loads, "tiny-b")
+        loads.failure = ModelError("unsupported architecture 'mystery'")
         loads.release.set()
-        body = response.read().decode()
-    errors = [json.loads(line[6:])["error"] for line in body.splitlines()
-              if line.startswith("data: {") and '"error"' in line]
-    assert len(errors) == 1, body
-    assert errors[0]["code"] == "model_load_failed"
-    assert "tiny-b" in errors[0]["message"] and "mystery" in errors[0]["message"]
-    assert body.rstrip().endswith("data: [DONE]")
+        response = connection.getresponse()
+        assert response.status == 500
+        error = json.loads(response.read())["error"]
+    assert error["code"] == "model_load_failed"
+    assert "tiny-b" in error["message"] and "mystery" in error["message"]
     assert loads.context.pool.record("tiny-b").state == FAILED
     assert len(frontend.pipeline.in_flight) == 0
 
 
 def test_unloading_a_model_that_is_loading_is_a_409_naming_it(held):
     url, loads, _ = held
-    connection, response = _open_stream(url, "tiny-b")
+    connection = _send_stream(url, "tiny-b")
     with contextlib.closing(connection):
-        assert response.status == 200
-        _read_keepalives(response, 1)
+        assert _nothing_sent(connection, loads, "tiny-b")
         assert loads.context.pool.record("tiny-b").state == "loading"
         status, body, _ = _http(url, "POST", "/admin/models/tiny-b/unload")
         loads.release.set()
-        response.read()
+        connection.getresponse().read()
     assert status == 409, body
     error = body["error"]
     assert error["code"] == "model_busy" and error["type"] == "invalid_request_error"
     assert "tiny-b" in error["message"] and "is loading" in error["message"]
+
+
+def test_an_unexpected_load_failure_keeps_its_text_in_the_log(held, caplog):
+    url, loads, _ = held
+    connection = _send_stream(url, "tiny-b")
+    with contextlib.closing(connection):
+        assert _nothing_sent(connection, loads, "tiny-b")
+        loads.failure = RuntimeError("secret detail at /home/someone/models/x")
+        loads.release.set()
+        error = json.loads(connection.getresponse().read())["error"]
+    assert error["code"] == "model_load_failed" and "RuntimeError" in error["message"]
+    assert "secret detail" not in error["message"] and "/home" not in error["message"]
+    assert "secret detail at /home/someone/models/x" in caplog.text
+
+
+class RefuseTinyB:
+    """A preflight that finds every request for tiny-b too large (a ceiling it can never fit)."""
+
+    @hookimpl
+    def preflight(self, request: Any) -> None:
+        if request.model_id == "tiny-b":
+            raise RequestRejected(Rejection(
+                estimated_bytes=1 << 40, limit_bytes=1 << 30, breakdown=None,
+                request_id=request.request_id, model_id=request.model_id,
+                prompt_tokens=request.prompt_tokens, stage="preflight"))
+
+
+def test_a_stream_whose_load_outlasts_the_keepalive_still_gets_its_413_as_the_status(held):
+    from omlx_core.memory.guard import MemoryGuard
+
+    url, loads, _ = held
+    refuse = RefuseTinyB()
+    context = loads.context
+    context.plugins.register(refuse, "refuse-tiny-b")
+    context.memory_guard = MemoryGuard(context.plugins, context.config)
+    try:
+        connection = _send_stream(url, "tiny-b")
+        with contextlib.closing(connection):
+            assert _nothing_sent(connection, loads, "tiny-b")
+            loads.release.set()
+            response = connection.getresponse()
+            assert response.status == 413, response.read()
+            assert json.loads(response.read())["error"]["code"] == "prefill_memory_exceeded"
+    finally:
+        context.memory_guard = None
+        context.plugins.unregister(refuse)
 
 
 def test_a_model_load_refused_at_once_is_still_an_http_status_on_a_stream(held):
@@ -608,8 +659,8 @@ def test_a_model_load_refused_at_once_is_still_an_http_status_on_a_stream(held):
 
 def test_a_client_that_leaves_while_its_model_loads_leaves_nothing_running(held):
     url, loads, frontend = held
-    connection, response = _open_stream(url, "tiny-b", max_tokens=100_000)
-    _read_keepalives(response, 1)
+    connection = _send_stream(url, "tiny-b", max_tokens=100_000)
+    assert _nothing_sent(connection, loads, "tiny-b")
     connection.close()
     loads.release.set()
     record = loads.context.pool.record("tiny-b")

@@ -777,3 +777,39 @@ def test_keys_past_the_vocabulary_are_indexed_as_they_are(tmp_path):
     found = [(h, tuple(t)) for h, t in restarted.continuations(memory.root)]
     assert found == [(hashes[0], tuple(tokens[:BLOCK]))]
     restarted.close()
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_only_the_owner_may_read_the_cache(tmp_path):
+    """Blocks hold KV and their metadata the token ids of prompts: directories 0700, files
+    0600, whatever the umask, and an older cache's looser modes are tightened at start."""
+    import os
+
+    root = tmp_path / "ssd" / "model-x"
+    old_umask = os.umask(0o022)
+    try:
+        store = make_store(root)
+        block = make_block(0, seed=3, boundary=True)
+        store.save_snapshot("req-a", 0, block.block_hash, block.end_token, block.boundary)
+        store.put(block)
+        store.put(make_block(1, seed=4))
+        assert store.flush(10)
+        for directory in (root.parent, root, store.blocks_dir, store.snapshots_dir):
+            assert _mode(directory) == 0o700, directory
+        files = [p for p in root.rglob("*") if p.is_file()]
+        assert len(files) >= 3 and all(_mode(p) == 0o600 for p in files), \
+            {p.name: oct(_mode(p)) for p in files}
+        store.close()
+        # A cache an older version wrote: world-readable, tightened by the next start.
+        for path in [root, store.blocks_dir, *store.blocks_dir.iterdir()]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        again = make_store(root)
+        assert again.stats()["blocks"] == 2
+        assert _mode(root) == 0o700 and _mode(again.blocks_dir) == 0o700
+        assert all(_mode(p) == 0o600 for p in again.blocks_dir.iterdir())
+        again.close()
+    finally:
+        os.umask(old_umask)

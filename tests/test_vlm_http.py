@@ -186,9 +186,10 @@ def bad_request(client, messages, model=VLM):
 
 
 BAD_IMAGES = {
-    "not an image": (b"plain text, certainly not a picture " * 4, "not a decodable image"),
+    "not an image": (b"plain text, certainly not a picture " * 4,
+                     "not a PNG, JPEG, GIF, WebP or BMP image"),
     "truncated": (png_bytes(5, (200, 150))[:400], "broken or truncated"),
-    "zero by zero": (png_declaring(0, 0), "not a decodable image|0x0"),
+    "zero by zero": (png_declaring(0, 0), "not a decodable image|not a PNG|0x0"),
     "20k x 20k": (png_declaring(20_000, 20_000), f"over the {MAX_PIXELS} limit"),
     "decompression bomb": (png_declaring(3000, 3000), f"over the {MAX_PIXELS} limit"),
     "too many bytes": (png_bytes(6, (400, 400)), "limit per image"),

@@ -108,3 +108,43 @@ def test_a_swap_between_the_check_and_the_open_is_caught(dirs, monkeypatch, swap
         read_bytes(part, limits)
     assert "not in the directories" in str(caught.value)
     assert "secret bytes" not in str(caught.value)
+
+
+# -- which formats are decoded ---------------------------------------------------------------
+
+
+def _encoded(fmt: str) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 3), (200, 10, 10)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+DECODE_LIMITS = ImageLimits(max_images=4, max_image_pixels=1 << 20, max_image_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "WEBP", "BMP"])
+def test_the_common_web_formats_are_decoded(fmt) -> None:
+    part = ImagePart(0, "messages[0].content[1]", data=_encoded(fmt))
+    assert images.decode(part, part.data, DECODE_LIMITS).size == (4, 3)
+
+
+@pytest.mark.parametrize("data", [
+    _encoded("TIFF"), _encoded("ICO"), _encoded("PPM"),
+    # PostScript: PIL's EPS plugin would hand it to Ghostscript when decoding
+    b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 4 3\nshowpage\n",
+], ids=["tiff", "ico", "ppm", "eps"])
+def test_other_formats_are_refused_before_any_decoder_sees_them(data, monkeypatch) -> None:
+    from PIL import EpsImagePlugin
+
+    opened: list[bytes] = []
+    monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open",
+                        lambda self: opened.append(b"eps") or (_ for _ in ()).throw(SyntaxError()))
+    part = ImagePart(0, "messages[0].content[1]", data=data)
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[1\]: not a PNG, JPEG, GIF, "
+                                         r"WebP or BMP image"):
+        images.decode(part, data, DECODE_LIMITS)
+    assert opened == []

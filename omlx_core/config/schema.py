@@ -68,6 +68,15 @@ CORE_SETTINGS: list[Setting] = [
             "starts anyway and sends a keep-alive comment this often until it comes",
             minimum=0.05, maximum=300),
     Setting("server.api_keys", "list", "accepted API keys; empty means no authentication"),
+    Setting("server.admin_keys", "list", "keys for what changes the server for everyone "
+            "(/admin/*: load, unload, pin; cancelling requests); accepted as API keys too. "
+            "With API keys set and none of these, those routes are refused"),
+    Setting("server.allowed_hosts", "list", "Host names answered besides loopback names and "
+            "the bound address (others get 421: DNS rebinding); \"*\" answers any"),
+    Setting("server.cors_origins", "list", "browser origins allowed to call the API "
+            "(CORS, e.g. \"http://localhost:3000\"); empty: none, \"*\": any"),
+    Setting("server.insecure_no_auth", "bool", "serve on an address other machines reach "
+            "without any API key (refused at start otherwise)"),
     Setting("server.models", "list", "model ids loaded at start (pinned unless their "
             "[models.<id>] says pinned = false); the first is the default"),
     Setting("server.model_dirs", "list", "directories whose mlx-lm / mlx-vlm model "
@@ -113,6 +122,28 @@ CORE_SETTINGS: list[Setting] = [
             "engine names allowed to run without the memory guard's cooperation (no memory "
             "hints, no forward gate); empty: such engines are refused at start"),
     *(s for tier in MEMORY_TIERS for s in _tier_settings(tier)),
+    Setting("grammar.max_grammar_bytes", "size", "largest grammar compiled (a response_format "
+            "schema, regex or EBNF, or a request's tool definitions); larger ones get 400",
+            minimum=64),
+    Setting("grammar.max_alternatives", "int", "most entries in one enum, anyOf or oneOf of "
+            "a grammar", minimum=1),
+    Setting("grammar.max_total_alternatives", "int", "most enum, anyOf and oneOf entries in "
+            "a whole grammar", minimum=1),
+    Setting("grammar.max_depth", "int", "deepest nesting of a grammar's JSON", minimum=2,
+            maximum=512),
+    Setting("grammar.compile_timeout_s", "float", "a grammar compile running longer is "
+            "stopped (its worker process killed) and the request gets 400", minimum=0.1,
+            maximum=3600),
+    Setting("grammar.compile_memory_limit", "size", "a grammar compile taking more memory "
+            "is stopped and the request gets 400", minimum=16 * 1024**2),
+    Setting("grammar.compile_workers", "int", "processes compiling grammars at once",
+            minimum=1, maximum=64),
+    Setting("grammar.compile_queue_size", "int", "grammar compiles that may wait; past "
+            "that, 503 with Retry-After", minimum=0),
+    Setting("grammar.compile_queue_per_client", "int", "grammar compiles one client may "
+            "have waiting or running at once (clients: API keys, else addresses)", minimum=1),
+    Setting("grammar.cache_size", "size", "bytes of compiled grammars kept per model's "
+            "tokenizer (least recently used evicted first)"),
     Setting("engine.max_tokens", "int", "completion tokens when a request sets none", minimum=1),
     Setting("engine.kv_bits", "int", KV_BITS_DOC, check=check_kv_bits),
     Setting("engine.kv_group_size", "int", KV_GROUP_DOC, check=check_kv_group_size),

@@ -40,8 +40,8 @@ class Refusal:
     at: float
     request_id: str
     model_id: str
-    #: 413 (can never fit here) or 503 (memory short now: before the first byte, or an
-    #: in-band error after it)
+    #: 413 (can never fit here), 503 (memory short now: before the first byte, or an
+    #: in-band error after it) or 500 (no plugin estimates the model)
     status: int
     stage: str
     cause: str
@@ -58,7 +58,8 @@ class Refusal:
     def of(cls, error: RequestRejected, model_id: str, at: float) -> Refusal:
         rejection = error.rejection
         return cls(at=at, request_id=rejection.request_id, model_id=rejection.model_id or model_id,
-                   status=413 if rejection.stage == "preflight" else 503, stage=rejection.stage,
+                   status=(500 if rejection.cause == "no_estimate" else
+                           503 if error.retryable else 413), stage=rejection.stage,
                    cause=rejection.cause, binding_ceiling=rejection.binding,
                    estimated_bytes=rejection.estimated_bytes, base_bytes=rejection.base_bytes,
                    limit_bytes=rejection.limit_bytes, prompt_tokens=rejection.prompt_tokens,

@@ -4,15 +4,19 @@ per-request constraint that masks one row of logits, and tool-call formats.
 xgrammar is the optional ``grammar`` extra; it imports without torch thanks to
 :mod:`omlx_core.grammar.torch_stub`, which :func:`import_xgrammar` installs first.
 Importing this package does not import xgrammar. Tool-call formats, their grammars and
-the streaming parser are in :mod:`omlx_core.grammar.toolcalls`.
+the streaming parser are in :mod:`omlx_core.grammar.toolcalls`. What a grammar may be is
+capped (:mod:`~omlx_core.grammar.limits`), and compiles wait in a bounded, fair queue for
+worker processes that stop them at their deadline (:mod:`~omlx_core.grammar.compile_queue`,
+:mod:`~omlx_core.grammar.compile_worker`); :func:`~omlx_core.grammar.configure.configure_grammar`
+applies a server's ``[grammar]`` settings.
 """
 
 from omlx_core.grammar.compiler import (
-    DEFAULT_CACHE_SIZE,
-    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_CACHE_BYTES,
     DEFAULT_MAX_WHITESPACE,
     Compiled,
     CompilerStats,
+    GrammarBusy,
     GrammarCompileTimeout,
     GrammarCompilerCache,
     GrammarError,
@@ -32,11 +36,11 @@ from omlx_core.grammar.constraint import (
 )
 
 __all__ = [
-    "DEFAULT_CACHE_SIZE",
-    "DEFAULT_COMPILE_TIMEOUT_S",
+    "DEFAULT_CACHE_BYTES",
     "DEFAULT_MAX_WHITESPACE",
     "Compiled",
     "CompilerStats",
+    "GrammarBusy",
     "GrammarCompileTimeout",
     "GrammarCompilerCache",
     "GrammarConstraint",

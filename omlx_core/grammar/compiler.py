@@ -1,10 +1,14 @@
-"""Grammar compilation with xgrammar: one compiler per tokenizer, a bounded LRU of compiled
-grammars, and a compile time limit.
+"""Grammar compilation with xgrammar: one cache per tokenizer, bounded in bytes, of
+grammars compiled in worker processes that stop at their deadline.
 
 Compiling a grammar against a vocabulary costs milliseconds to seconds (a large JSON
 schema against a 150k-token vocabulary), so each distinct grammar is compiled once per
-tokenizer and kept. Every failure is a :class:`GrammarError` naming the request field
-it came from, which the HTTP layer turns into a 400.
+tokenizer and kept. Before that, a grammar is checked against the caps in
+:mod:`omlx_core.grammar.limits`; its compile waits its turn in
+:mod:`omlx_core.grammar.compile_queue` and runs in a
+:mod:`~omlx_core.grammar.compile_worker` process. Every failure is a
+:class:`GrammarError` naming the request field it came from, which the HTTP layer turns
+into a 400; a full queue is :class:`GrammarBusy` (503).
 """
 
 from __future__ import annotations
@@ -13,32 +17,40 @@ import json
 import logging
 import re
 import threading
-import time
+import uuid
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal, Sequence
 
 from omlx_core.grammar import torch_stub
+from omlx_core.grammar.compile_queue import CompileJob, compile_client, compile_queue
+from omlx_core.grammar.compile_worker import CompileFailed, compile_request
+from omlx_core.grammar.errors import (GrammarBusy, GrammarCompileTimeout, GrammarError,
+                                      GrammarUnavailable)
+from omlx_core.grammar.limits import current_limits
 from omlx_core.models.loader import hf_tokenizer
+from omlx_core.settings import format_size
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "DEFAULT_CACHE_SIZE",
-    "DEFAULT_COMPILE_TIMEOUT_S",
+    "DEFAULT_CACHE_BYTES",
     "DEFAULT_MAX_WHITESPACE",
     "Compiled",
     "CompilerStats",
+    "GrammarBusy",
     "GrammarCompileTimeout",
     "GrammarCompilerCache",
     "GrammarError",
     "GrammarSpec",
     "GrammarUnavailable",
+    "check_xgrammar_version",
     "compiler_for",
+    "configure_cache_bytes",
     "import_xgrammar",
     "json_safe_strings",
     "special_token_ids",
@@ -48,8 +60,8 @@ __all__ = [
 GrammarKind = Literal["json_schema", "any_json", "regex", "ebnf", "structural_tag"]
 KINDS: tuple[str, ...] = ("json_schema", "any_json", "regex", "ebnf", "structural_tag")
 
-DEFAULT_CACHE_SIZE = 128
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
+#: bytes of compiled grammars a cache keeps (``grammar.cache_size``)
+DEFAULT_CACHE_BYTES = 256 * 1024**2
 # Whitespace between JSON tokens is free in JSON, and a model that is unsure (or knows
 # nothing, like a random test model) can fill an output with it forever. 16 characters
 # still fit pretty-printed output a few levels deep.
@@ -57,34 +69,12 @@ DEFAULT_MAX_WHITESPACE = 16
 # OpenAI's json_object: valid JSON, in practice an object; arrays are allowed as xgrammar's
 # built-in JSON grammar allows them, but that grammar cannot bound whitespace.
 ANY_JSON_SCHEMA = '{"type":["object","array"]}'
-# Compiles run beside the MLX thread on a machine whose cores also decode: two at a time
-# keeps one pathological grammar from starving the rest without taking over the CPU.
-COMPILE_WORKERS = 2
-
 # The release the torch stub and the workarounds below are tested with (setup.sh pins it).
 XGRAMMAR_TESTED = "0.2.8"
 INSTALL_HINT = (
     "install the grammar extra without torch: pip install 'omlx-core[grammar]' && "
     f"pip install --no-deps 'xgrammar=={XGRAMMAR_TESTED}' (./setup.sh does both)"
 )
-
-
-class GrammarError(ValueError):
-    """A grammar (schema, regex, EBNF, tool definition) that cannot be used, and which
-    request field it came from."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-class GrammarCompileTimeout(GrammarError):
-    """Compiling the grammar took longer than the compile time limit."""
-
-
-class GrammarUnavailable(RuntimeError):
-    """xgrammar is not installed, so constrained decoding is off on this server."""
 
 
 _xgrammar: Any = None
@@ -105,22 +95,26 @@ def import_xgrammar() -> Any:
                 raise GrammarUnavailable(
                     f"structured output needs xgrammar, which does not import ({exc}); {INSTALL_HINT}"
                 ) from exc
-            _warn_on_version_drift()
+            check_xgrammar_version()
             _xgrammar = xgrammar
     return _xgrammar
 
 
-def _warn_on_version_drift() -> None:
-    from importlib.metadata import PackageNotFoundError, version
-
+def check_xgrammar_version() -> str | None:
+    """Log a warning, and return it, when the installed xgrammar is not the release the
+    torch stub and the workarounds here are tested with (``None``: it is, or none is
+    installed)."""
     try:
         installed = version("xgrammar")
     except PackageNotFoundError:
-        return
-    if installed != XGRAMMAR_TESTED:
-        log.warning("xgrammar %s is installed; omlx-core's torch stub and grammar workarounds are "
-                    "tested with %s. If constrained decoding misbehaves, pip install --no-deps "
-                    "'xgrammar==%s'", installed, XGRAMMAR_TESTED, XGRAMMAR_TESTED)
+        return None
+    if installed == XGRAMMAR_TESTED:
+        return None
+    warning = (f"xgrammar {installed} is installed; omlx-core's torch stub and grammar "
+               f"workarounds are tested with {XGRAMMAR_TESTED}. If constrained decoding "
+               f"misbehaves, pip install --no-deps 'xgrammar=={XGRAMMAR_TESTED}'")
+    log.warning(warning)
+    return warning
 
 
 @dataclass(frozen=True)
@@ -132,6 +126,8 @@ class GrammarSpec:
     schema declares them, so two orders are two grammars), the pattern or EBNF verbatim.
     ``max_whitespace`` bounds each run of whitespace between JSON tokens.
     ``field`` names the request field for error messages and is not part of the identity.
+    A grammar over one of the server's caps (:mod:`omlx_core.grammar.limits`) is refused
+    when it is made.
     """
 
     kind: GrammarKind
@@ -139,6 +135,9 @@ class GrammarSpec:
     strict: bool = True
     max_whitespace: int | None = None
     field: str = dataclass_field(default="response_format", compare=False)
+
+    def __post_init__(self) -> None:
+        current_limits().check(self.kind, self.text, self.field)
 
     @property
     def key(self) -> tuple[str, str, bool, int | None]:
@@ -357,19 +356,22 @@ def json_safe_strings(schema: Any) -> Any:
 
 
 class GrammarCompilerCache:
-    """Compiles grammars for one tokenizer and keeps the ``capacity`` most recently used.
+    """Compiles grammars for one tokenizer and keeps the most recently used, up to
+    ``cache_bytes`` of compiled grammars.
 
     ``vocab_size`` is the model's logits width, which can exceed the tokenizer's
     vocabulary (padded embeddings); masks are that wide. ``stop_token_ids`` are the
     tokens that end a constrained output (default: the tokenizer's EOS ids).
+    ``compile_timeout_s`` overrides the compile queue's time limit for this cache.
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int | None = None,
-                 stop_token_ids: Sequence[int] | None = None, capacity: int = DEFAULT_CACHE_SIZE,
-                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be at least 1 compiled grammar, got {capacity}")
-        if compile_timeout_s <= 0:
+                 stop_token_ids: Sequence[int] | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 compile_timeout_s: float | None = None) -> None:
+        if cache_bytes < 0:
+            raise ValueError(f"cache_bytes must not be negative, got {cache_bytes}")
+        if compile_timeout_s is not None and compile_timeout_s <= 0:
             raise ValueError(f"compile_timeout_s must be positive, got {compile_timeout_s}")
         self._xgr = import_xgrammar()
         self.tokenizer_info = _tokenizer_info(self._xgr, tokenizer, vocab_size, stop_token_ids)
@@ -385,16 +387,19 @@ class GrammarCompilerCache:
         self._control_ids = frozenset(i for i in self._special_ids.values()
                                       if i not in self.stop_token_ids and i < self.vocab_size)
         self.utf8_guard = Utf8Guard.of(self.tokenizer_info.decoded_vocab, self.vocab_size)
-        self.capacity = capacity
+        self.cache_bytes = cache_bytes
         self.compile_timeout_s = compile_timeout_s
-        # xgrammar's own cache is off: this LRU is the one bound on compiled-grammar memory.
+        #: this tokenizer's name in the compile workers
+        self.key = uuid.uuid4().hex
+        self._serialized_info: str | None = None
+        # xgrammar's own cache is off: this one is the bound on compiled-grammar memory.
         self._compiler = self._xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
         self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple, tuple[Any, float, Any]] = OrderedDict()
-        # Compiles under way, shared by concurrent requests for the same grammar (and by a
-        # retry after a timeout) so a slow grammar is never compiled twice at once.
+        self._entries: OrderedDict[tuple, tuple[Any, float, Any, int]] = OrderedDict()
+        self.bytes = 0
+        # Compiles under way, shared by concurrent requests for the same grammar, so a
+        # grammar is never compiled twice at once.
         self._inflight: dict[tuple, Future] = {}
-        self._pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="grammar-compile")
         self.stats = CompilerStats()
 
     def __len__(self) -> int:
@@ -406,18 +411,20 @@ class GrammarCompilerCache:
             return spec.key in self._entries
 
     def close(self) -> None:
-        """Stop accepting compiles; a compile already running finishes in the background."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Drop the compiled grammars (the compile workers are the process's)."""
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
 
     def compile(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Compiled:
         """The compiled form of ``spec``, from the cache or compiled now.
 
         Raises :class:`GrammarError` (naming ``spec.field``) when the grammar is invalid or
         unsupported, :class:`GrammarCompileTimeout` when compiling takes longer than
-        ``timeout_s`` (default: the cache's limit). A compile that times out goes on in
-        the background and is cached when it ends, so a retry can succeed.
+        ``timeout_s`` (default: the cache's, else the queue's limit) or more memory than
+        the queue allows (the compile is stopped), :class:`GrammarBusy` when the compile
+        queue has no room for it now.
         """
-        timeout = self.compile_timeout_s if timeout_s is None else timeout_s
         key = spec.key
         with self._lock:
             entry = self._entries.get(key)
@@ -427,40 +434,87 @@ class GrammarCompilerCache:
                 return Compiled(spec, entry[0], entry[1], True, self.vocab_size, entry[2],
                                 self.utf8_guard)
             self.stats.misses += 1
-            future = self._inflight.get(key)
-            started = future is None
-            if started:
-                future = self._pool.submit(self._compile_now, spec)
-                self._inflight[key] = future
-        if started:
-            # Outside the lock: a compile that is already done runs the callback here,
-            # and the callback takes the lock.
-            future.add_done_callback(lambda done, key=key: self._finished(key, done))
-        try:
-            grammar, seconds, forbidden = future.result(timeout=timeout)
-        except GrammarError:
-            self._finished(key, future)
-            raise
-        except FutureTimeout:
-            with self._lock:
-                self.stats.timeouts += 1
-            raise GrammarCompileTimeout(
-                spec.field, f"compiling this {spec.kind.replace('_', ' ')} took longer than "
-                f"{timeout:g} s; simplify it (fewer alternatives, smaller repetition bounds, "
-                "less nesting)") from None
-        self._finished(key, future)
+            shared = self._inflight.get(key)
+            if shared is None:
+                shared = self._inflight[key] = Future()
+        if shared.set_running_or_notify_cancel():
+            try:
+                entry = self._compile_now(spec, timeout_s)
+            except BaseException as exc:
+                self._finish(key, shared, exception=exc)
+                raise
+            self._finish(key, shared, entry=entry)
+            return Compiled(spec, entry[0], entry[1], False, self.vocab_size, entry[2],
+                            self.utf8_guard)
+        grammar, seconds, forbidden, _size = shared.result()
         return Compiled(spec, grammar, seconds, False, self.vocab_size, forbidden, self.utf8_guard)
 
-    def _compile_now(self, spec: GrammarSpec) -> tuple[Any, float, Any]:
-        started = time.perf_counter()
+    def _finish(self, key: tuple, shared: Future, *, entry: tuple | None = None,
+                exception: BaseException | None = None) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+            if exception is not None:
+                if isinstance(exception, GrammarCompileTimeout):
+                    self.stats.timeouts += 1
+                elif isinstance(exception, GrammarError):
+                    self.stats.errors += 1
+            elif entry is not None:
+                self._keep(key, entry)
+        if exception is not None:
+            shared.set_exception(exception)
+        else:
+            shared.set_result(entry)
+
+    def _keep(self, key: tuple, entry: tuple[Any, float, Any, int]) -> None:
+        """Cache ``entry`` and evict the least recently used past the byte budget (the
+        lock is held)."""
+        self.stats.compile_seconds_total += entry[1]
+        size = entry[3]
+        if size > self.cache_bytes:
+            return  # larger than the whole budget: used once, not kept
+        self._entries[key] = entry
+        self.bytes += size
+        while self.bytes > self.cache_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= evicted[3]
+            self.stats.evictions += 1
+
+    def _compile_now(self, spec: GrammarSpec, timeout_s: float | None) -> tuple[Any, float, Any, int]:
+        request = self._worker_request(spec)
+        job = CompileJob(self.key, self._tokenizer_payload, request, spec.field,
+                         build=lambda: compile_request(self._compiler, request),
+                         timeout_s=timeout_s if timeout_s is not None else self.compile_timeout_s,
+                         client=compile_client.get())
+        future = compile_queue().submit(job)
         try:
-            grammar = self._compile_with_xgrammar(spec)
-        except GrammarError:
-            raise
-        except Exception as exc:
-            raise GrammarError(spec.field, _describe_failure(spec, exc)) from None
-        seconds = time.perf_counter() - started
-        return grammar, seconds, self._forbidden_bitmask(spec)
+            grammar, output = future.result()
+        except CompileFailed as failed:
+            raise GrammarError(spec.field, _describe_failure(spec, failed)) from None
+        forbidden = self._forbidden_bitmask(spec)
+        size = int(grammar.memory_size_bytes) + (forbidden.nbytes if forbidden is not None else 0)
+        return grammar, output.seconds, forbidden, size
+
+    def _tokenizer_payload(self) -> str:
+        if self._serialized_info is None:
+            self._serialized_info = self.tokenizer_info.serialize_json()
+        return self._serialized_info
+
+    def _worker_request(self, spec: GrammarSpec) -> dict[str, Any]:
+        """What a worker compiles for ``spec``: the source xgrammar takes, after the
+        workarounds that need this tokenizer (token names resolved here)."""
+        if spec.kind == "json_schema":
+            return {"kind": "json_schema", "source": json.dumps(json_safe_strings(json.loads(spec.text))),
+                    "strict": spec.strict, "max_whitespace": spec.max_whitespace}
+        if spec.kind == "any_json":
+            return {"kind": "json_schema", "source": ANY_JSON_SCHEMA, "strict": False,
+                    "max_whitespace": spec.max_whitespace}
+        if spec.kind in ("regex", "ebnf"):
+            return {"kind": spec.kind, "source": spec.text}
+        if spec.kind == "structural_tag":
+            tag = _token_names_to_ids(json_safe_strings(json.loads(spec.text)), self._special_ids,
+                                      spec.field)
+            return {"kind": "structural_tag", "source": json.dumps(tag)}
+        raise GrammarError(spec.field, f"unknown grammar kind {spec.kind!r}; use one of {', '.join(KINDS)}")
 
     def _forbidden_bitmask(self, spec: GrammarSpec) -> Any:
         import numpy as np
@@ -472,44 +526,9 @@ class GrammarCompilerCache:
         np.bitwise_or(mask, self.utf8_guard.inside, out=mask)
         return mask if mask.any() else None
 
-    def _compile_with_xgrammar(self, spec: GrammarSpec) -> Any:
-        compiler = self._compiler
-        if spec.kind in ("json_schema", "any_json"):
-            schema = json.dumps(json_safe_strings(json.loads(spec.text))) if spec.kind == "json_schema" \
-                else ANY_JSON_SCHEMA
-            return compiler.compile_json_schema(
-                schema,
-                strict_mode=spec.strict, any_whitespace=True,
-                max_whitespace_cnt=spec.max_whitespace)
-        if spec.kind == "regex":
-            return compiler.compile_regex(spec.text)
-        if spec.kind == "ebnf":
-            return compiler.compile_grammar(spec.text)
-        if spec.kind == "structural_tag":
-            tag = _token_names_to_ids(json_safe_strings(json.loads(spec.text)), self._special_ids, spec.field)
-            return compiler.compile_structural_tag(json.dumps(tag))
-        raise GrammarError(spec.field, f"unknown grammar kind {spec.kind!r}; use one of {', '.join(KINDS)}")
-
-    def _finished(self, key: tuple, future: Future) -> None:
-        # Runs twice per compile (the future's callback, and the caller that got the
-        # result, so that the next lookup is a hit even before the callback has run);
-        # only the first does the work.
-        with self._lock:
-            if self._inflight.get(key) is not future:
-                return
-            del self._inflight[key]
-            if future.cancelled():
-                return
-            if future.exception() is not None:
-                self.stats.errors += 1
-                return
-            grammar, seconds, forbidden = future.result()
-            self.stats.compile_seconds_total += seconds
-            self._entries[key] = (grammar, seconds, forbidden)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-                self.stats.evictions += 1
+    def describe(self) -> str:
+        return (f"{len(self)} compiled grammars, {format_size(self.bytes)} of "
+                f"{format_size(self.cache_bytes)}")
 
 
 def _token_names_to_ids(value: Any, ids: dict[str, int], field: str) -> Any:
@@ -570,17 +589,28 @@ _per_tokenizer: weakref.WeakKeyDictionary[Any, dict[tuple, GrammarCompilerCache]
 _per_tokenizer_lock = threading.Lock()
 
 
+_cache_bytes = DEFAULT_CACHE_BYTES
+
+
+def configure_cache_bytes(nbytes: int) -> None:
+    """The byte budget of every compiled-grammar cache built from now on
+    (``grammar.cache_size``)."""
+    global _cache_bytes
+    _cache_bytes = int(nbytes)
+
+
 def compiler_for(tokenizer: Any, *, vocab_size: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, **kwargs: Any) -> GrammarCompilerCache:
     """The process's :class:`GrammarCompilerCache` for ``tokenizer`` (an mlx-lm
     ``TokenizerWrapper`` or a Hugging Face tokenizer), built on first use and dropped with
-    the tokenizer. ``kwargs`` (capacity, compile_timeout_s) apply when it is built."""
+    the tokenizer. ``kwargs`` (cache_bytes, compile_timeout_s) apply when it is built."""
     key = (vocab_size, tuple(stop_token_ids) if stop_token_ids is not None else None)
     with _per_tokenizer_lock:
         caches = _per_tokenizer.setdefault(tokenizer, {})
         cache = caches.get(key)
         if cache is None:
             cache = GrammarCompilerCache(tokenizer, vocab_size=vocab_size,
-                                         stop_token_ids=stop_token_ids, **kwargs)
+                                         stop_token_ids=stop_token_ids,
+                                         **{"cache_bytes": _cache_bytes, **kwargs})
             caches[key] = cache
         return cache

@@ -95,7 +95,7 @@ def messages_job(body: Mapping[str, Any]) -> Job:
     # model's context holds; it is shortened to fit rather than refused.
     return Job(body["model"], sampling, messages=messages, prompt_param="messages",
                max_tokens_param="max_tokens", max_tokens_is_cap=True, id_prefix="msg_",
-               tools=tools_of(body))
+               tools=tools_of(body), cache_salt=body.get("cache_salt"))
 
 
 def _stop_reason(generation: Generation) -> str:

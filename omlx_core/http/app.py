@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -11,13 +12,16 @@ import falcon
 
 from omlx_core.http.admin import AdminModels
 from omlx_core.dashboard import DashboardRecorder, ServingEventsFanOut
+from omlx_core.grammar.compile_queue import compile_client
 from omlx_core.http.anthropic_api import Messages
 from omlx_core.http.auth import APIKeyAuth
+from omlx_core.http.browser_guard import CORS, HostAllowlist, JSONBodiesOnly
 from omlx_core.http.dashboard import add_dashboard_routes
 from omlx_core.http.embeddings_api import Embeddings, Rerank
 from omlx_core.http.errors import install_error_handlers
 from omlx_core.http.metrics import CONTENT_TYPE, Metrics, flatten_stats
 from omlx_core.http.openai_api import ChatCompletions, Models, TextCompletions
+from omlx_core.http.refusal_pacing import RefusalPacing
 from omlx_core.http.openapi import openapi_document
 from omlx_core.http.responses_api import CountTokens, Responses
 from omlx_core.http.sse import Responder
@@ -30,6 +34,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+
+class CompileClient:
+    """Falcon middleware: who the grammar compile queue takes this request to be from (its
+    fair share): the API key it presented on a server with keys (checked by then), else
+    its address. A key is never kept, only its digest."""
+
+    def __init__(self, keys_set: bool):
+        self.keys_set = keys_set
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        client = f"address {req.remote_addr}"
+        if self.keys_set and getattr(req.context, "key_role", None) is not None:
+            presented = req.get_header("Authorization") or req.get_header("X-API-Key") or ""
+            client = "key " + hashlib.sha256(presented.encode("latin-1", "replace")).hexdigest()[:16]
+        req.context.compile_client = compile_client.set(client)
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: Any,
+                         req_succeeded: bool) -> None:
+        token = getattr(req.context, "compile_client", None)
+        if token is not None:
+            compile_client.reset(token)
 
 
 class RequestCounter:
@@ -59,22 +85,31 @@ def _plain_scalar(value: Any) -> bool:
 
 
 class Health:
-    def __init__(self, context: ServerContext, pipeline: ServingPipeline):
+    """Liveness for anyone; with keys configured, the engines, memory and pool only for a
+    caller that sends one (they name models, their errors and the machine's memory)."""
+
+    def __init__(self, context: ServerContext, pipeline: ServingPipeline, keys_set: bool = False):
         self.context = context
         self.in_flight = pipeline.in_flight
+        self.keys_set = keys_set
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        serving = bool(self.context.engines) or bool(
+            self.context.pool is not None and self.context.pool.records())
+        resp.status = 200 if serving else 503
+        status = "ok" if serving else "no models loaded"
+        if self.keys_set and getattr(req.context, "key_role", None) is None:
+            resp.media = {"status": status}
+            return
         engines = {}
         for model_id, engine in list(self.context.engines.items()):
             try:
                 stats = flatten_stats(engine.stats() or {})
             except Exception as exc:
-                stats = {"error": f"{type(exc).__name__}: {exc}"}
+                log.error("the stats of model %r failed", model_id, exc_info=exc)
+                stats = {"error": f"{type(exc).__name__} (the server log has the details)"}
             engines[model_id] = {str(k): v for k, v in stats.items() if _plain(v)}
-        serving = bool(self.context.engines) or bool(
-            self.context.pool is not None and self.context.pool.records())
-        resp.status = 200 if serving else 503
-        resp.media = {"status": "ok" if serving else "no models loaded",
+        resp.media = {"status": status,
                       "models": list(self.context.engines), "in_flight": len(self.in_flight),
                       "engines": engines, "memory": self._memory(), "pool": self._pool()}
 
@@ -142,18 +177,32 @@ class Frontend:
 
 
 def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = None,
-                   max_body: int | None = None) -> Frontend:
-    """The app with its state; ``api_keys`` and ``max_body`` default to the configuration."""
+                   admin_keys: Sequence[str] | None = None, max_body: int | None = None,
+                   bound_host: str | None = None) -> Frontend:
+    """The app with its state; ``api_keys``, ``admin_keys``, ``max_body`` and the address
+    the server is bound to (``bound_host``: the hosts it answers for) default to the
+    configuration."""
     config = context.config
     keys = list(config.get("server.api_keys", []) or []) if api_keys is None else list(api_keys)
+    admins = (list(config.get("server.admin_keys", []) or []) if admin_keys is None
+              else list(admin_keys))
+    host = str(config.get("server.host", "127.0.0.1")) if bound_host is None else bound_host
     body_limit = parse_size(config.get("server.max_body", "8MiB")) if max_body is None else max_body
     holder: dict[str, ServingPipeline] = {}
     metrics = Metrics(context, lambda: len(holder["pipeline"].in_flight))
     dashboard = DashboardRecorder(context)
     pipeline = holder["pipeline"] = ServingPipeline(context, ServingEventsFanOut(metrics, dashboard))
     responder = Responder(pipeline, metrics)
-    auth = APIKeyAuth(keys)
-    app = falcon.App(middleware=[RequestCounter(metrics), auth])
+    auth = APIKeyAuth(keys, admins)
+    # The host is checked first: a rebinding page learns nothing else. CORS answers are
+    # added to every response, refusals included, so a trusted browser app can read them.
+    middleware: list[Any] = [RequestCounter(metrics), RefusalPacing(),
+                             HostAllowlist(host, config.get("server.allowed_hosts", []) or [])]
+    origins = list(config.get("server.cors_origins", []) or [])
+    if origins:
+        middleware.append(CORS(origins))
+    middleware += [JSONBodiesOnly(), auth, CompileClient(auth.enabled)]
+    app = falcon.App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     install_error_handlers(app)
     models = Models(responder)
@@ -169,7 +218,7 @@ def build_frontend(context: ServerContext, *, api_keys: Sequence[str] | None = N
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="one")
     app.add_route("/admin/models/{model_id}/{action}", AdminModels(context))
-    app.add_route("/health", Health(context, pipeline))
+    app.add_route("/health", Health(context, pipeline, auth.enabled))
     app.add_route("/metrics", MetricsResource(metrics))
     app.add_route("/openapi.json", OpenAPIResource(openapi_document(list(context.engines),
                                                                     auth.enabled)))

@@ -27,9 +27,10 @@ def _reject_constant(name: str) -> float:
 def read_json(req: falcon.Request, max_body: int) -> dict[str, Any]:
     """The body as a JSON object, or an ``APIError`` that says what is wrong with it."""
     media_type = (req.content_type or "").split(";", 1)[0].strip().lower()
-    if media_type and media_type not in JSON_MEDIA_TYPES and not media_type.endswith("+json"):
-        raise UnsupportedMediaTypeError(f"Content-Type {media_type!r} is not supported; send the "
-                                        "body as JSON with Content-Type: application/json")
+    if media_type not in JSON_MEDIA_TYPES and not media_type.endswith("+json"):
+        sent = f"Content-Type {media_type!r} is" if media_type else "a body without a Content-Type is"
+        raise UnsupportedMediaTypeError(f"{sent} not supported; send the body as JSON with "
+                                        "Content-Type: application/json")
     length = req.content_length  # falcon answers 400 itself when the header is not a number
     if length is not None and length > max_body:
         raise _too_large(max_body, format_size(length))

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any, Mapping
 
 import falcon
 
-from omlx_core.grammar import GrammarError
+from omlx_core.grammar import GrammarBusy, GrammarError
 from omlx_core.memory.types import RequestRejected
 from omlx_core.pool import ModelLoadFailed, PoolError
+from omlx_core.redaction import redact_paths
 from omlx_core.serving import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 
 log = logging.getLogger(__name__)
@@ -35,18 +37,20 @@ ANTHROPIC_PATH_PREFIX = "/v1/messages"
 _OPENAI_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
-    413: "invalid_request_error", 415: "invalid_request_error", 503: "overloaded_error",
+    413: "invalid_request_error", 415: "invalid_request_error", 421: "invalid_request_error",
+    503: "overloaded_error",
 }
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
     413: "request_too_large",
-    415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
+    415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error",
+    503: "overloaded_error",
 }
 
 #: the typed errors of the serving pipeline a responder lets through
-SERVING_ERRORS = (InvalidRequest, RequestRejected, GrammarError, RequestAborted, EngineFailed,
-                  ModelLoadFailed, PoolError)
+SERVING_ERRORS = (InvalidRequest, RequestRejected, GrammarError, GrammarBusy, RequestAborted,
+                  EngineFailed, ModelLoadFailed, PoolError)
 
 
 # -- the errors -----------------------------------------------------------------------------
@@ -58,13 +62,16 @@ class APIError(falcon.HTTPError):
     Takes falcon's ``HTTPError`` arguments (the message is the ``description``), and
     ``code`` is the machine-readable string both APIs' bodies carry. ``param`` names the
     request field at fault; ``extra`` fields are added to the error object as they are
-    (e.g. the byte counts of a memory rejection).
+    (e.g. the byte counts of a memory rejection). The message a client reads names no
+    absolute path of this machine (:func:`~omlx_core.redaction.redact_paths`).
     """
 
     def __init__(self, status: int | str, *, title: str | None = None,
                  description: str | None = None, headers: Any = None,
                  code: str | None = None, param: str | None = None,
                  extra: Mapping[str, Any] | None = None, **kwargs: Any):
+        if description is not None:
+            description = redact_paths(description)
         super().__init__(status, title=title, description=description, headers=headers,
                          code=code, **kwargs)  # type: ignore[arg-type]
         self.param = param
@@ -90,6 +97,20 @@ class AuthenticationError(falcon.HTTPUnauthorized, APIError):
 
     def __init__(self, message: str, code: str, realm: str):
         super().__init__(description=message, code=code, challenges=[f'Bearer realm="{realm}"'])
+
+
+class ForbiddenError(falcon.HTTPForbidden, APIError):
+    """403: the key is valid but does not allow this (an API key on an admin route)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(description=message, code=code)
+
+
+class MisdirectedRequestError(APIError):
+    """421: the request names a host this server does not answer for (DNS rebinding)."""
+
+    def __init__(self, message: str, code: str = "host_not_allowed"):
+        super().__init__(falcon.HTTP_421, description=message, code=code)
 
 
 class NotFoundError(falcon.HTTPNotFound, APIError):
@@ -130,10 +151,10 @@ class ConflictError(falcon.HTTPConflict, APIError):
 
 
 class ServerError(falcon.HTTPInternalServerError, APIError):
-    """500: an engine failure or a bug."""
+    """500: an engine failure, a model the server cannot serve safely, or a bug."""
 
-    def __init__(self, message: str, code: str):
-        super().__init__(description=message, code=code)
+    def __init__(self, message: str, code: str, extra: Mapping[str, Any] | None = None):
+        super().__init__(description=message, code=code, extra=extra)
 
 
 def bad_request(message: str, param: str | None = None,
@@ -148,6 +169,8 @@ def rejection_code(stage: str, cause: str) -> str:
     """The code of a memory refusal: where it happened and why (``memory.types.STAGES``
     and ``CAUSES``), e.g. ``admission_queue_timeout``. A preflight refusal (the request
     can never fit here) keeps the name OpenAI-style clients know: ``prefill_memory_exceeded``."""
+    if cause == "no_estimate":
+        return "model_not_estimable"
     return "prefill_memory_exceeded" if stage == "preflight" else f"{stage}_{cause}"
 
 
@@ -170,6 +193,9 @@ def rejection_error(error: RequestRejected) -> APIError:
         extra.update(model=rejection.model_id, model_bytes=rejection.estimated_bytes,
                      pinned_models=list(rejection.pinned_models))
     code = rejection_code(rejection.stage, rejection.cause)
+    if rejection.cause == "no_estimate":
+        # The server cannot judge this model's memory: its fault, and no retry helps.
+        return ServerError(str(error), code, extra)
     if not error.retryable:
         return ContentTooLargeError(str(error), code, extra)
     retry_after = max(1, int(round(error.retry_after_s or 1.0)))
@@ -189,6 +215,10 @@ def api_error(error: Exception) -> APIError:
         return BadRequestError(error.message, error.param, error.code)
     if isinstance(error, GrammarError):
         return BadRequestError(str(error), error.field, "invalid_grammar")
+    if isinstance(error, GrammarBusy):
+        retry_after = max(1, math.ceil(error.retry_after_s))
+        return OverloadedError(str(error), "grammar_compile_busy", retry_after,
+                               {"retry_after_s": retry_after})
     if isinstance(error, RequestAborted):
         return OverloadedError(str(error), "aborted")
     if isinstance(error, EngineFailed):
@@ -197,7 +227,9 @@ def api_error(error: Exception) -> APIError:
         return ServerError(str(error), "model_load_failed")
     if isinstance(error, PoolError):
         return ConflictError(str(error), "model_busy")
-    return ServerError(f"internal error ({type(error).__name__}: {error})", "internal_error")
+    log.error("an unexpected error reached a client", exc_info=error)
+    return ServerError(f"internal error ({type(error).__name__}); the server log has the "
+                       "details", "internal_error")
 
 
 def falcon_error(req: falcon.Request, error: falcon.HTTPError) -> APIError:
@@ -264,6 +296,12 @@ def handle_error(req: falcon.Request, resp: falcon.Response, error: Exception,
     its details in the log."""
     if isinstance(error, SERVING_ERRORS):
         raise api_error(error)
+    if isinstance(error, RecursionError):
+        # Only what a client sent nests deep enough for this (JSON in a JSON string).
+        log.warning("a request to %s %s nested too deep to handle", req.method, req.path,
+                    exc_info=error)
+        raise BadRequestError("the request nests values deeper than this server handles; "
+                              "send flatter JSON", code="nested_too_deep")
     log.error("bug while serving %s %s", req.method, req.path, exc_info=error)
     raise ServerError(f"internal error ({type(error).__name__}); the server log has the "
                       "traceback", "internal_error")

@@ -138,7 +138,7 @@ def chat_job(body: Mapping[str, Any]) -> Job:
                             body.get("parallel_tool_calls") is not False)
     return Job(body["model"], sampling, messages=messages, prompt_param="messages",
                max_tokens_param=param, id_prefix="chatcmpl-", tools=tools,
-               keep_alive=_keep_alive(body))
+               keep_alive=_keep_alive(body), cache_salt=body.get("cache_salt"))
 
 
 def completion_job(body: Mapping[str, Any]) -> Job:
@@ -155,7 +155,7 @@ def completion_job(body: Mapping[str, Any]) -> Job:
     sampling = sampling_from(body, int(given) if given is not None else None,
                              int(logprobs) if logprobs is not None else None)
     return Job(body["model"], sampling, text=text, token_ids=token_ids, prompt_param="prompt",
-               id_prefix="cmpl-", keep_alive=_keep_alive(body))
+               id_prefix="cmpl-", keep_alive=_keep_alive(body), cache_salt=body.get("cache_salt"))
 
 
 def _keep_alive(body: Mapping[str, Any]) -> Any:

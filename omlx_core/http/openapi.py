@@ -10,7 +10,8 @@ from omlx_core.http import schemas
 
 _ERROR_STATUSES = {
     "400": "invalid request: the message names the parameter (model_not_supported: the "
-           "model is not served for this task; the message names those that are)",
+           "model is not served for this task; the message names those that are; a grammar "
+           "over a cap names the cap and its grammar.* setting)",
     "401": "missing or invalid API key",
     "404": "unknown model",
     "413": "request_too_large (body over server.max_body), prefill_memory_exceeded (the "
@@ -19,20 +20,26 @@ _ERROR_STATUSES = {
            "and advice) or load_never_fits (the model cannot be loaded even "
            "with every unpinned model unloaded; the body has model, model_bytes, limit_bytes, "
            "binding_ceiling, pinned_models and advice)",
-    "415": "the body is not JSON",
+    "415": "the body is not declared as JSON (Content-Type: application/json, required on "
+           "every POST so that a web page of another site cannot post here)",
+    "421": "host_not_allowed: the Host header names a host this server does not answer for "
+           "(loopback names, the bound address and server.allowed_hosts are answered)",
     "503": "memory is short now; retry after Retry-After seconds. code: admission_queue_full "
            "(no room in the admission queue), admission_queue_timeout (waited "
            "memory.queue_timeout_s without room), forward_memory_short (a prefill chunk did "
            "not fit next to the running requests), forward_over_limit (memory passed the "
-           "limit after a forward), forward_no_estimate (no plugin estimates this model), "
+           "limit after a forward), "
            "load_memory_short (busy or pinned models held the room the model needs for "
            "server.model_load_wait_s) or load_queue_timeout (the model did not finish "
            "loading within server.model_load_wait_s); "
-           "the body has stage, cause, reason and advice. aborted: the server is shutting "
-           "down",
+           "the body has stage, cause, reason and advice. grammar_compile_busy: the grammar "
+           "compile queue is full, or this client has its share of it (grammar.*). aborted: "
+           "the server is shutting down",
     "500": "engine_error (an engine failure before the first token), model_load_failed (the "
            "model's files are missing or corrupt, or its architecture is unsupported; the "
-           "message names the model and the cause) or internal_error (a server bug)",
+           "message names the model and the cause), model_not_estimable (no plugin estimates "
+           "the model's memory, so the guard never lets it run; no Retry-After: a retry "
+           "cannot help) or internal_error (a server bug)",
 }
 
 
@@ -40,9 +47,18 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
+_ADMIN_ONLY = ("403: admin_key_required: the route changes the server for every client and "
+               "needs a key of server.admin_keys (an API key is not enough)")
+
+
 def _errors(error_ref: str, protected: bool) -> dict[str, Any]:
     return {status: {"description": text, "content": _json({"$ref": error_ref})}
             for status, text in _ERROR_STATUSES.items() if protected or status != "401"}
+
+
+def _refusals(error_ref: str, *statuses: str) -> dict[str, Any]:
+    return {status: {"description": _ERROR_STATUSES[status], "content": _json({"$ref": error_ref})}
+            for status in statuses}
 
 
 def _generation(summary: str, request_ref: str, error_ref: str, stream_text: str,
@@ -72,7 +88,8 @@ def _encode(summary: str, request_ref: str, error_ref: str, protected: bool) -> 
 def _get(summary: str, content: dict[str, Any], error_ref: str, protected: bool,
          extra: dict[str, Any] | None = None) -> dict[str, Any]:
     operation: dict[str, Any] = {"summary": summary,
-                                 "responses": {"200": {"description": summary, "content": content}}}
+                                 "responses": {"200": {"description": summary, "content": content},
+                                               **_refusals(error_ref, "421")}}
     if protected:
         operation["responses"]["401"] = {"description": _ERROR_STATUSES["401"],
                                          "content": _json({"$ref": error_ref})}
@@ -90,12 +107,12 @@ def _admin(error_ref: str, protected: bool, model_schema: dict[str, Any]) -> dic
         "409": {"description": "model_busy: the model is loading, or its requests did not end "
                                "within server.model_load_wait_s",
                 "content": _json({"$ref": error_ref})},
-        **{status: {"description": _ERROR_STATUSES[status], "content": _json({"$ref": error_ref})}
-           for status in ("413", "503", "500")},
+        **_refusals(error_ref, "413", "415", "421", "503", "500"),
     }
     if protected:
         responses["401"] = {"description": _ERROR_STATUSES["401"],
                             "content": _json({"$ref": error_ref})}
+        responses["403"] = {"description": _ADMIN_ONLY, "content": _json({"$ref": error_ref})}
     return {"post": {
         "summary": "load, unload, pin or unpin a model (an unload waits for its requests "
                    "to end; a pinned model is never unloaded to make room or when idle)",
@@ -104,6 +121,8 @@ def _admin(error_ref: str, protected: bool, model_schema: dict[str, Any]) -> dic
             {"name": "action", "in": "path", "required": True,
              "schema": {"enum": ["load", "unload", "pin", "unpin"]}},
         ],
+        # Nothing is read from it, but a POST must declare JSON (415 otherwise).
+        "requestBody": {"required": False, "content": _json({"type": "object"})},
         "responses": responses,
     }}
 def _dashboard_paths(error: str, protected: bool) -> dict[str, Any]:
@@ -121,6 +140,8 @@ def _dashboard_paths(error: str, protected: bool) -> dict[str, Any]:
                 "content": _json({"$ref": error})},
         "409": {"description": "the request waits for memory and has not reached its engine",
                 "content": _json({"$ref": error})}})
+    if protected:
+        one["responses"]["403"] = {"description": _ADMIN_ONLY, "content": _json({"$ref": error})}
     one.update(summary="cancel a request in flight (dashboard)", parameters=[
         {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}])
     return {

@@ -60,6 +60,12 @@ CONTENT_PART = {
     },
 }
 
+#: vLLM's name: requests with different salts never share prefix-cache entries
+CACHE_SALT = {"type": "string", "minLength": 1, "maxLength": 256,
+              "description": "keeps this request's prefix-cache entries apart from those of "
+                             "requests without this salt (cached_tokens then tells nothing of "
+                             "other clients' prompts); use a long random secret per client"}
+
 _SAMPLING = {
     "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2,
                               "description": "0 is greedy decoding; default 1"}),
@@ -98,6 +104,7 @@ _SAMPLING = {
     "n": _nullable({"type": "integer", "minimum": 1, "maximum": 1,
                     "x-error": "only n=1 is supported; send one request per choice"}),
     "user": {"type": "string"},
+    "cache_salt": _nullable(CACHE_SALT),
 }
 
 TOOL_CALL = {
@@ -266,6 +273,7 @@ MESSAGES_REQUEST = {
                                      "maxLength": MAX_STOP_LENGTH}},
         "stream": {"type": "boolean"},
         "metadata": {"type": "object"},
+        "cache_salt": _nullable(CACHE_SALT),
         "tools": {"type": "array", "minItems": 1, "maxItems": 128, "items": {"type": "object"}},
         "tool_choice": {"type": "object", "required": ["type"], "properties": {
             "type": {"enum": ["auto", "any", "tool", "none"]},

@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING
 
 from waitress import wasyncore
 
+from omlx_core.config import ConfigError, Problem
 from omlx_core.http.app import Frontend, build_frontend
+from omlx_core.http.browser_guard import is_loopback
 from omlx_core.http.connection_guard import create_server
 
 if TYPE_CHECKING:
+    from omlx_core.config import Config
     from omlx_core.server_context import ServerContext
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,24 @@ def thread_count(context: ServerContext, requested: int | str | None = None) -> 
     return int(value)
 
 
+def check_exposure(host: str, config: Config) -> None:
+    """Refuse to listen beyond loopback without a key, unless the operator said so with
+    ``server.insecure_no_auth`` (``serve --insecure-no-auth``): anyone on the network could
+    then run the models and unload them."""
+    if is_loopback(host) or config.get("server.api_keys") or config.get("server.admin_keys"):
+        return
+    if config.get("server.insecure_no_auth", False):
+        log.warning("serving on %s without API keys (server.insecure_no_auth): anyone who can "
+                    "reach this address can use and unload the models", host or "every interface")
+        return
+    raise ConfigError([Problem(
+        config.source("server.host"), "server.host",
+        f"{host!r} is reachable from other machines, and no API key is set: anyone on the "
+        "network could run and unload the models. Set server.api_keys (and "
+        "server.admin_keys for /admin), bind 127.0.0.1, or pass --insecure-no-auth "
+        "(server.insecure_no_auth = true) to serve without keys anyway")])
+
+
 class HTTPServer:
     """A waitress server for one ServerContext, run on a background thread."""
 
@@ -67,8 +88,9 @@ class HTTPServer:
                  port: int | None = None, threads: int | None = None,
                  frontend: Frontend | None = None):
         config = context.config
-        self.frontend = frontend or build_frontend(context)
         host = host if host is not None else config.get("server.host", "127.0.0.1")
+        check_exposure(host, config)
+        self.frontend = frontend or build_frontend(context, bound_host=host)
         port = port if port is not None else int(config.get("server.port", 8000))
         threads = thread_count(context, threads)
         self.threads = threads

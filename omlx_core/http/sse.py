@@ -2,20 +2,23 @@
 the :class:`Responder` through which every generating route uses the serving pipeline.
 
 The status line is on the wire before the first frame, so nothing in here may raise: an
-error after the first byte (a model load that failed after the stream began, a refusal
-of the engine, a bug in a formatter) is sent in-band by the API's formatter, as an error
-frame plus the stream's terminator rather than a truncated 200. Waitress calls :meth:`StreamBody.close` when the stream ends or the client hangs up,
-and that aborts the request and frees its memory.
+error after the first byte (memory that stayed short, a refusal of the engine, a bug in
+a formatter) is sent in-band by the API's formatter, as an error frame plus the stream's
+terminator rather than a truncated 200. A stream begins only after its request passed
+every check that refuses it for good, so a 413 is always a status. Waitress calls
+:meth:`StreamBody.close` when the stream ends or the client hangs up, and that aborts
+the request and frees its memory.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from omlx_core.serving import Generation, Job, ServingPipeline
+from omlx_core.serving import Generation, Job, RequestAborted, ServingPipeline
 
 if TYPE_CHECKING:
     import falcon
@@ -45,21 +48,29 @@ def frame(data: Any, event: str | None = None) -> bytes:
 
 class PendingStart:
     """:meth:`ServingPipeline.start` on a thread of its own, so that a stream can begin,
-    and carry keep-alives, while its request still waits for its model to load or for
-    memory: a client with a read timeout does not give up on a request that is waiting
-    its turn, and the request thread is free to answer its status line."""
+    and carry keep-alives, while its request still waits for memory or its first token:
+    a client with a read timeout does not give up on a request that is waiting its turn,
+    and the request thread is free to answer its status line.
 
-    def __init__(self, start: Callable[[], Generation]):
+    ``start`` is given the callable to call once the request has passed every check
+    that refuses it for good (:meth:`wait_checked`); the thread runs in the context of
+    the request's thread (what it set for the request, such as the grammar compile
+    queue's client, holds)."""
+
+    def __init__(self, start: Callable[[Callable[[], None]], Generation]):
         self.generation: Generation | None = None
         self.error: BaseException | None = None
+        self._checked = threading.Event()
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._abandoned = False
-        threading.Thread(target=self._run, args=(start,), name="omlx-start", daemon=True).start()
+        context = contextvars.copy_context()
+        threading.Thread(target=context.run, args=(self._run, start), name="omlx-start",
+                         daemon=True).start()
 
-    def _run(self, start: Callable[[], Generation]) -> None:
+    def _run(self, start: Callable[[Callable[[], None]], Generation]) -> None:
         try:
-            generation = start()
+            generation = start(self._checked.set)
         except BaseException as exc:  # handed to whoever waits: a status, or an error frame
             self.error = exc
         else:
@@ -69,11 +80,16 @@ class PendingStart:
             if abandoned:
                 generation.close()
         finally:
+            self._checked.set()
             self._done.set()
 
     def wait(self, timeout_s: float | None) -> bool:
         """Whether the start has ended (with a generation or an error) within ``timeout_s``."""
         return self._done.wait(timeout_s)
+
+    def wait_checked(self, timeout_s: float | None) -> bool:
+        """Whether the request passed its checks (or the start ended) within ``timeout_s``."""
+        return self._checked.wait(timeout_s)
 
     def abandon(self) -> None:
         """The client left: close the generation now, or as soon as the start ends."""
@@ -175,11 +191,13 @@ class Responder:
         when ``stream``, with an SSE body of ``frames(generation)`` that aborts the
         generation if the client leaves early.
 
-        Whatever refuses the request within ``server.stream_keepalive_s`` (every check, a
-        model that can never fit, a full queue) raises here and becomes its HTTP status.
-        A stream whose start takes longer (its model loading, memory it waits for, a long
-        prefill before the first token) starts anyway and carries a keep-alive that
-        often; what refuses it after that ends the stream in-band.
+        Every check that refuses a request for good (its model's load, tokenizing, the
+        preflight: a 413) raises here and becomes its HTTP status, however long its
+        model takes to load: no byte goes out before it. So does whatever refuses it
+        within ``server.stream_keepalive_s`` after that (a full queue). A stream whose
+        start takes longer (memory it waits for, a long prefill before the first token)
+        starts anyway and carries a keep-alive that often; what refuses it after that (a
+        retryable 503) ends the stream in-band.
         """
         client_gone = req.env.get("waitress.client_disconnected")
         if not stream:
@@ -189,8 +207,13 @@ class Responder:
             finally:
                 generation.close()
             return
-        pending = PendingStart(lambda: self.pipeline.start(
-            job, client_gone=client_gone, first_output_wait_s=self.keepalive_s))
+        pending = PendingStart(lambda checked: self.pipeline.start(
+            job, client_gone=client_gone, first_output_wait_s=self.keepalive_s,
+            on_checked=checked))
+        while not pending.wait_checked(self.keepalive_s):
+            if client_gone is not None and client_gone():
+                pending.abandon()
+                raise RequestAborted("the client left before its request started")
         if pending.wait(self.keepalive_s) and pending.error is not None:
             raise pending.error
         resp.content_type = "text/event-stream"

@@ -248,12 +248,15 @@ class MemoryGuard:
     # -- estimates ---------------------------------------------------------------------
 
     def peak_query(self, engine: Engine, prompt_tokens: Sequence[int],
-                   extra_tokens: int = 0, images: int = 0) -> PeakQuery:
+                   extra_tokens: int = 0, images: int = 0, salted: bool = False) -> PeakQuery:
         """The ``estimate_peak`` question for prefilling ``prompt_tokens`` on ``engine``,
         plus ``extra_tokens`` of KV (the completion) where admission reserves it, after
-        encoding ``images`` images into the prompt's embeddings."""
+        encoding ``images`` images into the prompt's embeddings. A ``salted`` request
+        (``cache_salt``) is costed as if nothing were cached: the engine's count is of
+        unsalted entries, which it will not reuse."""
         hints = memory_hints_of(engine)
-        cached = min(int(engine.cached_tokens(prompt_tokens)), max(0, len(prompt_tokens) - 1))
+        cached = 0 if salted else min(int(engine.cached_tokens(prompt_tokens)),
+                                      max(0, len(prompt_tokens) - 1))
         return PeakQuery(
             model_config=dict(engine.model.config),
             new_tokens=len(prompt_tokens) - cached + extra_tokens, cached_tokens=cached,
@@ -296,19 +299,21 @@ class MemoryGuard:
     # -- the stages before the first byte -----------------------------------------------
 
     def preflight(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int], *,
-                  max_tokens: int = 0, images: int = 0) -> None:
+                  max_tokens: int = 0, images: int = 0, salted: bool = False) -> None:
         """Raise :class:`RequestRejected` (stage ``"preflight"``) if the request can never
         fit: its prefill (after encoding its ``images``), or the KV of its prompt and
         ``max_tokens`` completion tokens."""
         snapshot = self._preflight_limits()
-        query = self.peak_query(engine, prompt_tokens, images=images)
+        query = self.peak_query(engine, prompt_tokens, images=images, salted=salted)
         try:
             self._preflight(query, request_id, snapshot, max_tokens)
         except RequestRejected as error:
             fitting = self._fitting_kv_bits(query, request_id, snapshot, max_tokens)
             if fitting is not None:
                 error = RequestRejected(dataclasses.replace(error.rejection, fitting_kv_bits=fitting))
-            raise self.advised(error) from None
+            refused = self.advised(error)
+            _log_refusal(refused)
+            raise refused from None
 
     def _preflight(self, query: PeakQuery, request_id: str, snapshot: LimitSnapshot | None,
                    max_tokens: int) -> None:
@@ -368,7 +373,7 @@ class MemoryGuard:
             self.enforcer.poll_soon()
 
     def admit(self, engine: Engine, request_id: str, prompt_tokens: Sequence[int], *,
-              max_tokens: int, images: int = 0) -> AdmissionTicket:
+              max_tokens: int, images: int = 0, salted: bool = False) -> AdmissionTicket:
         """Block until the request fits next to the running ones; see :mod:`.admission`.
 
         The reservation covers the prompt's prefill and the KV of its first
@@ -379,7 +384,7 @@ class MemoryGuard:
         hints = memory_hints_of(engine)
         soon = min(max_tokens, self.decode_reserve_tokens)
         estimate = self.estimate(self.peak_query(engine, prompt_tokens, extra_tokens=soon,
-                                                 images=images))
+                                                 images=images, salted=salted))
         reserve = estimate.total if estimate is not None else 0
         decode = min(reserve, estimate.kv_bytes_per_token * soon) if estimate is not None else 0
         batch = id(engine) if hints.decode_batch_padded else None
@@ -390,7 +395,9 @@ class MemoryGuard:
                                         kv_tokens=len(prompt_tokens) + soon,
                                         kv_tokens_cap=len(prompt_tokens) + max_tokens)
         except RequestRejected as error:
-            raise self.advised(error) from None
+            refused = self.advised(error)
+            _log_refusal(refused)
+            raise refused from None
 
     # -- encode requests (embeddings, relevance scores) ----------------------------------
 
@@ -465,3 +472,10 @@ class MemoryGuard:
                 totals[key] = totals.get(key, 0) + count
         return totals
 
+
+def _log_refusal(error: RequestRejected) -> None:
+    """Every refusal at WARNING, as the forward gate logs its own: an operator reading the
+    log sees what was refused, where and why without the client's copy of the answer."""
+    rejection = error.rejection
+    log.warning("refused request %s (model %r) at %s (%s): %s", rejection.request_id,
+                rejection.model_id, rejection.stage, rejection.cause, rejection.summary())

@@ -339,8 +339,10 @@ class RequestRejected(Exception):
 
     @property
     def retryable(self) -> bool:
+        """Whether the same request can succeed later: not one that can never fit, nor
+        one for a model no plugin estimates (the guard can never let it run)."""
         rejection = self.rejection
-        return not (rejection.stage == "preflight"
+        return not (rejection.stage == "preflight" or rejection.cause == "no_estimate"
                     or (rejection.stage == "load" and rejection.cause == "never_fits"))
 
     def with_advice(self, advice: list[str]) -> "RequestRejected":

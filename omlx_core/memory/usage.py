@@ -87,16 +87,48 @@ def trim_heap() -> None:
         _malloc_trim(0)
 
 
+_helpers: set[int] = set()
+_helpers_lock = threading.Lock()
+
+
+def count_helper_process(pid: int) -> None:
+    """Count process ``pid`` (a child that works for the server: a grammar compile
+    worker) in the server's footprint from now on, until :func:`forget_helper_process`."""
+    with _helpers_lock:
+        _helpers.add(pid)
+
+
+def forget_helper_process(pid: int) -> None:
+    with _helpers_lock:
+        _helpers.discard(pid)
+
+
+def helper_bytes() -> int:
+    """Resident bytes of the helper processes now (one read of ``statm`` each)."""
+    with _helpers_lock:
+        pids = list(_helpers)
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as statm:
+                total += int(statm.read().split()[1]) * _PAGE_SIZE
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile (its parent forgets it), or no /proc (macOS)
+    return total
+
+
 def footprint_bytes() -> int:
-    """Resident bytes of this process, after handing freed heap pages back to the OS.
+    """Resident bytes of this process and its helper processes, after handing freed heap
+    pages back to the OS.
 
     Buffers under the mmap threshold come from the heap, which keeps freed pages
     resident; without the trim a transient already gone would still be counted as in
-    use (a few milliseconds, once per gate decision or poll).
+    use (a few milliseconds, once per gate decision or poll). A helper's memory (a
+    grammar being compiled) is the server's as much as its own heap is.
     """
     trim_heap()
     footprint = probes.probe_process_footprint()
-    return footprint.rss_bytes if footprint else 0
+    return (footprint.rss_bytes if footprint else 0) + helper_bytes()
 
 
 def resident_now() -> int | None:
@@ -111,7 +143,7 @@ def resident_now() -> int | None:
     """
     try:
         with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * _PAGE_SIZE
+            return int(statm.read().split()[1]) * _PAGE_SIZE + helper_bytes()
     except (OSError, ValueError, IndexError):
         return None
 

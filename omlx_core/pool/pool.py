@@ -36,6 +36,7 @@ from omlx_core.memory.types import PeakQuery, Rejection, RequestRejected
 from omlx_core.models.errors import ModelError
 from omlx_core.config.keep_alive import parse_keep_alive
 from omlx_core.pool.catalog import weights_bytes
+from omlx_core.redaction import redact_paths
 from omlx_core.settings import format_size
 
 if TYPE_CHECKING:
@@ -348,9 +349,13 @@ class ModelPool:
                 self.counters.refusals.get(refusal.rejection.cause, 0) + 1)
             return
         except Exception as exc:
-            cause = str(exc) if isinstance(exc, ModelError) else f"{type(exc).__name__}: {exc}"
-            log.error("model %r failed to load: %s", record.id, cause,
+            log.error("model %r failed to load: %s", record.id,
+                      exc if isinstance(exc, ModelError) else f"{type(exc).__name__}: {exc}",
                       exc_info=not isinstance(exc, ModelError))
+            # A ModelError says what is wrong for the operator to fix; anything else is
+            # a bug whose text stays in the log.
+            cause = (str(exc) if isinstance(exc, ModelError)
+                     else f"an unexpected {type(exc).__name__} (the server log has the details)")
             self.counters.load_failures += 1
             self._end_claim(record)
             self._end_load(record, FAILED, error=ModelLoadFailed(record.id, cause),
@@ -662,7 +667,7 @@ class ModelPool:
                 "load_seconds": record.load_seconds,
                 "kv_cache": (record.engine.kv_cache_format()
                              if state == RESIDENT and record.engine is not None else None),
-                "error": str(record.error) if record.error is not None else None,
+                "error": redact_paths(str(record.error)) if record.error is not None else None,
             }
 
     def resident_bytes(self) -> int:

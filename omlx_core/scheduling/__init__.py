@@ -63,6 +63,7 @@ from omlx_core.models.loader import (
 from omlx_core.models.registry import ModelError, ModelSpec
 from omlx_core.scheduling.acceptance import KeyStream, accept_greedy, accept_sampled, target_log_probs
 from omlx_core.scheduling.batch_state import Phase, SequenceState, new_sequence
+from omlx_core.scheduling.block_hashes import salted_keys
 from omlx_core.scheduling.drafters import Draft, DraftFootprint, Drafter, DraftState, NgramDrafter
 from omlx_core.scheduling.engine import BatchedEngine, EngineSettings, create_prefix_cache
 from omlx_core.scheduling.extensions import (
@@ -99,6 +100,6 @@ __all__ = [
     "ForwardGate", "LimitSnapshot", "MemoryReceiver", "PeakEstimate", "PeakQuery", "PrefillChunk",
     "PrefillStep", "Refusals", "Rejection", "RequestRejected", "TierPolicy", "UNLIMITED_TOKENS",
     # models
-    "ModelError", "ModelSpec", "activation_dtype_bytes", "hf_tokenizer", "install_cpu_routes",
+    "ModelError", "ModelSpec", "activation_dtype_bytes", "hf_tokenizer", "install_cpu_routes", "salted_keys",
     "load_model", "model_classes", "settle_random_state",
 ]

@@ -20,6 +20,21 @@ def root_hash(namespace: str) -> bytes:
     return hashlib.blake2b(namespace.encode(), digest_size=HASH_BYTES).digest()
 
 
+# Set in every salted key: a salted key is never a token id or an image key (both < 2^61).
+_SALTED = 1 << 61
+
+
+def salted_keys(keys: Sequence[int], salt: str | None) -> Sequence[int]:
+    """``keys`` (token ids, image keys) in ``salt``'s own key space: chains of two
+    different salts, or of a salt and none, share no block (``None``: ``keys`` as they
+    are). A one-to-one map, so equal keys stay equal within a salt."""
+    if not salt:
+        return keys
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    offset = int.from_bytes(digest, "little") & (_SALTED - 1) | _SALTED
+    return [key ^ offset for key in keys]
+
+
 def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes) -> list[bytes]:
     """Hashes of every full block of ``tokens``, chained from ``parent``."""
     hashes = []
@@ -49,4 +64,5 @@ def common_prefix_length(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     return n
 
 
-__all__ = ["HASH_BYTES", "chain_hashes", "common_prefix_length", "partial_hash", "root_hash"]
+__all__ = ["HASH_BYTES", "chain_hashes", "common_prefix_length", "partial_hash", "root_hash",
+           "salted_keys"]

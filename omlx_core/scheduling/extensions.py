@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_chec
 
 # The decode batch's own extension point is declared beside it, and listed here.
 from omlx_core.scheduling.decode_batch import DraftVerify, NoDrafts
+from omlx_core.scheduling.block_hashes import salted_keys
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -95,8 +96,8 @@ class CacheKey(Protocol):
 
 
 def token_key(sequence: SequenceState, tokens: Sequence[int]) -> Sequence[int]:
-    """A text prompt's tokens are its key."""
-    return tokens
+    """A text prompt's tokens are its key, in its ``cache_salt``'s key space."""
+    return salted_keys(tokens, sequence.request.cache_salt)
 
 
 @runtime_checkable

@@ -55,7 +55,7 @@ from omlx_core.engine import (
     SamplingParams,
     images_of,
 )
-from omlx_core.grammar import GrammarError
+from omlx_core.grammar import GrammarBusy, GrammarError
 from omlx_core.memory.types import RequestRejected
 from omlx_core.pool import Lease
 from omlx_core.serving.errors import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
@@ -109,6 +109,8 @@ class Job:
     #: ``keep_alive``: seconds, a duration string, -1 forever, 0 unload when idle);
     #: ``None`` leaves the model's setting as it is
     keep_alive: Any = None
+    #: the client's prefix-cache salt (:attr:`GenerationRequest.cache_salt`)
+    cache_salt: str | None = None
 
 
 # -- what can go wrong before the first byte ------------------------------------------------
@@ -240,7 +242,7 @@ class Generation:
         except Exception as exc:
             log.exception("engine failed while generating request %s", self.request_id)
             self.finish_reason = "error"
-            self.failure = EngineFailed(f"the engine failed: {type(exc).__name__}: {exc}")
+            self.failure = EngineFailed(_in_the_log("the engine failed while generating", exc))
         finally:  # also when the client hung up and the stream was closed mid-way
             self.completion_tokens = self._output.completion_tokens
             if usage is not None:
@@ -344,7 +346,15 @@ def _failure_of(output: GenerationOutput) -> Exception:
     message = output.error or "the engine reported an error"
     if output.error_type == "invalid":
         return InvalidRequest(f"the engine cannot serve this request: {message}")
-    return EngineFailed(message)
+    # An internal failure's text (an exception's) is the operator's, not the client's.
+    log.error("the engine failed request %s: %s", output.request_id, message)
+    return EngineFailed(f"the engine failed request {output.request_id}; the server log "
+                        "has the details")
+
+
+def _in_the_log(what: str, exc: BaseException) -> str:
+    """A client's message for a failure whose details only the log keeps."""
+    return f"{what} ({type(exc).__name__}); the server log has the details"
 
 
 # -- the pipeline ----------------------------------------------------------------------------
@@ -427,12 +437,17 @@ class ServingPipeline:
     # -- starting a request --------------------------------------------------------------
 
     def start(self, job: Job, *, client_gone: Callable[[], bool] | None = None,
-              first_output_wait_s: float | None = None) -> Generation:
+              first_output_wait_s: float | None = None,
+              on_checked: Callable[[], None] | None = None) -> Generation:
         """Run every check, submit, and wait for the first output.
 
         With ``first_output_wait_s``, wait that long at most: a request still in prefill
         then starts anyway, and its deltas carry a keep-alive every as many seconds
         until the first output (and any refusal after that comes in-band).
+        ``on_checked`` is called once every check that refuses a request for good has
+        passed (its model loaded, its prompt tokenized and preflighted): only waits that
+        can end in a retryable refusal (memory, the first token) are left, so a stream
+        may begin then without a 413 ever coming after its status line.
 
         :raises InvalidRequest: the request cannot be served as sent (its subclass
             :class:`UnknownModel` for a model not served here).
@@ -449,14 +464,16 @@ class ServingPipeline:
             self.events.rejected(job.model_id, error)
             raise
         try:
-            return self._start(job, lease, arrived, client_gone, first_output_wait_s)
+            return self._start(job, lease, arrived, client_gone, first_output_wait_s,
+                               on_checked)
         except BaseException:
             lease.release()
             raise
 
     def _start(self, job: Job, lease: Lease | _FixedLease, arrived: float,
                client_gone: Callable[[], bool] | None,
-               first_output_wait_s: float | None) -> Generation:
+               first_output_wait_s: float | None,
+               on_checked: Callable[[], None] | None = None) -> Generation:
         engine = lease.engine
         # The engine may hold a batch window open for this request until it is
         # submitted: requests sent together then share one prefill forward.
@@ -473,23 +490,29 @@ class ServingPipeline:
             tokens = self._tokenize(engine, job, limits)
             sampling = self._settle_max_tokens(job, limits, len(tokens))
             self._check_token_ids(sampling, limits)
-            release = self._reserve(engine, request_id, tokens, sampling.max_tokens, images=len(images))
+            release = self._reserve(engine, request_id, tokens, sampling.max_tokens,
+                                    images=len(images), on_checked=on_checked,
+                                    salted=job.cache_salt is not None)
             try:
                 # Stop strings are the output processor's: the engine never sees them.
                 handle = engine.submit(GenerationRequest(request_id, tokens,
                                                          replace(sampling, stop=()),
-                                                         images=prepared))
+                                                         images=prepared,
+                                                         cache_salt=job.cache_salt))
             except GrammarError as exc:
                 release()
                 raise InvalidRequest(str(exc), exc.field, "invalid_grammar") from None
+            except GrammarBusy:  # the compile queue is full now: 503, retry later
+                release()
+                raise
             except ValueError as exc:  # the engine's own check of an unservable request
                 release()
                 raise InvalidRequest(f"the engine cannot serve this request: {exc}") from None
             except Exception as exc:
                 release()
                 log.error("engine of %s failed to take a request", job.model_id, exc_info=exc)
-                raise EngineFailed(f"the engine failed to take the request: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                raise EngineFailed(_in_the_log("the engine failed to take the request",
+                                               exc)) from exc
             except BaseException:
                 release()
                 raise
@@ -523,8 +546,8 @@ class ServingPipeline:
             if isinstance(exc, Exception):
                 log.error("engine failed before the first output of a request for %s",
                           job.model_id, exc_info=exc)
-                raise EngineFailed(f"the engine failed before the first token: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                raise EngineFailed(_in_the_log("the engine failed before the first token",
+                                               exc)) from exc
             raise
         if first is None:
             return None
@@ -658,15 +681,23 @@ class ServingPipeline:
                                      f"(0..{vocab - 1})", param)
 
     def _reserve(self, engine: Engine, request_id: str, tokens: list[int],
-                 max_tokens: int, images: int = 0) -> Callable[[], None]:
-        """Preflight and admission; returns the callable that gives the reservation back."""
+                 max_tokens: int, images: int = 0,
+                 on_checked: Callable[[], None] | None = None,
+                 salted: bool = False) -> Callable[[], None]:
+        """Preflight and admission; returns the callable that gives the reservation back.
+        ``on_checked`` is called between the two."""
         guard = self.context.memory_guard
         if guard is None:
+            if on_checked is not None:
+                on_checked()
             return lambda: None
         try:
-            guard.preflight(engine, request_id, tokens, max_tokens=max_tokens, images=images)
+            guard.preflight(engine, request_id, tokens, max_tokens=max_tokens, images=images,
+                            salted=salted)
+            if on_checked is not None:
+                on_checked()
             ticket: AdmissionTicket = guard.admit(engine, request_id, tokens, max_tokens=max_tokens,
-                                                  images=images)
+                                                  images=images, salted=salted)
         except RequestRejected as error:
             self.events.rejected(engine.model.id, error)
             raise
@@ -701,4 +732,5 @@ def _is_template_error(exc: Exception) -> bool:
         from jinja2 import TemplateError
     except ImportError:  # pragma: no cover - transformers needs jinja2
         TemplateError = ()  # type: ignore[assignment]
-    return isinstance(exc, (TemplateError, ValueError, TypeError, KeyError))
+    # RecursionError: a template walking a structure the client nested thousands deep
+    return isinstance(exc, (TemplateError, ValueError, TypeError, KeyError, RecursionError))

@@ -107,7 +107,7 @@ def _arguments(value: Any) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value) if value.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what Python parses
             return value
     return value
 

@@ -4,8 +4,9 @@ Which knob helps depends on which ceiling binds, so the advice names the binding
 ceiling, the figures behind it and the one setting (or command) that moves it:
 
 - ``dynamic``: other programs hold the memory; close them (the static cap and what is
-  reclaimable now are stated). Under tier ``custom`` the pinned ceiling is above what is
-  free, so raising it cannot help either.
+  reclaimable now are stated), or raise the memory tier (a larger share of what is free).
+  Under tier ``custom`` the pinned ceiling is above what is free, so raising it cannot
+  help either.
 - ``custom``: raise the pinned ceiling, up to what the other ceilings allow.
 - ``device``: raise the Metal wired limit (``sudo sysctl iogpu.wired_limit_mb=N``), raise
   the container's memory limit, or pick a smaller model for a CUDA card.
@@ -115,9 +116,15 @@ def _dynamic(rejection: Rejection, b: CeilingBreakdown) -> str:
                 f"ceiling cannot help until memory is freed: close other applications{on}, or "
                 f"{_shorten(rejection)}.")
     static = format_size(b.static) if b.static is not None else "unknown"
-    return (f"Close other applications{on} to free memory: the static cap{there} under tier "
+    text = (f"Close other applications{on} to free memory: the static cap{there} under tier "
             f"{b.tier!r} is {static}, but only {reclaimable} is reclaimable right now, which "
-            f"makes the dynamic ceiling {format_size(b.dynamic)}. Or {_shorten(rejection)}.")
+            f"makes the dynamic ceiling {format_size(b.dynamic)}.")
+    if b.tier in TIER_ORDER[:-1]:
+        # The dynamic ceiling is the tier's share (dynamic_factor) of what is free.
+        larger = " or ".join(repr(t) for t in TIER_ORDER[TIER_ORDER.index(b.tier) + 1:])
+        text += (f" Or raise {_rank(b) or 'the '}memory tier to {larger} (memory.tier{_on(b)}), "
+                 "whose dynamic ceiling allows a larger share of the free memory.")
+    return text + f" Or {_shorten(rejection)}."
 
 
 def _custom(rejection: Rejection, b: CeilingBreakdown) -> str:

@@ -3,8 +3,7 @@ joined by ``mx.distributed``, launched by ``mlx.launch`` (``omlx-core launch``).
 
 What it provides through the public hooks:
 
-- ``register_settings``: ``plugin.distributed.*`` (the split, heartbeat and fault
-  timeouts);
+- ``register_settings``: ``plugin.distributed.*`` (the split, heartbeats and liveness);
 - ``register_engines``: ``"distributed"`` -> :class:`~.engine.DistributedEngine`, the
   batched engine with its model sharded through mlx-lm's ``shard`` (tensor parallel) or
   ``model.pipeline`` (pipeline) and its scheduler stepped in lockstep on every rank
@@ -37,11 +36,16 @@ SETTINGS = (
     Setting("mode", "choice", "how the model is split over the ranks: tensor (heads and MLP "
             "columns) or pipeline (runs of layers)", default="tensor",
             choices=("tensor", "pipeline")),
-    Setting("heartbeat_s", "float", "how often an idle rank 0 steps the group so the other "
-            "ranks know it is alive", minimum=0.05, maximum=60.0, default=1.0),
-    Setting("collective_timeout_s", "float", "how long one step's collectives may take before "
-            "the group is declared dead (a rank killed or hung)", minimum=1.0, maximum=3600.0,
-            default=10.0),
+    Setting("heartbeat_s", "float", "how often every rank sends a heartbeat (on a connection "
+            "of its own) and an idle rank 0 steps the group", minimum=0.05, maximum=60.0,
+            default=1.0),
+    Setting("liveness_timeout_s", "float", "a rank that sends no heartbeat for this long is "
+            "dead (stopped, hung, cut off); a killed one is noticed at once. However long a "
+            "step takes, this bounds how long a dead rank goes unnoticed", minimum=1.0,
+            maximum=600.0, default=5.0),
+    Setting("stall_timeout_s", "float", "a step open this long while no rank uses CPU (every "
+            "rank waiting on another) ends the group; 0 turns this off. Slow steps, where "
+            "ranks compute, never do", minimum=0.0, maximum=86400.0, default=300.0),
     Setting("exit_after_s", "float", "how long rank 0 keeps answering /health (naming the "
             "missing rank) after the group died, before it exits", minimum=0.0, maximum=600.0,
             default=5.0),

@@ -1,34 +1,28 @@
-"""The process group serving one model, and its liveness.
+"""The process group serving one model: its collectives, and when it is dead.
 
-Every rank's collectives run on its MLX thread; a collective whose peer died or hangs
-never returns, so a watchdog thread times each step from its exchange to its end
-(:meth:`Cluster.step_started` .. :meth:`Cluster.step_ended`). Past
-``plugin.distributed.collective_timeout_s`` it declares the group dead: rank 0 ends
-every in-flight request with an error and refuses new ones (the listeners registered
-with :meth:`Cluster.on_death`), keeps answering ``/health`` for
-``plugin.distributed.exit_after_s``, then exits with :data:`EXIT_GROUP_DEAD` so a
-supervisor restarts the whole group. A follower whose rank 0 is gone exits at once.
-
-A collective stuck in ``mx.eval`` releases the GIL, but an mlx call made meanwhile
-from another thread may wait for it while holding the GIL, which freezes every Python
-thread, this watchdog's too (the memory guard's ``mx.set_cache_limit`` did, until it
-moved to the MLX thread). So each step also arms :func:`faulthandler.dump_traceback_later`,
-whose C thread needs no GIL: past the timeout plus ``exit_after_s`` plus
-:data:`BACKSTOP_GRACE_S` it prints every thread's stack and exits with status 1.
-Requests in flight then see their connection close instead of an error event.
+Every rank's collectives run on its MLX thread; :meth:`Cluster.broadcast` moves rank 0's
+bytes (a :mod:`.wire` message: never pickle) to every rank. Whether the group is alive
+is :mod:`.liveness`'s to tell, not how long a step takes: a slow machine is not a dead
+rank. A rank whose heartbeats stop (killed, stopped, cut off), or a step during which no
+rank makes progress, ends the group: rank 0 ends every in-flight request with an error
+and refuses new ones (the listeners registered with :meth:`Cluster.on_death`), keeps
+answering ``/health`` for ``plugin.distributed.exit_after_s``, then exits with
+:data:`EXIT_GROUP_DEAD` so a supervisor restarts the whole group. A follower whose rank
+0 is gone exits at once.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
-import pickle
 import threading
 import time
 from typing import Any, Callable
 
 import mlx.core as mx
+
+from omlx_core.plugins.distributed.liveness import Heartbeats, heartbeat_address
+from omlx_core.plugins.distributed.wire import MAX_MESSAGE_BYTES, WireError, decode_hello, encode_hello
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +30,9 @@ log = logging.getLogger(__name__)
 EXIT_GROUP_DEAD = 75
 #: bytes every exchange carries in its first collective; longer payloads take a second
 HEADER_BYTES = 4096
-#: how long after the graceful exit was due the GIL-free backstop ends the process
-BACKSTOP_GRACE_S = 5.0
 _LENGTH_BYTES = 8
+#: how often the watchdog looks at the open step's progress
+_WATCH_S = 0.25
 
 
 class GroupDead(BaseException):
@@ -51,22 +45,28 @@ class GroupDead(BaseException):
 
 
 class Cluster:
-    """This process's rank in the ``mx.distributed`` group, its collectives and watchdog."""
+    """This process's rank in the ``mx.distributed`` group, its collectives and liveness."""
 
-    def __init__(self, group: Any, *, collective_timeout_s: float, exit_after_s: float,
+    def __init__(self, group: Any, *, heartbeat_s: float = 1.0, liveness_timeout_s: float = 5.0,
+                 stall_timeout_s: float = 300.0, exit_after_s: float = 5.0,
                  exit: Callable[[int], None] = os._exit) -> None:
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
-        self.collective_timeout_s = collective_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.liveness_timeout_s = liveness_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.exit_after_s = exit_after_s
         #: why the group is dead (names the rank), or ``None`` while it serves
         self.dead: str | None = None
+        #: steps this rank has taken (sent with its heartbeats)
+        self.steps = 0
         self._exit = exit
         self._step_since: float | None = None
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._heartbeats: Heartbeats | None = None
         self._watchdog = threading.Thread(target=self._watch, name="omlx-dist-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -76,22 +76,25 @@ class Cluster:
 
     # -- collectives (MLX thread) -----------------------------------------------------
 
-    def broadcast(self, payload: Any) -> Any:
-        """Rank 0's ``payload`` on every rank (the others pass ``None``)."""
-        data = pickle.dumps(payload) if self.leader else b""
+    def broadcast(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank (the others pass ``None``): bytes, which the
+        caller decodes with :mod:`.wire`."""
+        data = bytes(data or b"") if self.leader else b""
         header = bytearray(HEADER_BYTES)
         if self.leader:
             header[:_LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")
             first = data[:HEADER_BYTES - _LENGTH_BYTES]
             header[_LENGTH_BYTES:_LENGTH_BYTES + len(first)] = first
         received = self._sum_bytes(bytes(header))
-        log.debug("rank %d broadcast: %d bytes sent, header %r", self.rank, len(data), received[:16])
         length = int.from_bytes(received[:_LENGTH_BYTES], "little")
+        if length > MAX_MESSAGE_BYTES:
+            # Not rank 0's: a length no message has. Refuse it before allocating it.
+            raise WireError(f"a broadcast of {length} bytes announced, over {MAX_MESSAGE_BYTES}")
         body = received[_LENGTH_BYTES:_LENGTH_BYTES + length]
         rest = length - len(body)
         if rest > 0:
             body += self._sum_bytes(data[len(body):] if self.leader else bytes(rest))
-        return pickle.loads(body)
+        return body
 
     def gather(self, values: list[float]) -> list[list[float]]:
         """Every rank's ``values`` (the same length on each), by rank."""
@@ -122,17 +125,41 @@ class Cluster:
     def step_started(self) -> None:
         if self.dead is not None:
             raise GroupDead(self.dead)
+        if self._heartbeats is None and self.size > 1:
+            self._join_heartbeats()
         self._step_since = time.monotonic()
-        faulthandler.dump_traceback_later(
-            self.collective_timeout_s + self.exit_after_s + BACKSTOP_GRACE_S, exit=True)
 
     def step_ended(self) -> None:
         if self._step_since is not None:
             self._step_since = None
-            faulthandler.cancel_dump_traceback_later()
+            self.steps += 1
+
+    def _join_heartbeats(self) -> None:
+        """Every rank's first step: rank 0 says where it listens (one broadcast), and
+        every other rank connects."""
+        heartbeats = Heartbeats(self.rank, self.size, interval_s=self.heartbeat_s,
+                                timeout_s=self.liveness_timeout_s, exit_after_s=self.exit_after_s,
+                                on_dead=self.declare_dead, steps=lambda: self.steps)
+        self._heartbeats = heartbeats
+        if self.leader:
+            self.broadcast(encode_hello(heartbeats.listen(heartbeat_address())))
+            return
+        try:
+            hello = decode_hello(self.broadcast(None))
+            heartbeats.connect(hello)
+        except (WireError, OSError) as exc:
+            self.declare_dead(f"rank {self.rank} cannot join rank 0's heartbeats "
+                              f"({type(exc).__name__}: {exc})")
+            raise GroupDead(self.dead) from exc
+
+    def stopping(self) -> None:
+        """The group is shutting down on purpose: a closed connection is not a death."""
+        heartbeats = self._heartbeats
+        if heartbeats is not None:
+            heartbeats.close()
 
     def on_death(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(reason)`` (on the watchdog thread) when the group dies."""
+        """Call ``listener(reason)`` (on the thread that found it) when the group dies."""
         self._listeners.append(listener)
 
     def declare_dead(self, reason: str) -> None:
@@ -168,17 +195,24 @@ class Cluster:
 
     def close(self) -> None:
         self._closed.set()
-        faulthandler.cancel_dump_traceback_later()
+        self.stopping()
 
     def _watch(self) -> None:
-        while not self._closed.wait(0.25):
+        """A step open for ``stall_timeout_s`` through which no rank used CPU: stuck."""
+        while not self._closed.wait(_WATCH_S):
             since = self._step_since
-            if since is None or time.monotonic() - since <= self.collective_timeout_s:
+            heartbeats = self._heartbeats
+            if since is None or heartbeats is None or self.stall_timeout_s <= 0:
+                continue
+            now = time.monotonic()
+            if now - since <= self.stall_timeout_s:
+                continue
+            if heartbeats.progressed_since(now - self.stall_timeout_s):
                 continue
             self.declare_dead(
-                f"{self.missing()} did not answer: a step's collectives on rank {self.rank} "
-                f"waited more than {self.collective_timeout_s:g} s "
-                "(plugin.distributed.collective_timeout_s)")
+                f"the group made no progress for {self.stall_timeout_s:g} s "
+                "(plugin.distributed.stall_timeout_s): a step is open and no rank is computing; "
+                f"{self.missing()} is stuck")
             return
 
 
@@ -195,11 +229,12 @@ def _model_stream() -> Any:
 _CLUSTER: Cluster | None = None
 
 
-def cluster(*, collective_timeout_s: float = 10.0, exit_after_s: float = 5.0) -> Cluster:
-    """This process's :class:`Cluster`, joined on first use (``mx.distributed.init``)."""
+def cluster(**settings: float) -> Cluster:
+    """This process's :class:`Cluster`, joined on first use (``mx.distributed.init``);
+    ``settings`` (heartbeat_s, liveness_timeout_s, stall_timeout_s, exit_after_s) apply
+    then."""
     global _CLUSTER
     if _CLUSTER is None:
         group = mx.distributed.init()
-        _CLUSTER = Cluster(group, collective_timeout_s=collective_timeout_s,
-                           exit_after_s=exit_after_s)
+        _CLUSTER = Cluster(group, **settings)
     return _CLUSTER

@@ -45,7 +45,9 @@ class DistributedEngine(BatchedEngine):
         self.mode = str(config["plugin.distributed.mode"])
         self.heartbeat_s = float(config["plugin.distributed.heartbeat_s"])
         self.cluster: Cluster = cluster(
-            collective_timeout_s=float(config["plugin.distributed.collective_timeout_s"]),
+            heartbeat_s=self.heartbeat_s,
+            liveness_timeout_s=float(config["plugin.distributed.liveness_timeout_s"]),
+            stall_timeout_s=float(config["plugin.distributed.stall_timeout_s"]),
             exit_after_s=float(config["plugin.distributed.exit_after_s"]))
         if self.cluster in _ENGINES:
             # Each engine's steps are exchanged on the one group: two would interleave

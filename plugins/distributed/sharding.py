@@ -76,8 +76,8 @@ def load_sharded(path: Path | str, mode: str, group: Any) -> tuple[Any, Any]:
     path = Path(path)
     model, config = load_model(path, lazy=True, strict=False)
     check_sharding(model, config, mode, group.size())
-    tokenizer = load_tokenizer(path, {"trust_remote_code": True},
-                               eos_token_ids=config.get("eos_token_id", None))
+    # No trust_remote_code: a model directory's Python is not run, on any rank.
+    tokenizer = load_tokenizer(path, {}, eos_token_ids=config.get("eos_token_id", None))
     if group.size() > 1:
         if mode == "tensor":
             model.shard(group)

@@ -2,8 +2,9 @@
 ``mx.distributed`` collectives.
 
 Once per step rank 0 broadcasts what it drained (new requests with their prompt tokens,
-sampling and seeds; aborted request ids); the other ranks build the same sequences and
-apply the same aborts. Whatever the memory guard decides inside a step (prefill
+sampling and seeds; aborted request ids) as a :mod:`.wire` message; the other ranks
+decode it (nothing else: bytes that are not such a message end the group) and build the
+same sequences and apply the same aborts. Whatever the memory guard decides inside a step (prefill
 refusals, decode allowances and preemptions, resumes) rank 0's real forward gate
 answers and :class:`CollectiveGate` broadcasts, so the other ranks follow it instead of
 judging their own memory. Admission order, batch composition and sampling seeds are
@@ -14,7 +15,7 @@ then the same everywhere, and so is every forward. An idle rank 0 still steps ev
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from omlx_core.scheduling import (
     UNLIMITED_TOKENS,
@@ -26,6 +27,21 @@ from omlx_core.scheduling import (
     Refusals,
 )
 from omlx_core.scheduling import RequestRejected
+from omlx_core.plugins.distributed.cluster import GroupDead
+from omlx_core.plugins.distributed.wire import (
+    WireError,
+    decode_count,
+    decode_flag,
+    decode_plan,
+    decode_refusals,
+    decode_step,
+    encode_count,
+    encode_flag,
+    encode_plan,
+    encode_refusals,
+    encode_step,
+    encode_stop,
+)
 
 if TYPE_CHECKING:
     from omlx_core.engine import GenerationRequest
@@ -33,9 +49,7 @@ if TYPE_CHECKING:
     from omlx_core.scheduling import SequenceState
     from omlx_core.plugins.distributed.cluster import Cluster
 
-#: what rank 0 broadcasts when its scheduler shuts down
-STOP = "stop"
-
+    T = TypeVar("T")
 
 class FollowerStopped(RuntimeError):
     """Rank 0 shut its scheduler down; this rank stops too."""
@@ -70,18 +84,17 @@ class CollectiveSteps:
         self._last = time.monotonic()
         self.exchanges += 1
         if cluster.leader:
-            cluster.broadcast({"arrivals": [(s.request, s.seed) for s in arrivals],
-                               "aborts": list(aborts)})
+            cluster.broadcast(encode_step([(s.request, s.seed) for s in arrivals], aborts))
             self._gather_memory()
             return arrivals, aborts
-        message = cluster.broadcast(None)
-        if message != STOP:
-            self._gather_memory()
-        if message == STOP:
+        step = receive(cluster, decode_step, "step")
+        if step.stop:
             self._stopped = True
+            cluster.stopping()
             return [], self._on_stop()
-        return ([self._make_sequence(request, seed) for request, seed in message["arrivals"]],
-                list(message["aborts"]))
+        self._gather_memory()
+        return ([self._make_sequence(request, seed) for request, seed in step.arrivals],
+                list(step.aborts))
 
     def _gather_memory(self) -> None:
         if self.memory is not None:
@@ -114,8 +127,9 @@ class CollectiveSteps:
         if self.cluster.leader and self.cluster.dead is None and not self._stopped:
             self._stopped = True
             self.cluster.step_started()
-            self.cluster.broadcast(STOP)
+            self.cluster.broadcast(encode_stop())
             self.cluster.step_ended()
+            self.cluster.stopping()
 
 
 class CollectiveGate(ForwardGate):
@@ -126,23 +140,16 @@ class CollectiveGate(ForwardGate):
         self.cluster = cluster
         self.inner = gate
 
-    def _agree(self, ask: Callable[[ForwardGate], Any], default: Any) -> Any:
-        answer = None
+    def _agree(self, ask: Callable[[ForwardGate], T], default: T,
+               encode: Callable[[T], bytes], decode: Callable[[bytes], T], what: str) -> T:
         if self.cluster.leader:
             answer = ask(self.inner) if self.inner is not None else default
-        return self.cluster.broadcast(answer)
+            self.cluster.broadcast(encode(answer))
+            return answer
+        return receive(self.cluster, decode, what)
 
     def _refusals(self, ask: Callable[[ForwardGate], Refusals]) -> Refusals:
-        local: Refusals = {}
-        if self.cluster.leader and self.inner is not None:
-            local = ask(self.inner)
-        # An exception pickles as its message only: send the parts it is made of.
-        shared = self.cluster.broadcast(
-            {rid: (r.rejection, r.advice, r.retry_after_s) for rid, r in local.items()}
-            if self.cluster.leader else None)
-        if self.cluster.leader:
-            return local
-        return {rid: RequestRejected(*parts) for rid, parts in shared.items()}
+        return self._agree(ask, {}, encode_refusals, decode_refusals, "refusals")
 
     def check_prefill(self, step: PrefillStep) -> Refusals:
         return self._refusals(lambda gate: gate.check_prefill(step))
@@ -152,15 +159,29 @@ class CollectiveGate(ForwardGate):
 
     def check_decode(self, step: DecodeStep) -> DecodePlan:
         return self._agree(lambda gate: gate.check_decode(step),
-                           DecodePlan({row.request_id: UNLIMITED_TOKENS for row in step.rows}))
+                           DecodePlan({row.request_id: UNLIMITED_TOKENS for row in step.rows}),
+                           encode_plan, decode_plan, "decode plan")
 
     def may_resume(self, request_id: str) -> bool:
-        return bool(self._agree(lambda gate: gate.may_resume(request_id), True))
+        return self._agree(lambda gate: bool(gate.may_resume(request_id)), True, encode_flag,
+                           decode_flag, "resume answer")
 
     def room_for_restore(self, restore: CacheRestore) -> int:
         # Every rank then reuses the same prefix of the same cache.
-        return int(self._agree(lambda gate: gate.room_for_restore(restore), restore.nbytes))
+        return self._agree(lambda gate: int(gate.room_for_restore(restore)), restore.nbytes,
+                           encode_count, decode_count, "restore answer")
 
     def suspend(self, request_id: str) -> None:
         if self.cluster.leader and self.inner is not None:
             self.inner.suspend(request_id)
+
+
+def receive(cluster: Cluster, decode: Callable[[bytes], T], what: str) -> T:
+    """Rank 0's next broadcast, decoded; bytes that are not that message end the group
+    (this rank can no longer take rank 0's steps)."""
+    try:
+        return decode(cluster.broadcast(None))
+    except WireError as exc:
+        cluster.declare_dead(f"rank {cluster.rank} received a {what} it cannot read ({exc}); "
+                             "the ring link carries something other than rank 0's messages")
+        raise GroupDead(cluster.dead) from exc

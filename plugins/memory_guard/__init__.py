@@ -43,8 +43,19 @@ def resolve_scheduler(engine: Engine) -> MemoryReceiver | None:
 @hookimpl(trylast=True)
 def preflight(request: PreflightRequest) -> None:
     limits = request.limits
-    if request.estimated_bytes is None or limits is None or limits.hard_bytes is None:
+    if limits is None or limits.hard_bytes is None:
         return
+    if request.estimated_bytes is None:
+        # The forward gate would refuse every chunk of it: refuse it now, for good.
+        raise RequestRejected(Rejection(
+            estimated_bytes=0, limit_bytes=limits.hard_bytes, breakdown=limits.breakdown,
+            request_id=request.request_id, model_id=request.model_id,
+            prompt_tokens=request.prompt_tokens, stage="preflight", cause="no_estimate",
+            detail=f"no estimate_peak plugin can estimate model {request.model_id!r} (model_type "
+                   f"{request.model_config.get('model_type')!r}; its config.json may be missing "
+                   "the sizes an estimate needs), so the memory guard cannot let any of its "
+                   "requests run; retrying will not help: enable the built-in 'estimator' "
+                   "plugin, install one for this architecture, or fix the model's config"))
     per_token = request.kv_bytes_per_token
     room = limits.hard_bytes - limits.baseline_bytes - request.margin_bytes
     decode_kv = per_token * kv_capacity(request.prompt_tokens + request.max_tokens)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -190,9 +191,34 @@ def write_payload(payload: Payload, path: Path) -> int:
         specs[name] = TensorSpec(dtype=payload.dtypes[name], shape=array.shape,
                                  data_ptr=array.ctypes.data, data_len=array.nbytes)
     data = serialize(specs, metadata=metadata)
-    with open(path, "wb") as handle:
+    with open_private(path) as handle:
         handle.write(data)
     return len(data)
+
+
+#: who may read what the cache keeps: its owner only (a block's metadata holds the
+#: token ids of the prompts it came from)
+PRIVATE_FILE_MODE = 0o600
+PRIVATE_DIR_MODE = 0o700
+
+
+def open_private(path: Path, mode: str = "wb") -> Any:
+    """``path`` opened for writing, created (or truncated) readable by its owner only."""
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+    flags |= os.O_APPEND if mode.startswith("a") else os.O_TRUNC
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    try:
+        os.fchmod(fd, PRIVATE_FILE_MODE)  # a file left by an older version keeps its mode
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def make_private_dir(path: Path) -> None:
+    """``path`` (and missing parents) as a directory only its owner may enter."""
+    path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(path, PRIVATE_DIR_MODE)
 
 
 def read_metadata(path: Path) -> dict[str, str]:
@@ -351,4 +377,5 @@ __all__ = [
     "Payload", "TMP_SUFFIX", "block_path", "boundary_path", "check_metadata", "file_size", "kv_of",
     "payload_of_kv", "payload_of_states", "read_arrays", "read_metadata", "remove_block_files",
     "remove_dir_if_empty", "remove_file", "snapshot_dir", "states_of", "write_payload",
+    "PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE", "make_private_dir", "open_private",
 ]

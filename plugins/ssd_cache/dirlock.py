@@ -18,7 +18,9 @@ class DirectoryInUseError(RuntimeError):
 
 def take_directory(directory: Path) -> IO[str]:
     """Lock ``directory`` for this process; the open lock file, for :func:`release_directory`."""
-    handle = open(directory / ".lock", "a+")
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    os.fchmod(fd, 0o600)
+    handle = os.fdopen(fd, "r+")
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -18,8 +18,8 @@ from array import array
 from pathlib import Path
 
 from omlx_core.plugins.ssd_cache.blockfile import (
-    BLOCK_KIND, BLOCK_SUFFIX, BOUNDARY_KIND, BOUNDARY_SUFFIX, BlockFileError, boundary_path, check_metadata,
-    read_metadata, remove_file)
+    BLOCK_KIND, BLOCK_SUFFIX, BOUNDARY_KIND, BOUNDARY_SUFFIX, PRIVATE_FILE_MODE, BlockFileError, boundary_path,
+    check_metadata, read_metadata, remove_file)
 from omlx_core.plugins.ssd_cache.index import IndexEntry
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ def scan_blocks(blocks_dir: Path, identity: str, label: str) -> tuple[list[tuple
         if progress is not None:
             progress.update(1)
         path = blocks_dir / name
+        _owner_only(path)
         if name.endswith(BOUNDARY_SUFFIX):
             if name[:-len(BOUNDARY_SUFFIX)] + BLOCK_SUFFIX not in name_set:
                 removed += remove_file(path)
@@ -87,6 +88,15 @@ def scan_blocks(blocks_dir: Path, identity: str, label: str) -> tuple[list[tuple
         progress.close()
     found.sort(key=lambda f: (f[0], f[1]))
     return [(block_hash, entry) for _, _, block_hash, entry in found], removed
+
+
+def _owner_only(path: Path) -> None:
+    """A file an older version wrote readable by others, made its owner's only."""
+    try:
+        if path.stat().st_mode & 0o077:
+            os.chmod(path, PRIVATE_FILE_MODE)
+    except OSError:
+        pass  # gone meanwhile, or not ours: the checks below decide what to do with it
 
 
 __all__ = ["PROGRESS_FROM_FILES", "scan_blocks"]

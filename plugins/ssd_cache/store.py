@@ -40,6 +40,7 @@ from typing import Any, Sequence
 
 from omlx_core.kvblocks import BlockStore, CachedBlock, StoredBlock
 from omlx_core.plugins.ssd_cache.blockfile import (
+    make_private_dir,
     BLOCK_KIND, BOUNDARY_KIND, block_path, boundary_path, check_metadata, file_size, kv_of, payload_of_kv,
     payload_of_states, read_arrays, remove_block_files, remove_file, states_of)
 from omlx_core.plugins.ssd_cache.counters import COUNTERS, Counters
@@ -87,10 +88,12 @@ class PagedSSDStore(BlockStore):
         self.flush_timeout_s = flush_timeout_s
         self._closed = False
 
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.directory.parent.exists():
+            make_private_dir(self.directory.parent)
+        make_private_dir(self.directory)
         self._lock_file = take_directory(self.directory)
-        self.blocks_dir.mkdir(parents=True, exist_ok=True)
-        self.snapshots_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.blocks_dir)
+        make_private_dir(self.snapshots_dir)
         self._counts = Counters()
         self._index = BlockIndex()
         self._quota = DiskQuota(self.blocks_dir, budget=budget, auto_share=auto_share, ttl_s=disk_usage_ttl_s)

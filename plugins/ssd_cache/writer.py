@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from omlx_core.plugins.ssd_cache.blockfile import (
+    make_private_dir,
     BLOCK_SUFFIX, TMP_SUFFIX, Payload, block_path, boundary_path, remove_block_files, remove_dir_if_empty,
     remove_file, snapshot_dir, write_payload)
 from omlx_core.plugins.ssd_cache.counters import Counters
@@ -195,7 +196,7 @@ class BlockWriter:
                             "is cancelled and will be discarded when it ends", timeout)
             shutil.rmtree(directory, ignore_errors=True)
             if recreate:
-                directory.mkdir(parents=True, exist_ok=True)
+                make_private_dir(directory)
         finally:
             if acquired:
                 self._busy.release()
@@ -255,7 +256,7 @@ class BlockWriter:
         final = directory / f"{item.index}{BLOCK_SUFFIX}"
         temp = directory / f".{item.index}{TMP_SUFFIX}"
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            make_private_dir(directory)
             self._write_payload(item.payload, temp)
             if item.cancelled:  # a cleanup ran while we wrote: the file must not appear
                 raise _Cancelled

@@ -148,23 +148,32 @@ def read_bytes(part: ImagePart, limits: ImageLimits) -> bytes:
     return data
 
 
+#: the formats PIL may decode a client's image as (its names); PIL knows dozens more,
+#: some of which hand the bytes to other programs (EPS to Ghostscript)
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
+_FORMATS_TEXT = "a PNG, JPEG, GIF, WebP or BMP image"
+
+
 def decode(part: ImagePart, data: bytes, limits: ImageLimits) -> Any:
     """The RGB ``PIL.Image`` of ``data``; ``ValueError`` naming the part and the limit."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     with warnings.catch_warnings():
         # PIL's own bomb check: past its limit a warning, past twice that an error.
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
             width, height = image.size
+        except UnidentifiedImageError:
+            raise ValueError(f"{part.param}: not {_FORMATS_TEXT} (the formats this server "
+                             "decodes); convert it to one of them") from None
         except Exception as exc:  # hostile bytes raise all kinds (struct.error, EOFError, ...)
             if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
                 raise ValueError(f"{part.param}: the image is over the {limits.max_image_pixels} "
                                  "limit per image (plugin.vlm.max_image_pixels), a possible "
                                  f"decompression bomb ({exc}); send a smaller image") from None
             raise ValueError(f"{part.param}: not a decodable image ({type(exc).__name__}: {exc}); "
-                             "send a PNG, JPEG, GIF or WebP file") from None
+                             f"send {_FORMATS_TEXT}") from None
         if width <= 0 or height <= 0:
             raise ValueError(f"{part.param}: the image is {width}x{height} pixels; it needs at "
                              "least one pixel each way")

@@ -29,8 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import mlx.core as mx
 
-from omlx_core.scheduling import SequenceState
-from omlx_core.scheduling import Scheduler
+from omlx_core.scheduling import Scheduler, SequenceState, salted_keys
 
 
 @dataclass(eq=False)
@@ -87,10 +86,12 @@ def image_key(sequence: SequenceState, tokens: Sequence[int]) -> Sequence[int]:
     completion): its image tokens replaced by their images' keys (:func:`keyed_prompt`)."""
     key = sequence.key_prompt if isinstance(sequence, VLMSequence) else None
     if not key:
-        return tokens
-    if len(tokens) <= len(key):
-        return key[:len(tokens)]
-    return key + list(tokens[len(key):])
+        keyed = tokens
+    elif len(tokens) <= len(key):
+        keyed = key[:len(tokens)]
+    else:
+        keyed = key + list(tokens[len(key):])
+    return salted_keys(keyed, sequence.request.cache_salt)
 
 
 def _covers_image(sequence: SequenceState, start: int, end: int) -> bool:

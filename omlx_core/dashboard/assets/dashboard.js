@@ -68,7 +68,9 @@
     const headers = {};
     const key = sessionStorage.getItem(KEY_STORE);
     if (key) headers["Authorization"] = "Bearer " + key;
-    const response = await fetch(path, Object.assign({ headers, cache: "no-store" }, options || {}));
+    const { json, ...rest } = options || {};
+    if (json) headers["Content-Type"] = "application/json";
+    const response = await fetch(path, Object.assign({ headers, cache: "no-store" }, rest));
     const text = await response.text();
     let body = null;
     try { body = JSON.parse(text); } catch (error) { body = null; }
@@ -414,7 +416,8 @@
     if (state.models) renderModels({ models: state.models, pool: state.pool });
     let outcome;
     try {
-      const m = await api("/admin/models/" + encodeURIComponent(id) + "/" + action, { method: "POST" });
+      // The server takes a POST only as JSON (a web page of another site cannot send one).
+      const m = await api("/admin/models/" + encodeURIComponent(id) + "/" + action, { method: "POST", body: "{}", json: true });
       let text = action + ": done, " + m.state + (m.pinned ? ", pinned" : "");
       if (action === "load" && m.load_seconds !== null && m.load_seconds !== undefined) text += " (loaded in " + seconds(m.load_seconds) + ")";
       if (!m.changed) text = action + ": nothing to do, the model is " + m.state;
