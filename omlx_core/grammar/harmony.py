@@ -93,7 +93,7 @@ class HarmonyParser:
     (``final``, and ``commentary`` not addressed to a function) and tool calls.
 
     With ``reasoning=False`` the analysis channel is content too (a model served as not
-    reasoning). ``reasoning_spans`` holds the character ranges of the fed text that were
+    reasoning). ``spans`` holds the character ranges of the fed text that were
     reasoning messages, header and end marker included, for counting their tokens. The
     parser interface of :class:`~omlx_core.grammar.toolcalls.ToolCallParser`.
     """
@@ -102,7 +102,7 @@ class HarmonyParser:
         self.reasoning = reasoning
         self.new_id = new_id
         self.calls: list[ToolCall] = []
-        self.reasoning_spans: list[tuple[int, int]] = []
+        self.spans: list[tuple[int, int]] = []
         self._pending = ""
         self._offset = 0  # characters fed before _pending
         self._state = "header"  # header, body, or raw (not harmony after all: all content)
@@ -194,7 +194,7 @@ class HarmonyParser:
 
     def _end_message(self, events: list[Event]) -> None:
         if self._kind == "reasoning":
-            self.reasoning_spans.append((self._header_start, self._offset))
+            self.spans.append((self._header_start, self._offset))
         elif self._kind == "call" and self._call is not None:
             try:
                 json.loads(self._call.arguments)
@@ -206,7 +206,7 @@ class HarmonyParser:
             self._call = None
         self._state, self._kind, self._header_start = "header", "", self._offset
 
-    def open_reasoning_span(self) -> tuple[int, int] | None:
+    def open_span(self) -> tuple[int, int] | None:
         """The reasoning message still being written, as a span up to what was fed."""
         if self._state == "body" and self._kind == "reasoning":
             return (self._header_start, self._offset + len(self._pending))

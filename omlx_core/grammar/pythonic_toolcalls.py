@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import warnings
 from typing import Any, Callable, Sequence
 
 from omlx_core.grammar.toolcalls import (
@@ -131,7 +132,9 @@ def python_literal(node: ast.AST, source: str) -> Any:
 def _parse_call(source: str) -> tuple[str, dict[str, Any]]:
     """``(name, arguments)`` of one ``name(key=literal, ...)``; ``ValueError`` otherwise."""
     try:
-        tree = ast.parse(source.strip(), mode="eval")
+        with warnings.catch_warnings():  # JSON's \/ is an invalid escape to Python: read as JSON
+            warnings.simplefilter("ignore")
+            tree = ast.parse(source.strip(), mode="eval")
     except SyntaxError as exc:
         raise ValueError(str(exc)) from None
     call = tree.body

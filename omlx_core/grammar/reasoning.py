@@ -80,6 +80,15 @@ class ThinkTags:
         return self.budget is not None and self.mode != "off"
 
 
+def _not_opening(answer: dict[str, Any], opening: str) -> dict[str, Any]:
+    """``answer`` with free text that never spells ``opening``: were an answer allowed to
+    start with the thinking's opening tag, the grammar could read thinking as answer,
+    where no budget holds."""
+    if answer.get("type") in ("any_text", "triggered_tags"):
+        return {**answer, "excludes": [*answer.get("excludes", ()), opening]}
+    return answer
+
+
 def answer_format(spec: GrammarSpec) -> dict[str, Any]:
     """``spec`` (a request's response format or tool grammar) as a structural-tag format,
     to follow the thinking."""
@@ -106,5 +115,7 @@ def with_thinking(answer: GrammarSpec | None, thinking: ThinkTags) -> GrammarSpe
     if prefix is None or (answer is None and not thinking.needs_grammar):
         return answer
     rest = answer_format(answer) if answer is not None else {"type": "any_text"}
+    if thinking.mode == "optional":
+        rest = _not_opening(rest, thinking.open.text)
     tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [prefix, rest]}}
     return GrammarSpec.structural_tag(tag, field=answer.field if answer is not None else "thinking")

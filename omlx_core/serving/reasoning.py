@@ -144,6 +144,7 @@ class ThinkTagSplitter:
             self._emit_reasoning(self._pending.rstrip(_SPACE), events)
             self._take(len(self._pending))
             self.spans.append((self._span_start, self._offset))
+            self._state = "content"
         elif self._pending:
             self._state, self._trim = "content", False
             self._emit_content(self._pending, events)
@@ -249,10 +250,8 @@ class ReplySplitter:
         """The character ranges of the text fed that were thinking."""
         if self.thinking is None:
             return []
-        spans = list(getattr(self.thinking, "spans", None) or getattr(self.thinking, "reasoning_spans", []))
-        ongoing = (self.thinking.open_span() if hasattr(self.thinking, "open_span")
-                   else self.thinking.open_reasoning_span())
-        return spans + ([ongoing] if ongoing is not None else [])
+        ongoing = self.thinking.open_span()
+        return list(self.thinking.spans) + ([ongoing] if ongoing is not None else [])
 
 
 def reasoning_tokens(token_starts: Sequence[int], spans: Sequence[tuple[int, int]]) -> int:
