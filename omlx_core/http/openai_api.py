@@ -142,9 +142,18 @@ def chat_job(body: Mapping[str, Any]) -> Job:
                             body.get("parallel_tool_calls") is not False)
     return Job(body["model"], sampling, messages=messages, prompt_param="messages",
                max_tokens_param=param, id_prefix="chatcmpl-", tools=tools,
-               reasoning=ReasoningRequest(effort=body.get("reasoning_effort")),
+               reasoning=_reasoning(body, given, param),
                template_kwargs=dict(body.get("chat_template_kwargs") or {}),
                keep_alive=_keep_alive(body))
+
+
+def _reasoning(body: Mapping[str, Any], max_tokens: int | None, max_param: str) -> ReasoningRequest:
+    budget = body.get("thinking_token_budget")
+    if budget is not None and max_tokens is not None and budget > max_tokens:
+        raise bad_request(f"thinking_token_budget ({budget}) must be at most {max_param} "
+                          f"({max_tokens}): thinking counts toward it", "thinking_token_budget")
+    return ReasoningRequest(effort=body.get("reasoning_effort"), budget_tokens=budget,
+                            budget_param="thinking_token_budget")
 
 
 def completion_job(body: Mapping[str, Any]) -> Job:

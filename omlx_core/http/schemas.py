@@ -197,6 +197,11 @@ CHAT_COMPLETION_REQUEST = {
                                   {"type": "object"}]},
         "parallel_tool_calls": _nullable({"type": "boolean"}),
         "reasoning_effort": REASONING_EFFORT,
+        "thinking_token_budget": _nullable({
+            "type": "integer", "minimum": 1, "maximum": INT32_MAX,
+            "description": "the most tokens a reasoning model's thinking may take before it must "
+                           "answer; at most max_tokens (omlx-core extension, vLLM's name)",
+            "x-error": "thinking_token_budget must be an integer from 1 to max_tokens"}),
         "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
         "functions": _unsupported("function calling"),
         "function_call": _unsupported("function calling"),
