@@ -46,10 +46,12 @@ def context(tmp_path_factory) -> Iterator[ServerContext]:
     root = tmp_path_factory.mktemp("models")
     entries = {name: cached_format_model(name, cache_dir=root) for name in FORMAT_MODELS}
     config = tmp_path_factory.mktemp("config") / "omlx.toml"
-    lines = [f"[server]\nmodels = {json.dumps([*FORMAT_MODELS, 'r1-unparsed', 'plain'])}\n"]
+    lines = [f"[server]\nmodels = {json.dumps([*FORMAT_MODELS, 'r1-unparsed', 'qwen3-pythonic', 'plain'])}\n"]
     lines += [f'[models.{name}]\npath = "{path}"\n' for name, path in entries.items()]
     # The same weights and template, its reply not split: the tokens must not change.
     lines.append(f'[models.r1-unparsed]\npath = "{entries["r1"]}"\nreasoning_format = "none"\n')
+    # A template that shows hermes calls, told by its table to call in another format.
+    lines.append(f'[models.qwen3-pythonic]\npath = "{entries["qwen3"]}"\ntool_call_format = "pythonic"\n')
     lines.append(f'[models.plain]\npath = "{cached_model("llama", 0, cache_dir=root)}"\n')
     config.write_text("\n".join(lines))
     context = start_engines(load_setup("cpu-small", [config]), progress=False)
@@ -186,6 +188,15 @@ def test_every_tool_format_round_trips_streamed_and_not(client, model) -> None:
     assert followup.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_models_table_overrides_the_tool_call_format_its_template_shows(client) -> None:
+    reply = client.chat.completions.create(**{**tool_request("qwen3"), "model": "qwen3-pythonic"})
+    [call] = reply.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
+    logprobs = client.chat.completions.create(**{**tool_request("qwen3"), "model": "qwen3-pythonic"},
+                                              logprobs=True).choices[0].logprobs.content
+    assert b"".join(bytes(t.bytes) for t in logprobs).lstrip().startswith(b"[get_weather(")
+
+
 # -- anthropic -----------------------------------------------------------------------------
 
 
@@ -214,10 +225,13 @@ def test_anthropic_thinking_with_tools_in_a_multi_turn_loop(claude, model) -> No
         messages += [{"role": "assistant", "content": [b.model_dump() for b in reply.content]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id,
                                                    "content": f"{turn + 20} degrees"} for u in uses]}]
+    # Another server's redacted thinking cannot be read: it is accepted and left out.
+    messages[-2]["content"].insert(0, {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix"})
     answer = claude.messages.create(model=model, max_tokens=24, messages=messages,
                                     thinking={"type": "enabled", "budget_tokens": 12},
                                     extra_body={"temperature": 0})
     assert answer.content[0].type == "thinking" and answer.stop_reason in ("end_turn", "max_tokens")
+    assert "redacted_thinking" not in [b.type for b in answer.content]
     assert claude.messages.count_tokens(model=model, messages=messages,
                                         thinking={"type": "enabled", "budget_tokens": 12}).input_tokens > 0
 

@@ -3,8 +3,10 @@
 HTTP, the benchmarks and an embedding program all go through
 :class:`~omlx_core.serving.pipeline.ServingPipeline`: a :class:`Job` in, a started
 :class:`Generation` out (or a typed error before any work or byte). See
-:mod:`omlx_core.serving.pipeline` for the order of the checks, and
-:mod:`omlx_core.serving.output` for how the engine's token ids become text.
+:mod:`omlx_core.serving.pipeline` for the order of the checks,
+:mod:`omlx_core.serving.output` for how the engine's token ids become text, and
+:mod:`omlx_core.serving.reasoning` for how a reply splits into thinking, content and
+tool calls.
 """
 
 from omlx_core.memory.types import RequestRejected
@@ -20,8 +22,9 @@ from omlx_core.serving.pipeline import (
     ServingPipeline,
     UnknownModel,
 )
+from omlx_core.serving.reasoning import ReasoningRequest
 from omlx_core.serving.tools import ToolRequest
 
 __all__ = ["Delta", "EngineFailed", "Generation", "InvalidRequest", "Job", "LogprobEntry",
-           "OutputProcessor", "RequestAborted", "RequestRejected", "ServingEvents",
-           "ServingPipeline", "StopMatcher", "ToolRequest", "UnknownModel"]
+           "OutputProcessor", "ReasoningRequest", "RequestAborted", "RequestRejected",
+           "ServingEvents", "ServingPipeline", "StopMatcher", "ToolRequest", "UnknownModel"]

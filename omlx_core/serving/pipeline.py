@@ -53,7 +53,7 @@ from omlx_core.engine import (
     images_of,
 )
 from omlx_core.grammar import GrammarError
-from omlx_core.grammar.toolcalls import ToolCallFormat, tool_call_format_named
+from omlx_core.grammar.toolcalls import ToolCallFormat
 from omlx_core.memory.types import RequestRejected
 from omlx_core.pool import Lease
 from omlx_core.serving.inflight import InFlight
@@ -61,11 +61,9 @@ from omlx_core.serving.output import LogprobEntry, OutputProcessor, ProcessedTex
 from omlx_core.serving.reasoning import (
     ReasoningRequest,
     ReplySplitter,
-    ThinkTagSplitter,
-    detect_reasoning_format,
+    plan_reply,
     reasoning_tokens,
-    reply_grammar,
-    thinking_mode,
+    reply_formats,
 )
 from omlx_core.serving.tools import PreparedTools, ToolRequest, prepare
 
@@ -577,15 +575,7 @@ class ServingPipeline:
     # -- the checks ------------------------------------------------------------------------
 
     def _formats(self, engine: Engine, model_id: str) -> tuple[str, ToolCallFormat | None]:
-        """How the model thinks and writes tool calls: its ``[models.<id>]``
-        ``reasoning_format`` and ``tool_call_format`` when set, else read from its chat
-        template (``None``: the tools' own detection)."""
-        entry = self.context.config.models.get(model_id)
-        reasoning = entry.get("reasoning_format") if entry is not None else None
-        tools = entry.get("tool_call_format") if entry is not None else None
-        if reasoning in (None, "", "auto"):
-            reasoning = detect_reasoning_format(engine.chat_template())
-        return reasoning, (tool_call_format_named(tools) if tools not in (None, "", "auto") else None)
+        return reply_formats(self.context.config.models.get(model_id), engine.chat_template())
 
     def _with_tools(self, engine: Engine, job: Job, formats: tuple[str, ToolCallFormat | None]
                     ) -> tuple[Job, PreparedTools | None]:
@@ -612,47 +602,15 @@ class ServingPipeline:
 
     def _reply(self, engine: Engine, job: Job, reasoning_format: str, tools: PreparedTools | None,
                tokens: list[int]) -> tuple[ReplySplitter | None, Any]:
-        """How a chat reply is split into thinking, content and calls, and the grammar it
-        is generated under (the answer's constraint after the thinking, the thinking
-        budget). A completion's text is not split."""
-        grammar = job.sampling.grammar
+        """How a chat reply is split and the grammar it is generated under (a completion's
+        text is not split)."""
         if job.messages is None:
-            return None, grammar
-        tool_parser = tools.parser() if tools is not None else None
-        thinking: Any = None
-        mode = "off"
-        if reasoning_format == "harmony" or (tools is not None and tools.fmt.family == "harmony"):
-            from omlx_core.grammar.harmony import HarmonyParser
-
-            thinking = HarmonyParser(reasoning=reasoning_format == "harmony")
-            if tools is not None and tools.fmt.family == "harmony":
-                tool_parser = None  # harmony's calls are messages: its parser reads them
-        elif reasoning_format == "think_tags":
-            mode = thinking_mode(self._prompt_tail(engine, tokens))
-            thinking = ThinkTagSplitter(inside=mode == "open")
-        if reasoning_format != "none":
-            try:
-                grammar = reply_grammar(
-                    reasoning_format=reasoning_format, mode=mode, request=job.reasoning,
-                    answer=grammar, tools=(tools.functions, tools.mode)
-                    if tools is not None and tools.mode != "none" else None,
-                    tool_format=tools.fmt if tools is not None else None,
-                    tokenize=engine.tokenize, special_tokens=engine.special_tokens())
-            except GrammarError as exc:
-                raise InvalidRequest(str(exc), exc.field, "invalid_grammar") from None
-        if thinking is None and tool_parser is None:
-            return None, grammar
-        return ReplySplitter(thinking=thinking, tools=tool_parser), grammar
-
-    @staticmethod
-    def _prompt_tail(engine: Engine, tokens: list[int], count: int = 16) -> str:
-        """The text of the prompt's last ``count`` tokens (where a template leaves the
-        model: inside a thinking block, after one, or at a fresh turn)."""
-        detokenizer = engine.detokenizer()
-        for token in tokens[-count:]:
-            detokenizer.add_token(int(token))
-        detokenizer.finalize()
-        return detokenizer.last_segment
+            return None, job.sampling.grammar
+        try:
+            return plan_reply(engine, tokens, reasoning_format=reasoning_format, request=job.reasoning,
+                              tools=tools, answer=job.sampling.grammar)
+        except GrammarError as exc:
+            raise InvalidRequest(str(exc), exc.field, "invalid_grammar") from None
 
     def _check_grammar_supported(self, engine: Engine, job: Job, *, had_grammar: bool) -> None:
         """A grammar the reply needs beyond what the request sent (its thinking budget)

@@ -30,16 +30,30 @@ from omlx_core.grammar.toolcalls import (
     ReasoningDelta,
     ToolCall,
     ToolCallFormat,
+    tool_call_format_named,
 )
+from omlx_core.serving.tools import PreparedTools
 
 __all__ = ["EFFORTS", "REASONING_FORMATS", "ReasoningRequest", "ReplySplitter", "Split",
-           "ThinkTagSplitter", "detect_reasoning_format", "reasoning_tokens"]
+           "ThinkTagSplitter", "detect_reasoning_format", "plan_reply", "reasoning_tokens",
+           "reply_formats", "reply_grammar"]
 
 REASONING_FORMATS = ("think_tags", "harmony", "none")
 #: the reasoning efforts a request may ask for (``reasoning_effort``, ``reasoning.effort``)
 EFFORTS = ("low", "medium", "high")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _SPACE = " \t\n\r"
+
+
+def reply_formats(model_entry: Any, chat_template: str | None) -> tuple[str, ToolCallFormat | None]:
+    """How a model thinks and writes tool calls: its ``[models.<id>]`` ``reasoning_format``
+    and ``tool_call_format`` when set, else read from its chat template (``None``: the
+    tools' own detection)."""
+    reasoning = model_entry.get("reasoning_format") if model_entry is not None else None
+    tools = model_entry.get("tool_call_format") if model_entry is not None else None
+    if reasoning in (None, "", "auto"):
+        reasoning = detect_reasoning_format(chat_template)
+    return reasoning, (tool_call_format_named(tools) if tools not in (None, "", "auto") else None)
 
 
 def detect_reasoning_format(chat_template: str | None) -> str:
@@ -299,3 +313,44 @@ def reply_grammar(*, reasoning_format: str, mode: str, request: ReasoningRequest
             answer=answer_format(answer) if answer is not None and not functions else None)}
         return GrammarSpec.structural_tag(tag, field=answer.field if answer is not None else "tools")
     return answer
+
+
+def plan_reply(engine: Any, prompt_tokens: Sequence[int], *, reasoning_format: str,
+               request: ReasoningRequest | None, tools: PreparedTools | None,
+               answer: GrammarSpec | None) -> tuple[ReplySplitter | None, GrammarSpec | None]:
+    """How a chat reply is split into thinking, content and calls (``None``: not at
+    all), and the grammar it is generated under: ``answer`` (a response format or the
+    tools' grammar) after the thinking, the thinking capped at the request's budget.
+    Raises :class:`~omlx_core.grammar.GrammarError` for a grammar that cannot be built."""
+    tool_parser = tools.parser() if tools is not None else None
+    thinking: Any = None
+    mode = "off"
+    if reasoning_format == "harmony" or (tools is not None and tools.fmt.family == "harmony"):
+        from omlx_core.grammar.harmony import HarmonyParser
+
+        thinking = HarmonyParser(reasoning=reasoning_format == "harmony")
+        if tools is not None and tools.fmt.family == "harmony":
+            tool_parser = None  # harmony's calls are messages: its parser reads them
+    elif reasoning_format == "think_tags":
+        mode = thinking_mode(prompt_tail(engine, prompt_tokens))
+        thinking = ThinkTagSplitter(inside=mode == "open")
+    grammar = answer
+    if reasoning_format != "none":
+        grammar = reply_grammar(
+            reasoning_format=reasoning_format, mode=mode, request=request, answer=answer,
+            tools=(tools.functions, tools.mode) if tools is not None and tools.mode != "none" else None,
+            tool_format=tools.fmt if tools is not None else None,
+            tokenize=engine.tokenize, special_tokens=engine.special_tokens())
+    if thinking is None and tool_parser is None:
+        return None, grammar
+    return ReplySplitter(thinking=thinking, tools=tool_parser), grammar
+
+
+def prompt_tail(engine: Any, prompt_tokens: Sequence[int], count: int = 16) -> str:
+    """The text of the prompt's last ``count`` tokens (where the chat template leaves the
+    model: inside a thinking block, after one, or at a fresh turn)."""
+    detokenizer = engine.detokenizer()
+    for token in prompt_tokens[-count:]:
+        detokenizer.add_token(int(token))
+    detokenizer.finalize()
+    return detokenizer.last_segment
