@@ -17,6 +17,10 @@ same tokens (checked). Two pairs:
 - replies that are all content (thinking closed in the prompt): every character through
   the hermes tool-call parser.
 
+The split is also timed alone, on the replies the unparsed server generated, fed in
+token-sized pieces as a generation feeds them: its CPU time per token next to the
+server's, a figure the machine's load moves far less than throughput.
+
 Each round runs the four variants in a rotating order; end-of-sequence tokens are banned
 through ``logit_bias`` so every stream runs to ``--max-tokens``. The cost is the median
 over rounds of each pair's per-round throughput ratio (a pair runs back to back, so
@@ -33,12 +37,15 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Sequence
 
 from omlx_core.bench import publish_report
 from omlx_core.bench.client import chat_body, run_concurrently, special_token_ids, stream_chat
 from omlx_core.bench.servers import ServerProcess, ServerSpec, free_port
+from omlx_core.grammar.toolcalls import HERMES, tool_call_parser
+from omlx_core.serving.reasoning import ReplySplitter, ThinkTagSplitter, reasoning_tokens
 from omlx_core.serving.tools import HERMES_TOOLS_PROMPT
 
 TARGET_COST = 0.02
@@ -102,8 +109,25 @@ def server_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def parser_us_per_token(texts: Sequence[str], tokens: Sequence[int], *, inside: bool,
+                        repeats: int = 20) -> float:
+    """CPU microseconds per token the output processor's split takes alone: ``texts``
+    (replies of ``tokens`` tokens each) fed in token-sized pieces through a thinking
+    splitter and the hermes tool-call parser, as a generation feeds them."""
+    started = time.process_time()
+    for _ in range(repeats):
+        for text, count in zip(texts, tokens):
+            size = max(1, round(len(text) / max(1, count)))
+            splitter = ReplySplitter(thinking=ThinkTagSplitter(inside=inside), tools=tool_call_parser(HERMES))
+            for start in range(0, len(text), size):
+                splitter.feed(text[start:start + size])
+            splitter.finish()
+            reasoning_tokens(list(range(0, len(text), size)), splitter.reasoning_spans())
+    return 1e6 * (time.process_time() - started) / (repeats * sum(tokens))
+
+
 def measure(server: ServerProcess, variant: tuple[str, str, bool], round_index: int, streams: int,
-            max_tokens: int, banned: Sequence[int]) -> tuple[float, float, list[int], list[int]]:
+            max_tokens: int, banned: Sequence[int]) -> tuple[float, float, list[int], list[int], list[str]]:
     """Aggregate tokens/s of ``streams`` concurrent requests, the server's CPU ms per
     completion token (the parsing runs on its request threads; CPU time moves less with
     the machine's load than wall time), and each request's completion and prompt tokens."""
@@ -112,7 +136,8 @@ def measure(server: ServerProcess, variant: tuple[str, str, bool], round_index: 
     records, seconds = run_concurrently(streams, lambda i: stream_chat(server.host, server.port, bodies[i]))
     tokens = sum(r.completion_tokens for r in records)
     return (tokens / seconds, 1000 * (server_cpu_seconds(server.pid) - cpu_before) / tokens,
-            [r.completion_tokens for r in records], [r.prompt_tokens or 0 for r in records])
+            [r.completion_tokens for r in records], [r.prompt_tokens or 0 for r in records],
+            [r.text for r in records])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     spec = ServerSpec("omlx-core", "omlx-core serve --config FILE", argv, model_id=PARSED)
     rates: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
     cpu_ms: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
+    replies: dict[str, tuple[list[str], list[int]]] = {}
     loads = [_load_average()]
     with ServerProcess(spec, port) as server:
         for variant in VARIANTS:  # warm up: every model, both prompts, compiled kernels
@@ -141,8 +167,10 @@ def run(args: argparse.Namespace) -> int:
             shift = round_index % len(VARIANTS)
             seen: dict[str, tuple[list[int], list[int]]] = {}
             for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                rate, cpu, completions, prompts = measure(server, variant, round_index, args.streams,
-                                                          args.max_tokens, banned)
+                rate, cpu, completions, prompts, texts = measure(server, variant, round_index,
+                                                                 args.streams, args.max_tokens, banned)
+                if variant[1] == UNPARSED:  # its replies' text is all content: the raw text
+                    replies[variant[0]] = (texts, completions)
                 rates[variant[0]].append(rate)
                 cpu_ms[variant[0]].append(cpu)
                 seen[variant[0]] = (completions, prompts)
@@ -162,15 +190,19 @@ def run(args: argparse.Namespace) -> int:
         f"{args.max_tokens} tokens each; tokens/s: completion tokens over wall time, first request "
         "to last token; each pair checked to generate the same completion and prompt tokens",
     ]
-    publish_report(render(rates, cpu_ms, header), args.out)
+    alone = {title: parser_us_per_token(*replies[unparsed], inside=unparsed.startswith("thinking"))
+             for title, _, unparsed in PAIRS}
+    publish_report(render(rates, cpu_ms, alone, header), args.out)
     return 0
 
 
-def render(rates: dict[str, list[float]], cpu_ms: dict[str, list[float]], header: Sequence[str]) -> str:
+def render(rates: dict[str, list[float]], cpu_ms: dict[str, list[float]], alone: dict[str, float],
+           header: Sequence[str]) -> str:
     lines = ["## Reasoning and tool-call parsing: cost to decode throughput", "", *header, "",
              "| replies | parsed tok/s | unparsed tok/s | parsed / unparsed (median, min-max) | "
              f"throughput cost (target ≤ {TARGET_COST:.0%}) | server CPU ms/token parsed / unparsed | "
-             "CPU cost |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "CPU cost | the split alone: µs/token (of the server's CPU per token) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for title, parsed, unparsed in PAIRS:
         ratios = [p / u for p, u in zip(rates[parsed], rates[unparsed])]
         cpu_ratios = [p / u for p, u in zip(cpu_ms[parsed], cpu_ms[unparsed])]
@@ -180,7 +212,8 @@ def render(rates: dict[str, list[float]], cpu_ms: dict[str, list[float]], header
                      f"({min(ratios):.3f}-{max(ratios):.3f}) | {1 - ratio:+.1%} "
                      f"({'met' if 1 - ratio <= TARGET_COST else 'missed'}) | "
                      f"{statistics.median(cpu_ms[parsed]):.2f} / {statistics.median(cpu_ms[unparsed]):.2f} | "
-                     f"{cpu_ratio - 1:+.1%} ({min(cpu_ratios) - 1:+.1%} to {max(cpu_ratios) - 1:+.1%}) |")
+                     f"{cpu_ratio - 1:+.1%} ({min(cpu_ratios) - 1:+.1%} to {max(cpu_ratios) - 1:+.1%}) | "
+                     f"{alone[title]:.1f} ({alone[title] / 1000 / statistics.median(cpu_ms[unparsed]):.3%}) |")
     lines += ["", "Per round, tokens/s (server CPU ms per token): " + "; ".join(
         f"{label} " + " / ".join(f"{r:.1f} ({c:.1f})" for r, c in zip(values, cpu_ms[label]))
         for label, values in rates.items())]

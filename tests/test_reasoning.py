@@ -238,3 +238,13 @@ def test_without_a_budget_or_a_constraint_a_thinking_reply_needs_no_grammar():
     assert with_thinking(schema, ThinkTags(Marker("<think>"), Marker("</think>"), "off")) is schema
     composed = with_thinking(schema, think)
     assert composed.kind == "structural_tag" and composed.field == schema.field
+
+
+def test_the_config_choices_are_the_formats_that_exist():
+    from omlx_core.config.schema import MODEL_SETTINGS
+    from omlx_core.grammar.toolcalls import FORMATS
+    from omlx_core.serving.reasoning import REASONING_FORMATS
+
+    settings = {s.key: s for s in MODEL_SETTINGS}
+    assert set(settings["tool_call_format"].choices) == {"auto", *FORMATS}
+    assert set(settings["reasoning_format"].choices) == {"auto", *REASONING_FORMATS}
