@@ -145,6 +145,10 @@ def test_responses_return_a_reasoning_item_streamed_and_not(client) -> None:
         {"role": "assistant", "content": "Sunny."},
         {"role": "user", "content": "And tomorrow?"}])
     assert followup.status in ("completed", "incomplete")
+    as_text = client.responses.create(model="r1", temperature=0, max_output_tokens=2, input=[
+        {"role": "user", "content": "Hi"}, {"type": "reasoning", "summary": [], "content": "plain text"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}])
+    assert as_text.status in ("completed", "incomplete")
 
 
 # -- every tool format ---------------------------------------------------------------------

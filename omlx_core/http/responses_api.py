@@ -42,7 +42,8 @@ def responses_job(body: Mapping[str, Any]) -> Job:
         thinking: list[str] = []  # a reasoning item's text, for the assistant turn after it
         for index, item in enumerate(items):
             if item.get("type") == "reasoning":
-                thinking += [part["text"] for part in (item.get("content") or item.get("summary") or [])]
+                parts = item.get("content") or item.get("summary") or []
+                thinking += [parts] if isinstance(parts, str) else [part["text"] for part in parts]
                 continue
             turn = _input_item(item, index)
             if thinking and turn and turn[0]["role"] == "assistant":
