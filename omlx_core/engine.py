@@ -99,8 +99,11 @@ class SamplingParams:
     # None: no logprobs; 0: the chosen token's; k > 0: also the k most likely.
     logprobs: int | None = None
     #: constrain the output to a grammar (an :class:`omlx_core.grammar.GrammarSpec`: a
-    #: JSON schema, any JSON, a regex, EBNF, a tool-call structure); the output ends
-    #: when the grammar is complete. An engine that honours it raises
+    #: JSON schema, any JSON, a regex, EBNF, a tool-call structure, a reasoning model's
+    #: thinking followed by its constrained answer); the output ends when the grammar is
+    #: complete. An engine that honours it masks every step's logits with the grammar's
+    #: mask for that step (:class:`omlx_core.grammar.GrammarConstraint`): a thinking
+    #: budget is a token limit inside the grammar, enforced by that mask alone. It raises
     #: :class:`omlx_core.grammar.GrammarError` from ``submit`` for one it cannot compile.
     grammar: Any = None
 

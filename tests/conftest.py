@@ -87,3 +87,12 @@ def client(server):
 
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
         yield client
+
+
+@pytest.fixture
+def claude(server):
+    """The anthropic SDK against the module's ``server``."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0) as client:
+        yield client

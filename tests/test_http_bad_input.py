@@ -121,7 +121,8 @@ BAD_INPUT: dict[tuple[str, str], list[Bad] | NoInput] = {
         (_messages(stop_sequences=["x"] * 17), "stop_sequences"),
         (_messages(tools=[]), "tools"),
         (_messages(tool_choice={"type": "sometimes"}), "tool_choice.type"),
-        (_messages(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking.type"),
+        (_messages(thinking={"type": "sometimes"}), "thinking.type"),
+        (_messages(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking.budget_tokens"),
     ]),
     ("POST", "/v1/messages/count_tokens"): _posts("/v1/messages/count_tokens", [
         (_without(_count(), "model"), "model"),
@@ -133,7 +134,7 @@ BAD_INPUT: dict[tuple[str, str], list[Bad] | NoInput] = {
         (_count(system=5), "system"),
         (_count(tools=[]), "tools"),
         (_count(tool_choice={"type": "sometimes"}), "tool_choice.type"),
-        (_count(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking.type"),
+        (_count(thinking={"type": "sometimes"}), "thinking.type"),
     ]),
     ("POST", "/v1/responses"): _posts("/v1/responses", [
         (_without(_response(), "model"), "model"),

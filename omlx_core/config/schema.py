@@ -190,4 +190,13 @@ MODEL_SETTINGS: list[Setting] = [
             "model or dflash)"),
     Setting("draft_path", "str", "the draft's weights for a speculative engine: a local "
             "directory or a repo id already in the local hub cache"),
+    # Read from the chat template unless set (omlx_core.serving.reasoning,
+    # omlx_core.grammar.toolcalls); the choices are those modules' names.
+    Setting("reasoning_format", "choice", "how the model thinks: <think> tags, harmony "
+            "channels, or not at all (auto: read from its chat template)",
+            choices=("auto", "think_tags", "harmony", "none")),
+    Setting("tool_call_format", "choice", "how the model writes tool calls (auto: read from "
+            "its chat template)",
+            choices=("auto", "hermes", "llama3", "mistral", "qwen3_coder", "glm45", "pythonic",
+                     "harmony")),
 ]

@@ -8,7 +8,15 @@ A model calls tools in the syntax its chat template taught it:
   ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one block per call;
 - ``llama3`` (Llama 3.1-3.3): a bare ``{"name": "f", "parameters": {...}}``, optionally
   after ``<|python_tag|>``, several separated by ``;``;
-- ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``.
+- ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``;
+- ``qwen3_coder`` (Qwen3-Coder, Qwen3.5) and ``glm45`` (GLM-4.5/4.6): XML parameters,
+  ``<tool_call>\\n<function=f>\\n<parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>``
+  and ``<tool_call>f\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>``
+  (:mod:`omlx_core.grammar.xml_toolcalls`);
+- ``pythonic`` (Llama-4 and Gemma-style prompts): ``[f(a=1), g(b="x")]``
+  (:mod:`omlx_core.grammar.pythonic_toolcalls`);
+- ``harmony`` (gpt-oss): a ``commentary`` message addressed ``to=functions.f`` whose body
+  is the arguments (:mod:`omlx_core.grammar.harmony`, which also splits the reasoning).
 
 The grammar is an xgrammar structural tag: free text until the format's trigger, then
 the call's fixed framing with the arguments constrained by the function's schema. This
@@ -27,10 +35,15 @@ from omlx_core.grammar.compiler import DEFAULT_MAX_WHITESPACE, GrammarError, Gra
 
 __all__ = [
     "FORMATS",
+    "GLM45",
+    "HARMONY",
     "HERMES",
     "LLAMA3",
     "MISTRAL",
+    "PYTHONIC",
+    "QWEN3_CODER",
     "ContentDelta",
+    "ReasoningDelta",
     "Event",
     "FunctionTool",
     "ToolCall",
@@ -43,7 +56,10 @@ __all__ = [
     "detect_tool_call_format",
     "normalize_tools",
     "parse_tool_calls",
+    "resolve_tool_choice",
+    "tool_call_format_named",
     "tool_call_grammar",
+    "tool_call_parser",
     "tool_call_structural_tag",
 ]
 
@@ -66,6 +82,11 @@ class ToolCallFormat:
     list_close: str = ""
     #: text a model may put before the calls that is not content
     ignorable_prefixes: tuple[str, ...] = ()
+    #: how a call is written: ``json`` (the fields above describe it), ``xml``,
+    #: ``pythonic`` or ``harmony`` (their own modules describe them)
+    family: str = "json"
+    #: whether one turn may hold several calls
+    parallel: bool = True
 
 
 HERMES = ToolCallFormat("hermes", open="<tool_call>\n", close="\n</tool_call>", arguments_key="arguments")
@@ -73,14 +94,31 @@ LLAMA3 = ToolCallFormat("llama3", open="", close="", arguments_key="parameters",
                         ignorable_prefixes=("<|python_tag|>",))
 MISTRAL = ToolCallFormat("mistral", open="[TOOL_CALLS]", close="", arguments_key="arguments",
                          separator=", ", list_open="[", list_close="]")
-FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HERMES, LLAMA3, MISTRAL)}
+QWEN3_CODER = ToolCallFormat("qwen3_coder", open="<tool_call>", close="</tool_call>", arguments_key="",
+                             separator="\n", family="xml")
+GLM45 = ToolCallFormat("glm45", open="<tool_call>", close="</tool_call>", arguments_key="",
+                       separator="\n", family="xml")
+PYTHONIC = ToolCallFormat("pythonic", open="[", close="]", arguments_key="", separator=", ",
+                          family="pythonic")
+# A harmony call ends the model's turn (<|call|> is a stop token): one call per turn.
+HARMONY = ToolCallFormat("harmony", open="<|channel|>", close="<|call|>", arguments_key="",
+                         family="harmony", parallel=False)
+FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (
+    HERMES, LLAMA3, MISTRAL, QWEN3_CODER, GLM45, PYTHONIC, HARMONY)}
 
 # Template fragments that identify a format, checked in order: Mistral's marker is
-# unambiguous; <tool_call> is the hermes family; Llama 3.1+ templates render tool calls
-# as {"name": ..., "parameters": ...} and mention <|python_tag|> or the ipython role.
+# unambiguous; harmony addresses calls to=functions.NAME; Qwen3-Coder's <function=...>
+# and GLM's <arg_key> sit inside <tool_call>, so they come before hermes; pythonic
+# templates show the call list (func_name1(params_name1=...)); Llama 3.1+ templates
+# render tool calls as {"name": ..., "parameters": ...} and mention <|python_tag|> or
+# the ipython role.
 _TEMPLATE_SIGNS: tuple[tuple[ToolCallFormat, re.Pattern[str]], ...] = (
     (MISTRAL, re.compile(r"\[TOOL_CALLS\]")),
+    (HARMONY, re.compile(r"to=functions\.|<\|channel\|>")),
+    (QWEN3_CODER, re.compile(r"<function=|<parameter=")),
+    (GLM45, re.compile(r"<arg_key>")),
     (HERMES, re.compile(r"<tool_call>")),
+    (PYTHONIC, re.compile(r"func_name\d*\(|\[func_name")),
     (LLAMA3, re.compile(r"<\|python_tag\|>|ipython|\"parameters\"\s*:|'parameters'\s*:|\.parameters\b")),
 )
 
@@ -92,6 +130,14 @@ def detect_tool_call_format(chat_template: str | None) -> ToolCallFormat:
         if chat_template and sign.search(chat_template):
             return fmt
     return HERMES
+
+
+def tool_call_format_named(name: str) -> ToolCallFormat:
+    """The format called ``name`` (a model's ``tool_call_format`` setting); ``ValueError``
+    naming the known ones otherwise."""
+    if name not in FORMATS:
+        raise ValueError(f"unknown tool-call format {name!r}; use one of {', '.join(FORMATS)}")
+    return FORMATS[name]
 
 
 # -- tools and tool_choice --------------------------------------------------------------
@@ -191,7 +237,8 @@ def _resolve_choice(tools: list[FunctionTool], tool_choice: Any, field: str
 # -- the grammar ------------------------------------------------------------------------
 
 
-def _const(text: str) -> dict[str, Any]:
+def const_string(text: str) -> dict[str, Any]:
+    """A structural-tag format matching ``text`` exactly."""
     return {"type": "const_string", "value": text}
 
 
@@ -202,27 +249,33 @@ def _split_marker(text: str) -> tuple[str, str, str]:
     return lead, core, text[len(lead) + len(core):]
 
 
-def _sequence(elements: list[dict[str, Any]]) -> dict[str, Any]:
+def sequence_of(elements: list[dict[str, Any]]) -> dict[str, Any]:
+    """``elements`` in order (empty constant strings dropped; one element stands alone)."""
     elements = [e for e in elements if not (e.get("type") == "const_string" and not e["value"])]
     return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
 
 
-def _marker_parts(text: str, special_tokens: Collection[str]) -> list[dict[str, Any]]:
+def marker_parts(text: str, special_tokens: Collection[str]) -> list[dict[str, Any]]:
+    """``text`` as structural-tag formats: its core a token when it is a special token."""
     # xgrammar never matches a special token as text, so a marker that is one (Mistral's
     # [TOOL_CALLS] in its v3 vocabulary, <tool_call> in some) is named as a token.
     lead, core, trail = _split_marker(text)
     if not core or core not in special_tokens:
-        return [_const(text)] if text else []
-    return [_const(lead), {"type": "token", "token": core}, _const(trail)]
+        return [const_string(text)] if text else []
+    return [const_string(lead), {"type": "token", "token": core}, const_string(trail)]
 
 
-def _arguments(tool: FunctionTool, max_whitespace: int | None) -> dict[str, Any]:
+def arguments_format(tool: FunctionTool, max_whitespace: int | None, style: str = "json") -> dict[str, Any]:
+    """The structural-tag format of ``tool``'s arguments, written in ``style`` (xgrammar's
+    ``json``, ``qwen_xml``, ``glm_xml``)."""
     # Arguments always follow the schema; strict: false (OpenAI) only lets through the
     # properties it does not declare, which xgrammar otherwise forbids.
     schema: Any = tool.parameters
     if not tool.strict and "additionalProperties" not in schema:
         schema = {**schema, "additionalProperties": True}
     content: dict[str, Any] = {"type": "json_schema", "json_schema": schema}
+    if style != "json":
+        content["style"] = style
     if max_whitespace is not None:
         content["max_whitespace_cnt"] = max_whitespace
     return content
@@ -237,22 +290,22 @@ def _call_tag(fmt: ToolCallFormat, tool: FunctionTool, max_whitespace: int | Non
     """One call as a tag; ``framed``: inside the format's own open/close markers (a
     format with a framing per call, hermes)."""
     prefix, suffix = _call_prefix(fmt, tool), "}"
-    content = [_arguments(tool, max_whitespace)]
+    content = [arguments_format(tool, max_whitespace)]
     if not framed:
         return {"type": "tag", "begin": prefix, "content": content[0], "end": suffix}
     _, open_core, open_trail = _split_marker(fmt.open)
     close_lead, close_core, _ = _split_marker(fmt.close)
     if open_core in special_tokens:
         begin: Any = {"type": "token", "token": open_core}
-        content.insert(0, _const(open_trail + prefix))
+        content.insert(0, const_string(open_trail + prefix))
     else:
         begin = fmt.open + prefix
     if close_core in special_tokens:
         end: Any = {"type": "token", "token": close_core}
-        content.append(_const(suffix + close_lead))
+        content.append(const_string(suffix + close_lead))
     else:
         end = suffix + fmt.close
-    return {"type": "tag", "begin": begin, "content": _sequence(content), "end": end}
+    return {"type": "tag", "begin": begin, "content": sequence_of(content), "end": end}
 
 
 def tool_call_structural_tag(fmt: ToolCallFormat, tools: Sequence[FunctionTool], tool_choice: Any = "auto",
@@ -270,7 +323,10 @@ def tool_call_structural_tag(fmt: ToolCallFormat, tools: Sequence[FunctionTool],
     mode, chosen = _resolve_choice(list(tools), tool_choice, field)
     if mode == "none":
         return None
-    one = not parallel_tool_calls or mode == "forced"
+    one = not parallel_tool_calls or mode == "forced" or not fmt.parallel
+    if fmt.family != "json":
+        return {"type": "structural_tag",
+                "format": _family_calls(fmt, chosen, mode, one, special_tokens, max_whitespace)}
     _, open_core, open_trail = _split_marker(fmt.open)
     per_call_framing = not fmt.separator
     tags = [_call_tag(fmt, tool, max_whitespace, special_tokens, framed=per_call_framing and bool(fmt.open))
@@ -299,7 +355,7 @@ def tool_call_structural_tag(fmt: ToolCallFormat, tools: Sequence[FunctionTool],
             body = {"type": "triggered_tags", "triggers": ['{"name": '], "tags": tags,
                     "stop_after_first": one}
             return {"type": "structural_tag", "format": body}
-        inside = _sequence([_const(open_trail + fmt.list_open), calls])
+        inside = sequence_of([const_string(open_trail + fmt.list_open), calls])
         end = fmt.list_close + fmt.close
         if open_core in special_tokens:
             block = {"type": "tag", "begin": {"type": "token", "token": open_core}, "content": inside, "end": end}
@@ -309,9 +365,35 @@ def tool_call_structural_tag(fmt: ToolCallFormat, tools: Sequence[FunctionTool],
             block = {"type": "tag", "begin": fmt.open, "content": inside, "end": end}
             body = {"type": "triggered_tags", "triggers": [fmt.open], "tags": [block], "stop_after_first": True}
         return {"type": "structural_tag", "format": body}
-    body = _sequence([*_marker_parts(fmt.open, special_tokens), _const(fmt.list_open), calls,
-                      _const(fmt.list_close), *_marker_parts(fmt.close, special_tokens)])
+    body = sequence_of([*marker_parts(fmt.open, special_tokens), const_string(fmt.list_open), calls,
+                      const_string(fmt.list_close), *marker_parts(fmt.close, special_tokens)])
     return {"type": "structural_tag", "format": body}
+
+
+def _family_calls(fmt: ToolCallFormat, tools: list[FunctionTool], mode: str, one: bool,
+                  special_tokens: Collection[str], max_whitespace: int | None) -> dict[str, Any]:
+    """The calls of a format that is not JSON-framed, as a structural-tag format."""
+    if fmt.family == "xml":
+        from omlx_core.grammar.xml_toolcalls import xml_calls_format
+
+        return xml_calls_format(fmt, tools, mode, one=one, special_tokens=special_tokens,
+                                max_whitespace=max_whitespace)
+    if fmt.family == "pythonic":
+        from omlx_core.grammar.pythonic_toolcalls import pythonic_calls_format
+
+        return pythonic_calls_format(tools, mode, one=one, max_whitespace=max_whitespace)
+    if fmt.family == "harmony":
+        from omlx_core.grammar.harmony import harmony_format
+
+        return harmony_format(tools, mode, special_tokens=special_tokens, max_whitespace=max_whitespace)
+    raise ValueError(f"tool-call format {fmt.name!r} has an unknown family {fmt.family!r}")
+
+
+def resolve_tool_choice(tools: Sequence[FunctionTool], tool_choice: Any, field: str = "tool_choice"
+                        ) -> tuple[str, list[FunctionTool]]:
+    """``("none" | "auto" | "required" | "forced", the tools it leaves)`` for a request's
+    ``tool_choice``; :class:`GrammarError` naming the field for a bad one."""
+    return _resolve_choice(list(tools), tool_choice, field)
 
 
 def tool_call_grammar(fmt: ToolCallFormat, tools: Any, tool_choice: Any = "auto", *,
@@ -330,6 +412,13 @@ def tool_call_grammar(fmt: ToolCallFormat, tools: Any, tool_choice: Any = "auto"
 
 @dataclass(frozen=True)
 class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """Text of the model's thinking (harmony's analysis channel, a ``<think>`` block)."""
+
     text: str
 
 
@@ -366,10 +455,10 @@ class ToolCall:
         return json.loads(self.arguments) if self.arguments.strip() else {}
 
 
-Event = ContentDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
+Event = ContentDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
 
 
-def _new_call_id() -> str:
+def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
@@ -484,7 +573,7 @@ class ToolCallParser:
     ``finish()`` flushes at the end of the output; ``calls`` holds every call seen.
     """
 
-    def __init__(self, fmt: ToolCallFormat, *, new_id: Callable[[], str] = _new_call_id) -> None:
+    def __init__(self, fmt: ToolCallFormat, *, new_id: Callable[[], str] = new_call_id) -> None:
         self.fmt = fmt
         self.new_id = new_id
         self.calls: list[ToolCall] = []
@@ -520,9 +609,12 @@ class ToolCallParser:
         """Flush at the end of the output: held-back text is content; a call cut off
         (``max_tokens``) stays in ``calls`` with ``complete=False``."""
         events: list[Event] = []
+        closers = [c for c in (self.fmt.list_close, self.fmt.close.strip()) if c]
+        cut_closer = self._state == "between" and any(c.startswith(self._pending.strip()) for c in closers)
         if self._state == "call" and self._current is not None:
             self._emit_arguments(events)
-        elif self._pending and self._state in ("text", "between") and not self._is_gap(self._pending):
+        elif self._pending and self._state in ("text", "between") and not self._is_gap(self._pending) \
+                and not cut_closer:  # the calls' closing marker, cut off by max_tokens
             events.append(ContentDelta(self._pending))
         self._pending = ""
         return events
@@ -640,9 +732,30 @@ class ToolCallParser:
             self._sent_arguments = len(arguments)
 
 
-def parse_tool_calls(fmt: ToolCallFormat, text: str) -> tuple[str, list[ToolCall]]:
+def tool_call_parser(fmt: ToolCallFormat, tools: Sequence[FunctionTool] = ()) -> Any:
+    """A streaming parser of ``fmt``'s calls (``feed``, ``finish``, ``calls``, as
+    :class:`ToolCallParser`); XML and pythonic parsers read the functions' schemas to
+    type the arguments. Harmony's is :class:`omlx_core.grammar.harmony.HarmonyParser`,
+    which splits the reasoning too."""
+    if fmt.family == "xml":
+        from omlx_core.grammar.xml_toolcalls import XmlToolCallParser
+
+        return XmlToolCallParser(fmt, tools)
+    if fmt.family == "pythonic":
+        from omlx_core.grammar.pythonic_toolcalls import PythonicToolCallParser
+
+        return PythonicToolCallParser(tools)
+    if fmt.family == "harmony":
+        from omlx_core.grammar.harmony import HarmonyParser
+
+        return HarmonyParser(reasoning=False)
+    return ToolCallParser(fmt)
+
+
+def parse_tool_calls(fmt: ToolCallFormat, text: str, tools: Sequence[FunctionTool] = ()
+                     ) -> tuple[str, list[ToolCall]]:
     """The content and the complete tool calls of a whole output (non-streaming)."""
-    parser = ToolCallParser(fmt)
+    parser = tool_call_parser(fmt, tools)
     content = [e.text for e in [*parser.feed(text), *parser.finish()] if isinstance(e, ContentDelta)]
     return "".join(content), [call for call in parser.calls if call.complete]
 

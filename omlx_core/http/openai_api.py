@@ -18,6 +18,7 @@ from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST
 from omlx_core.http.sse import KEEPALIVE, Responder, frame
 from omlx_core.grammar.toolcalls import ToolCallArgumentsDelta, ToolCallStart
 from omlx_core.serving import Generation, Job, ToolRequest
+from omlx_core.serving.reasoning import ReasoningRequest
 from omlx_core.serving.output import LogprobEntry
 
 DONE = b"data: [DONE]\n\n"
@@ -116,6 +117,9 @@ def _chat_message(message: Mapping[str, Any], index: int, images: list[ImagePart
     for key in ("tool_calls", "tool_call_id", "name"):
         if message.get(key) is not None:
             result[key] = message[key]
+    thinking = message.get("reasoning_content") or message.get("reasoning")
+    if role == "assistant" and thinking:
+        result["reasoning_content"] = thinking
     return result
 
 
@@ -138,7 +142,18 @@ def chat_job(body: Mapping[str, Any]) -> Job:
                             body.get("parallel_tool_calls") is not False)
     return Job(body["model"], sampling, messages=messages, prompt_param="messages",
                max_tokens_param=param, id_prefix="chatcmpl-", tools=tools,
+               reasoning=_reasoning(body, given, param),
+               template_kwargs=dict(body.get("chat_template_kwargs") or {}),
                keep_alive=_keep_alive(body), cache_salt=body.get("cache_salt"))
+
+
+def _reasoning(body: Mapping[str, Any], max_tokens: int | None, max_param: str) -> ReasoningRequest:
+    budget = body.get("thinking_token_budget")
+    if budget is not None and max_tokens is not None and budget > max_tokens:
+        raise bad_request(f"thinking_token_budget ({budget}) must be at most {max_param} "
+                          f"({max_tokens}): thinking counts toward it", "thinking_token_budget")
+    return ReasoningRequest(effort=body.get("reasoning_effort"), budget_tokens=budget,
+                            budget_param="thinking_token_budget")
 
 
 def completion_job(body: Mapping[str, Any]) -> Job:
@@ -176,14 +191,15 @@ def usage_of(generation: Generation) -> dict[str, Any]:
         "completion_tokens": generation.completion_tokens,
         "total_tokens": generation.prompt_tokens + generation.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": generation.reasoning_tokens},
     }
     speculative = generation.speculative_usage()
     if speculative is not None:
         # OpenAI's names for predicted tokens the model kept or threw away, and the
         # engine's own summary beside them.
         drafted, accepted = generation.draft_tokens, generation.accepted_draft_tokens
-        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                              "rejected_prediction_tokens": drafted - accepted}
+        usage["completion_tokens_details"].update(accepted_prediction_tokens=accepted,
+                                                  rejected_prediction_tokens=drafted - accepted)
         usage["speculative"] = speculative
     return usage
 
@@ -304,14 +320,17 @@ class ChatCompletions(_Completions):
     def collect(self, generation: Generation) -> dict[str, Any]:
         wants_logprobs = generation.sampling.logprobs is not None
         logprobs = _Logprobs() if wants_logprobs else None
-        text, entries = [], []
+        text, thinking, entries = [], [], []
         for delta in generation.deltas():
             text.append(delta.text)
+            thinking.append(delta.reasoning)
             if logprobs is not None and delta.logprobs:
                 entries.extend(logprobs.chat(delta.logprobs)["content"])
         if self._ended_in_error(generation):
             self._raise_generation_error(generation)
         message: dict[str, Any] = {"role": "assistant", "content": "".join(text), "refusal": None}
+        if any(thinking):
+            message["reasoning_content"] = "".join(thinking)
         calls = generation.tool_calls
         if calls:
             message["content"] = message["content"] or None
@@ -341,6 +360,8 @@ class ChatCompletions(_Completions):
                 yield KEEPALIVE
                 continue
             entries = logprobs.chat(delta.logprobs) if logprobs and delta.logprobs else None
+            if delta.reasoning:
+                yield chunk({"reasoning_content": delta.reasoning})
             if delta.text or entries:
                 yield chunk({"content": delta.text}, token_logprobs=entries)
             calls = [_tool_call_delta(event) for event in delta.tool_events]

@@ -1,5 +1,5 @@
-"""The OpenAI Responses API (``POST /v1/responses``: text output and function tools)
-and Anthropic's ``POST /v1/messages/count_tokens``.
+"""The OpenAI Responses API (``POST /v1/responses``: text output, function tools and a
+reasoning model's reasoning items) and Anthropic's ``POST /v1/messages/count_tokens``.
 
 Responses are not stored: every request carries its whole conversation in ``input``
 (``previous_response_id`` is refused with a 400 that says so). The same preflight,
@@ -15,13 +15,14 @@ from typing import Any, Iterator, Mapping
 import falcon
 
 from omlx_core.engine import SamplingParams
-from omlx_core.http.anthropic_api import messages_of, tools_of
+from omlx_core.http.anthropic_api import messages_of, reasoning_of, tools_of
 from omlx_core.http.body import read_request
 from omlx_core.http.errors import api_error, bad_request
 from omlx_core.http.schemas import COUNT_TOKENS_REQUEST, RESPONSES_REQUEST
 from omlx_core.http.sse import KEEPALIVE, Responder, frame
 from omlx_core.grammar.toolcalls import ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
 from omlx_core.serving import Generation, Job, ToolRequest
+from omlx_core.serving.reasoning import ReasoningRequest
 
 
 def _text_of(content: Any) -> str:
@@ -38,8 +39,17 @@ def responses_job(body: Mapping[str, Any]) -> Job:
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
     else:
+        thinking: list[str] = []  # a reasoning item's text, for the assistant turn after it
         for index, item in enumerate(items):
-            messages += _input_item(item, index)
+            if item.get("type") == "reasoning":
+                parts = item.get("content") or item.get("summary") or []
+                thinking += [parts] if isinstance(parts, str) else [part["text"] for part in parts]
+                continue
+            turn = _input_item(item, index)
+            if thinking and turn and turn[0]["role"] == "assistant":
+                turn[0]["reasoning_content"] = "\n".join(thinking)
+                thinking = []
+            messages += turn
     given = body.get("max_output_tokens")
     sampling = SamplingParams(
         temperature=float(body["temperature"]) if body.get("temperature") is not None else 1.0,
@@ -53,8 +63,11 @@ def responses_job(body: Mapping[str, Any]) -> Job:
             key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}}
             if tool.get("type") == "function" else tool for tool in body["tools"]],
             _choice(body.get("tool_choice")), body.get("parallel_tool_calls") is not False)
+    effort = (body.get("reasoning") or {}).get("effort")
     return Job(body["model"], sampling, messages=messages, prompt_param="input",
-               max_tokens_param="max_output_tokens", id_prefix="resp_", tools=tools)
+               max_tokens_param="max_output_tokens", id_prefix="resp_", tools=tools,
+               reasoning=ReasoningRequest(effort=effort),
+               template_kwargs=dict(body.get("chat_template_kwargs") or {}))
 
 
 def _choice(choice: Any) -> Any:
@@ -102,7 +115,7 @@ class Responses:
         job = responses_job(body)
         echo = {key: body.get(key) for key in ("instructions", "max_output_tokens", "temperature",
                                                 "top_p", "metadata", "user", "tools",
-                                                "tool_choice")}
+                                                "tool_choice", "reasoning")}
         self.responder.serve(req, resp, job, stream=stream,
                              collect=lambda generation: self.collect(generation, echo),
                              frames=lambda generation: self.events(generation, echo),
@@ -124,6 +137,7 @@ class Responses:
             "parallel_tool_calls": True, "tool_choice": echo.get("tool_choice") or "auto",
             "tools": echo.get("tools") or [],
             "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "reasoning": {"effort": (echo.get("reasoning") or {}).get("effort"), "summary": None},
             "usage": usage,
         }
 
@@ -132,7 +146,7 @@ class Responses:
         usage = {"input_tokens": generation.prompt_tokens,
                  "input_tokens_details": {"cached_tokens": generation.cached_tokens},
                  "output_tokens": generation.completion_tokens,
-                 "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens_details": {"reasoning_tokens": generation.reasoning_tokens},
                  "total_tokens": generation.prompt_tokens + generation.completion_tokens}
         speculative = generation.speculative_usage()
         if speculative is not None:
@@ -148,12 +162,22 @@ class Responses:
     def _status(self, generation: Generation) -> str:
         return "incomplete" if generation.finish_reason == "length" else "completed"
 
+    @staticmethod
+    def _reasoning(item_id: str, text: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
+
     def collect(self, generation: Generation, echo: Mapping[str, Any]) -> dict[str, Any]:
-        text = "".join(delta.text for delta in generation.deltas())
+        text, thinking = [], []
+        for delta in generation.deltas():
+            text.append(delta.text)
+            thinking.append(delta.reasoning)
         if generation.finish_reason not in ("stop", "length"):
             raise api_error(generation.failure or RuntimeError("generation failed"))
-        output = [self._message(f"msg_{uuid.uuid4().hex}", text, "completed")] if (
-            text or not generation.tool_calls) else []
+        output = [self._reasoning(f"rs_{uuid.uuid4().hex}", "".join(thinking), "completed")] \
+            if any(thinking) else []
+        if any(text) or not (generation.tool_calls or output):
+            output.append(self._message(f"msg_{uuid.uuid4().hex}", "".join(text), "completed"))
         output += [_function_call(f"fc_{uuid.uuid4().hex}", call.id, call.name, call.arguments,
                                   "completed") for call in generation.tool_calls]
         return self._response(generation, echo, self._status(generation), output,
@@ -161,7 +185,6 @@ class Responses:
 
     def events(self, generation: Generation, echo: Mapping[str, Any]) -> Iterator[bytes]:
         sequence = iter(range(1 << 62))
-        item_id = f"msg_{uuid.uuid4().hex}"
 
         def event(kind: str, **fields: Any) -> bytes:
             return frame({"type": kind, "sequence_number": next(sequence), **fields}, event=kind)
@@ -170,62 +193,115 @@ class Responses:
                     response=self._response(generation, echo, "in_progress", [], None))
         yield event("response.in_progress",
                     response=self._response(generation, echo, "in_progress", [], None))
-        yield event("response.output_item.added", output_index=0,
-                    item=self._message(item_id, "", "in_progress"))
-        yield event("response.content_part.added", item_id=item_id, output_index=0,
-                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-        text: list[str] = []
-        output: list[dict[str, Any]] = []
-        message_open = True
-        calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its function_call item
-
-        def close_message() -> Iterator[bytes]:
-            whole = "".join(text)
-            item = self._message(item_id, whole, "completed")
-            yield event("response.output_text.done", item_id=item_id, output_index=0,
-                        content_index=0, text=whole, logprobs=[])
-            yield event("response.content_part.done", item_id=item_id, output_index=0,
-                        content_index=0, part=item["content"][0])
-            yield event("response.output_item.done", output_index=0, item=item)
-            output.append(item)
-
+        items = _OutputItems(event, self._reasoning, self._message)
         for delta in generation.deltas():
             if delta.keepalive:
                 yield KEEPALIVE
                 continue
-            if delta.text and message_open:
-                text.append(delta.text)
-                yield event("response.output_text.delta", item_id=item_id, output_index=0,
-                            content_index=0, delta=delta.text, logprobs=[])
+            if delta.reasoning:
+                yield from items.reasoning(delta.reasoning)
+            if delta.text:
+                yield from items.text(delta.text)
             for tool_event in delta.tool_events:
                 if isinstance(tool_event, ToolCallStart):
-                    if message_open:
-                        yield from close_message()
-                        message_open = False
-                    item = _function_call(f"fc_{uuid.uuid4().hex}", tool_event.id,
-                                          tool_event.name, "", "in_progress")
-                    calls[tool_event.index] = item
-                    yield event("response.output_item.added", output_index=len(output), item=item)
+                    yield from items.close()
+                    yield from items.open_call(_function_call(
+                        f"fc_{uuid.uuid4().hex}", tool_event.id, tool_event.name, "", "in_progress"),
+                        tool_event.index)
                 elif isinstance(tool_event, ToolCallArgumentsDelta) and tool_event.text:
-                    item = calls[tool_event.index]
-                    item["arguments"] += tool_event.text
-                    yield event("response.function_call_arguments.delta", item_id=item["id"],
-                                output_index=len(output), delta=tool_event.text)
+                    yield from items.arguments(tool_event.index, tool_event.text)
                 elif isinstance(tool_event, ToolCallEnd):
-                    item = calls[tool_event.index]
-                    item.update(arguments=tool_event.call.arguments, status="completed")
-                    yield event("response.function_call_arguments.done", item_id=item["id"],
-                                output_index=len(output), arguments=item["arguments"])
-                    yield event("response.output_item.done", output_index=len(output), item=item)
-                    output.append(item)
+                    yield from items.end_call(tool_event.index, tool_event.call.arguments)
         if generation.finish_reason not in ("stop", "length"):
             yield from self.responder.stream_error(generation, error_frames)
             return
-        if message_open:
-            yield from close_message()
+        if not items.output and items.open_kind is None:
+            yield from items.text("")  # a response always says something, if only nothing
+        yield from items.close()
         status = self._status(generation)
         yield event(f"response.{status}", response=self._response(
-            generation, echo, status, output, self._usage(generation)))
+            generation, echo, status, items.output, self._usage(generation)))
+
+
+class _OutputItems:
+    """The output items of a streamed response, opened as their first piece arrives (a
+    reasoning item, a message, function calls) and closed when the next begins."""
+
+    def __init__(self, event: Any, reasoning_item: Any, message_item: Any) -> None:
+        self.event = event
+        self.reasoning_item = reasoning_item
+        self.message_item = message_item
+        self.output: list[dict[str, Any]] = []
+        self.open_kind: str | None = None
+        self.item_id = ""
+        self.parts: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its open item
+
+    @property
+    def index(self) -> int:
+        return len(self.output)
+
+    def reasoning(self, text: str) -> Iterator[bytes]:
+        if self.open_kind != "reasoning":
+            yield from self.close()
+            self.open_kind, self.item_id, self.parts = "reasoning", f"rs_{uuid.uuid4().hex}", []
+            yield self.event("response.output_item.added", output_index=self.index,
+                             item=self.reasoning_item(self.item_id, "", "in_progress"))
+        self.parts.append(text)
+        yield self.event("response.reasoning_text.delta", item_id=self.item_id,
+                         output_index=self.index, content_index=0, delta=text)
+
+    def text(self, text: str) -> Iterator[bytes]:
+        if self.open_kind != "message":
+            yield from self.close()
+            self.open_kind, self.item_id, self.parts = "message", f"msg_{uuid.uuid4().hex}", []
+            yield self.event("response.output_item.added", output_index=self.index,
+                             item=self.message_item(self.item_id, "", "in_progress"))
+            yield self.event("response.content_part.added", item_id=self.item_id,
+                             output_index=self.index, content_index=0,
+                             part={"type": "output_text", "text": "", "annotations": []})
+        if text:
+            self.parts.append(text)
+            yield self.event("response.output_text.delta", item_id=self.item_id,
+                             output_index=self.index, content_index=0, delta=text, logprobs=[])
+
+    def close(self) -> Iterator[bytes]:
+        whole = "".join(self.parts)
+        if self.open_kind == "reasoning":
+            item = self.reasoning_item(self.item_id, whole, "completed")
+            yield self.event("response.reasoning_text.done", item_id=self.item_id,
+                             output_index=self.index, content_index=0, text=whole)
+            yield self.event("response.output_item.done", output_index=self.index, item=item)
+            self.output.append(item)
+        elif self.open_kind == "message":
+            item = self.message_item(self.item_id, whole, "completed")
+            yield self.event("response.output_text.done", item_id=self.item_id,
+                             output_index=self.index, content_index=0, text=whole, logprobs=[])
+            yield self.event("response.content_part.done", item_id=self.item_id,
+                             output_index=self.index, content_index=0, part=item["content"][0])
+            yield self.event("response.output_item.done", output_index=self.index, item=item)
+            self.output.append(item)
+        self.open_kind, self.parts = None, []
+
+    def open_call(self, item: dict[str, Any], index: int) -> Iterator[bytes]:
+        self.calls[index] = item
+        yield self.event("response.output_item.added", output_index=self.index, item=item)
+
+    def arguments(self, index: int, text: str) -> Iterator[bytes]:
+        item = self.calls.get(index)
+        if item is not None:
+            item["arguments"] += text
+            yield self.event("response.function_call_arguments.delta", item_id=item["id"],
+                             output_index=self.index, delta=text)
+
+    def end_call(self, index: int, arguments: str) -> Iterator[bytes]:
+        item = self.calls.pop(index, None)
+        if item is not None:
+            item.update(arguments=arguments, status="completed")
+            yield self.event("response.function_call_arguments.done", item_id=item["id"],
+                             output_index=self.index, arguments=item["arguments"])
+            yield self.event("response.output_item.done", output_index=self.index, item=item)
+            self.output.append(item)
 
 
 def _function_call(item_id: str, call_id: str, name: str, arguments: str,
@@ -244,6 +320,6 @@ class CountTokens:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_request(req, self.max_body, COUNT_TOKENS_REQUEST)
         job = Job(body["model"], SamplingParams(), messages=messages_of(body),
-                  tools=tools_of(body))
+                  tools=tools_of(body), reasoning=reasoning_of(body))
         resp.media = {"input_tokens": self.pipeline.count_tokens(job)}
 

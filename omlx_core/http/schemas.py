@@ -132,8 +132,36 @@ CHAT_MESSAGE = {
         "name": {"type": "string"},
         "tool_calls": {"type": "array", "items": TOOL_CALL},
         "tool_call_id": {"type": "string"},
+        "reasoning_content": _nullable({"type": "string", "description": (
+            "an assistant message's thinking, as a reasoning model's reply gave it; passed "
+            "to chat templates that render past thinking")}),
+        "reasoning": _nullable({"type": "string", "description": "the same as reasoning_content"}),
     },
 }
+
+REASONING_EFFORT = {"enum": ["low", "medium", "high", None],
+                    "description": "how long a reasoning model thinks, for chat templates that "
+                                   "read reasoning_effort (gpt-oss); models that do not reason "
+                                   "ignore it",
+                    "x-error": "reasoning_effort must be 'low', 'medium' or 'high'"}
+
+#: chat-template arguments the server sets itself
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                            "return_dict", "return_tensors", "continue_final_message",
+                            "chat_template", "images", "tokenizer")
+
+CHAT_TEMPLATE_KWARGS = _nullable({
+    "type": "object", "maxProperties": 32,
+    "description": "extra arguments for the model's chat template, e.g. {\"enable_thinking\": false} "
+                   "(omlx-core extension, as vLLM's); "
+                   + ", ".join(RESERVED_TEMPLATE_KWARGS) + " are the server's own",
+    "propertyNames": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]{0,63}$",
+                      "not": {"enum": list(RESERVED_TEMPLATE_KWARGS)},
+                      "x-error": "chat_template_kwargs keys must be template variable names, not "
+                                 "one the server sets (" + ", ".join(RESERVED_TEMPLATE_KWARGS) + ")"},
+    "x-error": "chat_template_kwargs must be an object of template variables, e.g. "
+               "{\"enable_thinking\": false}",
+})
 
 CHAT_COMPLETION_REQUEST = {
     "type": "object",
@@ -175,6 +203,13 @@ CHAT_COMPLETION_REQUEST = {
         "tool_choice": {"anyOf": [{"type": "null"}, {"enum": ["auto", "none", "required"]},
                                   {"type": "object"}]},
         "parallel_tool_calls": _nullable({"type": "boolean"}),
+        "reasoning_effort": REASONING_EFFORT,
+        "thinking_token_budget": _nullable({
+            "type": "integer", "minimum": 1, "maximum": INT32_MAX,
+            "description": "the most tokens a reasoning model's thinking may take before it must "
+                           "answer; at most max_tokens (omlx-core extension, vLLM's name)",
+            "x-error": "thinking_token_budget must be an integer from 1 to max_tokens"}),
+        "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
         "functions": _unsupported("function calling"),
         "function_call": _unsupported("function calling"),
         "audio": _unsupported("audio output"),
@@ -221,9 +256,13 @@ ANTHROPIC_CONTENT_BLOCK = {
     "type": "object",
     "required": ["type"],
     "properties": {
-        "type": {"enum": ["text", "image", "tool_use", "tool_result"],
-                 "x-error": "content blocks must be text, image, tool_use or tool_result"},
+        "type": {"enum": ["text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"],
+                 "x-error": "content blocks must be text, image, tool_use, tool_result, thinking "
+                            "or redacted_thinking"},
         "text": {"type": "string"},
+        "thinking": {"type": "string"},
+        "signature": {"type": "string"},
+        "data": {"type": "string"},
         "source": {
             "type": "object",
             "required": ["type"],
@@ -279,9 +318,17 @@ MESSAGES_REQUEST = {
             "type": {"enum": ["auto", "any", "tool", "none"]},
             "name": {"type": "string"},
             "disable_parallel_tool_use": {"type": "boolean"}}},
-        "thinking": {"type": "object", "required": ["type"],
-                     "properties": {"type": {"const": "disabled",
-                                             "x-error": "extended thinking is not supported"}}},
+        "thinking": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["enabled", "adaptive", "disabled"],
+                     "x-error": "thinking.type must be 'enabled', 'adaptive' or 'disabled'"},
+            "budget_tokens": {"type": "integer", "minimum": 1, "maximum": INT32_MAX,
+                              "description": "with type enabled: the most tokens the thinking may "
+                                             "take; at most max_tokens",
+                              "x-error": "thinking.budget_tokens must be an integer from 1 to max_tokens"},
+            "display": {"enum": ["summarized", "omitted"],
+                        "x-error": "thinking.display must be 'summarized' or 'omitted'"}},
+            "description": "a reasoning model's thinking comes back as thinking blocks; models "
+                           "that do not reason ignore this"},
     },
 }
 
@@ -302,10 +349,17 @@ RESPONSES_INPUT_TEXT = {
     "type": "object",
     "required": ["type", "text"],
     "properties": {
-        "type": {"enum": ["input_text", "output_text", "text"],
-                 "x-error": "only text content parts (input_text, output_text) are supported"},
+        "type": {"enum": ["input_text", "output_text", "text", "reasoning_text"],
+                 "x-error": "only text content parts (input_text, output_text, reasoning_text) "
+                            "are supported"},
         "text": {"type": "string"},
     },
+}
+
+RESPONSES_REASONING_TEXT = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"enum": ["summary_text", "reasoning_text"]}, "text": {"type": "string"}},
 }
 
 RESPONSES_REQUEST = {
@@ -318,14 +372,18 @@ RESPONSES_REQUEST = {
             {"type": "array", "minItems": 1, "items": {
                 "type": "object",
                 "properties": {
-                    "type": {"enum": ["message", "function_call", "function_call_output"],
-                             "x-error": "input items must be messages, function_call or "
-                                        "function_call_output items"},
+                    "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"],
+                             "x-error": "input items must be messages, function_call, "
+                                        "function_call_output or reasoning items"},
+                    "summary": {"type": "array", "items": RESPONSES_REASONING_TEXT},
+                    "encrypted_content": _nullable({"type": "string"}),
                     "role": {"enum": ["user", "assistant", "system", "developer"]},
                     "content": {"anyOf": [
                         {"type": "string"},
                         {"type": "array", "items": RESPONSES_INPUT_TEXT},
                     ]},
+                    "id": {"type": "string"},
+                    "status": _nullable({"type": "string"}),
                     "call_id": {"type": "string"},
                     "name": {"type": "string"},
                     "arguments": {"type": "string"},
@@ -355,7 +413,15 @@ RESPONSES_REQUEST = {
             "properties": {"type": {"const": "text",
                                     "x-error": "only text output is supported on /v1/responses"}},
         }}},
-        "reasoning": _unsupported("reasoning options"),
+        "reasoning": _nullable({"type": "object", "properties": {
+            "effort": {**REASONING_EFFORT,
+                       "x-error": "reasoning.effort must be 'low', 'medium' or 'high'"},
+            "summary": {"enum": ["auto", "concise", "detailed", None],
+                        "description": "accepted; the reasoning item carries the whole thinking"},
+            "generate_summary": {"enum": ["auto", "concise", "detailed", None]}},
+            "description": "a reasoning model's thinking comes back as a reasoning item; models "
+                           "that do not reason ignore this"}),
+        "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
     },
 }
 

@@ -4,8 +4,10 @@ HTTP, the benchmarks and an embedding program all go through
 :class:`~omlx_core.serving.pipeline.ServingPipeline`: a :class:`Job` in, a started
 :class:`Generation` out (or a typed error before any work or byte); an
 :class:`EncodeJob` in, its vectors or scores out (:mod:`omlx_core.serving.encode`). See
-:mod:`omlx_core.serving.pipeline` for the order of the checks, and
-:mod:`omlx_core.serving.output` for how the engine's token ids become text.
+:mod:`omlx_core.serving.pipeline` for the order of the checks,
+:mod:`omlx_core.serving.output` for how the engine's token ids become text, and
+:mod:`omlx_core.serving.reasoning` for how a reply splits into thinking, content and
+tool calls.
 """
 
 from omlx_core.memory.types import RequestRejected
@@ -22,8 +24,10 @@ from omlx_core.serving.pipeline import (
     UnknownModel,
 )
 from omlx_core.serving.encode import EncodeJob, EncodeResult
+from omlx_core.serving.reasoning import ReasoningRequest
 from omlx_core.serving.tools import ToolRequest
 
-__all__ = ["Delta", "EncodeJob", "EncodeResult", "EngineFailed", "Generation", "InvalidRequest", "Job", "LogprobEntry",
-           "OutputProcessor", "RequestAborted", "RequestRejected", "ServingEvents",
-           "ServingPipeline", "StopMatcher", "ToolRequest", "UnknownModel"]
+__all__ = ["Delta", "EncodeJob", "EncodeResult", "EngineFailed", "Generation", "InvalidRequest",
+           "Job", "LogprobEntry", "OutputProcessor", "ReasoningRequest", "RequestAborted",
+           "RequestRejected", "ServingEvents", "ServingPipeline", "StopMatcher", "ToolRequest",
+           "UnknownModel"]

@@ -98,10 +98,14 @@ class OutputProcessor:
     :param stop: the request's stop strings.
     :param token_bytes: the bytes of a token id (:meth:`Engine.token_bytes`), asked only
         for tokens that carry logprobs.
+    :param track_token_starts: keep in :attr:`token_starts` where each token's text
+        starts in the text, so that the tokens of a part of it (the model's thinking)
+        can be counted.
     """
 
     def __init__(self, detokenizer: Any, stop: Sequence[str] = (),
-                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+                 token_bytes: Callable[[int], bytes] | None = None, *,
+                 track_token_starts: bool = False) -> None:
         self._detokenizer = detokenizer
         self._stops = StopMatcher(stop)
         self._token_bytes = token_bytes
@@ -112,6 +116,9 @@ class OutputProcessor:
         #: generated tokens taken into the completion: every token up to and including
         #: the one that completed a stop string, none after it
         self.completion_tokens = 0
+        #: with ``track_token_starts``: for each completion token, the offset in the
+        #: whole detokenized text where its text starts
+        self.token_starts: list[int] | None = [] if track_token_starts else None
         self._finished = False
 
     @property
@@ -132,6 +139,8 @@ class OutputProcessor:
         entries = list(logprobs or ())
         for position, token in enumerate(token_ids):
             self.completion_tokens += 1
+            if self.token_starts is not None:
+                self.token_starts.append(self._produced)
             if position < len(entries):
                 self._held.append(_HeldLogprob(self._produced, self._entry(entries[position])))
             self._detokenizer.add_token(int(token))

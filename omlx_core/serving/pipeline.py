@@ -56,13 +56,20 @@ from omlx_core.engine import (
     images_of,
 )
 from omlx_core.grammar import GrammarBusy, GrammarError
+from omlx_core.grammar.toolcalls import ToolCallFormat
 from omlx_core.memory.types import RequestRejected
 from omlx_core.pool import Lease
 from omlx_core.serving.errors import EngineFailed, InvalidRequest, RequestAborted, UnknownModel
 from omlx_core.serving.inflight import InFlight
 from omlx_core.serving.output import LogprobEntry, OutputProcessor, ProcessedText
-from omlx_core.grammar.toolcalls import ContentDelta
-from omlx_core.serving.tools import ToolRequest, ToolTurn, content_of, prepare
+from omlx_core.serving.reasoning import (
+    ReasoningRequest,
+    ReplySplitter,
+    plan_reply,
+    reasoning_tokens,
+    reply_formats,
+)
+from omlx_core.serving.tools import PreparedTools, ToolRequest, prepare
 
 if TYPE_CHECKING:
     from omlx_core.memory.admission import AdmissionTicket
@@ -99,7 +106,11 @@ class Job:
     max_tokens_is_cap: bool = False
     #: functions the model may call (chat requests only)
     tools: ToolRequest | None = None
-    #: extra arguments for the engine's chat template (the pipeline sets ``tools``)
+    #: what the request asks of the model's thinking (ignored by a model that does not
+    #: reason)
+    reasoning: ReasoningRequest | None = None
+    #: extra arguments for the engine's chat template (the client's
+    #: ``chat_template_kwargs``; the pipeline adds ``tools`` and the reasoning's)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     #: the request parameters that carry the prompt and max_tokens, for error messages
     prompt_param: str = "messages"
@@ -141,13 +152,15 @@ class ServingEvents:
 class Delta:
     """New text of a request and the logprobs (with their bytes) of the tokens that
     produced it; a ``keepalive`` delta carries nothing and says the request is still
-    being prefilled. With tools, ``text`` is content only and ``tool_events`` the
-    tool-call pieces (:mod:`omlx_core.grammar.toolcalls` start, arguments and end events)."""
+    being prefilled. For a chat reply, ``text`` is content only, ``reasoning`` the
+    model's thinking and ``tool_events`` the tool-call pieces
+    (:mod:`omlx_core.grammar.toolcalls` start, arguments and end events)."""
 
     text: str
     logprobs: tuple[LogprobEntry, ...] = ()
     keepalive: bool = False
     tool_events: tuple[Any, ...] = ()
+    reasoning: str = ""
 
 
 # -- a started request ------------------------------------------------------------------------
@@ -161,7 +174,7 @@ class Generation:
                  sampling: SamplingParams, handle: RequestHandle, first: GenerationOutput | None,
                  release: Callable[[], None], events: ServingEvents,
                  arrived: float, keepalive_s: float | None = None,
-                 tool_turn: ToolTurn | None = None):
+                 splitter: ReplySplitter | None = None):
         self.request_id = request_id
         self.engine = engine
         self.model_id = model_id
@@ -169,6 +182,8 @@ class Generation:
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0
         self.completion_tokens = 0
+        #: of the completion tokens, those of the model's thinking
+        self.reasoning_tokens = 0
         #: a speculative engine's drafted tokens and how many the target accepted
         self.draft_tokens = 0
         self.accepted_draft_tokens = 0
@@ -180,9 +195,11 @@ class Generation:
         #: with ``finish_reason="stop"``: the stop string that ended the text, if one did
         self.stop_sequence: str | None = None
         self._handle = handle
+        self._splitter = splitter
         self._output = OutputProcessor(
             engine.detokenizer(), sampling.stop,
-            engine.token_bytes if sampling.logprobs is not None else None)
+            engine.token_bytes if sampling.logprobs is not None else None,
+            track_token_starts=splitter is not None and splitter.thinking is not None)
         self._first: GenerationOutput | None = first
         #: whether the first output has been seen (``admitted`` is reported then)
         self._started = first is not None
@@ -190,7 +207,6 @@ class Generation:
         self._keepalive_s = keepalive_s
         self._release = release
         self._events = events
-        self._tools = tool_turn
         self._closed = False
         self._lock = threading.Lock()
 
@@ -201,7 +217,7 @@ class Generation:
     @property
     def tool_calls(self) -> list[Any]:
         """The complete tool calls the output made (``ToolCall``: id, name, arguments)."""
-        return self._tools.calls if self._tools is not None else []
+        return self._splitter.calls if self._splitter is not None else []
 
     def speculative_usage(self) -> dict[str, Any] | None:
         """The ``speculative`` object every API's usage carries for a request its engine
@@ -229,7 +245,7 @@ class Generation:
                     processed += self._output.finish()
                 ended = output.finished or self._output.stopped
                 delta = self._delta(processed, ended)
-                if delta.text or delta.logprobs or delta.tool_events:
+                if delta.text or delta.reasoning or delta.logprobs or delta.tool_events:
                     yield delta
                 if self._output.stopped:
                     usage = self._stop_engine(output) or usage
@@ -245,6 +261,9 @@ class Generation:
             self.failure = EngineFailed(_in_the_log("the engine failed while generating", exc))
         finally:  # also when the client hung up and the stream was closed mid-way
             self.completion_tokens = self._output.completion_tokens
+            if self._splitter is not None and self._output.token_starts is not None:
+                self.reasoning_tokens = reasoning_tokens(self._output.token_starts,
+                                                         self._splitter.reasoning_spans())
             if usage is not None:
                 if not self._output.stopped:
                     self.completion_tokens = usage.completion_tokens
@@ -254,13 +273,13 @@ class Generation:
             self._events.finished(self.model_id, self.completion_tokens, self.cached_tokens)
 
     def _delta(self, processed: ProcessedText, ended: bool) -> Delta:
-        if self._tools is None:
+        if self._splitter is None:
             return Delta(processed.text, processed.logprobs)
-        events = self._tools.feed(processed.text)
+        split = self._splitter.feed(processed.text)
         if ended:
-            events += self._tools.finish()
-        return Delta(content_of(events), processed.logprobs,
-                     tool_events=tuple(e for e in events if not isinstance(e, ContentDelta)))
+            split += self._splitter.finish()
+        return Delta(split.content, processed.logprobs, tool_events=split.tool_events,
+                     reasoning=split.reasoning)
 
     def _stop_engine(self, last: GenerationOutput) -> Any:
         """A stop string matched: abort the engine request (it frees it within a step)
@@ -418,7 +437,7 @@ class ServingPipeline:
         lease = self.lease(job.model_id, job.keep_alive)
         try:
             engine = lease.engine
-            job, _ = self._with_tools(engine, job)
+            job, _ = self._with_tools(engine, job, self._formats(engine, job.model_id))
             images = images_of(job.messages)
             if images:
                 self._require_image_support(engine, job, images)
@@ -479,7 +498,8 @@ class ServingPipeline:
         # submitted: requests sent together then share one prefill forward.
         with engine.expecting():
             limits = engine.limits()
-            job, tool_turn = self._with_tools(engine, job)
+            formats = self._formats(engine, job.model_id)
+            job, tools = self._with_tools(engine, job, formats)
             self._check_supported(engine, job)
             request_id = job.id_prefix + uuid.uuid4().hex
             images = images_of(job.messages)
@@ -489,6 +509,10 @@ class ServingPipeline:
                 job = replace(job, template_kwargs={**job.template_kwargs, "images": prepared})
             tokens = self._tokenize(engine, job, limits)
             sampling = self._settle_max_tokens(job, limits, len(tokens))
+            splitter, grammar = self._reply(engine, job, formats[0], tools, tokens)
+            if grammar is not sampling.grammar:
+                self._check_grammar_supported(engine, job, had_grammar=sampling.grammar is not None)
+                sampling = replace(sampling, grammar=grammar)
             self._check_token_ids(sampling, limits)
             release = self._reserve(engine, request_id, tokens, sampling.max_tokens,
                                     images=len(images), on_checked=on_checked,
@@ -532,7 +556,7 @@ class ServingPipeline:
                           prompt_tokens=len(tokens), sampling=sampling, handle=handle,
                           first=first, release=release_all, events=self.events,
                           arrived=arrived, keepalive_s=first_output_wait_s,
-                          tool_turn=tool_turn)
+                          splitter=splitter)
 
     def _first_output(self, request_id: str, handle: RequestHandle,
                       client_gone: Callable[[], bool] | None, release: Callable[[], None],
@@ -572,8 +596,17 @@ class ServingPipeline:
 
     # -- the checks ------------------------------------------------------------------------
 
-    def _with_tools(self, engine: Engine, job: Job) -> tuple[Job, ToolTurn | None]:
-        """``job`` with its tools rendered for the engine's template and their grammar."""
+    def _formats(self, engine: Engine, model_id: str) -> tuple[str, ToolCallFormat | None]:
+        return reply_formats(self.context.config.models.get(model_id), engine.chat_template())
+
+    def _with_tools(self, engine: Engine, job: Job, formats: tuple[str, ToolCallFormat | None]
+                    ) -> tuple[Job, PreparedTools | None]:
+        """``job`` with its tools rendered for the engine's template and their grammar,
+        and the chat-template arguments of its reasoning (for a model that reasons)."""
+        reasoning_format, tool_format = formats
+        if job.messages is not None and job.reasoning is not None and reasoning_format != "none":
+            derived = job.reasoning.template_kwargs(engine.chat_template())
+            job = replace(job, template_kwargs={**derived, **job.template_kwargs})
         if job.tools is None or job.messages is None:
             return job, None
         if job.sampling.grammar is not None:
@@ -581,12 +614,39 @@ class ServingPipeline:
                                  "response_format")
         try:
             prepared = prepare(job.tools, job.messages, engine.chat_template(),
-                               engine.special_tokens())
+                               engine.special_tokens(), tool_format)
         except GrammarError as exc:
             raise InvalidRequest(str(exc), exc.field, "invalid_tools") from None
-        job = replace(job, messages=prepared.messages, template_kwargs=prepared.template_kwargs,
+        job = replace(job, messages=prepared.messages,
+                      template_kwargs={**job.template_kwargs, **prepared.template_kwargs},
                       sampling=replace(job.sampling, grammar=prepared.grammar))
-        return job, ToolTurn(prepared.fmt)
+        return job, prepared
+
+    def _reply(self, engine: Engine, job: Job, reasoning_format: str, tools: PreparedTools | None,
+               tokens: list[int]) -> tuple[ReplySplitter | None, Any]:
+        """How a chat reply is split and the grammar it is generated under (a completion's
+        text is not split)."""
+        if job.messages is None:
+            return None, job.sampling.grammar
+        try:
+            return plan_reply(engine, tokens, reasoning_format=reasoning_format, request=job.reasoning,
+                              tools=tools, answer=job.sampling.grammar)
+        except GrammarError as exc:
+            raise InvalidRequest(str(exc), exc.field, "invalid_grammar") from None
+
+    def _check_grammar_supported(self, engine: Engine, job: Job, *, had_grammar: bool) -> None:
+        """A grammar the reply needs beyond what the request sent (its thinking budget)
+        needs an engine that honours ``grammar``."""
+        if "grammar" in engine.supported_sampling:
+            return
+        if had_grammar:
+            self._check_supported(engine, job)
+            return
+        param = job.reasoning.budget_param if job.reasoning is not None else "grammar"
+        raise InvalidRequest(
+            f"the engine serving model {job.model_id!r} cannot cap the model's thinking: it "
+            f"does not honour grammar; leave {param} out or serve the model with the "
+            "'batched' engine", param)
 
     def _check_supported(self, engine: Engine, job: Job) -> None:
         unsupported = sorted(job.sampling.optional_fields_set() - set(engine.supported_sampling))

@@ -8,27 +8,25 @@ results as structured messages; one that does not (the default model's ChatML) g
 them the way hermes-trained models read them: the functions in a system message, past
 calls as ``<tool_call>`` text, results as ``<tool_response>`` text. Either way the
 output is constrained by the grammar of the functions' parameter schemas, and
-:class:`ToolTurn` parses it back as it streams.
+:meth:`PreparedTools.parser` parses it back as it streams.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from omlx_core.grammar.compiler import GrammarSpec
 from omlx_core.grammar.toolcalls import (
     HERMES,
-    ContentDelta,
-    Event,
     FunctionTool,
-    ToolCall,
     ToolCallFormat,
-    ToolCallParser,
     detect_tool_call_format,
     normalize_tools,
+    resolve_tool_choice,
     tool_call_grammar,
+    tool_call_parser,
 )
 
 #: how hermes-format models are told about their functions (Nous Research's prompt)
@@ -51,49 +49,42 @@ class ToolRequest:
     parallel_tool_calls: bool = True
 
 
-@dataclass
-class ToolTurn:
-    """One request's tool calling: its format, and the parser of its output."""
-
-    fmt: ToolCallFormat
-    parser: ToolCallParser = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.parser = ToolCallParser(self.fmt)
-
-    def feed(self, text: str) -> list[Event]:
-        return self.parser.feed(text)
-
-    def finish(self) -> list[Event]:
-        return self.parser.finish()
-
-    @property
-    def calls(self) -> list[ToolCall]:
-        """The complete calls seen so far."""
-        return [call for call in self.parser.calls if call.complete]
-
-
 @dataclass(frozen=True)
 class PreparedTools:
     messages: list[dict[str, Any]]
     template_kwargs: dict[str, Any]
     grammar: GrammarSpec | None
     fmt: ToolCallFormat
+    #: the functions, checked, and what tool_choice makes of them
+    functions: list[FunctionTool]
+    mode: str
+
+    def parser(self) -> Any:
+        """A fresh streaming parser of the reply's calls."""
+        return tool_call_parser(self.fmt, self.functions)
 
 
 def prepare(request: ToolRequest, messages: Sequence[Mapping[str, Any]],
-            chat_template: str | None, special_tokens: frozenset[str]) -> PreparedTools:
-    """Messages, template arguments and grammar for a request with tools; raises
+            chat_template: str | None, special_tokens: frozenset[str],
+            fmt: ToolCallFormat | None = None) -> PreparedTools:
+    """Messages, template arguments and grammar for a request with tools, in ``fmt``
+    (default: the format ``chat_template`` shows); raises
     :class:`~omlx_core.grammar.GrammarError` naming a bad tool or tool_choice."""
     functions = normalize_tools(request.tools)
-    fmt = detect_tool_call_format(chat_template)
+    mode, _ = resolve_tool_choice(functions, request.tool_choice)
+    as_openai = [_openai_tool(f) for f in functions]
+    if not (chat_template and "tools" in chat_template):
+        fmt = HERMES
+        messages = _as_hermes_text(messages, as_openai)
+        template_kwargs: dict[str, Any] = {}
+    else:
+        fmt = fmt or detect_tool_call_format(chat_template)
+        messages = [_structured(m) for m in messages]
+        template_kwargs = {"tools": as_openai}
     grammar = tool_call_grammar(fmt, request.tools, request.tool_choice,
                                 parallel_tool_calls=request.parallel_tool_calls,
                                 special_tokens=special_tokens)
-    as_openai = [_openai_tool(f) for f in functions]
-    if chat_template and "tools" in chat_template:
-        return PreparedTools([_structured(m) for m in messages], {"tools": as_openai}, grammar, fmt)
-    return PreparedTools(_as_hermes_text(messages, as_openai), {}, grammar, HERMES)
+    return PreparedTools(list(messages), template_kwargs, grammar, fmt, functions, mode)
 
 
 def _openai_tool(function: FunctionTool) -> dict[str, Any]:
@@ -147,6 +138,3 @@ def _as_hermes_text(messages: Sequence[Mapping[str, Any]],
             out.append({"role": role, "content": content})
     return out
 
-
-def content_of(events: Sequence[Event]) -> str:
-    return "".join(e.text for e in events if isinstance(e, ContentDelta))
