@@ -308,7 +308,8 @@ class MemoryGuard:
         try:
             self._preflight(query, request_id, snapshot, max_tokens)
         except RequestRejected as error:
-            fitting = self._fitting_kv_bits(query, request_id, snapshot, max_tokens)
+            fitting = fitting_kv_bits(
+                query, lambda narrower: self._preflight(narrower, request_id, snapshot, max_tokens))
             if fitting is not None:
                 error = RequestRejected(dataclasses.replace(error.rejection, fitting_kv_bits=fitting))
             refused = self.advised(error)
@@ -328,21 +329,6 @@ class MemoryGuard:
             model_config=query.model_config,
             margin_bytes=self.policy.margin(snapshot.hard_bytes if snapshot else None),
             max_tokens=max_tokens, kv_bytes_per_token=per_token))
-
-    def _fitting_kv_bits(self, query: PeakQuery, request_id: str, snapshot: LimitSnapshot | None,
-                         max_tokens: int) -> int | None:
-        """The widest quantized KV format, narrower than the model's, under which the
-        refused ``query`` would pass preflight (for the advice), or ``None``."""
-        for bits in (8, 4):
-            if query.kv_bits is not None and bits >= query.kv_bits:
-                continue
-            try:
-                self._preflight(dataclasses.replace(query, kv_bits=bits), request_id, snapshot,
-                                max_tokens)
-            except RequestRejected:
-                continue
-            return bits
-        return None
 
     def _preflight_limits(self) -> LimitSnapshot | None:
         """The snapshot preflight judges against. It runs on the request thread, so it
@@ -471,6 +457,20 @@ class MemoryGuard:
             for key, count in gate.preemptions.items():
                 totals[key] = totals.get(key, 0) + count
         return totals
+
+
+def fitting_kv_bits(query: PeakQuery, preflight: Callable[[PeakQuery], None]) -> int | None:
+    """The widest quantized KV format, narrower than ``query``'s, under which the refused
+    ``query`` passes ``preflight`` (for the advice: ``--kv-bits``), or ``None``."""
+    for bits in (8, 4):
+        if query.kv_bits is not None and bits >= query.kv_bits:
+            continue
+        try:
+            preflight(dataclasses.replace(query, kv_bits=bits))
+        except RequestRejected:
+            continue
+        return bits
+    return None
 
 
 def _log_refusal(error: RequestRejected) -> None:

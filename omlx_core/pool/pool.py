@@ -23,21 +23,41 @@ read memory again (the settle barrier). A load that fails is remembered for
 
 from __future__ import annotations
 
-import gc
 import logging
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from omlx_core.memory.types import PeakQuery, Rejection, RequestRejected
-from omlx_core.models.errors import ModelError
 from omlx_core.config.keep_alive import parse_keep_alive
-from omlx_core.pool.catalog import weights_bytes
-from omlx_core.redaction import redact_paths
+from omlx_core.memory.types import Rejection, RequestRejected
 from omlx_core.settings import format_size
+from omlx_core.pool.records import (
+    AVAILABLE,
+    FAILED,
+    LOADING,
+    RESIDENT,
+    UNLOAD_REASONS,
+    UNLOADING,
+    ModelLoadFailed,
+    ModelRecord,
+    PoolCounters,
+    PoolError,
+    describe_record,
+    keep_alive_expired,
+    load_failure,
+)
+from omlx_core.pool.room import (
+    bare_bytes,
+    context_length,
+    floor_bytes,
+    never_fits,
+    no_room,
+    plan_load,
+    return_memory,
+    unload_candidate,
+    wait_timeout,
+)
 
 if TYPE_CHECKING:
     from omlx_core.config import Config
@@ -47,77 +67,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-AVAILABLE, LOADING, RESIDENT, UNLOADING, FAILED = (
-    "available", "loading", "resident", "unloading", "failed")
-#: why a model was unloaded (the ``reason`` label of the unload metrics)
-UNLOAD_REASONS = ("evicted", "keep_alive", "admin", "shutdown")
 #: how often the keep-alive reaper looks at idle models, at most
 REAP_INTERVAL_S = 0.5
 #: loads of different models that may run at once (one model loads once at a time)
 LOADER_THREADS = 2
-
-
-class ModelLoadFailed(Exception):
-    """Loading a model failed (missing file, corrupt weights, unsupported architecture):
-    the message names the model and the cause."""
-
-    def __init__(self, model_id: str, cause: str):
-        super().__init__(f"model {model_id!r} failed to load: {cause}")
-        self.model_id = model_id
-        self.cause = cause
-
-
-class PoolError(Exception):
-    """An operator's pool request cannot be done as asked (HTTP 409), e.g. unloading a
-    model that is loading."""
-
-
-@dataclass
-class ModelRecord:
-    """One available model as the pool tracks it."""
-
-    id: str
-    engine_name: str
-    pinned: bool
-    #: seconds an idle model stays resident (``None``: forever)
-    keep_alive_s: float | None
-    #: what it is served for: ``generate``, ``embed`` or ``rerank``
-    task: str = "generate"
-    state: str = AVAILABLE
-    engine: Engine | None = None
-    #: leases held now (requests running) and requests waiting for the model to load
-    users: int = 0
-    waiters: int = 0
-    last_used: float = 0.0
-    #: weights bytes from the safetensors headers, the planned total (weights plus the
-    #: working set), and the footprint growth the load was measured at
-    weights_bytes: int | None = None
-    planned_bytes: int | None = None
-    measured_bytes: int | None = None
-    context_length: int | None = None
-    #: the error of the latest load (a refusal or a failure) and, for a failure, until
-    #: when it is answered without another attempt
-    error: Exception | None = None
-    failed_until: float = 0.0
-    load_seconds: float | None = None
-    loaded_at: float | None = None
-    #: an operator asked for an unload: new leases wait until it is done
-    draining: bool = False
-    #: bumped by each finished load attempt (waiters know theirs ended)
-    attempt: int = 0
-
-    @property
-    def idle(self) -> bool:
-        return self.users == 0 and self.waiters == 0
-
-    def bytes(self) -> int:
-        """What the model holds while resident: measured when known, else planned."""
-        return self.measured_bytes or self.planned_bytes or self.weights_bytes or 0
-
-    def held_bytes(self) -> int:
-        """At least its weights: a footprint growth measured while other models were
-        unloaded can read low."""
-        return max(self.measured_bytes or 0, self.weights_bytes or 0)
 
 
 class Lease:
@@ -134,19 +87,6 @@ class Lease:
         if not self._released:
             self._released = True
             self._pool._release(self._record)
-
-
-@dataclass
-class PoolCounters:
-    """What the pool has done since start (the metrics read these)."""
-
-    loads: int = 0
-    load_failures: int = 0
-    #: seconds all ``loads`` took together (a sum, not a list: a list of every load's
-    #: time grew for good, and each new float pinned an allocator arena of its load)
-    load_seconds_total: float = 0.0
-    unloads: dict[str, int] = field(default_factory=dict)
-    refusals: dict[str, int] = field(default_factory=dict)
 
 
 class ModelPool:
@@ -253,7 +193,7 @@ class ModelPool:
             record.last_used = record.loaded_at = time.monotonic()
             record.load_seconds = seconds
             record.measured_bytes = footprint_growth
-            self._describe(record, engine.model)
+            record.context_length = context_length(engine.model.config)
             self.counters.loads += 1
             self.counters.load_seconds_total += seconds
 
@@ -311,7 +251,9 @@ class ModelPool:
                     # for up to the deadline.
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 and record.state != LOADING:
-                        raise self._wait_timeout(record)
+                        guard = self._guard()
+                        raise wait_timeout(record, guard.snapshot if guard is not None else None,
+                                           self.wait_s, self.retry_s)
                     self._changed.wait(min(max(remaining, 0.05), 1.0))
                     if record.attempt != attempt and record.state != RESIDENT \
                             and record.error is not None:
@@ -349,18 +291,11 @@ class ModelPool:
                 self.counters.refusals.get(refusal.rejection.cause, 0) + 1)
             return
         except Exception as exc:
-            log.error("model %r failed to load: %s", record.id,
-                      exc if isinstance(exc, ModelError) else f"{type(exc).__name__}: {exc}",
-                      exc_info=not isinstance(exc, ModelError))
-            # A ModelError says what is wrong for the operator to fix; anything else is
-            # a bug whose text stays in the log.
-            cause = (str(exc) if isinstance(exc, ModelError)
-                     else f"an unexpected {type(exc).__name__} (the server log has the details)")
             self.counters.load_failures += 1
             self._end_claim(record)
-            self._end_load(record, FAILED, error=ModelLoadFailed(record.id, cause),
+            self._end_load(record, FAILED, error=load_failure(record.id, exc),
                            failed_until=time.monotonic() + self.retry_s)
-            self._collect()
+            return_memory()
             return
         seconds = time.monotonic() - started
         # The weights are in memory now: the claim becomes a change of the baseline, the
@@ -373,7 +308,7 @@ class ModelPool:
             record.measured_bytes = growth or None
             record.load_seconds = seconds
             record.loaded_at = record.last_used = time.monotonic()
-            self._describe(record, engine.model)
+            record.context_length = context_length(engine.model.config)
             self.counters.loads += 1
             self.counters.load_seconds_total += seconds
         log.info("model %r loaded in %.1f s (planned %s, measured %s)", record.id, seconds,
@@ -396,27 +331,14 @@ class ModelPool:
             record.attempt += 1
             self._changed.notify_all()
 
-    def _describe(self, record: ModelRecord, spec: ModelSpec) -> None:
-        config = dict(spec.config)
-        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-        record.context_length = config.get("max_position_embeddings") or text.get(
-            "max_position_embeddings")
-
     def _plan(self, record: ModelRecord, spec: ModelSpec) -> None:
         """The bytes loading ``record`` takes: weights from the headers, plus the working
         set of one prefill chunk."""
-        weights = weights_bytes(spec.path)
-        working = 0
-        if self._estimate_peak is not None:
-            guard = self._guard()
-            query = PeakQuery(model_config=dict(spec.config), new_tokens=512, model_id=spec.id,
-                              backend=guard.backend if guard is not None else "cpu")
-            estimate = self._estimate_peak(query=query)
-            working = estimate.total if estimate is not None else 0
+        guard = self._guard()
+        plan = plan_load(spec, self._estimate_peak, guard.backend if guard is not None else "cpu")
         with self._lock:
-            record.weights_bytes = weights
-            record.planned_bytes = weights + working
-            self._describe(record, spec)
+            record.weights_bytes, record.planned_bytes = plan.weights_bytes, plan.planned_bytes
+            record.context_length = plan.context_length
 
     def _make_room(self, record: ModelRecord) -> None:
         """Return once ``record``'s planned bytes fit and are claimed for it in the memory
@@ -435,80 +357,21 @@ class ModelPool:
                 if guard.admission.try_claim(_load_key(record), need, measured_bytes=measured):
                     return
                 room = guard.admission.claim_room(_load_key(record), measured_bytes=measured)
-                floor = self._floor(snapshot)
+                floor = floor_bytes(self._records.values(), snapshot, self._bare_bytes)
                 if floor + need + snapshot.margin_bytes > snapshot.hard_bytes:
-                    raise self._never_fits(record, snapshot, floor)
-                victim = self._victim()
+                    raise never_fits(record, snapshot, floor, self._records.values(), self._advice)
+                victim = unload_candidate(self._records.values())
                 if victim is not None:
                     victim.state = UNLOADING
                 elif time.monotonic() >= deadline:
-                    raise self._no_room(record, snapshot, room or 0)
+                    raise no_room(record, snapshot, room or 0, self._records.values(), self._advice,
+                                  self.wait_s, self.retry_s)
                 else:
                     self._changed.wait(min(1.0, deadline - time.monotonic()))
                     continue
             log.info("unloading idle model %r (last used %.0f s ago) to make room for %r",
                      victim.id, time.monotonic() - victim.last_used, record.id)
             self._unload(victim, "evicted")
-
-    def _floor(self, snapshot: Any) -> int:
-        """What stays held with every unpinned model gone (under the lock): the lowest
-        footprint without models seen at a settled reading, plus the pinned models.
-        The baseline (with the ledger's model changes since it was read) less the
-        unpinned models only bounds this from above (a model can hold more than its
-        weights); a floor too low only turns a 413 into a bounded wait."""
-        resident = [r for r in self._records.values() if r.state in (RESIDENT, UNLOADING)]
-        pinned = sum(r.held_bytes() for r in resident if r.pinned)
-        from_baseline = (snapshot.baseline_bytes
-                         - sum(r.held_bytes() for r in resident if not r.pinned))
-        if self._bare_bytes is None:
-            return from_baseline
-        return min(from_baseline, self._bare_bytes + pinned)
-
-    def _victim(self) -> ModelRecord | None:
-        """The least recently used resident model that may be unloaded now (under the lock)."""
-        candidates = [r for r in self._records.values()
-                      if r.state == RESIDENT and not r.pinned and r.idle and not r.draining]
-        return min(candidates, key=lambda r: r.last_used) if candidates else None
-
-    # -- refusals -------------------------------------------------------------------------
-
-    def _rejection(self, record: ModelRecord, snapshot: Any, cause: str, detail: str,
-                   base: int) -> Rejection:
-        return Rejection(
-            estimated_bytes=record.planned_bytes or 0, limit_bytes=snapshot.hard_bytes,
-            breakdown=snapshot.breakdown, model_id=record.id, stage="load", base_bytes=base,
-            cause=cause, detail=detail, margin_bytes=snapshot.margin_bytes,
-            pinned_models=tuple(sorted(r.id for r in self._records.values()
-                                       if r.pinned and r.state == RESIDENT)))
-
-    def _never_fits(self, record: ModelRecord, snapshot: Any, floor: int) -> RequestRejected:
-        detail = (f"model {record.id!r} needs {format_size(record.planned_bytes or 0)} to load "
-                  f"({format_size(record.weights_bytes or 0)} of weights plus its working "
-                  f"set), over the {format_size(snapshot.hard_bytes)} memory limit with "
-                  f"{format_size(max(0, floor))} held even with every unpinned model unloaded")
-        rejection = self._rejection(record, snapshot, "never_fits", detail, max(0, floor))
-        return RequestRejected(rejection, self._advice(rejection))
-
-    def _no_room(self, record: ModelRecord, snapshot: Any, room: int) -> RequestRejected:
-        busy = sorted(r.id for r in self._records.values() if r.state == RESIDENT and not r.idle)
-        detail = (f"model {record.id!r} needs {format_size(record.planned_bytes or 0)} to load "
-                  f"and only {format_size(max(0, room))} is free; the models holding the rest "
-                  f"are busy or pinned ({', '.join(busy) or 'none busy'}) and stayed so for "
-                  f"{self.wait_s:g} s (server.model_load_wait_s)")
-        rejection = self._rejection(record, snapshot, "memory_short", detail, 0)
-        return RequestRejected(rejection, self._advice(rejection), retry_after_s=self.retry_s)
-
-    def _wait_timeout(self, record: ModelRecord) -> RequestRejected:
-        guard = self._guard()
-        snapshot = guard.snapshot if guard is not None else None
-        detail = (f"model {record.id!r} is {record.state} and did not become ready within "
-                  f"{self.wait_s:g} s (server.model_load_wait_s)")
-        rejection = Rejection(
-            estimated_bytes=record.planned_bytes or 0,
-            limit_bytes=snapshot.hard_bytes if snapshot is not None else None,
-            breakdown=snapshot.breakdown if snapshot is not None else None, model_id=record.id,
-            stage="load", cause="queue_timeout", detail=detail)
-        return RequestRejected(rejection, [], retry_after_s=self.retry_s)
 
     # -- unloading ------------------------------------------------------------------------
 
@@ -526,7 +389,7 @@ class ModelPool:
                           record.id)
         with self._changed:
             record.engine = None
-        self._collect()
+        return_memory()
         if guard is not None:
             # What the unload gave back leaves the baseline: the footprint's drop (other
             # threads' allocations can blur it), at most what the model held.
@@ -540,25 +403,6 @@ class ModelPool:
             self._changed.notify_all()
         log.info("model %r unloaded (%s)", record.id, reason)
 
-    def _collect(self) -> None:
-        """Give what an unloaded model held back to the system.
-
-        CPython's type attribute cache keeps a reference to the last 4096 attribute names
-        looked up; loading a tokenizer looks up names built from its JSON files, so a few
-        strings of every load stayed, each keeping a 1 MiB arena of the small-object
-        allocator that the load's other strings had filled (in one process, 12.9 MB over
-        sixteen load/unload cycles; with the cache cleared, 0.1 MB). mlx's buffer
-        cache is cleared on the MLX thread (another thread's call may wait for a step
-        while holding the GIL)."""
-        from omlx_core.memory.usage import trim_heap
-        from omlx_core.mlx_thread import mlx_thread
-        from omlx_core.platform.backend import clear_cache
-
-        sys._clear_type_cache()
-        gc.collect()
-        mlx_thread().run(clear_cache)
-        trim_heap()
-
     def _settle(self) -> None:
         """Wait for a memory reading taken after now (the enforcer's next poll), and
         learn from it what the process holds without any model."""
@@ -569,11 +413,7 @@ class ModelPool:
         if snapshot is None:
             return
         with self._lock:
-            # A model whose engine exists is in the reading; the claim of a load still in
-            # the ledger may be in part (taking it off can only make the floor lower).
-            models = sum(r.held_bytes() for r in self._records.values() if r.engine is not None)
-            claimed = guard.admission.claimed_bytes
-            bare = snapshot.in_use_bytes - snapshot.reclaimable_bytes - models - claimed
+            bare = bare_bytes(self._records.values(), snapshot, guard.admission.claimed_bytes)
             if bare > 0 and (self._bare_bytes is None or bare < self._bare_bytes):
                 self._bare_bytes = bare
 
@@ -629,9 +469,7 @@ class ModelPool:
                 if self._closed:
                     return
                 now = time.monotonic()
-                expired = [r for r in self._records.values()
-                           if r.state == RESIDENT and not r.pinned and r.idle and not r.draining
-                           and r.keep_alive_s is not None and now - r.last_used >= r.keep_alive_s]
+                expired = keep_alive_expired(self._records.values(), now)
                 for record in expired:
                     record.state = UNLOADING
                 if not expired:
@@ -644,31 +482,8 @@ class ModelPool:
 
     def describe(self, record: ModelRecord) -> dict[str, Any]:
         """One model as ``GET /v1/models`` and ``omlx-core ps`` show it."""
-        now = time.monotonic()
         with self._lock:
-            state = record.state
-            if state == AVAILABLE and isinstance(record.error, ModelLoadFailed):
-                state = FAILED
-            expires = None
-            if (state == RESIDENT and not record.pinned and record.keep_alive_s is not None):
-                expires = max(0.0, record.keep_alive_s - (now - record.last_used)) \
-                    if record.idle else record.keep_alive_s
-            return {
-                "state": state, "task": record.task, "engine": record.engine_name,
-                "pinned": record.pinned,
-                "planned_bytes": record.planned_bytes, "weights_bytes": record.weights_bytes,
-                "measured_bytes": record.measured_bytes,
-                "resident_bytes": record.bytes() if state == RESIDENT else 0,
-                "context_length": record.context_length,
-                "last_used_s_ago": (round(now - record.last_used, 3)
-                                    if record.last_used else None),
-                "keep_alive_s": record.keep_alive_s, "expires_in_s": expires,
-                "in_flight": record.users, "waiting": record.waiters,
-                "load_seconds": record.load_seconds,
-                "kv_cache": (record.engine.kv_cache_format()
-                             if state == RESIDENT and record.engine is not None else None),
-                "error": redact_paths(str(record.error)) if record.error is not None else None,
-            }
+            return describe_record(record)
 
     def resident_bytes(self) -> int:
         with self._lock:
