@@ -252,7 +252,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "'held at once': most requests prefilling or decoding together (`/health`, every "
         "20 ms); peak RSS: the server's VmHWM after the first request, and RSS every 5 ms",
     ]
-    runs = [capacity(bits, args.ceiling, settings, model_dir, served_id, banned) for bits in FORMATS]
+    def progress(text: str) -> None:
+        print(f"[{datetime.datetime.now():%H:%M:%S}] {text}", file=sys.stderr, flush=True)
+
+    runs = []
+    for bits in FORMATS:
+        progress(f"capacity under {args.ceiling}, --kv-bits {bits}")
+        runs.append(capacity(bits, args.ceiling, settings, model_dir, served_id, banned))
+    progress("perplexity of each KV format")
     scored, ppl = perplexities(model_dir)
     decode: list[tuple[float, float]] = []
     commands: dict[int, list[str]] = {}
@@ -260,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         order = (0, 8) if number % 2 == 0 else (8, 0)
         rates = {}
         for bits in order:
+            progress(f"decode rate, round {number + 1}/{args.rounds}, --kv-bits {bits}")
             commands[bits], rates[bits] = decode_rate(bits, settings, model_dir, served_id, banned)
         decode.append((rates[0], rates[8]))
     publish_report(render(header, runs, ceiling, scored, ppl, decode, commands), args.out)
