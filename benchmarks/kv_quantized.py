@@ -229,6 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"where to write the report (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
+    # The perplexity runs in this process: mlx's bundled reference BLAS is ~80x slower.
+    from omlx_core.platform.blas import ensure_optimized_blas
+
+    ensure_optimized_blas()
     from omlx_core.config import load_config
     from omlx_core.models.default import ensure_default_model
 
