@@ -88,4 +88,4 @@ def test_mlx_launch_three_ranks_answer_a_40_token_chat_with_default_settings(tmp
             process.wait(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            process.wait(timeout=60)

@@ -30,6 +30,7 @@ What is here:
   and :class:`ModelError`.
 """
 
+from omlx_core.grammar import GrammarError, GrammarSpec
 from omlx_core.memory.ceilings import TierPolicy
 from omlx_core.memory.gate import (
     UNLIMITED_TOKENS,
@@ -44,7 +45,9 @@ from omlx_core.memory.gate import (
     Refusals,
 )
 from omlx_core.memory.types import (
+    CAUSES,
     CEILING_NAMES,
+    STAGES,
     CeilingBreakdown,
     LimitSnapshot,
     PeakEstimate,
@@ -96,10 +99,12 @@ __all__ = [
     "BlockStore", "CachedBlock", "KVFormat", "KV_BITS", "PrefixCache", "create_prefix_cache",
     "make_request_cache",
     # memory
-    "CEILING_NAMES", "CacheRestore", "CeilingBreakdown", "DecodePlan", "DecodeRow", "DecodeStep",
+    "CAUSES", "CEILING_NAMES", "STAGES", "CacheRestore", "CeilingBreakdown", "DecodePlan", "DecodeRow", "DecodeStep",
     "ForwardGate", "LimitSnapshot", "MemoryReceiver", "PeakEstimate", "PeakQuery", "PrefillChunk",
     "PrefillStep", "Refusals", "Rejection", "RequestRejected", "TierPolicy", "UNLIMITED_TOKENS",
     # models
     "ModelError", "ModelSpec", "activation_dtype_bytes", "hf_tokenizer", "install_cpu_routes", "salted_keys",
     "load_model", "model_classes", "settle_random_state",
+    # what a request asks for, as a rank's step message carries it
+    "GrammarError", "GrammarSpec",
 ]

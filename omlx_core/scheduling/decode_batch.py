@@ -119,13 +119,19 @@ class Lane:
         return bool(self.cache) and all(type(layer) is BatchKVCache for layer in self.cache)
 
     def add(self, sequence: SequenceState, token: int, cache: list[Any]) -> None:
-        """``sequence`` joins with its own ``cache`` and feeds ``token`` next."""
-        merged = merge_layers([cache])
-        if self.cache is None:
-            self.cache = merged
-        else:
-            for mine, theirs in zip(self.cache, merged):
-                mine.extend(theirs)
+        """``sequence`` joins with its own ``cache`` and feeds ``token`` next. The cache
+        is merged in layer by layer, each evaluated (and the request's copy of it let go:
+        ``cache`` is emptied) before the next, so a join holds one layer twice at most,
+        never the batch's whole KV (see :meth:`take_out`)."""
+        for index, layer in enumerate(cache):
+            merged = merge_layers([[layer]])[0]
+            cache[index] = None
+            if self.cache is None or len(self.cache) < len(cache):
+                self.cache = (self.cache or []) + [merged]
+            else:
+                self.cache[index].extend(merged)
+                merged = self.cache[index]
+            mx.eval(merged.state)
         fed = mx.array([token], dtype=mx.uint32)
         self.fed = fed if self.fed is None else mx.concatenate([self.fed.astype(mx.uint32), fed])
         self.fed_logprobs.append(None)
@@ -133,16 +139,34 @@ class Lane:
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only the rows at ``rows`` (ascending)."""
-        if len(rows) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in rows]
-        self.fed_logprobs = [self.fed_logprobs[i] for i in rows]
-        if not rows:
-            self.cache, self.fed = None, None
-            return
+        self.take_out([i for i in range(len(self.rows)) if i not in set(rows)], caches=False)
+
+    def take_out(self, leaving: Sequence[int], *, caches: bool = True) -> dict[int, list[Any]]:
+        """Take the rows at ``leaving`` out of the lane; with ``caches``, their caches by
+        row index (compact copies). Cutting rows out of a batch cache copies the rest
+        (mlx has no in-place row removal): done for all layers at once, the old and the
+        new batch would both be alive at the next evaluation, the whole KV twice (a
+        measured spike of the batch's KV over the steady state when rows retired). Layer
+        by layer, each evaluated before the next, one layer is held twice at most."""
+        if not leaving:
+            return {}
+        gone = set(leaving)
+        kept = [i for i in range(len(self.rows)) if i not in gone]
+        taken: dict[int, list[Any]] = {i: [] for i in leaving} if caches else {}
         for layer in self.cache or ():
-            layer.filter(list(rows))
-        self.fed = self.fed[mx.array(list(rows))] if self.fed is not None else None
+            extracted = {i: layer.extract(i) for i in taken}
+            if kept:
+                layer.filter(kept)
+            mx.eval([c.state for c in extracted.values()], layer.state if kept else [])
+            for i, row_cache in extracted.items():
+                taken[i].append(row_cache)
+        self.rows = [self.rows[i] for i in kept]
+        self.fed_logprobs = [self.fed_logprobs[i] for i in kept]
+        if not kept:
+            self.cache, self.fed = None, None
+        elif self.fed is not None:
+            self.fed = self.fed[mx.array(kept)]
+        return taken
 
     def extract(self, row: int) -> list[Any]:
         """Row ``row``'s cache, as a request's own (a compact copy)."""
@@ -278,13 +302,11 @@ class DecodeBatch:
         leaving = {id(s) for s in sequences}
         removed: dict[str, list[Any]] = {}
         for lane in self.lanes:
-            kept = []
-            for index, row in enumerate(lane.rows):
-                if id(row) not in leaving:
-                    kept.append(index)
-                elif caches:
-                    removed[row.request_id] = lane.extract(index)
-            lane.keep(kept)
+            rows = list(lane.rows)
+            out = lane.take_out([i for i, row in enumerate(rows) if id(row) in leaving],
+                                caches=caches)
+            for index, row_cache in out.items():
+                removed[rows[index].request_id] = row_cache
         self.lanes = [lane for lane in self.lanes if lane.rows]
         return removed
 
@@ -339,14 +361,10 @@ class DecodeBatch:
                 ended[key] = reason
         if not ended:
             return
-        kept = []
-        for index, sequence in enumerate(lane.rows):
-            reason = ended.get(id(sequence))
-            if reason is None:
-                kept.append(index)
-            else:
-                finished.append(Finished(sequence, reason, lane.extract(index)))
-        lane.keep(kept)
+        rows = list(lane.rows)
+        out = lane.take_out([i for i, sequence in enumerate(rows) if id(sequence) in ended])
+        for index, row_cache in out.items():
+            finished.append(Finished(rows[index], ended[id(rows[index])], row_cache))
 
     def reset(self) -> None:
         """Start over with an empty batch (after a failed step)."""

@@ -92,6 +92,7 @@ class Heartbeats:
         self._peers: dict[int, socket.socket] = {}
         #: per rank: when its last beat came, and the CPU seconds it reported over time
         self._last_seen: dict[int, float] = {}
+        self._received: dict[int, int] = {}
         self._cpu: dict[int, list[tuple[float, float]]] = {}
         self._closed = threading.Event()
         self._dead = False
@@ -180,6 +181,7 @@ class Heartbeats:
             now = time.monotonic()
             with self._lock:
                 self._last_seen[rank] = now
+                self._received[rank] = self._received.get(rank, 0) + 1
                 samples = self._cpu.setdefault(rank, [])
                 samples.append((now, cpu_ms / 1000.0))
                 del samples[:-1024]
@@ -219,6 +221,11 @@ class Heartbeats:
         self._on_dead(reason)
 
     # -- progress -----------------------------------------------------------------------
+
+    def beats_received(self, rank: int) -> int:
+        """Heartbeats read from ``rank`` so far."""
+        with self._lock:
+            return self._received.get(rank, 0)
 
     def progressed_since(self, since: float) -> bool:
         """Whether the ranks this one hears from (itself included) used at least

@@ -25,9 +25,16 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Sequence
 
 from omlx_core.engine import GenerationRequest, SamplingParams
-from omlx_core.grammar import GrammarError, GrammarSpec
-from omlx_core.memory.gate import DecodePlan
-from omlx_core.memory.types import CAUSES, STAGES, CeilingBreakdown, Rejection, RequestRejected
+from omlx_core.scheduling import (
+    CAUSES,
+    STAGES,
+    CeilingBreakdown,
+    DecodePlan,
+    GrammarError,
+    GrammarSpec,
+    Rejection,
+    RequestRejected,
+)
 
 __all__ = ["MAX_MESSAGE_BYTES", "WIRE_VERSION", "Hello", "Step", "WireError", "decode_count",
            "decode_flag", "decode_hello", "decode_plan", "decode_refusals", "decode_step",
@@ -294,6 +301,7 @@ _REJECTION_SHAPE: dict[str, Callable[[Any, str], Any]] = {
     "request_id": _ID, "model_id": _ID, "prompt_tokens": _int, "stage": _choice(STAGES),
     "base_bytes": lambda v, w: _int(v, w, -_MAX_INT), "cause": _choice(CAUSES), "detail": _str,
     "decode_bytes": _int, "max_tokens": _int, "fitting_max_tokens": _optional(_int),
+    "fitting_kv_bits": _optional(_int),
     "margin_bytes": _int, "pinned_models": lambda v, w: tuple(_list(v, w, _ID)),
 }
 
