@@ -53,7 +53,8 @@ def run(decode_tokens: int) -> str:
     from mlx_lm.models.cache import make_prompt_cache
 
     from omlx_core.grammar import GrammarCompilerCache, GrammarConstraint, GrammarSpec, special_tokens
-    from omlx_core.grammar.toolcalls import detect_tool_call_format, tool_call_grammar
+    from omlx_core.grammar.tool_call_formats import detect_tool_call_format
+    from omlx_core.grammar.toolcalls import tool_call_grammar
     from omlx_core.models.default import ensure_default_model
 
     model_dir = ensure_default_model(progress=True)

@@ -44,7 +44,8 @@ from typing import Sequence
 from omlx_core.bench import publish_report
 from omlx_core.bench.client import chat_body, run_concurrently, special_token_ids, stream_chat
 from omlx_core.bench.servers import ServerProcess, ServerSpec, free_port
-from omlx_core.grammar.toolcalls import HERMES, tool_call_parser
+from omlx_core.grammar.tool_call_formats import HERMES
+from omlx_core.grammar.toolcalls import tool_call_parser
 from omlx_core.serving.reasoning import ReplySplitter, ThinkTagSplitter, reasoning_tokens
 from omlx_core.serving.tools import HERMES_TOOLS_PROMPT
 

@@ -208,7 +208,7 @@ def test_an_xgrammar_release_other_than_the_tested_one_is_warned_about(monkeypat
                                                                        installed, warned):
     from importlib.metadata import PackageNotFoundError
 
-    from omlx_core.grammar import compiler
+    from omlx_core.grammar import xgrammar_import
 
     def version(name):
         assert name == "xgrammar"
@@ -216,10 +216,10 @@ def test_an_xgrammar_release_other_than_the_tested_one_is_warned_about(monkeypat
             raise PackageNotFoundError(name)
         return installed
 
-    monkeypatch.setattr(compiler, "version", version)
-    monkeypatch.setattr(compiler, "XGRAMMAR_TESTED", "0.2.8")
-    with caplog.at_level("WARNING", logger="omlx_core.grammar.compiler"):
-        warning = compiler.check_xgrammar_version()
+    monkeypatch.setattr(xgrammar_import, "version", version)
+    monkeypatch.setattr(xgrammar_import, "XGRAMMAR_TESTED", "0.2.8")
+    with caplog.at_level("WARNING", logger="omlx_core.grammar.xgrammar_import"):
+        warning = xgrammar_import.check_xgrammar_version()
     if not warned:
         assert warning is None and not caplog.records
         return

@@ -13,20 +13,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omlx_core.grammar.toolcalls import (
+from omlx_core.grammar.function_tools import normalize_tools
+from omlx_core.grammar.tool_call_formats import (
     GLM45,
     HARMONY,
     HERMES,
     PYTHONIC,
     QWEN3_CODER,
-    ContentDelta,
-    ToolCallArgumentsDelta,
     detect_tool_call_format,
-    normalize_tools,
-    parse_tool_calls,
     tool_call_format_named,
-    tool_call_parser,
 )
+from omlx_core.grammar.tool_events import ContentDelta, ToolCallArgumentsDelta
+from omlx_core.grammar.toolcalls import parse_tool_calls, tool_call_parser
 from omlx_core.grammar.xml_toolcalls import typed_value
 from omlx_core.testing.chat_formats import CHAT_FORMATS, cached_format_model
 

@@ -9,18 +9,17 @@ import json
 import pytest
 
 from omlx_core.grammar import GrammarError
-from omlx_core.grammar.toolcalls import (
+from omlx_core.grammar.function_tools import normalize_tools
+from omlx_core.grammar.tool_call_formats import (
     HERMES,
     LLAMA3,
     MISTRAL,
-    ContentDelta,
-    ToolCallArgumentsDelta,
-    ToolCallEnd,
     ToolCallFormat,
-    ToolCallParser,
-    ToolCallStart,
     detect_tool_call_format,
-    normalize_tools,
+)
+from omlx_core.grammar.tool_events import ContentDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
+from omlx_core.grammar.toolcalls import (
+    ToolCallParser,
     parse_tool_calls,
     tool_call_grammar,
     tool_call_structural_tag,

@@ -13,16 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omlx_core.grammar.harmony import HarmonyParser
-from omlx_core.grammar.toolcalls import (
-    HARMONY,
-    HERMES,
+from omlx_core.grammar.tool_call_formats import HARMONY, HERMES
+from omlx_core.grammar.tool_events import (
     ContentDelta,
     ReasoningDelta,
     ToolCallArgumentsDelta,
     ToolCallEnd,
     ToolCallStart,
-    tool_call_parser,
 )
+from omlx_core.grammar.toolcalls import tool_call_parser
 from omlx_core.serving.reasoning import (
     ReasoningRequest,
     ReplySplitter,
@@ -242,7 +241,7 @@ def test_without_a_budget_or_a_constraint_a_thinking_reply_needs_no_grammar():
 
 def test_the_config_choices_are_the_formats_that_exist():
     from omlx_core.config.schema import MODEL_SETTINGS
-    from omlx_core.grammar.toolcalls import FORMATS
+    from omlx_core.grammar.tool_call_formats import FORMATS
     from omlx_core.serving.reasoning import REASONING_FORMATS
 
     settings = {s.key: s for s in MODEL_SETTINGS}

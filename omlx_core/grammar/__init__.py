@@ -23,7 +23,6 @@ from omlx_core.grammar.compiler import (
     GrammarSpec,
     GrammarUnavailable,
     compiler_for,
-    import_xgrammar,
     json_safe_strings,
     special_token_ids,
     special_tokens,
@@ -34,6 +33,7 @@ from omlx_core.grammar.constraint import (
     apply_token_bitmask,
     mask_batch,
 )
+from omlx_core.grammar.xgrammar_import import import_xgrammar
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from omlx_core.grammar.xgrammar_import import import_xgrammar
 from omlx_core.memory.usage import count_helper_process, forget_helper_process
 
 __all__ = ["CompileFailed", "CompileKilled", "CompileWorker", "WorkerOutput", "compile_request"]
@@ -252,8 +253,6 @@ def compile_request(compiler: Any, request: dict[str, Any]) -> Any:
 
 def child_main(stdin: BinaryIO, stdout: BinaryIO) -> int:
     """Compile what the parent sends until it closes the pipe."""
-    from omlx_core.grammar.compiler import import_xgrammar
-
     try:
         xgr = import_xgrammar()
     except Exception as exc:  # reported to the parent, which names it

@@ -23,15 +23,14 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal, Sequence
 
-from omlx_core.grammar import torch_stub
 from omlx_core.grammar.compile_queue import CompileJob, compile_client, compile_queue
 from omlx_core.grammar.compile_worker import CompileFailed, compile_request
 from omlx_core.grammar.errors import (GrammarBusy, GrammarCompileTimeout, GrammarError,
                                       GrammarUnavailable)
 from omlx_core.grammar.limits import current_limits
+from omlx_core.grammar.xgrammar_import import import_xgrammar
 from omlx_core.models.loader import hf_tokenizer
 from omlx_core.settings import format_size
 
@@ -48,10 +47,8 @@ __all__ = [
     "GrammarError",
     "GrammarSpec",
     "GrammarUnavailable",
-    "check_xgrammar_version",
     "compiler_for",
     "configure_cache_bytes",
-    "import_xgrammar",
     "json_safe_strings",
     "special_token_ids",
     "special_tokens",
@@ -69,54 +66,6 @@ DEFAULT_MAX_WHITESPACE = 16
 # OpenAI's json_object: valid JSON, in practice an object; arrays are allowed as xgrammar's
 # built-in JSON grammar allows them, but that grammar cannot bound whitespace.
 ANY_JSON_SCHEMA = '{"type":["object","array"]}'
-# The release the torch stub and the workarounds below are tested with (setup.sh pins it).
-XGRAMMAR_TESTED = "0.2.8"
-INSTALL_HINT = (
-    "install the grammar extra without torch: pip install 'omlx-core[grammar]' && "
-    f"pip install --no-deps 'xgrammar=={XGRAMMAR_TESTED}' (./setup.sh does both)"
-)
-
-
-_xgrammar: Any = None
-_import_lock = threading.Lock()
-
-
-def import_xgrammar() -> Any:
-    """The ``xgrammar`` module, imported once, with the torch stub in place first."""
-    global _xgrammar
-    if _xgrammar is not None:
-        return _xgrammar
-    with _import_lock:
-        if _xgrammar is None:
-            torch_stub.install()
-            try:
-                import xgrammar
-            except ImportError as exc:
-                raise GrammarUnavailable(
-                    f"structured output needs xgrammar, which does not import ({exc}); {INSTALL_HINT}"
-                ) from exc
-            check_xgrammar_version()
-            _xgrammar = xgrammar
-    return _xgrammar
-
-
-def check_xgrammar_version() -> str | None:
-    """Log a warning, and return it, when the installed xgrammar is not the release the
-    torch stub and the workarounds here are tested with (``None``: it is, or none is
-    installed)."""
-    try:
-        installed = version("xgrammar")
-    except PackageNotFoundError:
-        return None
-    if installed == XGRAMMAR_TESTED:
-        return None
-    warning = (f"xgrammar {installed} is installed; omlx-core's torch stub and grammar "
-               f"workarounds are tested with {XGRAMMAR_TESTED}. If constrained decoding "
-               f"misbehaves, pip install --no-deps 'xgrammar=={XGRAMMAR_TESTED}'")
-    log.warning(warning)
-    return warning
-
-
 @dataclass(frozen=True)
 class GrammarSpec:
     """What to constrain the output to, in canonical form.

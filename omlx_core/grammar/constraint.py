@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from omlx_core.grammar.compiler import Compiled, import_xgrammar
+from omlx_core.grammar.compiler import Compiled
+from omlx_core.grammar.xgrammar_import import import_xgrammar
 
 log = logging.getLogger(__name__)
 

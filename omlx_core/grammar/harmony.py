@@ -22,19 +22,17 @@ import json
 import re
 from typing import Any, Callable, Collection, Sequence
 
-from omlx_core.grammar.toolcalls import (
+from omlx_core.grammar.function_tools import FunctionTool
+from omlx_core.grammar.structural_tags import arguments_format, const_string, sequence_of
+from omlx_core.grammar.tool_events import (
     ContentDelta,
     Event,
-    FunctionTool,
     ReasoningDelta,
     ToolCall,
     ToolCallArgumentsDelta,
     ToolCallEnd,
     ToolCallStart,
-    arguments_format,
-    const_string,
     new_call_id,
-    sequence_of,
 )
 
 __all__ = ["ANALYSIS_HEADER", "HarmonyParser", "harmony_format"]

@@ -16,17 +16,16 @@ import re
 import warnings
 from typing import Any, Callable, Sequence
 
-from omlx_core.grammar.toolcalls import (
+from omlx_core.grammar.function_tools import FunctionTool
+from omlx_core.grammar.structural_tags import const_string, sequence_of
+from omlx_core.grammar.tool_events import (
     ContentDelta,
     Event,
-    FunctionTool,
     ToolCall,
     ToolCallArgumentsDelta,
     ToolCallEnd,
     ToolCallStart,
-    const_string,
     new_call_id,
-    sequence_of,
 )
 
 __all__ = ["PythonicToolCallParser", "pythonic_calls_format", "python_literal"]

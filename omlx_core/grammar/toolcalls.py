@@ -1,6 +1,6 @@
-"""Tool calls in a model's own format: detect it from the chat template, constrain the
-calls to the functions' parameter schemas, and parse generated text back into content
-and calls as it streams.
+"""Tool calls in a model's own format: the grammar that constrains the calls to the
+functions' parameter schemas, and the parser that reads generated text back into
+content and calls as it streams; the JSON-framed formats here, the others by their modules.
 
 A model calls tools in the syntax its chat template taught it:
 
@@ -18,7 +18,11 @@ A model calls tools in the syntax its chat template taught it:
 - ``harmony`` (gpt-oss): a ``commentary`` message addressed ``to=functions.f`` whose body
   is the arguments (:mod:`omlx_core.grammar.harmony`, which also splits the reasoning).
 
-The grammar is an xgrammar structural tag: free text until the format's trigger, then
+The formats and their detection from a chat template are in
+:mod:`omlx_core.grammar.tool_call_formats`, the checked ``tools`` and ``tool_choice`` in
+:mod:`~omlx_core.grammar.function_tools`, and what every parser reports in
+:mod:`~omlx_core.grammar.tool_events`. The grammar is an xgrammar structural tag
+(:mod:`~omlx_core.grammar.structural_tags`): free text until the format's trigger, then
 the call's fixed framing with the arguments constrained by the function's schema. This
 module builds plain dicts and needs xgrammar only to compile them.
 """
@@ -26,259 +30,28 @@ module builds plain dicts and needs xgrammar only to compile them.
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from dataclasses import dataclass
-from typing import Any, Callable, Collection, Literal, Sequence
+from typing import Any, Callable, Collection, Sequence
 
-from omlx_core.grammar.compiler import DEFAULT_MAX_WHITESPACE, GrammarError, GrammarSpec
+from omlx_core.grammar.compiler import DEFAULT_MAX_WHITESPACE, GrammarSpec
+from omlx_core.grammar.function_tools import FunctionTool, normalize_tools, resolve_tool_choice
+from omlx_core.grammar.harmony import HarmonyParser, harmony_format
+from omlx_core.grammar.pythonic_toolcalls import PythonicToolCallParser, pythonic_calls_format
+from omlx_core.grammar.structural_tags import arguments_format, const_string, marker_parts, sequence_of, split_marker
+from omlx_core.grammar.tool_call_formats import ToolCallFormat
+from omlx_core.grammar.tool_events import (ContentDelta, Event, ToolCall, ToolCallArgumentsDelta, ToolCallEnd,
+                                           ToolCallStart, new_call_id)
+from omlx_core.grammar.xml_toolcalls import XmlToolCallParser, xml_calls_format
 
 __all__ = [
-    "FORMATS",
-    "GLM45",
-    "HARMONY",
-    "HERMES",
-    "LLAMA3",
-    "MISTRAL",
-    "PYTHONIC",
-    "QWEN3_CODER",
-    "ContentDelta",
-    "ReasoningDelta",
-    "Event",
-    "FunctionTool",
-    "ToolCall",
-    "ToolCallArgumentsDelta",
-    "ToolCallEnd",
-    "ToolCallFormat",
     "ToolCallParser",
-    "ToolCallStart",
-    "ToolChoice",
-    "detect_tool_call_format",
-    "normalize_tools",
     "parse_tool_calls",
-    "resolve_tool_choice",
-    "tool_call_format_named",
     "tool_call_grammar",
     "tool_call_parser",
     "tool_call_structural_tag",
 ]
 
 
-@dataclass(frozen=True)
-class ToolCallFormat:
-    """How one family of models writes a tool call."""
-
-    name: str
-    #: text (or special token) that opens the calls; "" when a call opens with its JSON
-    open: str
-    #: text (or special token) that closes the calls; "" when the JSON's end closes it
-    close: str
-    #: the key holding the arguments object in the call JSON
-    arguments_key: str
-    #: between two calls inside one open/close pair ("" when each call has its own pair)
-    separator: str = ""
-    #: opens a list of calls inside open/close (mistral's JSON array)
-    list_open: str = ""
-    list_close: str = ""
-    #: text a model may put before the calls that is not content
-    ignorable_prefixes: tuple[str, ...] = ()
-    #: how a call is written: ``json`` (the fields above describe it), ``xml``,
-    #: ``pythonic`` or ``harmony`` (their own modules describe them)
-    family: str = "json"
-    #: whether one turn may hold several calls
-    parallel: bool = True
-
-
-HERMES = ToolCallFormat("hermes", open="<tool_call>\n", close="\n</tool_call>", arguments_key="arguments")
-LLAMA3 = ToolCallFormat("llama3", open="", close="", arguments_key="parameters", separator="; ",
-                        ignorable_prefixes=("<|python_tag|>",))
-MISTRAL = ToolCallFormat("mistral", open="[TOOL_CALLS]", close="", arguments_key="arguments",
-                         separator=", ", list_open="[", list_close="]")
-QWEN3_CODER = ToolCallFormat("qwen3_coder", open="<tool_call>", close="</tool_call>", arguments_key="",
-                             separator="\n", family="xml")
-GLM45 = ToolCallFormat("glm45", open="<tool_call>", close="</tool_call>", arguments_key="",
-                       separator="\n", family="xml")
-PYTHONIC = ToolCallFormat("pythonic", open="[", close="]", arguments_key="", separator=", ",
-                          family="pythonic")
-# A harmony call ends the model's turn (<|call|> is a stop token): one call per turn.
-HARMONY = ToolCallFormat("harmony", open="<|channel|>", close="<|call|>", arguments_key="",
-                         family="harmony", parallel=False)
-FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (
-    HERMES, LLAMA3, MISTRAL, QWEN3_CODER, GLM45, PYTHONIC, HARMONY)}
-
-# Template fragments that identify a format, checked in order: Mistral's marker is
-# unambiguous; harmony addresses calls to=functions.NAME; Qwen3-Coder's <function=...>
-# and GLM's <arg_key> sit inside <tool_call>, so they come before hermes; pythonic
-# templates show the call list (func_name1(params_name1=...)); Llama 3.1+ templates
-# render tool calls as {"name": ..., "parameters": ...} and mention <|python_tag|> or
-# the ipython role.
-_TEMPLATE_SIGNS: tuple[tuple[ToolCallFormat, re.Pattern[str]], ...] = (
-    (MISTRAL, re.compile(r"\[TOOL_CALLS\]")),
-    (HARMONY, re.compile(r"to=functions\.|<\|channel\|>")),
-    (QWEN3_CODER, re.compile(r"<function=|<parameter=")),
-    (GLM45, re.compile(r"<arg_key>")),
-    (HERMES, re.compile(r"<tool_call>")),
-    (PYTHONIC, re.compile(r"func_name\d*\(|\[func_name")),
-    (LLAMA3, re.compile(r"<\|python_tag\|>|ipython|\"parameters\"\s*:|'parameters'\s*:|\.parameters\b")),
-)
-
-
-def detect_tool_call_format(chat_template: str | None) -> ToolCallFormat:
-    """The tool-call format ``chat_template`` teaches its model; hermes when it shows none
-    (the most widely trained format, and what templates without tool support get)."""
-    for fmt, sign in _TEMPLATE_SIGNS:
-        if chat_template and sign.search(chat_template):
-            return fmt
-    return HERMES
-
-
-def tool_call_format_named(name: str) -> ToolCallFormat:
-    """The format called ``name`` (a model's ``tool_call_format`` setting); ``ValueError``
-    naming the known ones otherwise."""
-    if name not in FORMATS:
-        raise ValueError(f"unknown tool-call format {name!r}; use one of {', '.join(FORMATS)}")
-    return FORMATS[name]
-
-
-# -- tools and tool_choice --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FunctionTool:
-    """A function the model may call, checked."""
-
-    name: str
-    parameters: dict[str, Any]
-    description: str = ""
-    strict: bool = True
-
-
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-
-ToolChoice = Literal["auto", "none", "required"] | dict
-
-
-def normalize_tools(tools: Any, *, field: str = "tools") -> list[FunctionTool]:
-    """The function tools of an OpenAI ``tools`` list (``[{"type": "function", "function":
-    {"name", "description", "parameters", "strict"}}]``); an Anthropic-style flat entry
-    (``{"name", "description", "input_schema"}``) is accepted too. Raises
-    :class:`GrammarError` naming the first bad entry."""
-    if not isinstance(tools, list) or not tools:
-        raise GrammarError(field, "must be a non-empty array of tools")
-    result: list[FunctionTool] = []
-    seen: set[str] = set()
-    for index, tool in enumerate(tools):
-        where = f"{field}[{index}]"
-        if not isinstance(tool, dict):
-            raise GrammarError(where, "must be an object")
-        if "function" in tool or tool.get("type") == "function":
-            if tool.get("type", "function") != "function":
-                raise GrammarError(f"{where}.type", f"unsupported tool type {tool.get('type')!r}; use \"function\"")
-            function = tool.get("function")
-            where = f"{where}.function"
-            if not isinstance(function, dict):
-                raise GrammarError(where, "must be an object with name and parameters")
-            schema_key = "parameters"
-        elif "input_schema" in tool or tool.get("type") in (None, "custom"):
-            function, schema_key = tool, "input_schema"
-        else:
-            raise GrammarError(f"{where}.type", f"unsupported tool type {tool.get('type')!r}; only "
-                               "function tools (OpenAI) and custom tools (Anthropic) can be constrained")
-        name = function.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise GrammarError(f"{where}.name", "must be 1-64 letters, digits, underscores, dots or dashes")
-        if name in seen:
-            raise GrammarError(f"{where}.name", f"{name!r} is defined twice; function names must be unique")
-        seen.add(name)
-        parameters = function.get(schema_key, {"type": "object", "properties": {}})
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise GrammarError(
-                f"{where}.{schema_key}",
-                'must be a JSON Schema of type "object" (a function takes named arguments), e.g. '
-                '{"type": "object", "properties": {"city": {"type": "string"}}}')
-        description = function.get("description") or ""
-        if not isinstance(description, str):
-            raise GrammarError(f"{where}.description", "must be a string")
-        strict = function.get("strict")
-        result.append(FunctionTool(name, {"type": "object", **parameters}, description,
-                                   True if strict is None else bool(strict)))
-    return result
-
-
-def _resolve_choice(tools: list[FunctionTool], tool_choice: Any, field: str
-                    ) -> tuple[Literal["none", "auto", "required", "forced"], list[FunctionTool]]:
-    if tool_choice is None or tool_choice == "auto":
-        return "auto", tools
-    if tool_choice in ("none", "required"):
-        return tool_choice, tools
-    if isinstance(tool_choice, dict):
-        # OpenAI {"type": "function", "function": {"name"}}; Anthropic {"type": "tool", "name"},
-        # {"type": "any"} (required), {"type": "auto"}, {"type": "none"}.
-        kind = tool_choice.get("type")
-        if kind in ("auto", "none"):
-            return kind, tools
-        if kind == "any":
-            return "required", tools
-        name = (tool_choice.get("function") or {}).get("name") if kind == "function" else (
-            tool_choice.get("name") if kind == "tool" else None)
-        if isinstance(name, str):
-            chosen = [tool for tool in tools if tool.name == name]
-            if not chosen:
-                known = ", ".join(tool.name for tool in tools)
-                raise GrammarError(f"{field}.function.name" if kind == "function" else f"{field}.name",
-                                   f"names {name!r}, which is not among the tools ({known})")
-            return "forced", chosen
-    raise GrammarError(field, 'must be "auto", "none", "required" or {"type": "function", '
-                       '"function": {"name": ...}}')
-
-
 # -- the grammar ------------------------------------------------------------------------
-
-
-def const_string(text: str) -> dict[str, Any]:
-    """A structural-tag format matching ``text`` exactly."""
-    return {"type": "const_string", "value": text}
-
-
-def _split_marker(text: str) -> tuple[str, str, str]:
-    """``text`` as (leading whitespace, marker, trailing whitespace)."""
-    core = text.strip()
-    lead = text[:text.index(core)] if core else text
-    return lead, core, text[len(lead) + len(core):]
-
-
-def sequence_of(elements: list[dict[str, Any]]) -> dict[str, Any]:
-    """``elements`` in order (empty constant strings dropped; one element stands alone)."""
-    elements = [e for e in elements if not (e.get("type") == "const_string" and not e["value"])]
-    return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
-
-
-def marker_parts(text: str, special_tokens: Collection[str]) -> list[dict[str, Any]]:
-    """``text`` as structural-tag formats: its core a token when it is a special token."""
-    # xgrammar never matches a special token as text, so a marker that is one (Mistral's
-    # [TOOL_CALLS] in its v3 vocabulary, <tool_call> in some) is named as a token.
-    lead, core, trail = _split_marker(text)
-    if not core or core not in special_tokens:
-        return [const_string(text)] if text else []
-    return [const_string(lead), {"type": "token", "token": core}, const_string(trail)]
-
-
-def arguments_format(tool: FunctionTool, max_whitespace: int | None, style: str = "json") -> dict[str, Any]:
-    """The structural-tag format of ``tool``'s arguments, written in ``style`` (xgrammar's
-    ``json``, ``qwen_xml``, ``glm_xml``)."""
-    # Arguments always follow the schema; strict: false (OpenAI) only lets through the
-    # properties it does not declare, which xgrammar otherwise forbids.
-    schema: Any = tool.parameters
-    if not tool.strict and "additionalProperties" not in schema:
-        schema = {**schema, "additionalProperties": True}
-    content: dict[str, Any] = {"type": "json_schema", "json_schema": schema}
-    if style != "json":
-        content["style"] = style
-    if max_whitespace is not None:
-        content["max_whitespace_cnt"] = max_whitespace
-    return content
 
 
 def _call_prefix(fmt: ToolCallFormat, tool: FunctionTool) -> str:
@@ -293,8 +66,8 @@ def _call_tag(fmt: ToolCallFormat, tool: FunctionTool, max_whitespace: int | Non
     content = [arguments_format(tool, max_whitespace)]
     if not framed:
         return {"type": "tag", "begin": prefix, "content": content[0], "end": suffix}
-    _, open_core, open_trail = _split_marker(fmt.open)
-    close_lead, close_core, _ = _split_marker(fmt.close)
+    _, open_core, open_trail = split_marker(fmt.open)
+    close_lead, close_core, _ = split_marker(fmt.close)
     if open_core in special_tokens:
         begin: Any = {"type": "token", "token": open_core}
         content.insert(0, const_string(open_trail + prefix))
@@ -320,14 +93,14 @@ def tool_call_structural_tag(fmt: ToolCallFormat, tools: Sequence[FunctionTool],
     allows one call at most. ``special_tokens``: the tokenizer's special tokens, so
     markers that are special tokens are matched as tokens.
     """
-    mode, chosen = _resolve_choice(list(tools), tool_choice, field)
+    mode, chosen = resolve_tool_choice(tools, tool_choice, field)
     if mode == "none":
         return None
     one = not parallel_tool_calls or mode == "forced" or not fmt.parallel
     if fmt.family != "json":
         return {"type": "structural_tag",
                 "format": _family_calls(fmt, chosen, mode, one, special_tokens, max_whitespace)}
-    _, open_core, open_trail = _split_marker(fmt.open)
+    _, open_core, open_trail = split_marker(fmt.open)
     per_call_framing = not fmt.separator
     tags = [_call_tag(fmt, tool, max_whitespace, special_tokens, framed=per_call_framing and bool(fmt.open))
             for tool in chosen]
@@ -374,26 +147,15 @@ def _family_calls(fmt: ToolCallFormat, tools: list[FunctionTool], mode: str, one
                   special_tokens: Collection[str], max_whitespace: int | None) -> dict[str, Any]:
     """The calls of a format that is not JSON-framed, as a structural-tag format."""
     if fmt.family == "xml":
-        from omlx_core.grammar.xml_toolcalls import xml_calls_format
-
         return xml_calls_format(fmt, tools, mode, one=one, special_tokens=special_tokens,
                                 max_whitespace=max_whitespace)
     if fmt.family == "pythonic":
-        from omlx_core.grammar.pythonic_toolcalls import pythonic_calls_format
-
         return pythonic_calls_format(tools, mode, one=one, max_whitespace=max_whitespace)
     if fmt.family == "harmony":
-        from omlx_core.grammar.harmony import harmony_format
-
         return harmony_format(tools, mode, special_tokens=special_tokens, max_whitespace=max_whitespace)
     raise ValueError(f"tool-call format {fmt.name!r} has an unknown family {fmt.family!r}")
 
 
-def resolve_tool_choice(tools: Sequence[FunctionTool], tool_choice: Any, field: str = "tool_choice"
-                        ) -> tuple[str, list[FunctionTool]]:
-    """``("none" | "auto" | "required" | "forced", the tools it leaves)`` for a request's
-    ``tool_choice``; :class:`GrammarError` naming the field for a bad one."""
-    return _resolve_choice(list(tools), tool_choice, field)
 
 
 def tool_call_grammar(fmt: ToolCallFormat, tools: Any, tool_choice: Any = "auto", *,
@@ -410,56 +172,6 @@ def tool_call_grammar(fmt: ToolCallFormat, tools: Any, tool_choice: Any = "auto"
 # -- parsing generated text -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ContentDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    """Text of the model's thinking (harmony's analysis channel, a ``<think>`` block)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallStart:
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolCallArgumentsDelta:
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallEnd:
-    index: int
-    call: "ToolCall"
-
-
-@dataclass
-class ToolCall:
-    index: int
-    id: str
-    name: str = ""
-    #: the arguments as JSON text (OpenAI's ``function.arguments``)
-    arguments: str = ""
-    complete: bool = False
-
-    def arguments_json(self) -> Any:
-        """The arguments parsed (``{}`` for none)."""
-        return json.loads(self.arguments) if self.arguments.strip() else {}
-
-
-Event = ContentDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 class _CallScanner:
@@ -738,16 +450,10 @@ def tool_call_parser(fmt: ToolCallFormat, tools: Sequence[FunctionTool] = ()) ->
     type the arguments. Harmony's is :class:`omlx_core.grammar.harmony.HarmonyParser`,
     which splits the reasoning too."""
     if fmt.family == "xml":
-        from omlx_core.grammar.xml_toolcalls import XmlToolCallParser
-
         return XmlToolCallParser(fmt, tools)
     if fmt.family == "pythonic":
-        from omlx_core.grammar.pythonic_toolcalls import PythonicToolCallParser
-
         return PythonicToolCallParser(tools)
     if fmt.family == "harmony":
-        from omlx_core.grammar.harmony import HarmonyParser
-
         return HarmonyParser(reasoning=False)
     return ToolCallParser(fmt)
 

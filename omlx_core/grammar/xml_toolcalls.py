@@ -30,20 +30,17 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Sequence
 
-from omlx_core.grammar.toolcalls import (
+from omlx_core.grammar.function_tools import FunctionTool
+from omlx_core.grammar.structural_tags import arguments_format, const_string, sequence_of
+from omlx_core.grammar.tool_call_formats import ToolCallFormat
+from omlx_core.grammar.tool_events import (
     ContentDelta,
     Event,
-    FunctionTool,
     ToolCall,
     ToolCallArgumentsDelta,
     ToolCallEnd,
-    ToolCallFormat,
     ToolCallStart,
-    arguments_format,
-    const_string,
-    marker_parts,
     new_call_id,
-    sequence_of,
 )
 
 __all__ = ["XmlToolCallParser", "typed_value", "xml_calls_format"]

@@ -16,7 +16,7 @@ from omlx_core.http.errors import anthropic_error_body, api_error, bad_request
 from omlx_core.http.images import anthropic_image
 from omlx_core.http.schemas import MESSAGES_REQUEST
 from omlx_core.http.sse import Responder, frame
-from omlx_core.grammar.toolcalls import ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
+from omlx_core.grammar.tool_events import ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
 from omlx_core.serving import Generation, Job, ToolRequest
 from omlx_core.serving.reasoning import ReasoningRequest
 

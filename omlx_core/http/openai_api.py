@@ -16,7 +16,7 @@ from omlx_core.http.errors import api_error, bad_request, openai_error_body
 from omlx_core.http.images import openai_image
 from omlx_core.http.schemas import CHAT_COMPLETION_REQUEST, COMPLETION_REQUEST
 from omlx_core.http.sse import KEEPALIVE, Responder, frame
-from omlx_core.grammar.toolcalls import ToolCallArgumentsDelta, ToolCallStart
+from omlx_core.grammar.tool_events import ToolCallArgumentsDelta, ToolCallStart
 from omlx_core.serving import Generation, Job, ToolRequest
 from omlx_core.serving.reasoning import ReasoningRequest
 from omlx_core.serving.output import LogprobEntry

@@ -20,7 +20,7 @@ from omlx_core.http.body import read_request
 from omlx_core.http.errors import api_error, bad_request
 from omlx_core.http.schemas import COUNT_TOKENS_REQUEST, RESPONSES_REQUEST
 from omlx_core.http.sse import KEEPALIVE, Responder, frame
-from omlx_core.grammar.toolcalls import ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
+from omlx_core.grammar.tool_events import ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
 from omlx_core.serving import Generation, Job, ToolRequest
 from omlx_core.serving.reasoning import ReasoningRequest
 

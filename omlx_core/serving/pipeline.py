@@ -56,7 +56,7 @@ from omlx_core.engine import (
     images_of,
 )
 from omlx_core.grammar import GrammarBusy, GrammarError
-from omlx_core.grammar.toolcalls import ToolCallFormat
+from omlx_core.grammar.tool_call_formats import ToolCallFormat
 from omlx_core.memory.types import RequestRejected
 from omlx_core.pool import Lease
 from omlx_core.serving.errors import EngineFailed, InvalidRequest, RequestAborted, UnknownModel

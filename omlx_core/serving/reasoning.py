@@ -24,14 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Sequence
 
 from omlx_core.grammar.compiler import DEFAULT_MAX_WHITESPACE, GrammarSpec
-from omlx_core.grammar.toolcalls import (
-    ContentDelta,
-    Event,
-    ReasoningDelta,
-    ToolCall,
-    ToolCallFormat,
-    tool_call_format_named,
-)
+from omlx_core.grammar.tool_call_formats import ToolCallFormat, tool_call_format_named
+from omlx_core.grammar.tool_events import ContentDelta, Event, ReasoningDelta, ToolCall
 from omlx_core.serving.tools import PreparedTools
 
 __all__ = ["EFFORTS", "REASONING_FORMATS", "ReasoningRequest", "ReplySplitter", "Split",

@@ -2,7 +2,7 @@
 generated text is split back into content and calls.
 
 The model's own chat template decides the tool-call format
-(:func:`omlx_core.grammar.toolcalls.detect_tool_call_format`). A template that renders
+(:func:`omlx_core.grammar.tool_call_formats.detect_tool_call_format`). A template that renders
 tools itself (it mentions ``tools``) gets them and the conversation's tool calls and
 results as structured messages; one that does not (the default model's ChatML) gets
 them the way hermes-trained models read them: the functions in a system message, past
@@ -18,16 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from omlx_core.grammar.compiler import GrammarSpec
-from omlx_core.grammar.toolcalls import (
-    HERMES,
-    FunctionTool,
-    ToolCallFormat,
-    detect_tool_call_format,
-    normalize_tools,
-    resolve_tool_choice,
-    tool_call_grammar,
-    tool_call_parser,
-)
+from omlx_core.grammar.function_tools import FunctionTool, normalize_tools, resolve_tool_choice
+from omlx_core.grammar.tool_call_formats import HERMES, ToolCallFormat, detect_tool_call_format
+from omlx_core.grammar.toolcalls import tool_call_grammar, tool_call_parser
 
 #: how hermes-format models are told about their functions (Nous Research's prompt)
 HERMES_TOOLS_PROMPT = (
