@@ -407,24 +407,30 @@ def test_real_prefill_with_full_logits(loaded_models):
     assert 1.0 <= estimate.total / measured.peak_bytes <= TINY_MAX_RATIO_LONG, estimate.describe()
 
 
+# A quantized cache on the CPU backend: the route expands a layer's KV and attends it
+# like an unquantized one (no mask held; measured 1.23-1.24 on the tiny 3-layer llama),
+# while the estimate also covers mlx's own quantized attention, which holds more.
+TINY_MAX_RATIO_QUANTIZED = 1.26
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_real_prefill_with_quantized_kv(bits):
     import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache
-    from mlx_lm.utils import _get_classes
 
     from benchmarks.estimator import measure_prefill_peak, random_prompt
+    from omlx_core.models.loader import install_cpu_routes, model_classes
 
     config = family_config("llama", {"head_dim": 64, "num_hidden_layers": 3})
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     mx.eval(model.parameters())
+    install_cpu_routes(model)  # the served path: the layer's KV dequantized, then attended
     cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in range(3)]
-    # mlx-lm's BatchGenerator cannot merge a quantized cache, so every token is prefilled.
     measured = measure_prefill_peak(model, random_prompt(2048, 512), 512, first_token=False,
                                     cache=cache)
     estimate = estimate_for_config(config, 2048, 0, 512, kv_bits=bits, first_token=False)
-    assert 1.0 <= estimate.total / measured.peak_bytes <= TINY_MAX_RATIO_LONG, estimate.describe()
+    assert 1.0 <= estimate.total / measured.peak_bytes <= TINY_MAX_RATIO_QUANTIZED, estimate.describe()
 
 
 def test_real_prefill_with_latent_attention():

@@ -31,9 +31,10 @@ head's keys: at 16 rows over 256 keys, ~1 ms of a step's 30 where mlx's ops took
 anything else in :func:`kernel_attention`, the same graph as mlx's fallback with the
 kernels' softmax (vectorized, and evaluated with the rest of the step, so a decode step
 keeps its overlap with the next step's graph); mlx-lm's own function where those
-kernels are not built. Non-float32 activations, quantized KV caches,
-attention sinks and every GPU stream (Metal and CUDA have fused kernels) go to mlx-lm's
-function unchanged. The memory estimate does not depend on whether a model takes the
+kernels are not built. A float32 call over a quantized KV cache has its layer's keys
+and values dequantized first and then goes the same way (mlx's quantized matmuls are
+scalar loops on the CPU backend). Non-float32 activations, attention sinks and every GPU
+stream (Metal and CUDA have fused kernels) go to mlx-lm's function unchanged. The memory estimate does not depend on whether a model takes the
 route: it counts mlx's fallback (the kernels' graph holds the arrays the fallback holds,
 the NumPy softmax the same less the mask).
 Evaluating inside the forward is what the engine's prefill does after each chunk
@@ -206,6 +207,13 @@ def _supported(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, 
         mask.ndim == 2 or (mask.ndim == 4 and mask.shape[1] in (1, queries.shape[1]))))
 
 
+def _quantized_on_cpu(queries: mx.array, keys: Any, cache: Any) -> bool:
+    """Whether this is a float32 call over a quantized KV cache on the CPU backend (keys
+    and values as ``(data, scales, biases)`` triples)."""
+    return (hasattr(cache, "bits") and isinstance(keys, (tuple, list)) and len(keys) == 3
+            and mx.default_device().type == mx.cpu and queries.dtype == mx.float32)
+
+
 def _taken(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any,
            sinks: Any) -> bool:
     """Whether :func:`cpu_attention` computes this call in NumPy (else in the graph)."""
@@ -266,6 +274,14 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: An
     (:func:`_taken`); every other call it supports in the graph with the CPU kernels'
     softmax (:func:`kernel_attention`) where they are built, and ``fallback`` (mlx-lm's
     function) the rest."""
+    if _quantized_on_cpu(queries, keys, cache):
+        # mlx's quantized attention on the CPU backend runs its quantized matmuls one
+        # scalar at a time (8 decode streams over 8-bit KV: 0.45x the float32 rate).
+        # One layer's keys and values are expanded instead, used, and let go: a transient
+        # of one layer's float32 KV (the estimate counts it: ``dequantized_kv``).
+        keys = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
+        values = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
+        cache = None
     supported = _supported(queries, keys, values, cache, mask, sinks)
     batch, heads, rows, head_dim = queries.shape
     if not (supported and route_takes(batch, heads, rows, keys.shape[-2])):

@@ -94,6 +94,13 @@ def attention_scores_bytes(heads: int, query_tokens: int, key_tokens: int, dtype
     return scores + mask
 
 
+def dequantized_kv_bytes(dims: ModelDims, key_tokens: int, dtype_bytes: int) -> int:
+    """One full attention layer's keys and values expanded from a quantized cache: on
+    the CPU backend omlx-core's attention route dequantizes a layer's KV before using it
+    (:mod:`omlx_core.models.attention`), one layer at a time."""
+    return key_tokens * dims.num_kv_heads * (dims.head_dim + dims.v_head_dim) * dtype_bytes
+
+
 def latent_attention_bytes(dims: ModelDims, query_tokens: int, key_tokens: int, dtype_bytes: int) -> int:
     """deepseek_v3-style prefill: rope scores and the full scores both materialize, and
     the latent cache is expanded to per-head keys and values over the whole context."""
@@ -395,6 +402,8 @@ def _chunk_peak(s: _Settings, before: _CacheState, tokens: int, start: dict[str,
     if FULL in computed or SLIDING in computed:
         layer["attention_scores"] = scores
         layer["activations"] = attention_activation_bytes(dims, tokens, wide)
+    if FULL in computed and s.kv_bits and s.backend == "cpu":
+        layer["dequantized_kv"] = dequantized_kv_bytes(dims, after.offset, b)
     if computed:
         dense = mlp_bytes(dims, tokens, wide) if dims.intermediate_size else 0
         expert = moe_bytes(dims, tokens, wide)
@@ -442,6 +451,8 @@ def _join_peak(s: _Settings, before: _CacheState, start: dict[str, int]) -> Peak
     components["activations"] = (attention_activation_bytes(dims, 1, wide)
                                  + max(mlp_bytes(dims, 1, wide), moe_bytes(dims, 1, wide))
                                  + attention_scores_bytes(dims.num_heads, 1, after.full_capacity, b))
+    if dims.count(FULL) and s.kv_bits and s.backend == "cpu":
+        components["dequantized_kv"] = dequantized_kv_bytes(dims, after.full_capacity, b)
     components["overhead"] = FIXED_OVERHEAD_BYTES
     return PeakBreakdown(sum(components.values()), components, f"first token over {offset}")
 
