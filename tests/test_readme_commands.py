@@ -91,11 +91,12 @@ def test_plugins() -> None:
         {line.split()[0]: line.split() for line in table.splitlines() if not line.startswith("#")}
         for table in result.stdout.strip().split("\n\n"))
     assert plugins["NAME"][:4] == ["NAME", "VERSION", "SOURCE", "STATUS"]
-    for plugin in ("advice", "batched", "dflash", "distributed", "estimator", "memory_guard",
-                   "ssd_cache", "vlm"):
+    for plugin in ("advice", "batched", "dflash", "distributed", "encoder", "estimator",
+                   "memory_guard", "ssd_cache", "vlm"):
         assert plugins[plugin][2:4] == ["built-in", "loaded"], result.stdout
     assert {engine: row[-1] for engine, row in engines.items() if engine != "ENGINE"} == {
-        "batched": "guarded", "dflash": "guarded", "distributed": "guarded", "vlm": "guarded"}
+        "batched": "guarded", "dflash": "guarded", "distributed": "guarded", "encoder": "guarded",
+        "vlm": "guarded"}
     listed = json.loads(omlx("plugins", "--json").stdout)
     assert {p["name"] for p in listed} >= {"batched", "memory_guard"}
 

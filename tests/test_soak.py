@@ -15,8 +15,8 @@ from benchmarks.soak import SoakResult, render, soak
 
 pytestmark = pytest.mark.slow
 
-TRAFFIC_S = 100
-WARM_UP_S = 40
+TRAFFIC_S = 60
+WARM_UP_S = 20
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from omlx_core.grammar.compile_worker import CompileFailed, CompileKilled, CompileWorker
 from omlx_core.grammar.errors import GrammarBusy, GrammarCompileTimeout, GrammarError
+from omlx_core.memory.usage import register_helper_release, unregister_helper_release
 from omlx_core.settings import format_size
 
 __all__ = ["CompileJob", "CompileQueue", "CompileSettings", "compile_client", "compile_queue",
@@ -144,7 +145,10 @@ class CompileQueue:
         self._running: dict[str, int] = {}
         self._threads: list[threading.Thread] = []
         self._workers: list[CompileWorker] = []
+        #: names of the workers running a compile now
+        self._busy: set[str] = set()
         self._closed = False
+        register_helper_release(self.release_idle)
         #: counters for /metrics and the benchmarks
         self.refused = 0
         self.killed = 0
@@ -206,6 +210,7 @@ class CompileQueue:
                 job = self._queue.take()
                 if job is not None:
                     self._running[job.client] = self._running.get(job.client, 0) + 1
+                    self._busy.add(worker.name)
                     return job
                 if not self._lock.wait(WORKER_IDLE_S) and worker.running:
                     worker.stop()  # idle: give its memory back
@@ -223,6 +228,7 @@ class CompileQueue:
                 self._run(worker, job)
             finally:
                 with self._lock:
+                    self._busy.discard(worker.name)
                     left = self._running.get(job.client, 1) - 1
                     if left:
                         self._running[job.client] = left
@@ -290,6 +296,21 @@ class CompileQueue:
 
     # -- lifetime -----------------------------------------------------------------------
 
+    def release_idle(self, dry_run: bool) -> int:
+        """The resident bytes of the workers with no compile now; unless ``dry_run``,
+        stopped (each starts again with its next compile). The memory guard counts them
+        as memory the server gives back on demand (``register_helper_release``): idle
+        workers never make a request that fits look as if it did not."""
+        with self._lock:
+            total = 0
+            for worker in self._workers:
+                if worker.name in self._busy or not worker.running:
+                    continue
+                total += worker.resident_bytes()
+                if not dry_run:
+                    worker.stop()
+            return total
+
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self._workers if w.pid is not None]
 
@@ -301,6 +322,7 @@ class CompileQueue:
                 job.future.set_exception(GrammarBusy("the grammar compiler is shutting down",
                                                      self.settings.timeout_s))
             self._lock.notify_all()
+        unregister_helper_release(self.release_idle)
         for worker in self._workers:
             worker.stop()
 

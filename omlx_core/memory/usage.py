@@ -117,6 +117,39 @@ def helper_bytes() -> int:
     return total
 
 
+#: helpers' releases: ``release(dry_run)`` -> resident bytes of the helper processes idle
+#: now (stopped unless ``dry_run``)
+_releases: list[Callable[[bool], int]] = []
+
+
+def register_helper_release(release: Callable[[bool], int]) -> None:
+    """Let the memory guard count idle helper processes as memory the server gives back
+    on demand, and stop them when a request needs the room (``release(dry_run)``: the
+    bytes of those idle now; stopped unless ``dry_run``)."""
+    with _helpers_lock:
+        _releases.append(release)
+
+
+def unregister_helper_release(release: Callable[[bool], int]) -> None:
+    with _helpers_lock:
+        if release in _releases:
+            _releases.remove(release)
+
+
+def idle_helper_bytes() -> int:
+    """Resident bytes of the helper processes that could be stopped now."""
+    with _helpers_lock:
+        releases = list(_releases)
+    return sum(max(0, int(release(True))) for release in releases)
+
+
+def release_idle_helpers() -> int:
+    """Stop the idle helper processes; the resident bytes they held."""
+    with _helpers_lock:
+        releases = list(_releases)
+    return sum(max(0, int(release(False))) for release in releases)
+
+
 def footprint_bytes() -> int:
     """Resident bytes of this process and its helper processes, after handing freed heap
     pages back to the OS.

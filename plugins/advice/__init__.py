@@ -220,8 +220,8 @@ def _kv_bits(rejection: Rejection) -> str | None:
     model = rejection.model_id or "<id>"
     return (f"With the KV cache quantized to {bits} bits this request would fit: serve with "
             f"--kv-bits {bits} (engine.kv_bits = {bits}, or kv_bits = {bits} under "
-            f"[models.{model}]; {'within 1 %' if bits == 8 else 'within 5 %'} of the "
-            "unquantized perplexity on the default model, BENCHMARKS.md).")
+            f"[models.{model}]; perplexity on the default model "
+            f"{'+0.2 %' if bits == 8 else '+15 %'} of the unquantized cache's, BENCHMARKS.md).")
 
 
 @hookimpl
