@@ -49,7 +49,7 @@ from omlx_core.memory.types import (
     Rejection,
     RequestRejected,
 )
-from omlx_core.memory.usage import MemoryUsage, idle_helper_bytes, release_idle_helpers
+from omlx_core.memory.usage import MemoryUsage
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.platform.backend import cache_bytes, clear_cache, limit_cache, mlx_backend
 from omlx_core.settings import format_size
@@ -221,7 +221,7 @@ class MemoryGuard:
         """Memory held only to go faster: every guarded engine's caches, mlx's buffer
         cache (freed buffers kept for reuse) and idle helper processes (grammar compile
         workers waiting for work)."""
-        total = self._mlx_cache() + idle_helper_bytes()
+        total = self._mlx_cache() + self.usage.idle_helper_bytes()
         for engine in list(self._engines()):
             if isinstance(engine, GuardedEngine):
                 total += max(0, int(engine.reclaimable_bytes()))
@@ -239,7 +239,7 @@ class MemoryGuard:
             if isinstance(engine, GuardedEngine):
                 freed += max(0, int(engine.reclaim(nbytes - freed)))
         if freed < nbytes:
-            freed += release_idle_helpers()
+            freed += self.usage.release_idle_helpers()
         cached = self._mlx_cache()
         clear_cache()
         freed += cached

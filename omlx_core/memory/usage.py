@@ -194,10 +194,20 @@ class MemoryUsage:
         self.window_s = window_s
         self._read_active = read_active
         self._read_footprint = read_footprint
+        # Idle helpers are given back only where the footprint counts them.
+        self._counts_helpers = read_footprint is footprint_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self._samples: deque[tuple[float, int]] = deque()
         self._peak = 0
+
+    def idle_helper_bytes(self) -> int:
+        """What the footprint holds of helper processes that could be stopped now."""
+        return idle_helper_bytes() if self._counts_helpers else 0
+
+    def release_idle_helpers(self) -> int:
+        """Stop the idle helper processes the footprint counts; the bytes they held."""
+        return release_idle_helpers() if self._counts_helpers else 0
 
     def resident(self) -> int:
         """Bytes held right now: max(mlx active, process footprint)."""
