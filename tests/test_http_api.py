@@ -219,7 +219,11 @@ def test_a_stop_string_split_across_tokens_never_lets_later_tokens_out(context, 
 
 def test_logprobs_in_both_shapes(server: HTTPServer) -> None:
     status, _, body = post(server, "/v1/chat/completions", {
-        "model": MODEL, "messages": CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 2})
+        "model": MODEL, "messages": CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 2,
+        # Seeded: the tiny model's sampled tokens are the same every run. (Unseeded, one
+        # run in a few drew the byte-0 token, whose text mlx-lm's streaming detokenizer
+        # gives as "Ā" where its bytes are b"\x00": left open, noted in the issue.)
+        "seed": 3})
     assert status == 200, body
     entries = body["choices"][0]["logprobs"]["content"]
     assert len(entries) == body["usage"]["completion_tokens"]
