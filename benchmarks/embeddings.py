@@ -395,10 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds, short, long = (1, 200, 20) if args.quick else (args.rounds, 1000, 100)
     model_config = json.loads((ensure_default_embedding_model() / "config.json").read_text())
     config = load_config(None)
-    settings = ServerSettings(tier=str(config["memory.tier"]),
-                              max_batch_size=int(config["plugin.batched.max_batch_size"]),
-                              prefill_step_size=int(config["plugin.batched.prefill_step_size"]),
-                              http_threads=0)
+    settings = ServerSettings.of_config(config)
 
     def log(text: str) -> None:
         print(text, flush=True)

@@ -240,10 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = ensure_default_model()
     config = load_config(None)
     served_id = config["server.models"][0]
-    settings = ServerSettings(tier=str(config["memory.tier"]),
-                              max_batch_size=int(config["plugin.batched.max_batch_size"]),
-                              prefill_step_size=int(config["plugin.batched.prefill_step_size"]),
-                              http_threads=0)
+    settings = ServerSettings.of_config(config)
     banned = special_token_ids(model_dir)
     header = [
         f"- {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {platform.machine()}, "

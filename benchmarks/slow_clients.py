@@ -221,10 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = ensure_default_model()
     config = load_config(None)
     served_id = config["server.models"][0]
-    settings = ServerSettings(tier=str(config["memory.tier"]),
-                              max_batch_size=int(config["plugin.batched.max_batch_size"]),
-                              prefill_step_size=int(config["plugin.batched.prefill_step_size"]),
-                              http_threads=0)
+    settings = ServerSettings.of_config(config)
     port = free_port()
     spec = omlx_spec(None, port, settings, served_id)
     if args.python:

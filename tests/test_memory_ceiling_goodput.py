@@ -31,10 +31,7 @@ MIB = 2**20
 @pytest.mark.timeout(1200)  # ~6 min on two loaded cores
 def test_the_goodput_mix_stays_under_a_0_9_gib_ceiling_at_every_sample(default_model_dir):
     config = load_config(None)
-    settings = ServerSettings(tier=str(config["memory.tier"]),
-                              max_batch_size=int(config["plugin.batched.max_batch_size"]),
-                              prefill_step_size=int(config["plugin.batched.prefill_step_size"]),
-                              http_threads=0)
+    settings = ServerSettings.of_config(config)
     run = measure("ceiling", settings, default_model_dir, config["server.models"][0],
                   special_token_ids(default_model_dir), ["--memory-ceiling", CEILING])
     statuses = [outcome.status for outcome in run.outcomes]

@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 OMLX = "omlx"
 MLX_LM = "mlx_lm"
@@ -37,6 +37,15 @@ class ServerSettings:
     overrides: tuple[str, ...] = ()
     #: whether ``--tier`` is passed (otherwise omlx-core picks the tier, as ``serve`` does)
     tier_given: bool = False
+
+    @classmethod
+    def of_config(cls, config: Any) -> "ServerSettings":
+        """What ``omlx-core serve`` runs with by default under ``config`` (the effective
+        configuration), no override and the tier left to the server."""
+        return cls(tier=str(config["memory.tier"]),
+                   max_batch_size=int(config["plugin.batched.max_batch_size"]),
+                   prefill_step_size=int(config["plugin.batched.prefill_step_size"]),
+                   http_threads=0)
 
 
 @dataclass(frozen=True)
