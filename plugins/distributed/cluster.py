@@ -156,7 +156,7 @@ class Cluster:
         """The group is shutting down on purpose: a closed connection is not a death."""
         heartbeats = self._heartbeats
         if heartbeats is not None:
-            heartbeats.close()
+            heartbeats.close(leaving=self.dead is None)
 
     def on_death(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(reason)`` (on the thread that found it) when the group dies."""

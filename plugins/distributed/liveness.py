@@ -22,7 +22,11 @@ its first answer. So liveness is told apart from speed:
   :data:`BACKSTOP_GRACE_S`.
 
 A beat is a fixed 27-byte record (magic, version, rank, sequence, steps, CPU
-milliseconds): nothing on this connection is parsed beyond it.
+milliseconds): nothing on this connection is parsed beyond it. A rank that stops on
+purpose (rank 0 shutting the group down, a follower obeying it) first sends one record
+of the same shape with the leaving magic, so its closed connection is not taken for a
+death: the followers hear rank 0 leave over this connection and its stop over the
+collective, in either order.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ BACKSTOP_GRACE_S = 5.0
 PROGRESS_CPU_S = 0.5
 _BEAT = struct.Struct(">4sBHIQQ")
 _MAGIC = b"OMXB"
+_LEAVING = b"OMXL"  # the sender stops on purpose; its connection closes next
 _VERSION = 1
 _OPEN = struct.Struct(">16sH")  # the token, then the connecting rank
 
@@ -93,6 +98,7 @@ class Heartbeats:
         #: per rank: when its last beat came, and the CPU seconds it reported over time
         self._last_seen: dict[int, float] = {}
         self._received: dict[int, int] = {}
+        self._left: set[int] = set()
         self._cpu: dict[int, list[tuple[float, float]]] = {}
         self._closed = threading.Event()
         self._dead = False
@@ -174,6 +180,14 @@ class Heartbeats:
                            "machine is gone")
                 return
             magic, version, sender, _sequence, _steps, cpu_ms = _BEAT.unpack(record)
+            if magic == _LEAVING and version == _VERSION and sender == rank:
+                with self._lock:
+                    self._left.add(rank)
+                    self._last_seen.pop(rank, None)
+                    self._peers.pop(rank, None)  # no beat goes to it any more
+                connection.close()
+                log.info("rank %d stops on purpose; its heartbeats end", rank)
+                return
             if magic != _MAGIC or version != _VERSION or sender != rank:
                 self._died(f"rank {rank}'s heartbeat connection carried something else than "
                            "heartbeats")
@@ -222,6 +236,15 @@ class Heartbeats:
 
     # -- progress -----------------------------------------------------------------------
 
+    def has_left(self, rank: int) -> bool:
+        """Whether ``rank`` said it stops on purpose."""
+        with self._lock:
+            return rank in self._left
+
+    def beats_sent(self) -> int:
+        """Heartbeats this rank has sent so far."""
+        return self._sequence
+
     def beats_received(self, rank: int) -> int:
         """Heartbeats read from ``rank`` so far."""
         with self._lock:
@@ -240,14 +263,19 @@ class Heartbeats:
                     used += samples[-1][1] - samples[0][1]
         return used >= PROGRESS_CPU_S
 
-    def close(self) -> None:
+    def close(self, *, leaving: bool = True) -> None:
+        """Close every connection; ``leaving``: this rank stops on purpose and says so
+        first (a rank of a dead group does not: the others must hear it go)."""
         self._closed.set()
         faulthandler.cancel_dump_traceback_later()
         with self._lock:
             peers = list(self._peers.values())
             self._peers.clear()
+        record = _BEAT.pack(_LEAVING, _VERSION, self.rank, self._sequence & 0xFFFFFFFF, 0, 0)
         for connection in peers:
             try:
+                if leaving:
+                    connection.sendall(record)
                 connection.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
