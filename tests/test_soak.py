@@ -4,8 +4,8 @@ JSON, Anthropic, Responses, cancels, oversized prompts and bodies that must be 4
 bodies that must be 400, slow senders and readers), and every verdict of
 :mod:`benchmarks.soak` must hold: no 5xx, no truncated 200, every refusal a fresh
 server's, RSS under the ceiling at every sample (VmRSS 50 times a second, and VmHWM),
-the quiet server's RSS within 2 % of where it was after the warm-up, no growth in open
-files or threads. ``python -m benchmarks.soak`` runs the long one (30 minutes)."""
+the quiet server's footprint less the caches it gives back on demand within 2 % of where
+it was after the warm-up, no growth in open files or threads. ``python -m benchmarks.soak`` runs the long one (30 minutes)."""
 
 from __future__ import annotations
 
