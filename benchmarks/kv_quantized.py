@@ -21,7 +21,8 @@ Three measurements, each printed as a table:
 Targets (issue 33): conversations with 8-bit KV >= 1.8x full precision's, 4-bit >= 3x;
 perplexity within 1 % (8-bit) and 5 % (4-bit); 8-stream decode with 8-bit >= 0.9x.
 
-    python -m benchmarks.kv_quantized [--ceiling 1.5GiB] [--rounds 3] [--out docs/kv-bench.md]
+    python -m benchmarks.kv_quantized [--ceiling 1.5GiB] [--rounds 3]
+        [--parts capacity,perplexity,decode] [--out docs/kv-bench.md]
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from omlx_core.settings import format_size, parse_size
 DEFAULT_OUT = Path("docs/kv-bench.md")
 TEXT = Path(__file__).resolve().parent / "data" / "perplexity.txt"
 FORMATS = (0, 8, 4)
+#: what the benchmark measures, each on its own (``--parts``)
+PARTS = ("capacity", "perplexity", "decode")
 CONVERSATION_TOKENS = 4000
 CONTINUATIONS = 16
 ANSWER_TOKENS = 24
@@ -191,9 +194,19 @@ def _spread(values: Sequence[float]) -> str:
 def render(header: Sequence[str], runs: Sequence[Capacity], ceiling: int, scored: int,
            ppl: dict[int, float], decode: list[tuple[float, float]], argv: dict[int, list[str]]
            ) -> str:
+    lines = ["# Quantized KV cache against full precision", "", *header]
+    if runs:
+        lines += _capacity_table(runs, ceiling)
+    if ppl:
+        lines += _perplexity_table(scored, ppl)
+    if decode:
+        lines += _decode_table(decode, argv)
+    return "\n".join(lines) + "\n"
+
+
+def _capacity_table(runs: Sequence[Capacity], ceiling: int) -> list[str]:
     full = next(r for r in runs if r.bits == 0)
-    lines = ["# Quantized KV cache against full precision", "", *header, "",
-             f"## 4k-token conversations admitted together under a {format_size(ceiling)} ceiling",
+    lines = ["", f"## 4k-token conversations admitted together under a {format_size(ceiling)} ceiling",
              "", "| server | held at once | vs full precision | completed | peak RSS | idle RSS | wall s |",
              "|---|---:|---:|---|---:|---:|---:|"]
     for run in runs:
@@ -203,21 +216,29 @@ def render(header: Sequence[str], runs: Sequence[Capacity], ceiling: int, scored
         lines.append(f"| `{' '.join(run.argv)}` | {run.most_held} | {ratio:.2f}x | {statuses} | "
                      f"{format_size(run.peak_bytes)} {mark} | {format_size(run.idle_bytes)} | "
                      f"{run.wall_s:.1f} |")
-    lines += ["", f"## Perplexity on `benchmarks/data/perplexity.txt` ({scored} tokens scored, "
-                  f"{PERPLEXITY_CHUNK}-token prefill chunks)", "",
-              "| KV cache | perplexity | vs full precision |", "|---|---:|---:|"]
+    return lines
+
+
+def _perplexity_table(scored: int, ppl: dict[int, float]) -> list[str]:
+    lines = ["", f"## Perplexity on `benchmarks/data/perplexity.txt` ({scored} tokens scored, "
+                 f"{PERPLEXITY_CHUNK}-token prefill chunks)", "",
+             "| KV cache | perplexity | vs full precision |", "|---|---:|---:|"]
     for bits in FORMATS:
         name = f"{bits}-bit (group 64)" if bits else "full precision (float32)"
         lines.append(f"| {name} | {ppl[bits]:.4f} | {100 * (ppl[bits] / ppl[0] - 1):+.2f} % |")
+    return lines
+
+
+def _decode_table(decode: list[tuple[float, float]], argv: dict[int, list[str]]) -> list[str]:
     ratios = [eight / full_rate for full_rate, eight in decode if full_rate]
-    lines += ["", f"## Decode tok/s at {STREAMS} streams ({STREAM_TOKENS} tokens each), "
-                  f"servers alternating, {len(decode)} rounds", "",
-              "| round | `" + " ".join(argv[0]) + "` | `" + " ".join(argv[8]) + "` | ratio |",
-              "|---:|---:|---:|---:|"]
+    lines = ["", f"## Decode tok/s at {STREAMS} streams ({STREAM_TOKENS} tokens each), "
+                 f"servers alternating, {len(decode)} rounds", "",
+             "| round | `" + " ".join(argv[0]) + "` | `" + " ".join(argv[8]) + "` | ratio |",
+             "|---:|---:|---:|---:|"]
     for number, (full_rate, eight) in enumerate(decode, 1):
         lines.append(f"| {number} | {full_rate:.1f} | {eight:.1f} | {eight / full_rate:.2f}x |")
     lines += ["", f"- 8-bit over full precision, median (spread): {_spread(ratios)} (target >= 0.9x)"]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -226,9 +247,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ceiling", default="1.5GiB",
                         help="the --memory-ceiling of the capacity servers (default 1.5GiB)")
     parser.add_argument("--rounds", type=int, default=3, help="decode-rate rounds (default 3)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"which parts to run, comma-separated (default {','.join(PARTS)})")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"where to write the report (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
+    parts = {part.strip() for part in args.parts.split(",") if part.strip()}
+    if not parts or parts - set(PARTS):
+        parser.error(f"--parts takes some of {', '.join(PARTS)}; got {args.parts!r}")
     # The perplexity runs in this process: mlx's bundled reference BLAS is ~80x slower.
     from omlx_core.platform.blas import ensure_optimized_blas
 
@@ -257,14 +283,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{datetime.datetime.now():%H:%M:%S}] {text}", file=sys.stderr, flush=True)
 
     runs = []
-    for bits in FORMATS:
+    for bits in FORMATS if "capacity" in parts else ():
         progress(f"capacity under {args.ceiling}, --kv-bits {bits}")
         runs.append(capacity(bits, args.ceiling, settings, model_dir, served_id, banned))
-    progress("perplexity of each KV format")
-    scored, ppl = perplexities(model_dir)
+    scored, ppl = 0, {}
+    if "perplexity" in parts:
+        progress("perplexity of each KV format")
+        scored, ppl = perplexities(model_dir)
     decode: list[tuple[float, float]] = []
     commands: dict[int, list[str]] = {}
-    for number in range(args.rounds):
+    for number in range(args.rounds if "decode" in parts else 0):
         order = (0, 8) if number % 2 == 0 else (8, 0)
         rates = {}
         for bits in order:

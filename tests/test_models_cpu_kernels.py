@@ -140,6 +140,39 @@ def test_decode_attention_equals_mlx(kernels, batch, heads, kv_heads, keys, mask
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
 
 
+@pytest.mark.parametrize("bits,group_size", [(8, 64), (8, 32), (4, 64), (4, 32)])
+@pytest.mark.parametrize("masked", [True, False])
+def test_quantized_decode_attention_is_the_float_kernel_over_the_dequantized_cache(
+        kernels, bits, group_size, masked):
+    """Each key and value row expanded with mx.dequantize's arithmetic: bit for bit the
+    float32 kernel over the dequantized cache (the quantized cache's views, as a batch
+    cache's offset slices them)."""
+    batch, heads, kv_heads, keys = 5, 9, 3, 300
+    q = mx.random.normal((batch, 1, heads, 64), key=mx.random.key(21)).transpose(0, 2, 1, 3)
+    quantized = [mx.quantize(mx.random.normal((batch, kv_heads, keys + 64, 64), key=mx.random.key(seed)),
+                             group_size=group_size, bits=bits) for seed in (22, 23)]
+    k, v = ([part[:, :, :keys] for part in parts] for parts in quantized)
+    mask = None
+    if masked:
+        mask = (mx.arange(keys)[None] >= mx.array([7 * i for i in range(batch)])[:, None])[:, None, None, :]
+    got = kernels.quantized_decode_attention(q, *k, *v, mask, 0.125, group_size, bits)
+    expanded = [mx.dequantize(*parts, group_size=group_size, bits=bits) for parts in (k, v)]
+    assert mx.array_equal(got, kernels.decode_attention(q, *expanded, mask, 0.125)).item()
+    want = mx.fast.scaled_dot_product_attention(q, *expanded, scale=0.125, mask=mask)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+
+
+def test_quantized_decode_attention_refuses_what_it_does_not_compute(kernels):
+    q = mx.zeros((1, 4, 1, 64))
+    k = mx.quantize(mx.zeros((1, 2, 8, 64)), group_size=64, bits=8)
+    with pytest.raises(ValueError, match="bits 4 or 8"):
+        kernels.quantized_decode_attention(q, *k, *k, None, 1.0, 64, 3)
+    with pytest.raises(ValueError, match="uint32 words"):
+        kernels.quantized_decode_attention(q, *k, *k, None, 1.0, 32, 8)  # packed for 64
+    with pytest.raises(ValueError, match="mask must be bool"):
+        kernels.quantized_decode_attention(q, *k, *k, mx.ones((1, 1, 1, 8)), 1.0, 64, 8)
+
+
 def test_decode_attention_refuses_what_it_does_not_compute(kernels):
     q, k = mx.zeros((1, 4, 2, 16)), mx.zeros((1, 2, 8, 16))
     with pytest.raises(ValueError, match="q \\(B, H, 1, D\\)"):

@@ -31,9 +31,12 @@ head's keys: at 16 rows over 256 keys, ~1 ms of a step's 30 where mlx's ops took
 anything else in :func:`kernel_attention`, the same graph as mlx's fallback with the
 kernels' softmax (vectorized, and evaluated with the rest of the step, so a decode step
 keeps its overlap with the next step's graph); mlx-lm's own function where those
-kernels are not built. A float32 call over a quantized KV cache has its layer's keys
-and values dequantized first and then goes the same way (mlx's quantized matmuls are
-scalar loops on the CPU backend). Non-float32 activations, attention sinks and every GPU
+kernels are not built. A float32 decode step over a quantized KV cache goes to the
+kernels' quantized decode attention, which expands one key or value row at a time with
+``mx.dequantize``'s arithmetic (bit for bit the float32 kernel's result over the
+dequantized cache); any other float32 call over one has its layer's keys and values
+dequantized first and then goes the same way (mlx's quantized matmuls are scalar loops
+on the CPU backend). Non-float32 activations, attention sinks and every GPU
 stream (Metal and CUDA have fused kernels) go to mlx-lm's function unchanged. The memory estimate does not depend on whether a model takes the
 route: it counts mlx's fallback (the kernels' graph holds the arrays the fallback holds,
 the NumPy softmax the same less the mask).
@@ -277,8 +280,18 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: An
     if _quantized_on_cpu(queries, keys, cache):
         # mlx's quantized attention on the CPU backend runs its quantized matmuls one
         # scalar at a time (8 decode streams over 8-bit KV: 0.45x the float32 rate).
-        # One layer's keys and values are expanded instead, used, and let go: a transient
-        # of one layer's float32 KV (the estimate counts it: ``dequantized_kv``).
+        kernels = cpu_kernels.kernels()
+        if (kernels is not None and queries.shape[2] == 1 and sinks is None
+                and _row_mask(mask) and keys[1].dtype == values[1].dtype == mx.float32
+                and cache.bits in (4, 8) and cache.group_size <= 256
+                and queries.shape[-1] % cache.group_size == 0):
+            # A decode step: the kernel expands one key or value row at a time.
+            return kernels.quantized_decode_attention(
+                queries, *keys, *values, mask if isinstance(mask, mx.array) else None, scale,
+                cache.group_size, cache.bits)
+        # Anything else (prefill chunks, verify steps): one layer's keys and values are
+        # expanded, used, and let go: a transient of one layer's float32 KV (the
+        # estimate counts it: ``dequantized_kv``).
         keys = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
         values = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
         cache = None

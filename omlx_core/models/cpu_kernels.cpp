@@ -10,7 +10,8 @@
 //   rotations were ~20 % of a one-row step in op dispatch alone;
 // - decode attention: one query row per sequence and head (a decode step's), scores,
 //   mask, softmax and the weighted values in one pass over each head's keys and values
-//   (the scores differ from BLAS's in the order of a dot product's sums).
+//   (the scores differ from BLAS's in the order of a dot product's sums); over a
+//   quantized KV cache, each row expanded as mx.dequantize does, one row at a time.
 //
 // Each is a node of the graph: nothing is evaluated mid-forward, so a decode step keeps
 // mlx's pipelining; softmax and SwiGLU write into their input's buffer where mlx lets
@@ -388,9 +389,133 @@ OMLX_CLONES void add_scaled(float* y, const float* x, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// One query row per (sequence, head): softmax(q k^T * scale, masked) v. Keys and values
-// are (batch, kv heads, keys, dim) views whose last axis is dense; the mask, when there
-// is one, is a bool (batch or 1, 1, 1, keys) array (a decode lane's left padding).
+// Where the decode kernels read a key or value row: a float32 row in place, or an
+// mlx-quantized row (affine, ``bits`` 4 or 8, packed little-end first in uint32 words,
+// a float32 scale and bias per ``group`` values) expanded into a row buffer with
+// mx.dequantize's arithmetic (w * scale + bias, rounded apart), so both kernels compute
+// on the same floats.
+struct FloatRows {
+  const float* base;
+  std::vector<int64_t> strides;  // (batch, kv heads, keys, dim), in floats
+  const float* row(int64_t b, int64_t g, int64_t l, float*) const {
+    return base + b * strides[0] + g * strides[1] + l * strides[2];
+  }
+};
+
+OMLX_CLONES void expand_bytes(const uint8_t* w, const float* scales, const float* biases,
+                              float* y, int64_t n, int64_t group) {
+  for (int64_t first = 0; first < n; first += group) {
+    const float scale = scales[first / group], bias = biases[first / group];
+    for (int64_t i = first; i < first + group; ++i) y[i] = static_cast<float>(w[i]) * scale + bias;
+  }
+}
+
+OMLX_CLONES void expand_nibbles(const uint8_t* w, const float* scales, const float* biases,
+                                float* y, int64_t n, int64_t group) {
+  // Low nibble first: values 2i and 2i + 1 share byte i. A group is split into bytes
+  // first (group_size <= 256, checked where the node is made), so both loops vectorize.
+  uint8_t split[256];
+  for (int64_t first = 0; first < n; first += group) {
+    const uint8_t* pairs = w + first / 2;
+    for (int64_t i = 0; i < group / 2; ++i) {
+      split[2 * i] = pairs[i] & 0x0F;
+      split[2 * i + 1] = pairs[i] >> 4;
+    }
+    const float scale = scales[first / group], bias = biases[first / group];
+    for (int64_t i = 0; i < group; ++i) y[first + i] = static_cast<float>(split[i]) * scale + bias;
+  }
+}
+
+struct QuantizedRows {
+  const uint8_t* words;
+  std::vector<int64_t> word_strides;  // in bytes
+  const float* scales;
+  std::vector<int64_t> scale_strides;  // in floats
+  const float* biases;
+  std::vector<int64_t> bias_strides;
+  int64_t width, group, bits;
+  const float* row(int64_t b, int64_t g, int64_t l, float* buffer) const {
+    const uint8_t* w = words + b * word_strides[0] + g * word_strides[1] + l * word_strides[2];
+    const float* s = scales + b * scale_strides[0] + g * scale_strides[1] + l * scale_strides[2];
+    const float* z = biases + b * bias_strides[0] + g * bias_strides[1] + l * bias_strides[2];
+    if (bits == 8) {
+      expand_bytes(w, s, z, buffer, width, group);
+    } else {
+      expand_nibbles(w, s, z, buffer, width, group);
+    }
+    return buffer;
+  }
+};
+
+// One query row per (sequence, head): softmax(q k^T * scale, masked) v, reading the
+// keys and values through ``Rows``. The mask, when there is one, is a bool (batch or 1,
+// 1, 1, keys) array (a decode lane's left padding).
+template <typename Rows>
+void decode_attention_rows(const float* qp, const std::vector<int64_t>& qs, const Rows& kr,
+                           const Rows& vr, const bool* mp, const std::vector<int64_t>& ms,
+                           float* y, int64_t batch, int64_t heads, int64_t kv_heads,
+                           int64_t keys, int64_t width, float scale) {
+  int64_t repeats = heads / kv_heads;
+  auto one_group = [&](int64_t b, int64_t g, std::vector<float>& query, std::vector<float>& scores,
+                       std::vector<float>& buffer) {
+    // The group's query heads share each key and value row: read it once.
+    for (int64_t r = 0; r < repeats; ++r) {
+      const float* qr = qp + b * qs[0] + (g * repeats + r) * qs[1];
+      for (int64_t d = 0; d < width; ++d) query[r * width + d] = qr[d * qs[3]] * scale;
+    }
+    const float hidden = -std::numeric_limits<float>::max();
+    for (int64_t l = 0; l < keys; ++l) {
+      bool shown = mp == nullptr || mp[b * ms[0] + l * ms[3]];
+      if (!shown) {
+        for (int64_t r = 0; r < repeats; ++r) scores[r * keys + l] = hidden;
+        continue;
+      }
+      const float* key = kr.row(b, g, l, buffer.data());
+      for (int64_t r = 0; r < repeats; ++r)
+        scores[r * keys + l] = dot(query.data() + r * width, key, width);
+    }
+    float* yg = y + (b * heads + g * repeats) * width;
+    std::fill(yg, yg + repeats * width, 0.0f);
+    for (int64_t r = 0; r < repeats; ++r) {
+      float* sr = scores.data() + r * keys;
+      float m = row_max(sr, keys);
+      exp_shifted(sr, sr, keys, m);
+      scale_row(sr, keys, 1.0f / row_sum(sr, keys));
+    }
+    for (int64_t l = 0; l < keys; ++l) {
+      if (mp != nullptr && !mp[b * ms[0] + l * ms[3]]) continue;  // its weight is exactly 0
+      const float* value = vr.row(b, g, l, buffer.data());
+      for (int64_t r = 0; r < repeats; ++r)
+        add_scaled(yg + r * width, value, scores[r * keys + l], width);
+    }
+  };
+  int64_t groups = batch * kv_heads;
+  auto run = [&](int64_t first, int64_t last) {
+    std::vector<float> query(repeats * width), scores(repeats * keys), buffer(width);
+    for (int64_t i = first; i < last; ++i)
+      one_group(i / kv_heads, i % kv_heads, query, scores, buffer);
+  };
+  // Two halves on two threads once there is enough work to pay for a thread.
+  if (groups >= 2 && groups * repeats * keys * width >= (1 << 18)) {
+    std::thread other(run, groups / 2, groups);
+    run(0, groups / 2);
+    other.join();
+  } else {
+    run(0, groups);
+  }
+}
+
+std::vector<int64_t> strides_of(const mx::array& a) {
+  return std::vector<int64_t>(a.strides().begin(), a.strides().end());
+}
+
+// The mask's pointer and strides (a batch of one broadcast over the batch).
+std::pair<const bool*, std::vector<int64_t>> mask_of(const mx::array& m) {
+  auto ms = strides_of(m);
+  if (m.shape(0) == 1) ms[0] = 0;
+  return {m.data<bool>(), ms};
+}
+
 class DecodeAttention : public mx::Primitive {
  public:
   DecodeAttention(mx::Stream s, float scale, bool masked)
@@ -404,64 +529,14 @@ class DecodeAttention : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& in : inputs) encoder.set_input_array(in);
     encoder.set_output_array(out);
-    const bool* mp = nullptr;
-    std::vector<int64_t> ms;
-    if (masked_) {
-      mp = inputs[3].data<bool>();
-      ms.assign(inputs[3].strides().begin(), inputs[3].strides().end());
-      if (inputs[3].shape(0) == 1) ms[0] = 0;
-    }
-    encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(), mp,
+    auto [mp, ms] = masked_ ? mask_of(inputs[3]) : std::pair<const bool*, std::vector<int64_t>>{};
+    encoder.dispatch([qp = q.data<float>(), qs = strides_of(q),
+                      kr = FloatRows{k.data<float>(), strides_of(k)},
+                      vr = FloatRows{v.data<float>(), strides_of(v)}, mp, ms,
                       y = out.data<float>(), batch = q.shape(0), heads = q.shape(1),
                       kv_heads = k.shape(1), keys = k.shape(2), width = q.shape(3),
-                      qs = std::vector<int64_t>(q.strides().begin(), q.strides().end()),
-                      ks = std::vector<int64_t>(k.strides().begin(), k.strides().end()),
-                      vs = std::vector<int64_t>(v.strides().begin(), v.strides().end()), ms,
                       scale = scale_]() {
-      int64_t repeats = heads / kv_heads;
-      auto one_group = [&](int64_t b, int64_t g, std::vector<float>& query,
-                           std::vector<float>& scores) {
-        // The group's query heads share each key and value row: read it once.
-        for (int64_t r = 0; r < repeats; ++r) {
-          const float* qr = qp + b * qs[0] + (g * repeats + r) * qs[1];
-          for (int64_t d = 0; d < width; ++d) query[r * width + d] = qr[d * qs[3]] * scale;
-        }
-        const float* kb = kp + b * ks[0] + g * ks[1];
-        const float* vb = vp + b * vs[0] + g * vs[1];
-        const float hidden = -std::numeric_limits<float>::max();
-        for (int64_t l = 0; l < keys; ++l) {
-          bool shown = mp == nullptr || mp[b * ms[0] + l * ms[3]];
-          const float* kr = kb + l * ks[2];
-          for (int64_t r = 0; r < repeats; ++r)
-            scores[r * keys + l] = shown ? dot(query.data() + r * width, kr, width) : hidden;
-        }
-        float* yg = y + (b * heads + g * repeats) * width;
-        std::fill(yg, yg + repeats * width, 0.0f);
-        for (int64_t r = 0; r < repeats; ++r) {
-          float* sr = scores.data() + r * keys;
-          float m = row_max(sr, keys);
-          exp_shifted(sr, sr, keys, m);
-          scale_row(sr, keys, 1.0f / row_sum(sr, keys));
-        }
-        for (int64_t l = 0; l < keys; ++l) {
-          const float* vr = vb + l * vs[2];
-          for (int64_t r = 0; r < repeats; ++r)
-            add_scaled(yg + r * width, vr, scores[r * keys + l], width);
-        }
-      };
-      int64_t groups = batch * kv_heads;
-      auto run = [&](int64_t first, int64_t last) {
-        std::vector<float> query(repeats * width), scores(repeats * keys);
-        for (int64_t i = first; i < last; ++i) one_group(i / kv_heads, i % kv_heads, query, scores);
-      };
-      // Two halves on two threads once there is enough work to pay for a thread.
-      if (groups >= 2 && groups * repeats * keys * width >= (1 << 18)) {
-        std::thread other(run, groups / 2, groups);
-        run(0, groups / 2);
-        other.join();
-      } else {
-        run(0, groups);
-      }
+      decode_attention_rows(qp, qs, kr, vr, mp, ms, y, batch, heads, kv_heads, keys, width, scale);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -480,6 +555,56 @@ class DecodeAttention : public mx::Primitive {
 
  private:
   float scale_;
+  bool masked_;
+};
+
+// The same over an mlx-quantized KV cache: inputs q, the keys' words, scales and
+// biases, the values' words, scales and biases, then the mask if any. No layer's keys
+// and values are expanded whole: one row at a time, into a buffer the size of a row.
+class QuantizedDecodeAttention : public mx::Primitive {
+ public:
+  QuantizedDecodeAttention(mx::Stream s, float scale, int group, int bits, bool masked)
+      : mx::Primitive(s), scale_(scale), group_(group), bits_(bits), masked_(masked) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& q = inputs[0];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    int64_t width = q.shape(3);
+    auto rows = [&](size_t first) {
+      auto word_strides = strides_of(inputs[first]);
+      for (auto& stride : word_strides) stride *= 4;  // uint32 words, read as bytes
+      return QuantizedRows{reinterpret_cast<const uint8_t*>(inputs[first].data<uint32_t>()),
+                           word_strides, inputs[first + 1].data<float>(),
+                           strides_of(inputs[first + 1]), inputs[first + 2].data<float>(),
+                           strides_of(inputs[first + 2]), width, group_, bits_};
+    };
+    auto [mp, ms] = masked_ ? mask_of(inputs[7]) : std::pair<const bool*, std::vector<int64_t>>{};
+    encoder.dispatch([qp = q.data<float>(), qs = strides_of(q), kr = rows(1), vr = rows(4), mp,
+                      ms, y = out.data<float>(), batch = q.shape(0), heads = q.shape(1),
+                      kv_heads = inputs[1].shape(1), keys = inputs[1].shape(2), width,
+                      scale = scale_]() {
+      decode_attention_rows(qp, qs, kr, vr, mp, ms, y, batch, heads, kv_heads, keys, width, scale);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("omlx quantized_decode_attention: CPU only");
+  }
+  const char* name() const override { return "OmlxQuantizedDecodeAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedDecodeAttention&>(other);
+    return scale_ == o.scale_ && group_ == o.group_ && bits_ == o.bits_ && masked_ == o.masked_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float scale_;
+  int group_;
+  int bits_;
   bool masked_;
 };
 
@@ -550,10 +675,52 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                    std::make_shared<DecodeAttention>(s, scale, mask.has_value()), inputs);
 }
 
+mx::array quantized_decode_attention(const mx::array& q, const mx::array& k_words,
+                                     const mx::array& k_scales, const mx::array& k_biases,
+                                     const mx::array& v_words, const mx::array& v_scales,
+                                     const mx::array& v_biases, std::optional<mx::array> mask,
+                                     float scale, int group_size, int bits) {
+  std::vector<mx::array> inputs{q, k_words, k_scales, k_biases, v_words, v_scales, v_biases};
+  bool shapes = q.ndim() == 4 && q.shape(2) == 1 && q.dtype() == mx::float32 &&
+                (bits == 4 || bits == 8) && group_size > 0 && group_size % 2 == 0 && group_size <= 256 &&
+                q.shape(3) % group_size == 0;
+  for (size_t i = 1; shapes && i < inputs.size(); ++i) {
+    const auto& a = inputs[i];
+    bool words = i % 3 == 1;
+    int64_t last = words ? q.shape(3) * bits / 32 : q.shape(3) / group_size;
+    shapes = a.ndim() == 4 && a.shape(0) == q.shape(0) && a.shape(1) == k_words.shape(1) &&
+             a.shape(2) == k_words.shape(2) && a.shape(3) == last &&
+             a.dtype() == (words ? mx::uint32 : mx::float32);
+  }
+  if (!shapes || q.shape(1) % k_words.shape(1) != 0) {
+    throw std::invalid_argument(
+        "quantized_decode_attention: needs float32 q (B, H, 1, D), and for keys and values "
+        "uint32 words (B, Hkv, L, D * bits / 32) with float32 scales and biases "
+        "(B, Hkv, L, D / group_size); bits 4 or 8, an even group_size up to 256");
+  }
+  auto s = cpu_stream();
+  // The kernel reads each row's words, scales and biases densely.
+  for (size_t i = 1; i < inputs.size(); ++i) {
+    if (inputs[i].strides()[3] != 1) inputs[i] = mx::contiguous(inputs[i], false, s);
+  }
+  if (mask) {
+    const auto& m = *mask;
+    if (m.dtype() != mx::bool_ || m.ndim() != 4 || m.shape(1) != 1 || m.shape(2) != 1 ||
+        (m.shape(0) != 1 && m.shape(0) != q.shape(0)) || m.shape(3) != k_words.shape(2)) {
+      throw std::invalid_argument("quantized_decode_attention: the mask must be bool (B or 1, 1, 1, L)");
+    }
+    inputs.push_back(m);
+  }
+  return mx::array(q.shape(), mx::float32,
+                   std::make_shared<QuantizedDecodeAttention>(s, scale, group_size, bits,
+                                                              mask.has_value()),
+                   inputs);
+}
+
 }  // namespace
 
 NB_MODULE(_omlx_cpu_kernels, m) {
-  m.doc() = "float32 softmax, SwiGLU, RMS norm, RoPE and decode attention primitives for mlx's CPU backend";
+  m.doc() = "float32 softmax, SwiGLU, RMS norm, RoPE and decode attention (over float32 or quantized KV) primitives for mlx's CPU backend";
   m.def("softmax", &softmax, nb::arg("x"),
         "Softmax over the last axis of a float32 array (mlx CPU stream).");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x, float32.");
@@ -565,4 +732,10 @@ NB_MODULE(_omlx_cpu_kernels, m) {
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("mask").none(), nb::arg("scale"),
         "softmax(q k^T * scale) v for one query row per sequence and head, float32.");
+  m.def("quantized_decode_attention", &quantized_decode_attention, nb::arg("q"),
+        nb::arg("k_words"), nb::arg("k_scales"), nb::arg("k_biases"), nb::arg("v_words"),
+        nb::arg("v_scales"), nb::arg("v_biases"), nb::arg("mask").none(), nb::arg("scale"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "decode_attention over mlx-quantized keys and values (affine, 4 or 8 bits), read a "
+        "row at a time.");
 }
