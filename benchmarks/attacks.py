@@ -2,7 +2,7 @@
 started as the README starts it, before and after: the checkout given by ``--before``
 and this one.
 
-    python -m benchmarks.attacks --before PATH [--flood-s 120] [--distributed] [--out FILE]
+    python -m benchmarks.attacks [--before PATH] [--flood-s 120] [--flood-only] [--distributed] [--out FILE]
 
 ``--before`` is another checkout with its own virtualenv (``PATH/.venv``): the commit
 before the change (``git archive <commit> | tar -x -C PATH``, then ``./setup.sh test
@@ -16,7 +16,9 @@ broken model, a second model, a short keep-alive). The replays:
    ``json_schema`` chat, a tool-call chat and a plain chat, in turn. Reported: each kind's
    median and worst latency, the plain chat's median against its own idle median,
    the server's resident memory (its process and its children) at its largest during
-   the flood and after, against before it, and what the flood was answered;
+   the flood and after, against before it, the part of that growth the prefix cache
+   holds (the KV of the benchmark's own chats, kept up to the cache's budget and given
+   back on demand) and the rest, and what the flood was answered;
 2. **pickle between ranks, trust_remote_code**: what the checkout's distributed plugin
    calls (the tests feed the new decoder hostile bytes);
 3. **localhost CSRF and DNS rebinding**: a chat posted without a Content-Type, an
@@ -100,14 +102,15 @@ class Served:
         self.close()
         raise RuntimeError("the server did not answer within 600 s")
 
-    def tree_rss(self) -> int:
-        """Resident bytes of the server and its child processes (grammar workers)."""
-        pids = [self.process.pid]
-        try:
-            children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
-            pids += [int(p) for p in children.read_text().split()]
-        except OSError:
-            pass
+    def tree_rss(self, children_only: bool = False) -> int:
+        """Resident bytes of the server and its child processes (grammar workers, which
+        the server's compile threads start: each thread's children are listed apart)."""
+        pids = [] if children_only else [self.process.pid]
+        for children in Path(f"/proc/{self.process.pid}/task").glob("*/children"):
+            try:
+                pids += [int(p) for p in children.read_text().split()]
+            except (OSError, ValueError):
+                pass
         total = 0
         for pid in pids:
             try:
@@ -198,6 +201,13 @@ class FloodResult:
     rss_before: int = 0
     rss_peak: int = 0
     rss_after: int = 0
+    #: the prefix cache's bytes (``/health``): KV of the benchmark's own chats, which the
+    #: server keeps up to its budget and gives back on demand
+    prefix_before: int = 0
+    prefix_after: int = 0
+    #: the compile workers' part of rss_before and rss_after
+    workers_before: int = 0
+    workers_after: int = 0
 
 
 def grammar_flood(server: Served, seconds: float) -> FloodResult:
@@ -209,6 +219,8 @@ def grammar_flood(server: Served, seconds: float) -> FloodResult:
     timed(server, schema_chat("warm"))
     timed(server, tool_chat("warm"))
     result.rss_before = server.tree_rss()
+    result.prefix_before = prefix_cache_bytes(server)
+    result.workers_before = server.tree_rss(children_only=True)
     stop = threading.Event()
     # Encoded once: the flooders' own work on this machine's cores stays small.
     flood_bodies = [json.dumps(chat("Pick one.", response_format={
@@ -251,7 +263,17 @@ def grammar_flood(server: Served, seconds: float) -> FloodResult:
     time.sleep(2)
     result.rss_after = server.tree_rss()
     result.rss_peak = max(result.rss_peak, result.rss_after)
+    result.prefix_after = prefix_cache_bytes(server)
+    result.workers_after = server.tree_rss(children_only=True)
     return result
+
+
+def prefix_cache_bytes(server: Served) -> int:
+    """Bytes the served models' prefix caches hold (0 from a server that does not say)."""
+    _, health = request(server, "GET", "/health")
+    engines = health.get("engines", {}) if isinstance(health, dict) else {}
+    return sum(int(stats.get("prefix_cache_bytes", 0) or 0) for stats in engines.values()
+               if isinstance(stats, dict))
 
 
 # -- the other findings ----------------------------------------------------------------------------
@@ -402,6 +424,8 @@ def run_checkout(label: str, python: str, checkout: Path, models: dict[str, Path
         server = Served(python, checkout, free_port(), cache_root, [])
         try:
             run.flood = grammar_flood(server, args.flood_s)
+            if args.flood_only:
+                return run
             run.findings.update(csrf_and_rebinding(server))
             run.findings.update(smaller_holes(server, cache_root))
         finally:
@@ -434,9 +458,9 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def flood_rows(runs: dict[str, Run]) -> list[tuple[str, str, str]]:
-    def each(make) -> tuple[str, str]:
-        return tuple(make(runs[label].flood) for label in (BEFORE, AFTER))  # type: ignore[return-value]
+def flood_rows(runs: dict[str, Run]) -> list[tuple[str, ...]]:
+    def each(make) -> tuple[str, ...]:
+        return tuple(make(run.flood) for run in runs.values())
 
     rows = [
         ("plain chat idle, median s", *each(lambda f: f"{median(f.idle_chat_s):.2f}")),
@@ -454,13 +478,19 @@ def flood_rows(runs: dict[str, Run]) -> list[tuple[str, str, str]]:
             lambda f: f"{f.rss_before / MIB:.0f}")),
         ("  growth at its largest / after, MiB", *each(
             lambda f: f"+{(f.rss_peak - f.rss_before) / MIB:.0f} / +{(f.rss_after - f.rss_before) / MIB:.0f}")),
+        ("  of it the prefix cache's growth (the chats' KV, reclaimable), MiB", *each(
+            lambda f: f"+{(f.prefix_after - f.prefix_before) / MIB:.0f}")),
+        ("  of it the grammar compile workers' growth (idle: reclaimable), MiB", *each(
+            lambda f: f"{(f.workers_after - f.workers_before) / MIB:+.0f}")),
+        ("  growth after, outside the prefix cache, MiB", *each(
+            lambda f: f"+{(f.rss_after - f.rss_before - (f.prefix_after - f.prefix_before)) / MIB:.0f}")),
     ]
     return rows
 
 
-def table(rows: list[tuple[str, str, str]]) -> str:
-    lines = ["| | before | after |", "|---|---|---|"]
-    lines += [f"| {name} | {before} | {after} |" for name, before, after in rows]
+def table(rows: list[tuple[str, ...]], labels: list[str]) -> str:
+    lines = ["| | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -476,27 +506,33 @@ def prepare_models(workdir: Path) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", type=Path, required=True,
-                        help="a checkout of the commit before, with its own .venv")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="a checkout of the commit before, with its own .venv (without "
+                             "it, only this checkout is replayed)")
+    parser.add_argument("--flood-only", action="store_true",
+                        help="replay only the grammar flood (one server per checkout)")
     parser.add_argument("--flood-s", type=float, default=120.0,
                         help="seconds the grammar flood lasts (default 120)")
     parser.add_argument("--distributed", action="store_true",
                         help="also start 3-rank groups with mlx.launch (several minutes each)")
     parser.add_argument("--out", type=Path, default=None, help="write the report here too")
     args = parser.parse_args(argv)
-    before_python = args.before / ".venv" / "bin" / "python"
-    if not before_python.exists():
+    before_python = args.before / ".venv" / "bin" / "python" if args.before else None
+    if before_python is not None and not before_python.exists():
         raise SystemExit(f"{args.before} has no .venv/bin/python: run ./setup.sh test --co -q there")
     ensure_default_model(progress=False)
     workdir = Path(tempfile.mkdtemp(prefix="omlx-attacks-"))
     try:
         models = prepare_models(workdir)
         here = Path(__file__).resolve().parent.parent
-        runs = {BEFORE: run_checkout(BEFORE, str(before_python), args.before, models, args),
-                AFTER: run_checkout(AFTER, sys.executable, here, models, args)}
+        runs = {}
+        if before_python is not None:
+            runs[BEFORE] = run_checkout(BEFORE, str(before_python), args.before, models, args)
+        runs[AFTER] = run_checkout(AFTER, sys.executable, here, models, args)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    findings = [(name, runs[BEFORE].findings.get(name, "-"), runs[AFTER].findings.get(name, "-"))
+    labels = list(runs)
+    findings = [(name, *(run.findings.get(name, "-") for run in runs.values()))
                 for name in runs[AFTER].findings]
     load = os.getloadavg()
     report = "\n\n".join([
@@ -504,8 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{platform.machine()}, {os.cpu_count()} cores, load average {load[0]:.2f} at the end; "
         f"servers: `omlx-core serve` (default model, the tier the machine picks); flood "
         f"{args.flood_s:.0f} s of 3 clients' 60,000-value enums",
-        "## Grammar flood", table(flood_rows(runs)),
-        "## The other findings", table(findings),
+        "## Grammar flood", table(flood_rows(runs), labels),
+        *(["## The other findings", table(findings, labels)] if findings else []),
     ])
     publish_report(report, args.out)
     return 0

@@ -211,19 +211,19 @@ def test_idle_compile_workers_are_memory_the_guard_can_take_back(jobs):
     """An idle worker counts as reclaimable (under a small ceiling it made every request
     look too large: the soak's 413s), and the guard's reclaim stops it; the next grammar
     starts it again."""
-    from omlx_core.memory.usage import idle_helper_bytes, release_idle_helpers
+    from omlx_core.memory.usage import reclaimable_outside_engines, reclaim_outside_engines
 
     queue = CompileQueue(CompileSettings(workers=1, timeout_s=60))
     try:
         queue.submit(jobs("a", "x+")).result(timeout=120)
         (pid,) = queue.worker_pids()
-        assert idle_helper_bytes() >= helper_bytes() * 0.9 > 20 * 1024**2
-        assert release_idle_helpers() > 20 * 1024**2
-        assert queue.worker_pids() == [] and idle_helper_bytes() == 0
+        assert reclaimable_outside_engines() >= helper_bytes() * 0.9 > 20 * 1024**2
+        assert reclaim_outside_engines() > 20 * 1024**2
+        assert queue.worker_pids() == [] and reclaimable_outside_engines() == 0
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
         queue.submit(jobs("a", "y+")).result(timeout=120)
         assert len(queue.worker_pids()) == 1
     finally:
         queue.close()
-    assert idle_helper_bytes() == 0
+    assert reclaimable_outside_engines() == 0

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from omlx_core.grammar.compile_worker import CompileFailed, CompileKilled, CompileWorker
 from omlx_core.grammar.errors import GrammarBusy, GrammarCompileTimeout, GrammarError
-from omlx_core.memory.usage import register_helper_release, unregister_helper_release
+from omlx_core.memory.usage import register_reclaimable, unregister_reclaimable
 from omlx_core.settings import format_size
 
 __all__ = ["CompileJob", "CompileQueue", "CompileSettings", "compile_client", "compile_queue",
@@ -148,7 +148,7 @@ class CompileQueue:
         #: names of the workers running a compile now
         self._busy: set[str] = set()
         self._closed = False
-        register_helper_release(self.release_idle)
+        register_reclaimable(self.release_idle)
         #: counters for /metrics and the benchmarks
         self.refused = 0
         self.killed = 0
@@ -299,7 +299,7 @@ class CompileQueue:
     def release_idle(self, dry_run: bool) -> int:
         """The resident bytes of the workers with no compile now; unless ``dry_run``,
         stopped (each starts again with its next compile). The memory guard counts them
-        as memory the server gives back on demand (``register_helper_release``): idle
+        as memory the server gives back on demand (``register_reclaimable``): idle
         workers never make a request that fits look as if it did not."""
         with self._lock:
             total = 0
@@ -322,7 +322,7 @@ class CompileQueue:
                 job.future.set_exception(GrammarBusy("the grammar compiler is shutting down",
                                                      self.settings.timeout_s))
             self._lock.notify_all()
-        unregister_helper_release(self.release_idle)
+        unregister_reclaimable(self.release_idle)
         for worker in self._workers:
             worker.stop()
 

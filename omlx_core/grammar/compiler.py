@@ -31,6 +31,7 @@ from omlx_core.grammar.errors import (GrammarBusy, GrammarCompileTimeout, Gramma
                                       GrammarUnavailable)
 from omlx_core.grammar.limits import current_limits
 from omlx_core.grammar.xgrammar_import import import_xgrammar
+from omlx_core.memory.usage import register_reclaimable, trim_heap
 from omlx_core.models.loader import hf_tokenizer
 from omlx_core.settings import format_size
 
@@ -47,6 +48,7 @@ __all__ = [
     "GrammarError",
     "GrammarSpec",
     "GrammarUnavailable",
+    "compiled_grammar_bytes",
     "compiler_for",
     "configure_cache_bytes",
     "json_safe_strings",
@@ -57,8 +59,11 @@ __all__ = [
 GrammarKind = Literal["json_schema", "any_json", "regex", "ebnf", "structural_tag"]
 KINDS: tuple[str, ...] = ("json_schema", "any_json", "regex", "ebnf", "structural_tag")
 
-#: bytes of compiled grammars a cache keeps (``grammar.cache_size``)
-DEFAULT_CACHE_BYTES = 256 * 1024**2
+#: bytes of compiled grammars a cache keeps (``grammar.cache_size``). A compiled grammar
+#: holds a token mask per grammar state, so its size grows with the vocabulary: a
+#: one-property JSON schema is 2 MiB for a 49k-token vocabulary (~30 such grammars fit),
+#: a tool call's structural tag about the same. The cache is memory the guard reclaims.
+DEFAULT_CACHE_BYTES = 64 * 1024**2
 # Whitespace between JSON tokens is free in JSON, and a model that is unsure (or knows
 # nothing, like a random test model) can fill an output with it forever. 16 characters
 # still fit pretty-printed output a few levels deep.
@@ -361,9 +366,20 @@ class GrammarCompilerCache:
 
     def close(self) -> None:
         """Drop the compiled grammars (the compile workers are the process's)."""
+        self.release(dry_run=False)
+
+    def release(self, dry_run: bool) -> int:
+        """The bytes of the compiled grammars kept; unless ``dry_run``, dropped and their
+        memory handed back to the OS (a grammar a running request still holds goes with
+        that request)."""
         with self._lock:
-            self._entries.clear()
-            self.bytes = 0
+            held = self.bytes
+            if not dry_run:
+                self._entries.clear()
+                self.bytes = 0
+        if not dry_run and held:
+            trim_heap()
+        return held
 
     def compile(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Compiled:
         """The compiled form of ``spec``, from the cache or compiled now.
@@ -400,6 +416,7 @@ class GrammarCompilerCache:
 
     def _finish(self, key: tuple, shared: Future, *, entry: tuple | None = None,
                 exception: BaseException | None = None) -> None:
+        evicted = 0
         with self._lock:
             self._inflight.pop(key, None)
             if exception is not None:
@@ -408,25 +425,32 @@ class GrammarCompilerCache:
                 elif isinstance(exception, GrammarError):
                     self.stats.errors += 1
             elif entry is not None:
-                self._keep(key, entry)
+                evicted = self._keep(key, entry)
+        if evicted:
+            # The heap keeps freed pages resident until trimmed: what an eviction freed
+            # would stay in the footprint, where the guard counts it as in use.
+            trim_heap()
         if exception is not None:
             shared.set_exception(exception)
         else:
             shared.set_result(entry)
 
-    def _keep(self, key: tuple, entry: tuple[Any, float, Any, int]) -> None:
+    def _keep(self, key: tuple, entry: tuple[Any, float, Any, int]) -> int:
         """Cache ``entry`` and evict the least recently used past the byte budget (the
-        lock is held)."""
+        lock is held); the number evicted."""
         self.stats.compile_seconds_total += entry[1]
         size = entry[3]
         if size > self.cache_bytes:
-            return  # larger than the whole budget: used once, not kept
+            return 0  # larger than the whole budget: used once, not kept
         self._entries[key] = entry
         self.bytes += size
+        evicted = 0
         while self.bytes > self.cache_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.bytes -= evicted[3]
+            _, dropped = self._entries.popitem(last=False)
+            self.bytes -= dropped[3]
             self.stats.evictions += 1
+            evicted += 1
+        return evicted
 
     def _compile_now(self, spec: GrammarSpec, timeout_s: float | None) -> tuple[Any, float, Any, int]:
         request = self._worker_request(spec)
@@ -546,6 +570,17 @@ def configure_cache_bytes(nbytes: int) -> None:
     (``grammar.cache_size``)."""
     global _cache_bytes
     _cache_bytes = int(nbytes)
+
+
+def compiled_grammar_bytes(dry_run: bool = True) -> int:
+    """Bytes of compiled grammars every cache of this process keeps; unless ``dry_run``,
+    dropped (the memory guard reclaiming room: they are compiled again when asked for)."""
+    with _per_tokenizer_lock:
+        caches = [cache for per_key in list(_per_tokenizer.values()) for cache in per_key.values()]
+    return sum(cache.release(dry_run) for cache in caches)
+
+
+register_reclaimable(compiled_grammar_bytes)
 
 
 def compiler_for(tokenizer: Any, *, vocab_size: int | None = None,

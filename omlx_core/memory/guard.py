@@ -219,9 +219,9 @@ class MemoryGuard:
 
     def reclaimable_bytes(self) -> int:
         """Memory held only to go faster: every guarded engine's caches, mlx's buffer
-        cache (freed buffers kept for reuse) and idle helper processes (grammar compile
-        workers waiting for work)."""
-        total = self._mlx_cache() + self.usage.idle_helper_bytes()
+        cache (freed buffers kept for reuse), idle helper processes (grammar compile
+        workers waiting for work) and compiled grammars."""
+        total = self._mlx_cache() + self.usage.reclaimable_outside_engines()
         for engine in list(self._engines()):
             if isinstance(engine, GuardedEngine):
                 total += max(0, int(engine.reclaimable_bytes()))
@@ -239,7 +239,7 @@ class MemoryGuard:
             if isinstance(engine, GuardedEngine):
                 freed += max(0, int(engine.reclaim(nbytes - freed)))
         if freed < nbytes:
-            freed += self.usage.release_idle_helpers()
+            freed += self.usage.reclaim_outside_engines()
         cached = self._mlx_cache()
         clear_cache()
         freed += cached

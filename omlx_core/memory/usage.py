@@ -117,34 +117,36 @@ def helper_bytes() -> int:
     return total
 
 
-#: helpers' releases: ``release(dry_run)`` -> resident bytes of the helper processes idle
-#: now (stopped unless ``dry_run``)
+#: what the footprint holds beside the engines that the server gives back on demand:
+#: ``release(dry_run)`` -> the resident bytes it could give back now (given back unless
+#: ``dry_run``): idle helper processes, in-process caches (compiled grammars)
 _releases: list[Callable[[bool], int]] = []
 
 
-def register_helper_release(release: Callable[[bool], int]) -> None:
-    """Let the memory guard count idle helper processes as memory the server gives back
-    on demand, and stop them when a request needs the room (``release(dry_run)``: the
-    bytes of those idle now; stopped unless ``dry_run``)."""
+def register_reclaimable(release: Callable[[bool], int]) -> None:
+    """Let the memory guard count what ``release`` holds (idle helper processes, an
+    in-process cache) as memory the server gives back on demand, and call it when a
+    request needs the room (``release(dry_run)``: the bytes it holds that it could give
+    back now; given back unless ``dry_run``)."""
     with _helpers_lock:
         _releases.append(release)
 
 
-def unregister_helper_release(release: Callable[[bool], int]) -> None:
+def unregister_reclaimable(release: Callable[[bool], int]) -> None:
     with _helpers_lock:
         if release in _releases:
             _releases.remove(release)
 
 
-def idle_helper_bytes() -> int:
-    """Resident bytes of the helper processes that could be stopped now."""
+def reclaimable_outside_engines() -> int:
+    """Resident bytes the registered releases could give back now."""
     with _helpers_lock:
         releases = list(_releases)
     return sum(max(0, int(release(True))) for release in releases)
 
 
-def release_idle_helpers() -> int:
-    """Stop the idle helper processes; the resident bytes they held."""
+def reclaim_outside_engines() -> int:
+    """Give back what every registered release holds; the resident bytes it held."""
     with _helpers_lock:
         releases = list(_releases)
     return sum(max(0, int(release(False))) for release in releases)
@@ -194,20 +196,22 @@ class MemoryUsage:
         self.window_s = window_s
         self._read_active = read_active
         self._read_footprint = read_footprint
-        # Idle helpers are given back only where the footprint counts them.
-        self._counts_helpers = read_footprint is footprint_bytes
+        # What lives beside the engines (idle helpers, compiled grammars) is given back
+        # only where the footprint counts it.
+        self._counts_outside_engines = read_footprint is footprint_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self._samples: deque[tuple[float, int]] = deque()
         self._peak = 0
 
-    def idle_helper_bytes(self) -> int:
-        """What the footprint holds of helper processes that could be stopped now."""
-        return idle_helper_bytes() if self._counts_helpers else 0
+    def reclaimable_outside_engines(self) -> int:
+        """What the footprint holds beside the engines that could be given back now
+        (idle helper processes, compiled grammars)."""
+        return reclaimable_outside_engines() if self._counts_outside_engines else 0
 
-    def release_idle_helpers(self) -> int:
-        """Stop the idle helper processes the footprint counts; the bytes they held."""
-        return release_idle_helpers() if self._counts_helpers else 0
+    def reclaim_outside_engines(self) -> int:
+        """Give back what the footprint holds beside the engines; the bytes it held."""
+        return reclaim_outside_engines() if self._counts_outside_engines else 0
 
     def resident(self) -> int:
         """Bytes held right now: max(mlx active, process footprint)."""
