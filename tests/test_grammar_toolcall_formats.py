@@ -130,6 +130,14 @@ def test_pythonic_arguments_are_literals_never_evaluated():
     ("x", {"enum": ["x", 1]}, "x"),
     ("7", {"type": ["string", "integer"]}, 7),
     ("not json", None, "not json"),
+    # A listed string with whitespace of its own, which the grammar lets the model pad
+    # (hypothesis found enum [" "] read back as ""):
+    (" ", {"enum": [" "]}, " "),
+    ("\n \n", {"enum": [" "]}, " "),
+    (" a", {"enum": [" a", "b"]}, " a"),
+    ("\n a\n", {"const": " a"}, " a"),
+    (" ", {"enum": [" ", 1]}, " "),
+    ("\n b \n", {"enum": [" a", "b"]}, "b"),
 ])
 def test_xml_parameters_are_typed_by_their_schema(raw, schema, value):
     assert typed_value(raw, schema) == value

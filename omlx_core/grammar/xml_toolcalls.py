@@ -142,15 +142,38 @@ def typed_value(raw: str, schema: Any) -> Any:
     text = raw.strip(_SPACE)
     kinds = _kinds(schema)
     if kinds == {"string"}:
-        return text
+        return _chosen_string(raw, text, schema)
     try:
         value = json.loads(text)
     except ValueError:
-        return text
+        return _chosen_string(raw, text, schema)
     kind = _json_kind(value)
     if kinds and kind not in kinds and not (kind == "integer" and "number" in kinds):
-        return text
+        return _chosen_string(raw, text, schema)
     return value
+
+
+def _chosen_string(raw: str, text: str, schema: Any) -> str:
+    """A string parameter's value: ``text`` (``raw`` less the whitespace around it),
+    unless the schema lists the strings it may be (``enum``/``const``) and one of them
+    has whitespace of its own at an end (``" "``, ``" a"``): the grammar lets the model
+    pad a listed value with whitespace, so the one written inside ``raw`` is the value."""
+    choices = _string_choices(schema)
+    if not choices or text in choices:
+        return text
+    written = [choice for choice in choices if choice.strip(_SPACE) == text and choice in raw]
+    return max(written, key=len) if written else text
+
+
+def _string_choices(schema: Any) -> set[str]:
+    if not isinstance(schema, dict):
+        return set()
+    listed = list(schema.get("enum") or ()) + ([schema["const"]] if "const" in schema else [])
+    choices = {value for value in listed if isinstance(value, str)}
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or ():
+            choices |= _string_choices(option)
+    return choices
 
 
 # The pieces of a call, each matched at the parser's position; ``(?s)`` lets values span lines.
