@@ -37,9 +37,15 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
+from omlx_core.memory.usage import FreedHeap
 from omlx_core.scheduling.batch_state import SequenceState
-from omlx_core.scheduling.kv_cache import merge_layers, position_bytes
+from omlx_core.scheduling.kv_cache import merge_layers, position_bytes, reserve_positions
 from omlx_core.scheduling.sampling import BatchSampling, split_processors
+
+def buffer_sizes(layer: Any) -> list[int]:
+    """The bytes of each array a cache layer holds."""
+    return [a.nbytes for _, a in tree_flatten(layer.state) if isinstance(a, mx.array)]
+
 
 #: decode steps between handing mlx's buffer cache back (what mlx-lm's generator does)
 CLEAR_CACHE_EVERY = 512
@@ -121,20 +127,25 @@ class Lane:
     def add(self, sequence: SequenceState, token: int, cache: list[Any]) -> None:
         """``sequence`` joins with its own ``cache`` and feeds ``token`` next. The cache
         is merged in layer by layer, each evaluated (and the request's copy of it let go:
-        ``cache`` is emptied) before the next, so a join holds one layer twice at most,
-        never the batch's whole KV (see :meth:`take_out`)."""
+        ``cache`` is emptied, the freed heap pages handed back) before the next, so a
+        join holds one layer twice at most, never the batch's whole KV (see
+        :meth:`take_out`)."""
         first = self.cache is None
         if first:
             self.cache = []
+        heap = FreedHeap()
         for index, layer in enumerate(cache):
+            freed = buffer_sizes(layer)
             merged = merge_layers([[layer]])[0]
             cache[index] = None
             if first:
                 self.cache.append(merged)
             else:
+                freed += buffer_sizes(self.cache[index]) + buffer_sizes(merged)
                 self.cache[index].extend(merged)
                 merged = self.cache[index]
             mx.eval(merged.state)
+            heap.freed(freed)
         fed = mx.array([token], dtype=mx.uint32)
         self.fed = fed if self.fed is None else mx.concatenate([self.fed.astype(mx.uint32), fed])
         self.fed_logprobs.append(None)
@@ -148,21 +159,31 @@ class Lane:
     def take_out(self, leaving: Sequence[int], *, caches: bool = True) -> dict[int, list[Any]]:
         """Take the rows at ``leaving`` out of the lane; with ``caches``, their caches by
         row index (compact copies). Cutting rows out of a batch cache copies the rest
-        (mlx has no in-place row removal): done for all layers at once, the old and the
-        new batch could both be alive at the next evaluation, the whole KV twice. Layer
-        by layer, each evaluated before the next, one layer is held twice at most. (The
-        KV benchmark's peak over its ceiling did not move with this: its cause is still
-        open, BENCHMARKS.md "Quantized KV cache".)"""
+        (mlx has no in-place row removal), and extracting a row copies it: done for all
+        layers at once, the old batch and the copies would all be alive at the next
+        evaluation, the whole KV twice. So it goes layer by layer, each evaluated before
+        the next and its old batch let go right after (filtered away, or dropped when no
+        row stays; its heap pages handed back, :class:`~omlx_core.memory.usage.FreedHeap`):
+        one layer is held twice at most. (When the last rows retired
+        together, keeping every layer's batch until the end held the whole KV twice:
+        the KV benchmark's full-precision peak over its ceiling.)"""
         if not leaving:
             return {}
         gone = set(leaving)
         kept = [i for i in range(len(self.rows)) if i not in gone]
         taken: dict[int, list[Any]] = {i: [] for i in leaving} if caches else {}
-        for layer in self.cache or ():
+        layers = self.cache or []
+        heap = FreedHeap()
+        for index in range(len(layers)):
+            layer = layers[index]
+            freed = buffer_sizes(layer)
             extracted = {i: layer.extract(i) for i in taken}
             if kept:
                 layer.filter(kept)
             mx.eval([c.state for c in extracted.values()], layer.state if kept else [])
+            if not kept:
+                layers[index] = None
+            heap.freed(freed)
             for i, row_cache in extracted.items():
                 taken[i].append(row_cache)
         self.rows = [self.rows[i] for i in kept]
@@ -172,6 +193,18 @@ class Lane:
         elif self.fed is not None:
             self.fed = self.fed[mx.array(kept)]
         return taken
+
+    def reserve(self, count: int) -> None:
+        """Grow the batch cache, where it must, so the next forward's ``count`` positions
+        per row fit without the forward growing it (:func:`~.kv_cache.reserve_positions`):
+        one layer at a time, each evaluated and its old buffers handed back before the
+        next, so a growth holds one layer twice at most."""
+        heap = FreedHeap()
+        for layer in self.cache or ():
+            freed = buffer_sizes(layer)
+            if reserve_positions(layer, count):
+                mx.eval(layer.state)
+                heap.freed(freed)
 
     @property
     def nbytes(self) -> int:
@@ -327,6 +360,7 @@ class DecodeBatch:
         with mx.stream(generation_stream):
             drafting = self.drafts.drafting(self.state.decoding)
             for lane in self.lanes:
+                lane.reserve(1 + self.drafts.lookahead)
                 fed = (self.drafts.verify(lane, self.model, self.sampling) if drafting else None)
                 if fed is None:
                     fed = lane.plain_step(self.model, self.sampling)

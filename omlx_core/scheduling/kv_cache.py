@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 #: the KV bits a model may be served with (``None``: full precision)
 KV_BITS = (8, 4)
@@ -159,6 +159,36 @@ def merge_layers(caches: Sequence[Sequence[Any]]) -> list[Any]:
     return merged
 
 
+def reserve_positions(layer: Any, count: int) -> bool:
+    """Grow a decode lane's batch cache ``layer`` so that ``count`` more positions per row
+    fit in its buffers; ``True`` when it grew (the caller evaluates it).
+
+    A batch cache grows by itself when a forward writes past its buffers (mlx-lm's
+    ``BatchKVCache`` and :class:`BatchQuantizedKVCache` alike, by whole steps of 256
+    positions), but then every layer grows inside the one lazy forward: all the new
+    buffers are allocated while the old ones wait to be freed, and freed buffers below
+    glibc's mmap threshold stay resident in the heap until it is trimmed. Growing each
+    layer here, before the forward, lets the lane do it one layer at a time
+    (:meth:`~.decode_batch.Lane.reserve`). The growth is the one the forward would have
+    made (same capacity), so the KV the guard counts does not change. Layers of other
+    kinds (sliding-window, recurrent) are left alone."""
+    if isinstance(layer, BatchQuantizedKVCache):
+        return layer.reserve(count)
+    if type(layer) is not BatchKVCache:
+        return False
+    keys, values, offset, left_padding, index = layer.state
+    if keys is None or index + count <= keys.shape[2]:
+        return False
+    added = (count + layer.step - 1) // layer.step * layer.step
+
+    def grown(buffer: mx.array) -> mx.array:
+        # One new buffer: padding allocates no block of zeros to concatenate.
+        return mx.pad(buffer[..., :index, :], [(0, 0), (0, 0), (0, added), (0, 0)])
+
+    layer.state = (grown(keys), grown(values), offset, left_padding, index)
+    return True
+
+
 def _slice_rows(arrays: tuple[mx.array, ...], rows: Any) -> tuple[mx.array, ...]:
     return tuple(a[rows] for a in arrays)
 
@@ -184,6 +214,20 @@ class BatchQuantizedKVCache:
 
     # -- what mlx-lm's attention calls ------------------------------------------------
 
+    def reserve(self, count: int) -> bool:
+        """Grow the buffers so that ``count`` more positions fit (see
+        :func:`reserve_positions`); ``True`` when they grew."""
+        if self.keys is None or self.index + count <= self.keys[0].shape[2]:
+            return False
+        per_word = 32 // self.bits
+
+        def template(arrays: tuple[mx.array, ...]) -> mx.array:
+            rows, heads, _, words = arrays[0].shape
+            return mx.zeros((rows, heads, 0, words * per_word), dtype=arrays[1].dtype)
+
+        self._grow(template(self.keys), template(self.values), count)  # type: ignore[arg-type]
+        return True
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple[mx.array, ...], ...]:
         start, count = self.index, keys.shape[2]
         if self.keys is None or start + count > self.keys[0].shape[2]:
@@ -207,13 +251,13 @@ class BatchQuantizedKVCache:
                     mx.zeros((*shape, dim // self.group_size), dtype=keys.dtype),
                     mx.zeros((*shape, dim // self.group_size), dtype=keys.dtype))
 
-        new_keys, new_values = empty(keys.shape[3]), empty(values.shape[3])
         if self.keys is None:
-            self.keys, self.values = new_keys, new_values
+            self.keys, self.values = empty(keys.shape[3]), empty(values.shape[3])
             return
-        used_keys, used_values = self._used(self.keys), self._used(self.values)  # type: ignore[arg-type]
-        self.keys = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(used_keys, new_keys))
-        self.values = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(used_values, new_values))
+        # One new buffer each: padding allocates no block of zeros to concatenate.
+        widths = [(0, 0), (0, 0), (0, added), (0, 0)]
+        self.keys = tuple(mx.pad(a, widths) for a in self._used(self.keys))  # type: ignore[arg-type]
+        self.values = tuple(mx.pad(a, widths) for a in self._used(self.values))  # type: ignore[arg-type]
 
     def _used(self, arrays: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
         return tuple(a[..., :self.index, :] for a in arrays)
@@ -347,4 +391,4 @@ class BatchQuantizedKVCache:
 
 __all__ = ["FULL_PRECISION", "KV_BITS", "KV_GROUP_SIZES", "BatchQuantizedKVCache", "KVFormat",
            "check_config_kv_format", "check_kv_format", "is_quantized", "make_request_cache", "merge_layers",
-           "position_bytes", "quantized_layers"]
+           "position_bytes", "quantized_layers", "reserve_positions"]
