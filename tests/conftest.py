@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 from omlx_core.platform.blas import ensure_optimized_blas
 
@@ -42,7 +43,25 @@ def pytest_configure(config):
         capture.start_global_capturing()
     # Tests convert the default model once per session into a private cache, never the user's.
     config._omlx_cache = tempfile.mkdtemp(prefix="omlx-test-cache-")
+    _seed_cpu_kernels(Path(config._omlx_cache))
     os.environ["OMLX_CACHE_DIR"] = config._omlx_cache
+
+
+def _seed_cpu_kernels(session_cache: Path) -> None:
+    """Copy the CPU kernels ``./setup.sh`` built into the user's cache (read, never
+    written) into the session's, where their build directory (keyed by the kernels'
+    source, mlx, nanobind, Python and compiler) would be; without them the session's
+    first model load compiles the same extension again (~10 s of g++ on two cores).
+    Where none is built, the session builds its own as before."""
+    from omlx_core.models import cpu_kernels
+
+    try:
+        built = cpu_kernels.build_dir()
+    except cpu_kernels.KernelBuildError:  # no compiler: the session says so at first load
+        return
+    if any(built.glob(f"{cpu_kernels.MODULE_NAME}*")):
+        shutil.copytree(built, session_cache / built.relative_to(built.parents[1]),
+                        ignore=shutil.ignore_patterns(".lock", "tmp*"))
 
 
 def pytest_unconfigure(config):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import statistics
 import struct
 import sys
@@ -51,14 +52,17 @@ def _write_huge_model(source: Path, out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from omlx_core.models.default import default_gguf_path
+def model_dirs(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from omlx_core.models.default import DEFAULT_MODEL_DTYPE, default_gguf_path
     from omlx_core.models.gguf import convert_gguf
 
     root = tmp_path_factory.mktemp("pool-real") / "models"
     root.mkdir()
     for name, dtype in VARIANTS.items():
-        convert_gguf(default_gguf_path(), root / name, dtype=dtype, progress=False)
+        if dtype == DEFAULT_MODEL_DTYPE:  # the session's conversion, not a second one
+            shutil.copytree(default_model_dir, root / name)
+        else:
+            convert_gguf(default_gguf_path(), root / name, dtype=dtype, progress=False)
     _write_huge_model(root / "smollm2-q4", root / "smollm2-huge")
     return root
 

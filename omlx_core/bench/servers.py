@@ -235,7 +235,9 @@ class ServerProcess:
                     return
             except OSError:
                 pass
-            time.sleep(0.5)
+            # A refused connect costs microseconds: a short poll keeps the wait close to
+            # the start itself (0.5 s added a quarter second to each of the suite's starts).
+            time.sleep(0.05)
         raise RuntimeError(f"{self.spec.label} did not answer GET /v1/models on port {self.port} "
                            f"within {self.ready_timeout:.0f} s; its log ({self.log_path}) ends:\n"
                            f"{self.log_tail()}")
