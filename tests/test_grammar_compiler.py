@@ -50,6 +50,33 @@ def test_second_compile_of_the_same_grammar_is_a_cache_hit(cache):
     assert (cache.stats.hits, cache.stats.misses) == (1, 1)
 
 
+def test_concurrent_askers_of_one_new_grammar_share_its_one_compile(cache):
+    """Eight requests with the same new schema at once (the soak's tool and JSON chats):
+    the first compiles it, the others wait for that compile and get the same grammar.
+    (A second asker once found the compile running and raised: a 500.)"""
+    import threading
+
+    start = threading.Barrier(8)
+    results: list[object] = []
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        start.wait()
+        try:
+            results.append(cache.compile(GrammarSpec.json_schema(SCHEMA)))
+        except BaseException as exc:  # the test reports what each thread met
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == [] and len(results) == 8
+    assert len({id(result.grammar) for result in results}) == 1
+    assert cache.stats.misses + cache.stats.hits == 8
+
+
 def test_property_order_and_strictness_make_distinct_grammars(cache):
     reordered = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}
     ordered = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}

@@ -400,9 +400,13 @@ class GrammarCompilerCache:
                                 self.utf8_guard)
             self.stats.misses += 1
             shared = self._inflight.get(key)
-            if shared is None:
+            # The first asker compiles; the others wait for its result. (Deciding it with
+            # the future's own state outside the lock raised for every second asker:
+            # set_running_or_notify_cancel on a running future is an error, a 500.)
+            compiles_it = shared is None
+            if compiles_it:
                 shared = self._inflight[key] = Future()
-        if shared.set_running_or_notify_cancel():
+        if compiles_it:
             try:
                 entry = self._compile_now(spec, timeout_s)
             except BaseException as exc:
