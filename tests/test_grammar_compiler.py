@@ -61,7 +61,7 @@ def test_concurrent_askers_of_one_new_grammar_share_its_one_compile(cache):
     errors: list[BaseException] = []
 
     def ask() -> None:
-        start.wait()
+        start.wait(timeout=60)
         try:
             results.append(cache.compile(GrammarSpec.json_schema(SCHEMA)))
         except BaseException as exc:  # the test reports what each thread met
