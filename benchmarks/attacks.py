@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.ceiling import child_pids
 from omlx_core.bench import publish_report
 from omlx_core.bench.servers import fresh_cache_root, free_port, preload_env
 from omlx_core.models.default import ensure_default_model
@@ -105,12 +106,7 @@ class Served:
     def tree_rss(self, children_only: bool = False) -> int:
         """Resident bytes of the server and its child processes (grammar workers, which
         the server's compile threads start: each thread's children are listed apart)."""
-        pids = [] if children_only else [self.process.pid]
-        for children in Path(f"/proc/{self.process.pid}/task").glob("*/children"):
-            try:
-                pids += [int(p) for p in children.read_text().split()]
-            except (OSError, ValueError):
-                pass
+        pids = ([] if children_only else [self.process.pid]) + child_pids(self.process.pid)
         total = 0
         for pid in pids:
             try:

@@ -81,6 +81,18 @@ class ServerRun:
         return tokens / self.wall_s if self.wall_s else 0.0
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started, from any of its threads (the server's compile
+    threads start its grammar workers; each thread's children are listed apart)."""
+    children: list[int] = []
+    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children += [int(child) for child in listing.read_text().split()]
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    return children
+
+
 def status_fields(pid: int | str) -> dict[str, int]:
     """A process's ``/proc/<pid>/status`` fields: sizes (VmRSS, VmHWM, RssFile, ...) in
     bytes, counts (Threads) as they are; ``pid`` may be ``"self"``."""

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from benchmarks.ceiling import status_fields
+from benchmarks.ceiling import child_pids, status_fields
 from omlx_core.bench import publish_report
 from omlx_core.bench.servers import ServerProcess, ServerSpec, free_port
 from omlx_core.settings import format_size, parse_size
@@ -304,21 +304,6 @@ def _fd_links(pid: int) -> list[str]:
         except OSError:
             continue  # closed meanwhile
     return links
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                if int(handle.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    children.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-    return children
 
 
 class Sampler:

@@ -54,25 +54,10 @@ def test_concurrent_askers_of_one_new_grammar_share_its_one_compile(cache):
     """Eight requests with the same new schema at once (the soak's tool and JSON chats):
     the first compiles it, the others wait for that compile and get the same grammar.
     (A second asker once found the compile running and raised: a 500.)"""
-    import threading
+    from omlx_core.bench.client import run_concurrently
 
-    start = threading.Barrier(8)
-    results: list[object] = []
-    errors: list[BaseException] = []
-
-    def ask() -> None:
-        start.wait(timeout=60)
-        try:
-            results.append(cache.compile(GrammarSpec.json_schema(SCHEMA)))
-        except BaseException as exc:  # the test reports what each thread met
-            errors.append(exc)
-
-    threads = [threading.Thread(target=ask) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert errors == [] and len(results) == 8
+    # Raises, naming the asker, if any compile raised.
+    results, _ = run_concurrently(8, lambda _: cache.compile(GrammarSpec.json_schema(SCHEMA)))
     assert len({id(result.grammar) for result in results}) == 1
     assert cache.stats.misses + cache.stats.hits == 8
 

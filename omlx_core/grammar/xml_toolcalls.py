@@ -110,8 +110,7 @@ def _kinds(schema: Any) -> set[str]:
         kinds.add(declared)
     elif isinstance(declared, list):
         kinds.update(k for k in declared if isinstance(k, str))
-    values = list(schema.get("enum") or ()) + ([schema["const"]] if "const" in schema else [])
-    for value in values:
+    for value in _listed(schema):
         kinds.add(_json_kind(value))
     for key in ("anyOf", "oneOf", "allOf"):
         for option in schema.get(key) or ():
@@ -165,11 +164,15 @@ def _chosen_string(raw: str, text: str, schema: Any) -> str:
     return max(written, key=len) if written else text
 
 
+def _listed(schema: dict[str, Any]) -> list[Any]:
+    """The values ``schema`` lists at its top level (``enum`` and ``const``)."""
+    return list(schema.get("enum") or ()) + ([schema["const"]] if "const" in schema else [])
+
+
 def _string_choices(schema: Any) -> set[str]:
     if not isinstance(schema, dict):
         return set()
-    listed = list(schema.get("enum") or ()) + ([schema["const"]] if "const" in schema else [])
-    choices = {value for value in listed if isinstance(value, str)}
+    choices = {value for value in _listed(schema) if isinstance(value, str)}
     for key in ("anyOf", "oneOf"):
         for option in schema.get(key) or ():
             choices |= _string_choices(option)

@@ -42,6 +42,7 @@ from omlx_core.scheduling.batch_state import SequenceState
 from omlx_core.scheduling.kv_cache import merge_layers, position_bytes, reserve_positions
 from omlx_core.scheduling.sampling import BatchSampling, split_processors
 
+
 def buffer_sizes(layer: Any) -> list[int]:
     """The bytes of each array a cache layer holds."""
     return [a.nbytes for _, a in tree_flatten(layer.state) if isinstance(a, mx.array)]

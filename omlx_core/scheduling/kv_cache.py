@@ -179,14 +179,17 @@ def reserve_positions(layer: Any, count: int) -> bool:
     keys, values, offset, left_padding, index = layer.state
     if keys is None or index + count <= keys.shape[2]:
         return False
-    added = (count + layer.step - 1) // layer.step * layer.step
-
-    def grown(buffer: mx.array) -> mx.array:
-        # One new buffer: padding allocates no block of zeros to concatenate.
-        return mx.pad(buffer[..., :index, :], [(0, 0), (0, 0), (0, added), (0, 0)])
-
-    layer.state = (grown(keys), grown(values), offset, left_padding, index)
+    keys, values = grown((keys, values), index, count, layer.step)
+    layer.state = (keys, values, offset, left_padding, index)
     return True
+
+
+def grown(buffers: tuple[mx.array, ...], index: int, count: int, step: int) -> tuple[mx.array, ...]:
+    """``buffers`` (positions on axis 2, ``[0, index)`` in use) with room for ``count``
+    more positions, in whole ``step``s: one new buffer each, the used part copied (padding
+    allocates no block of zeros to concatenate)."""
+    added = (count + step - 1) // step * step
+    return tuple(mx.pad(b[..., :index, :], [(0, 0), (0, 0), (0, added), (0, 0)]) for b in buffers)
 
 
 def _slice_rows(arrays: tuple[mx.array, ...], rows: Any) -> tuple[mx.array, ...]:
@@ -219,19 +222,16 @@ class BatchQuantizedKVCache:
         :func:`reserve_positions`); ``True`` when they grew."""
         if self.keys is None or self.index + count <= self.keys[0].shape[2]:
             return False
-        per_word = 32 // self.bits
-
-        def template(arrays: tuple[mx.array, ...]) -> mx.array:
-            rows, heads, _, words = arrays[0].shape
-            return mx.zeros((rows, heads, 0, words * per_word), dtype=arrays[1].dtype)
-
-        self._grow(template(self.keys), template(self.values), count)  # type: ignore[arg-type]
+        self.keys = grown(self.keys, self.index, count, self.step)
+        self.values = grown(self.values, self.index, count, self.step)  # type: ignore[arg-type]
         return True
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple[mx.array, ...], ...]:
         start, count = self.index, keys.shape[2]
-        if self.keys is None or start + count > self.keys[0].shape[2]:
-            self._grow(keys, values, count)
+        if self.keys is None:
+            self._allocate(keys, values, count)
+        else:
+            self.reserve(count)
         quantized_keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
         quantized_values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
         for buffer, part in zip((*self.keys, *self.values), (*quantized_keys, *quantized_values)):  # type: ignore[misc]
@@ -240,7 +240,9 @@ class BatchQuantizedKVCache:
         self.offset = self.offset + count
         return self._used(self.keys), self._used(self.values)  # type: ignore[arg-type]
 
-    def _grow(self, keys: mx.array, values: mx.array, count: int) -> None:
+    def _allocate(self, keys: mx.array, values: mx.array, count: int) -> None:
+        """The first buffers, shaped like ``keys`` and ``values``, for ``count``
+        positions in whole steps."""
         rows, heads = keys.shape[:2]
         added = (count + self.step - 1) // self.step * self.step
         per_word = 32 // self.bits
@@ -251,13 +253,7 @@ class BatchQuantizedKVCache:
                     mx.zeros((*shape, dim // self.group_size), dtype=keys.dtype),
                     mx.zeros((*shape, dim // self.group_size), dtype=keys.dtype))
 
-        if self.keys is None:
-            self.keys, self.values = empty(keys.shape[3]), empty(values.shape[3])
-            return
-        # One new buffer each: padding allocates no block of zeros to concatenate.
-        widths = [(0, 0), (0, 0), (0, added), (0, 0)]
-        self.keys = tuple(mx.pad(a, widths) for a in self._used(self.keys))  # type: ignore[arg-type]
-        self.values = tuple(mx.pad(a, widths) for a in self._used(self.values))  # type: ignore[arg-type]
+        self.keys, self.values = empty(keys.shape[3]), empty(values.shape[3])
 
     def _used(self, arrays: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
         return tuple(a[..., :self.index, :] for a in arrays)
