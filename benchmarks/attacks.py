@@ -2,7 +2,8 @@
 started as the README starts it, before and after: the checkout given by ``--before``
 and this one.
 
-    python -m benchmarks.attacks [--before PATH] [--flood-s 120] [--flood-only] [--distributed] [--out FILE]
+    python -m benchmarks.attacks [--before PATH] [--flood-s 120] [--flood-only] [--control]
+        [--rounds N] [--distributed] [--out FILE]
 
 ``--before`` is another checkout with its own virtualenv (``PATH/.venv``): the commit
 before the change (``git archive <commit> | tar -x -C PATH``, then ``./setup.sh test
@@ -18,7 +19,10 @@ broken model, a second model, a short keep-alive). The replays:
    the server's resident memory (its process and its children) at its largest during
    the flood and after, against before it, the part of that growth the prefix cache
    holds (the KV of the benchmark's own chats, kept up to the cache's budget and given
-   back on demand) and the rest, and what the flood was answered;
+   back on demand) and the rest, and what the flood was answered. With ``--control``,
+   each round (``--rounds``) also sends the same number of the same chats to a fresh
+   server with no flood: the flood's own growth is the flooded server's less the
+   control's, the median over the rounds;
 2. **pickle between ranks, trust_remote_code**: what the checkout's distributed plugin
    calls (the tests feed the new decoder hostile bytes);
 3. **localhost CSRF and DNS rebinding**: a chat posted without a Content-Type, an
@@ -204,10 +208,19 @@ class FloodResult:
     #: the compile workers' part of rss_before and rss_after
     workers_before: int = 0
     workers_after: int = 0
+    #: rounds of the three chats sent while it lasted
+    turns: int = 0
+    flooded: bool = True
+
+    def growth_after(self) -> int:
+        return self.rss_after - self.rss_before
 
 
-def grammar_flood(server: Served, seconds: float) -> FloodResult:
-    result = FloodResult()
+def grammar_flood(server: Served, seconds: float, control_turns: int | None = None) -> FloodResult:
+    """The flood for ``seconds``, the three chats sent in turn meanwhile; with
+    ``control_turns``, no flood: that many turns of the same chats, to tell the flood's
+    own memory from what the chats themselves leave (their KV, their grammars)."""
+    result = FloodResult(flooded=control_turns is None)
     for i in range(3):
         result.idle_chat_s.append(timed(server, chat(f"Say hello {i}."))[0])
     # One structured and one tool request before the flood: what serving them costs
@@ -238,13 +251,20 @@ def grammar_flood(server: Served, seconds: float) -> FloodResult:
         while not stop.wait(0.5):
             result.rss_peak = max(result.rss_peak, server.tree_rss())
 
-    threads = [threading.Thread(target=flooder, args=(b,), daemon=True) for b in flood_bodies]
+    threads = ([threading.Thread(target=flooder, args=(b,), daemon=True) for b in flood_bodies]
+               if result.flooded else [])
     threads.append(threading.Thread(target=sampler, daemon=True))
     for thread in threads:
         thread.start()
     ends = time.monotonic() + seconds
+
+    def going_on() -> bool:
+        if control_turns is not None:
+            return turn < control_turns
+        return time.monotonic() < ends
+
     turn = 0
-    while time.monotonic() < ends:
+    while going_on():
         turn += 1
         took, status, _ = timed(server, schema_chat(f"n{turn}"))  # a new grammar each time
         result.schema_s.append(took)
@@ -253,6 +273,7 @@ def grammar_flood(server: Served, seconds: float) -> FloodResult:
         result.tool_s.append(took)
         result.tool_ok += status == 200
         result.flood_chat_s.append(timed(server, chat(f"Say hello {turn}."))[0])
+    result.turns = turn
     stop.set()
     for thread in threads:
         thread.join(timeout=120)
@@ -408,7 +429,39 @@ def distributed_group(python: str, checkout: Path, cache_root: Path, tier_args: 
 @dataclass
 class Run:
     flood: FloodResult | None = None
+    #: with ``--control``: each round's flood (the first is ``flood``) and its control
+    floods: list[FloodResult] = field(default_factory=list)
+    controls: list[FloodResult] = field(default_factory=list)
     findings: dict[str, str] = field(default_factory=dict)
+
+
+def flood_and_controls(label: str, python: str, checkout: Path, args: argparse.Namespace,
+                       run: Run) -> None:
+    """Round 1's control after the flood already run, then for each further round a
+    flood and its control, each on a fresh server: the order alternates within a round
+    only, so both see the same machine."""
+    for round_ in range(args.rounds):
+        if round_ > 0:
+            run.floods.append(on_fresh_server(
+                f"[{label}] round {round_ + 1}: grammar flood for {args.flood_s:.0f} s",
+                python, checkout, lambda server: grammar_flood(server, args.flood_s)))
+        turns = run.floods[-1].turns
+        run.controls.append(on_fresh_server(
+            f"[{label}] round {round_ + 1}: control, {turns} turns of the same chats, no flood",
+            python, checkout, lambda server: grammar_flood(server, 0, control_turns=turns)))
+
+
+def on_fresh_server(what: str, python: str, checkout: Path, measure) -> FloodResult:
+    print(what, flush=True)
+    cache_root = fresh_cache_root()
+    try:
+        server = Served(python, checkout, free_port(), cache_root, [])
+        try:
+            return measure(server)
+        finally:
+            server.close()
+    finally:
+        shutil.rmtree(cache_root, ignore_errors=True)
 
 
 def run_checkout(label: str, python: str, checkout: Path, models: dict[str, Path],
@@ -420,7 +473,11 @@ def run_checkout(label: str, python: str, checkout: Path, models: dict[str, Path
         server = Served(python, checkout, free_port(), cache_root, [])
         try:
             run.flood = grammar_flood(server, args.flood_s)
+            run.floods.append(run.flood)
             if args.flood_only:
+                server.close()
+                if args.control:
+                    flood_and_controls(label, python, checkout, args, run)
                 return run
             run.findings.update(csrf_and_rebinding(server))
             run.findings.update(smaller_holes(server, cache_root))
@@ -454,11 +511,16 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def flood_rows(runs: dict[str, Run]) -> list[tuple[str, ...]]:
+def flood_rows(results: dict[str, FloodResult]) -> list[tuple[str, ...]]:
+    """One column per result; a control's column has no flood requests to show."""
     def each(make) -> tuple[str, ...]:
-        return tuple(make(run.flood) for run in runs.values())
+        return tuple(make(result) for result in results.values())
 
-    rows = [
+    def flooded(make) -> tuple[str, ...]:
+        return each(lambda f: make(f) if f.flooded else "-")
+
+    return [
+        ("turns of the three chats", *each(lambda f: str(f.turns))),
         ("plain chat idle, median s", *each(lambda f: f"{median(f.idle_chat_s):.2f}")),
         ("plain chat under the flood, median s (ratio to idle)", *each(
             lambda f: f"{median(f.flood_chat_s):.2f} ({median(f.flood_chat_s) / median(f.idle_chat_s):.2f}x)")),
@@ -467,21 +529,36 @@ def flood_rows(runs: dict[str, Run]) -> list[tuple[str, ...]]:
             lambda f: f"{f.schema_ok}/{len(f.schema_s)}; {median(f.schema_s):.2f}, {max(f.schema_s):.2f}")),
         ("tool-call chat: 200s / sent; median, worst s", *each(
             lambda f: f"{f.tool_ok}/{len(f.tool_s)}; {median(f.tool_s):.2f}, {max(f.tool_s):.2f}")),
-        ("flood requests: statuses; naming a grammar.* cap; median s", *each(
+        ("flood requests: statuses; naming a grammar.* cap; median s", *flooded(
             lambda f: f"{dict(sorted(f.flood_statuses.items()))}; {f.flood_named_cap}/"
                       f"{sum(f.flood_statuses.values())}; {median(f.flood_s):.2f}")),
         ("resident memory, server and children: before the flood, MiB", *each(
             lambda f: f"{f.rss_before / MIB:.0f}")),
         ("  growth at its largest / after, MiB", *each(
-            lambda f: f"+{(f.rss_peak - f.rss_before) / MIB:.0f} / +{(f.rss_after - f.rss_before) / MIB:.0f}")),
+            lambda f: f"+{(f.rss_peak - f.rss_before) / MIB:.0f} / +{f.growth_after() / MIB:.0f}")),
         ("  of it the prefix cache's growth (the chats' KV, reclaimable), MiB", *each(
             lambda f: f"+{(f.prefix_after - f.prefix_before) / MIB:.0f}")),
         ("  of it the grammar compile workers' growth (idle: reclaimable), MiB", *each(
             lambda f: f"{(f.workers_after - f.workers_before) / MIB:+.0f}")),
         ("  growth after, outside the prefix cache, MiB", *each(
-            lambda f: f"+{(f.rss_after - f.rss_before - (f.prefix_after - f.prefix_before)) / MIB:.0f}")),
+            lambda f: f"+{(f.growth_after() - (f.prefix_after - f.prefix_before)) / MIB:.0f}")),
     ]
-    return rows
+
+
+def flood_against_control(run: Run) -> tuple[str, str]:
+    """The flood's own growth, each round's flooded server less its control, and the
+    summary line (median over rounds, with the range)."""
+    columns: dict[str, FloodResult] = {}
+    own = []
+    for round_, (flood, control) in enumerate(zip(run.floods, run.controls), 1):
+        columns[f"flood {round_}"], columns[f"control {round_}"] = flood, control
+        own.append((flood.growth_after() - control.growth_after(),
+                    flood.rss_peak - flood.rss_before - (control.rss_peak - control.rss_before)))
+    after, peak = ([pair[i] / MIB for pair in own] for i in (0, 1))
+    summary = (f"The flood's own resident growth (flooded less control, {len(own)} rounds): "
+               f"after **{median(after):+.0f} MiB** ({min(after):+.0f} to {max(after):+.0f}), "
+               f"at its largest {median(peak):+.0f} MiB ({min(peak):+.0f} to {max(peak):+.0f}).")
+    return table(flood_rows(columns), list(columns)), summary
 
 
 def table(rows: list[tuple[str, ...]], labels: list[str]) -> str:
@@ -509,10 +586,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay only the grammar flood (one server per checkout)")
     parser.add_argument("--flood-s", type=float, default=120.0,
                         help="seconds the grammar flood lasts (default 120)")
+    parser.add_argument("--control", action="store_true",
+                        help="with --flood-only: after each flood, the same chats on a fresh "
+                             "server without it (the flood's own memory is the difference)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --control: flood and control pairs (default 1)")
     parser.add_argument("--distributed", action="store_true",
                         help="also start 3-rank groups with mlx.launch (several minutes each)")
     parser.add_argument("--out", type=Path, default=None, help="write the report here too")
     args = parser.parse_args(argv)
+    if args.control and not args.flood_only:
+        parser.error("--control goes with --flood-only")
+    if args.rounds < 1:
+        parser.error("--rounds must be 1 or more")
     before_python = args.before / ".venv" / "bin" / "python" if args.before else None
     if before_python is not None and not before_python.exists():
         raise SystemExit(f"{args.before} has no .venv/bin/python: run ./setup.sh test --co -q there")
@@ -536,7 +622,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{platform.machine()}, {os.cpu_count()} cores, load average {load[0]:.2f} at the end; "
         f"servers: `omlx-core serve` (default model, the tier the machine picks); flood "
         f"{args.flood_s:.0f} s of 3 clients' 60,000-value enums",
-        "## Grammar flood", table(flood_rows(runs), labels),
+        "## Grammar flood", table(flood_rows({label: run.flood for label, run in runs.items()}), labels),
+        *(section for label, run in runs.items() if run.controls
+          for section in (f"## Grammar flood against a control ({label})",
+                          *flood_against_control(run))),
         *(["## The other findings", table(findings, labels)] if findings else []),
     ])
     publish_report(report, args.out)
