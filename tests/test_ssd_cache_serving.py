@@ -66,7 +66,7 @@ def prompt_for(engine: BatchedEngine, words: int) -> list[int]:
     return engine.tokenize(" ".join(f"word{(i * 7 + 3) % 23}" for i in range(words)))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next", "gpt_oss"])
 def test_restarted_engine_resumes_from_blocks_on_disk(tiny_model_path, tmp_path, family):
     path = tiny_model_path(family)
     cold = Served(path, "", **{"plugin.batched.prefix_cache_budget": 0})
