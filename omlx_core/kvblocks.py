@@ -65,14 +65,36 @@ class StoredBlock:
 
 @dataclass(frozen=True, eq=False)
 class CachedTail:
-    """Tokens after a prefix's last full block, with their keys and values per layer."""
+    """Tokens after a prefix's last full block, with their keys and values per layer.
+
+    For a model whose every layer can be cut, a prompt sharing only the first k of its
+    tokens reuses those k. For a model with layers that cannot be cut, a tail carries
+    their state at its end (``boundary``: where a finished request's prompt or
+    completion ended, the places the next chat turn diverges) and is reused only whole.
+    """
 
     #: hash of the full-block prefix this tail continues (the root for a short prompt)
     parent_hash: bytes
     tokens: tuple[int, ...]
-    #: per layer ``(keys, values)`` of ``tokens``; every layer of such a model is cuttable
+    #: per layer ``(keys, values)`` of ``tokens``, or ``None`` for a layer that cannot
+    #: be cut (carried by ``boundary``)
     kv: tuple[Any, ...]
     nbytes: int
+    #: per layer: the whole state of a non-cuttable layer at the tail's end (``None``
+    #: for cuttable layers); ``None`` altogether for a model whose every layer is cut
+    boundary: tuple[Any, ...] | None = None
+
+    def shared_with(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` a request continuing this tail reuses: the common
+        run, or for a tail with a boundary state all of its tokens or none."""
+        n = 0
+        for mine, theirs in zip(self.tokens, tokens):
+            if mine != theirs:
+                break
+            n += 1
+        if self.boundary is not None and n < len(self.tokens):
+            return 0
+        return n
 
 
 class BlockStore(ABC):

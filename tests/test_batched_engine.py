@@ -575,7 +575,7 @@ def test_thousand_aborted_requests_leak_nothing(tiny_model_path):
 # -- prefix cache ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next", "gpt_oss"])
 def test_prefix_cache_hit_gives_the_same_greedy_output(tiny_model_path, family):
     path = tiny_model_path(family)
     cached = start_engine(path)

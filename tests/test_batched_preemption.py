@@ -160,7 +160,7 @@ def test_seeded_sampling_goes_on_after_a_preemption(llama):
     wait_idle(llama)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma3", "gpt_oss"])
 def test_preemption_recomputes_models_whose_layers_cannot_be_cut(tiny_model_path, family):
     engine = start_engine(tiny_model_path(family))
     try:

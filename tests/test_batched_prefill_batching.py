@@ -335,7 +335,7 @@ def test_a_failing_batched_forward_falls_back_to_one_forward_each(llama, monkeyp
     assert forwards == chunks == 3
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next", "gpt_oss"])
 def test_models_with_non_cuttable_layers_prefill_one_request_per_forward(tiny_model_path, family):
     engine = start_engine(tiny_model_path(family))
     try:

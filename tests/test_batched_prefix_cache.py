@@ -136,7 +136,7 @@ def _prefill(model, cache, tokens, step):
     return logits[0, -1]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next", "gpt_oss"])
 def test_restored_cache_continues_exactly_like_the_original(tiny_model_path, family):
     from omlx_core.models.loader import load_model
 

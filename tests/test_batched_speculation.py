@@ -186,7 +186,7 @@ def test_seeded_rows_emit_plain_decodings_samples_and_repeat_them() -> None:
         assert tokens(drafted[request_id]) == tokens(outputs) == tokens(again[request_id])
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next", "gpt_oss"])
 def test_models_whose_caches_cannot_be_cut_back_per_row_never_draft(family: str) -> None:
     """A sliding-window (gemma3) or recurrent (qwen3_next) layer cannot roll one row back
     by its own count: those models decode plain, with the same tokens."""

@@ -155,7 +155,7 @@ def assert_same(reference: list[Outcome], ours: list[Outcome]) -> None:
             assert abs(expected - chosen) < 1e-4, f"row {index}, step {step}: logprobs differ"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gemma3", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gemma3", "qwen3_next", "gpt_oss"])
 @pytest.mark.parametrize("lanes,speculation", [(False, False), (True, False), (True, True)])
 def test_the_decode_batch_gives_mlx_lms_tokens(family, lanes, speculation):
     def compare():

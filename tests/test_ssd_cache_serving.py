@@ -66,7 +66,7 @@ def prompt_for(engine: BatchedEngine, words: int) -> list[int]:
     return engine.tokenize(" ".join(f"word{(i * 7 + 3) % 23}" for i in range(words)))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next", "gpt_oss"])
 def test_restarted_engine_resumes_from_blocks_on_disk(tiny_model_path, tmp_path, family):
     path = tiny_model_path(family)
     cold = Served(path, "", **{"plugin.batched.prefix_cache_budget": 0})
@@ -87,14 +87,11 @@ def test_restarted_engine_resumes_from_blocks_on_disk(tiny_model_path, tmp_path,
     second = Served(path, tmp_path)  # a new process's view: empty memory, same directory
     try:
         tokens, last = second.run(prompt)
-        if family == "llama":
-            # To the token: the block the first answer continued into is on disk with its
-            # tokens, and its first ones are reused.
-            resume_at = target
-        else:
-            # Non-cuttable layers resume only where prefill captured a boundary state:
-            # at the end of a chunk that ended on a block boundary.
-            resume_at = target // PREFILL_STEP * PREFILL_STEP
+        # To the token: for llama the block the first answer continued into is on disk
+        # with its tokens, and its first ones are reused; for models with layers that
+        # cannot be cut, the partial block where the first prefill ended is on disk
+        # with its boundary state.
+        resume_at = target
         assert last.usage.cached_tokens == resume_at > 0
         # Prefill started at the boundary: only the rest of the prompt was computed.
         assert second.engine.stats()["prompt_tokens_prefilled"] == target - resume_at
@@ -113,9 +110,11 @@ def test_boundary_snapshots_are_staged_per_request_and_cleaned_after(tiny_model_
         assert store.flush(10)
         stats = store.stats()
         assert stats["snapshots_persisted"] == stats["snapshots"] > 0
-        # Every staged state was adopted by its block, then the request's directory went.
+        # Every staged state was adopted by its block, then the request's directory went;
+        # the other states are the partial blocks where the prompt (less its last token,
+        # and whole) and the completion ended, each offered with its state.
         boundaries = list(store.blocks_dir.glob("*.boundary.safetensors"))
-        assert len(boundaries) == stats["snapshots"]
+        assert len(boundaries) == stats["snapshots"] + 3
         assert not store.request_dir("snap-req").exists()
 
         # An aborted prefill leaves nothing staged either.

@@ -271,3 +271,23 @@ def test_tiny_model_path_fixture(tiny_model_path):  # noqa: F811
     assert path == tiny_model_path("gemma3")
     assert (path / "model.safetensors").is_file()
     assert tiny_model_path("gemma3", seed=1) != path
+
+
+def test_gpt_oss_alternates_sliding_and_full_layers_with_sinks_and_experts(tmp_path):
+    config = FAMILIES["gpt_oss"]
+    model, tokenizer = load(build_model("gpt_oss", tmp_path))
+    kinds = cache_kinds(model)
+    assert kinds == [RotatingKVCache if t == "sliding_attention" else KVCache
+                     for t in config["layer_types"]]
+    assert {RotatingKVCache, KVCache} == set(kinds)
+    assert all(c.max_size == config["sliding_window"]
+               for c in make_prompt_cache(model) if isinstance(c, RotatingKVCache))
+    sinks = [layer.self_attn.sinks for layer in model.layers]
+    # Drawn, not mlx-lm's zeros: the sinks differ per head and per layer.
+    assert all(mx.any(s != 0).item() for s in sinks)
+    assert not mx.array_equal(sinks[0], sinks[1])
+    for layer in model.layers:
+        assert isinstance(layer.mlp.experts, SwitchGLU)
+        assert layer.mlp.experts.gate_proj.weight.shape[0] == config["num_local_experts"]
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    assert len(prompt) > config["sliding_window"], "the prompt must overflow the window"

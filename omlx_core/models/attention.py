@@ -333,10 +333,13 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: An
 def family_modules(model: Any, name: str, original: Any, mark: str) -> list[Any]:
     """The Python modules of ``model``'s layers whose global ``name`` is mlx-lm's
     ``original`` function or a route marked with ``mark``: where a route is installed."""
+    # The module that defines ``original`` is never a family: gpt-oss's SwigluOAI layer
+    # lives in mlx-lm's activations module, and routing its own ``swiglu`` there would
+    # make the route every later install takes for mlx-lm's original.
     found = {}
     for _, layer in model.named_modules():
         module = sys.modules.get(type(layer).__module__)
-        if module is None or module.__name__ in found:
+        if module is None or module.__name__ in found or module.__name__ == original.__module__:
             continue
         current = getattr(module, name, None)
         if current is original or getattr(current, mark, False):

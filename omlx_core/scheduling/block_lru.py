@@ -87,6 +87,12 @@ class BlockLRU:
         recently used one when :data:`TAILS_PER_PREFIX` are kept under the prefix."""
         for key in list(self._tails_of.get(tail.parent_hash, ())):
             kept = key[1]
+            if tail.boundary is not None or self._tails[key].boundary is not None:
+                # Reused only whole: a longer one does not stand in for a shorter one.
+                if kept == tail.tokens:
+                    self.touch_tail(key)
+                    return
+                continue
             if kept[:len(tail.tokens)] == tail.tokens:
                 self.touch_tail(key)
                 return
@@ -142,7 +148,7 @@ class BlockLRU:
         best: CachedTail | CachedBlock | None = None
         shared = 0
         for key in self._tails_of.get(parent_hash, ()):
-            n = common_prefix_length(key[1], tokens)
+            n = self._tails[key].shared_with(tokens)
             if n > shared:
                 best, shared = self._tails[key], n
         for block_hash in self._children.get(parent_hash, ()):

@@ -123,12 +123,14 @@ class CacheLayout:
 
     def make_tail(self, parent_hash: bytes, tokens: Sequence[int], cache: Sequence[Any],
                   start: int) -> CachedTail:
-        """The tail ``tokens`` (at cache positions ``start``...) of an all-cuttable model."""
+        """The tail ``tokens`` (at cache positions ``start``...; for a model with layers
+        that cannot be cut, the last tokens ``cache`` holds, whose state it captures)."""
         kv = self.cut(cache, start, start + len(tokens))
-        arrays = _arrays(kv)
+        boundary = self.capture(cache) if self.needs_boundaries else None
+        arrays = _arrays(kv) + (_arrays(boundary) if boundary is not None else [])
         mx.eval(arrays)
         return CachedTail(parent_hash, tuple(int(t) for t in tokens), kv,
-                          sum(a.nbytes for a in arrays))
+                          sum(a.nbytes for a in arrays), boundary)
 
     def capacity(self, tokens: int) -> int:
         """Tokens a restored cache holding ``tokens`` has room for: up to its cuttable
@@ -190,12 +192,13 @@ class CacheLayout:
         cache = self.new_cache()
         if tail is None or tail_tokens <= 0:
             tail, tail_tokens = None, 0
-        elif self.needs_boundaries:
-            raise ValueError("tails are only kept for models whose every layer can be cut")
+        elif self.needs_boundaries and (tail.boundary is None or tail_tokens != len(tail.tokens)):
+            raise ValueError("a model with layers that cannot be cut resumes only at the "
+                             "whole of a tail that has a boundary state")
         if not blocks and tail is None:
             return cache
         last = blocks[-1] if blocks else None
-        if last is not None and not last.reusable_end:
+        if last is not None and not last.reusable_end and (tail is None or tail.boundary is None):
             raise ValueError("cannot resume after a block that has no boundary state")
         start = last.end_token if last is not None else 0
         end = start + tail_tokens
@@ -203,4 +206,6 @@ class CacheLayout:
             self.write(cache, block.kv, block.index * block.block_size, block.block_size, end)
         if tail is not None:
             self.write(cache, tail.kv, start, tail_tokens, end)
-        return self.finish(cache, end, last.boundary if last is not None else None)
+        boundary = tail.boundary if tail is not None and tail.boundary is not None else (
+            last.boundary if last is not None else None)
+        return self.finish(cache, end, boundary)

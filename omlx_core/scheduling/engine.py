@@ -334,7 +334,10 @@ class BatchedEngine(GuardedEngine):
         if not self.prefix_cache.enabled or len(prompt_tokens) < 2:
             return 0
         prefix = list(prompt_tokens[:-1])
-        return self.prefix_cache.peek_prefix(self.prefix_cache.hashes(prefix), prefix)
+        scheduler = self.scheduler
+        layout = scheduler.layout if scheduler is not None else None
+        return self.prefix_cache.peek_prefix(self.prefix_cache.hashes(prefix), prefix,
+                                             needs_boundaries=layout is not None and layout.needs_boundaries)
 
     def stats(self) -> dict[str, Any]:
         scheduler = self.scheduler

@@ -145,11 +145,17 @@ class PrefixCache:
         memory, then those the lower tier describes. For a model with layers that cannot
         be cut (``needs_boundaries``), a prefix may end at a lower-tier block only if it
         has a boundary state."""
+        with self._lock:
+            lower = self._lower
+        return self._match(hashes, tokens, needs_boundaries, lower)
+
+    def _match(self, hashes: Sequence[bytes], tokens: Sequence[int], needs_boundaries: bool,
+               lower: BlockStore | None) -> PrefixMatch:
+        """:meth:`match_prefix` over memory and ``lower`` (``None``: memory alone)."""
         match = PrefixMatch()
         if not self.enabled:
             return match
         with self._lock:
-            lower = self._lower
             in_memory = [self._held.block(block_hash) for block_hash in hashes]
         for block_hash, block in zip(hashes, in_memory):
             stored = None
@@ -162,17 +168,31 @@ class PrefixCache:
             match.stored.append(stored)
             match.ends.append(block.reusable_end if block is not None
                               else stored.has_boundary or not needs_boundaries)  # type: ignore[union-attr]
-        while match.ends and not match.ends[-1]:
-            match.truncate(len(match.ends) - 1)
+        last_end = max((i + 1 for i, end in enumerate(match.ends) if end), default=0)
+        if needs_boundaries:
+            # Past the last block a request may resume after, a tail with a boundary
+            # state (where an earlier request's prompt or completion ended) may be:
+            # the deepest one wholly in the prompt wins.
+            for blocks in range(len(match.hashes), last_end, -1):
+                rest = tokens[blocks * self.block_size:]
+                trial = PrefixMatch(match.hashes[:blocks], match.held[:blocks],
+                                    match.stored[:blocks], match.ends[:blocks])
+                if rest:
+                    self._match_continuation(trial, rest, lower, needs_boundaries)
+                if trial.tail_tokens:
+                    return trial
+        match.truncate(last_end)
         rest = tokens[len(match.hashes) * self.block_size:]
         if rest:
-            self._match_continuation(match, rest, lower)
+            self._match_continuation(match, rest, lower, needs_boundaries)
         return match
 
     def _match_continuation(self, match: PrefixMatch, tokens: Sequence[int],
-                            lower: BlockStore | None) -> None:
+                            lower: BlockStore | None, needs_boundaries: bool = False) -> None:
         """The continuation under ``match``'s last block sharing the most leading
-        ``tokens``: memory's best, or the lower tier's block when it shares more."""
+        ``tokens``: memory's best, or the lower tier's block when it shares more (for a
+        model with layers that cannot be cut, only a block with a boundary state, all of
+        whose tokens the prompt continues with)."""
         parent = match.hashes[-1] if match.hashes else self.root
         with self._lock:
             best, shared = self._held.best_continuation(parent, tokens)
@@ -184,9 +204,11 @@ class PrefixCache:
             return
         for block_hash, block_tokens in lower.continuations(parent):
             n = common_prefix_length(block_tokens, tokens)
+            if needs_boundaries and n < len(block_tokens):
+                continue
             if n > match.tail_tokens and self.get(block_hash) is None:
                 stored = lower.describe(block_hash)
-                if stored is not None:
+                if stored is not None and (stored.has_boundary or not needs_boundaries):
                     match.tail, match.tail_entry = None, None
                     match.tail_hash, match.tail_stored, match.tail_tokens = block_hash, stored, n
 
@@ -211,7 +233,11 @@ class PrefixCache:
         if match.tail is not None or match.tail_hash is None:
             return match.tail
         block = self.read(match.tail_hash)
-        if block is None or not block.partially_reusable:
+        if block is None:
+            return None
+        if block.boundary is not None and block.tokens and len(block.tokens) == match.tail_tokens:
+            return CachedTail(block.parent_hash, block.tokens, block.kv, block.nbytes, block.boundary)
+        if not block.partially_reusable:
             return None
         return CachedTail(block.parent_hash, block.tokens, block.kv, block.nbytes)
 
@@ -335,8 +361,8 @@ class PrefixCache:
             return
         lower.put(CachedBlock(block_hash=partial_hash(tail.parent_hash, tail.tokens),
                               parent_hash=tail.parent_hash, index=index, block_size=self.block_size,
-                              kv=tail.kv, boundary=None, reusable_end=False, nbytes=tail.nbytes,
-                              tokens=tail.tokens))
+                              kv=tail.kv, boundary=tail.boundary, reusable_end=False,
+                              nbytes=tail.nbytes, tokens=tail.tokens))
 
     def lookup_tail(self, parent_hash: bytes, tokens: Sequence[int]) -> tuple[CachedTail | None, int]:
         """The kept tail or cached block under ``parent_hash`` sharing the most leading
@@ -376,12 +402,13 @@ class PrefixCache:
         self.record_reuse(match, reusable, shared)
         return blocks[:reusable], tail, shared
 
-    def peek_prefix(self, hashes: Sequence[bytes], tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` :meth:`lookup_prefix` would reuse now from memory;
+    def peek_prefix(self, hashes: Sequence[bytes], tokens: Sequence[int], *,
+                    needs_boundaries: bool = False) -> int:
+        """How many of ``tokens`` a request would reuse now from memory (``hashes``: the
+        chain of their full blocks; ``needs_boundaries``: as for :meth:`match_prefix`);
         changes nothing."""
-        blocks = self.peek(hashes)
-        start = blocks * self.block_size
-        return start + self.peek_tail(hashes[blocks - 1] if blocks else self.root, tokens[start:])
+        match = self._match(hashes, tokens, needs_boundaries, None)
+        return len(match.hashes) * self.block_size + match.tail_tokens
 
     def peek_tail(self, parent_hash: bytes, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` :meth:`lookup_tail` would reuse now; changes nothing."""

@@ -129,14 +129,14 @@ class PrefixRestorer:
             written += 1
             if block.reusable_end:
                 usable, boundary = written, block.boundary
-        if usable < blocks:
+        tail = self.prefix_cache.tail_of(match) if tail_tokens and written == blocks else None
+        if tail is not None and tail.boundary is not None:
+            # A tail with a boundary state is a place to resume at after every block.
+            usable, boundary = written, tail.boundary
+        if tail is None or usable < blocks:
             tail_tokens = 0
-        elif tail_tokens:
-            tail = self.prefix_cache.tail_of(match)
-            if tail is None:
-                tail_tokens = 0
-            else:
-                layout.write(cache, tail.kv, usable * block_size, tail_tokens, end)
+        else:
+            layout.write(cache, tail.kv, usable * block_size, tail_tokens, end)
         if not usable and not tail_tokens:
             return Restored(layout.new_cache())
         layout.finish(cache, usable * block_size + tail_tokens, boundary)

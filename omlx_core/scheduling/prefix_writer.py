@@ -10,6 +10,14 @@ to the ``boundary_listener`` (the ``on_boundary_snapshot`` hook) as a
 or is preempted leaves the full blocks its prompt and completion filled, and the tokens
 after the last one as a tail (:meth:`PrefixCacheWriter.store_finished_blocks`), so the
 next request continuing them (the next chat turn, a resumed request) reuses them all.
+
+**Boundary capture.** For a model with layers that cannot be cut, a tail carries their
+state at its end and is reused only whole. Such tails are kept where a next turn
+diverges: the end of the prompt less its last token (prefill's end: a repeated prompt),
+the end of the whole prompt (:meth:`PrefixCacheWriter.store_prompt_end`: a next turn
+whose re-sent answer differs from the tokens generated) and the end of the completion
+(a next turn re-sending it as generated). They are held, budgeted and evicted like any
+tail, and offered to the lower tier as partial blocks with a boundary state.
 """
 
 from __future__ import annotations
@@ -74,6 +82,14 @@ class PrefixCacheWriter:
         self._store_tail(sequence.cache, self.cache_key(sequence, sequence.context[:end]),
                          sequence.block_hashes)
 
+    def store_prompt_end(self, sequence: SequenceState) -> None:
+        """For a model with layers that cannot be cut, capture the state at the end of
+        the whole prompt (its first-token forward has fed the last token): where the
+        next chat turn resumes when the answer it re-sends differs from the tokens
+        generated (a template that rewrites it, text that tokenizes differently)."""
+        if self.layout.needs_boundaries and sequence.cache:
+            self.store_finished_blocks(sequence, sequence.cache, sequence.context)
+
     def _announce_boundary(self, sequence: SequenceState, block: CachedBlock) -> None:
         from omlx_core.memory.types import BoundarySnapshot
 
@@ -88,23 +104,33 @@ class PrefixCacheWriter:
         """Cache the full blocks (and the tail after them) that ``tokens``, a prefix of
         ``sequence``'s prompt and completion, filled in ``cache``.
 
-        Only for models whose every layer can be cut: a boundary state at a block end
-        inside the completion was never captured.
+        For a model with layers that cannot be cut, their state at the end of what
+        ``cache`` holds is captured (boundary capture), with the last block when it ends
+        there, else with the tail, so the next chat turn resumes right after the
+        completion (the stop token included: the decode step fed it).
         """
-        if not self.prefix_cache.enabled or self.layout.needs_boundaries or not cache:
+        if not self.prefix_cache.enabled or not cache:
             return
+        held = cache_length(cache, len(tokens))
+        if self.layout.needs_boundaries and held > len(tokens):
+            return  # its state is past the tokens known: nothing to key it by
         # The cache holds every token of ``tokens`` (its offset equals their count); the
         # clamp only guards against a cache shorter than them, whose KV it cannot cover.
-        keys = list(self.cache_key(sequence, list(tokens[:cache[0].offset])))
+        keys = list(self.cache_key(sequence, list(tokens[:held])))
         block_size = self.prefix_cache.block_size
         hashes = self.prefix_cache.extend_hashes(sequence.block_hashes[:sequence.stored_blocks], keys)
+        ends_on_block = len(hashes) * block_size == len(keys)
         blocks = []
         for index in range(sequence.stored_blocks, len(hashes)):
-            if self.prefix_cache.get(hashes[index]) is not None:
+            captures_here = (self.layout.needs_boundaries and ends_on_block
+                             and index == len(hashes) - 1)
+            existing = self.prefix_cache.get(hashes[index])
+            if existing is not None and (existing.reusable_end or not captures_here):
                 continue
             parent = hashes[index - 1] if index else self.prefix_cache.root
             kv = self.layout.cut(cache, index * block_size, (index + 1) * block_size)
-            blocks.append(self.layout.make_block(hashes[index], parent, index, block_size, kv, None,
+            boundary = self.layout.capture(cache) if captures_here else None
+            blocks.append(self.layout.make_block(hashes[index], parent, index, block_size, kv, boundary,
                                                  keys[index * block_size:(index + 1) * block_size]))
         self.prefix_cache.insert(blocks, chain=hashes)
         self._store_tail(cache, keys, hashes)
@@ -112,9 +138,12 @@ class PrefixCacheWriter:
     def _store_tail(self, cache: list[Any] | None, tokens: Sequence[int], hashes: list[bytes]) -> None:
         """Keep the tokens after the last full block of ``tokens`` (all in ``cache``;
         ``hashes``: the chain of their full blocks) as a prefix-cache tail, so the next
-        request continuing them reuses them all."""
-        if not self.prefix_cache.enabled or self.layout.needs_boundaries or not cache:
+        request continuing them reuses them all. For a model with layers that cannot be
+        cut, the tail carries their state and ``cache`` must end at ``tokens``' end."""
+        if not self.prefix_cache.enabled or not cache:
             return
+        if self.layout.needs_boundaries and cache_length(cache, len(tokens)) != len(tokens):
+            return  # the captured state would not be the state at the tail's end
         full = len(tokens) // self.prefix_cache.block_size
         if full * self.prefix_cache.block_size == len(tokens):
             return
@@ -124,4 +153,10 @@ class PrefixCacheWriter:
                                       index=full)
 
 
-__all__ = ["PrefixCacheWriter"]
+def cache_length(cache: Sequence[Any], default: int) -> int:
+    """Tokens ``cache`` holds: its first attention layer's offset (a recurrent layer
+    keeps none), or ``default`` when it has no attention layer."""
+    return next((layer.offset for layer in cache if hasattr(layer, "offset")), default)
+
+
+__all__ = ["PrefixCacheWriter", "cache_length"]

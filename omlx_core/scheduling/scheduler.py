@@ -335,6 +335,7 @@ class Scheduler(MemoryReceiver):
             try:
                 self.emitter.hand_out(sequence, first.token, first.logprobs, first.finish_reason)
                 if first.finish_reason is None:
+                    self.writer.store_prompt_end(sequence)
                     self._to_decoding(sequence, first.token)
                 else:
                     self.writer.store_finished_blocks(sequence, sequence.cache or [], sequence.context)

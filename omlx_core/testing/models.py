@@ -92,6 +92,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True,
         "tie_word_embeddings": False,
     },
+    # gpt-oss: layers alternate sliding-window (RotatingKVCache, window 16) and full
+    # attention, every attention has learned per-head sinks (a logit each head's softmax
+    # adds to its denominator), and every MLP is a biased MoE with the clamped SwiGLU
+    # (experts under mlp.experts, a biased router), like gpt-oss-20b.
+    "gpt_oss": {
+        **_SHARED_ATTENTION,
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "tie_word_embeddings": False,
+    },
     # Sparse MoE (SwitchGLU experts under mlp.switch_mlp in every layer), like Qwen3-30B-A3B.
     "qwen3_moe": {
         **_SHARED_ATTENTION,
@@ -171,6 +185,11 @@ def build_weights(family: str, *, seed: int = 0, overrides: dict[str, Any] | Non
         shape = params[f"{name}.weight"].shape
         std = EMBEDDING_INIT_STD if isinstance(module, nn.Embedding) else shape[-1] ** -0.5
         params[f"{name}.weight"] = mx.random.normal(shape, scale=std, key=subkey)
+    # mlx-lm starts attention sinks at zero (every head the same); drawn, they differ per
+    # head and layer, so a sink that is dropped or misplaced changes the outputs.
+    sinks = sorted(name for name in params if name.endswith(".sinks"))
+    for name, subkey in zip(sinks, mx.random.split(mx.random.key(family_seed + 1), len(sinks) or 1)):
+        params[name] = mx.random.normal(params[name].shape, key=subkey)
 
     target_dtype = getattr(mx, dtype)
     weights = {

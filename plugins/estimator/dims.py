@@ -31,7 +31,11 @@ LATENT_CACHE_MODEL_TYPES = frozenset({
 GATED_DELTA_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
 #: model_types whose mlx-lm make_cache uses RotatingKVCache for "sliding_attention"
 #: entries of ``layer_types``; any other model with a window is costed as full attention.
-LAYER_TYPES_SLIDING_MODEL_TYPES = frozenset({"llama", "mistral", "ministral3", "olmo3"})
+LAYER_TYPES_SLIDING_MODEL_TYPES = frozenset({"llama", "mistral", "ministral3", "olmo3", "gpt_oss"})
+#: model_types whose mlx-lm attention adds learned per-head sinks to the softmax, and
+#: the ``layer_types`` mlx-lm builds them with when their config lists none.
+ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+_DEFAULT_LAYER_TYPES = {"gpt_oss": ("sliding_attention", "full_attention")}
 #: model_types whose recurrent or hybrid layers this estimator does not model.
 UNMODELED_RECURRENT_MODEL_TYPES = frozenset({
     "mamba", "mamba2", "falcon_mamba", "falcon_h1", "nemotron_h", "jamba",
@@ -110,6 +114,8 @@ class ModelDims:
     latent: LatentAttentionDims | None = None
     moe: MoeDims | None = None
     linear: LinearAttentionDims | None = None
+    #: the attention has per-head sinks (gpt-oss): the CPU fallback holds more scores
+    attention_sinks: bool = False
     #: which config block the dims came from: "top level" or e.g. "text_config"
     source: str = "top level"
     #: keys the config left out, taken from the defaults mlx-lm builds the model with
@@ -199,8 +205,10 @@ class ModelDims:
             window = reader.int("sliding_window", default=512)
             pattern = reader.int("sliding_window_pattern", default=6)
             kinds = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
-        elif families & LAYER_TYPES_SLIDING_MODEL_TYPES and block.get("layer_types"):
-            layer_types = block["layer_types"]
+        elif families & LAYER_TYPES_SLIDING_MODEL_TYPES and (
+                block.get("layer_types") or families & set(_DEFAULT_LAYER_TYPES)):
+            default = next((_DEFAULT_LAYER_TYPES[f] for f in families if f in _DEFAULT_LAYER_TYPES), ())
+            layer_types = block.get("layer_types") or list(default) * (num_layers // len(default))
             if not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_layers:
                 raise EstimatorDisabledError(
                     f"{where}layer_types={layer_types!r} does not list one type per layer "
@@ -218,7 +226,8 @@ class ModelDims:
                    num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    v_head_dim=v_head_dim, intermediate_size=intermediate or 0,
                    vocab_size=vocab, layer_kinds=tuple(kinds), sliding_window=window,
-                   latent=latent, moe=moe, linear=linear, source=source,
+                   latent=latent, moe=moe, linear=linear,
+                   attention_sinks=bool(families & ATTENTION_SINK_MODEL_TYPES), source=source,
                    defaulted=tuple(reader.defaulted))
 
     def count(self, kind: str) -> int:

@@ -81,15 +81,24 @@ def rotating_length(length: int, window: int, appended: int) -> int:
     return min(length, window - 1) + appended
 
 
-def attention_scores_bytes(heads: int, query_tokens: int, key_tokens: int, dtype_bytes: int) -> int:
-    """The materialized score matrix plus its one-byte causal mask (CPU SDPA fallback).
+#: Score matrices mlx's SDPA fallback holds at once when the attention has sinks
+#: (gpt-oss): the scores, the scores with the sink column joined on, and the softmax of
+#: those. Measured on the tiny gpt-oss model: a 2,048-token chunk peaked at 3.2 times
+#: its one score matrix, where a sink-less model peaks at 1.1 times.
+SINK_SCORE_COPIES = 3
+
+
+def attention_scores_bytes(heads: int, query_tokens: int, key_tokens: int, dtype_bytes: int,
+                           sinks: bool = False) -> int:
+    """The materialized score matrix plus its one-byte causal mask (CPU SDPA fallback);
+    with ``sinks``, the :data:`SINK_SCORE_COPIES` score matrices the fallback holds then.
 
     omlx-core's CPU attention route (:mod:`omlx_core.models.attention`) masks the scores
     in place and holds no mask, but whether a model takes it depends on what this
     process has loaded (the route is a module global of the model's family): the
     estimate counts the mask either way, so it is the same with the route or without
     it, and never below what either holds (``tests/test_memory_estimate_routes.py``)."""
-    scores = heads * query_tokens * key_tokens * dtype_bytes
+    scores = heads * query_tokens * key_tokens * dtype_bytes * (SINK_SCORE_COPIES if sinks else 1)
     mask = query_tokens * key_tokens if query_tokens > 1 else 0
     return scores + mask
 
@@ -391,10 +400,11 @@ def _chunk_peak(s: _Settings, before: _CacheState, tokens: int, start: dict[str,
     if FULL in computed and dims.latent is not None:
         scores = latent_attention_bytes(dims, tokens, after.offset, b)
     elif FULL in computed and not fused:
-        scores = attention_scores_bytes(dims.num_heads, tokens, after.offset, b)
+        scores = attention_scores_bytes(dims.num_heads, tokens, after.offset, b, dims.attention_sinks)
     if SLIDING in computed and not fused:
         # Sliding layers pass their window mask (counted below) as an array: nothing to drop.
-        scores = max(scores, attention_scores_bytes(dims.num_heads, tokens, after.window_length, b))
+        scores = max(scores, attention_scores_bytes(dims.num_heads, tokens, after.window_length, b,
+                                                    dims.attention_sinks))
     if SLIDING in dims.layer_kinds and tokens > 1:
         # The window mask is an array built once per forward and kept through every layer.
         scores += tokens * after.window_length
@@ -450,7 +460,8 @@ def _join_peak(s: _Settings, before: _CacheState, start: dict[str, int]) -> Peak
     wide = max(b, 4)
     components["activations"] = (attention_activation_bytes(dims, 1, wide)
                                  + max(mlp_bytes(dims, 1, wide), moe_bytes(dims, 1, wide))
-                                 + attention_scores_bytes(dims.num_heads, 1, after.full_capacity, b))
+                                 + attention_scores_bytes(dims.num_heads, 1, after.full_capacity, b,
+                                                          dims.attention_sinks))
     if dims.count(FULL) and s.kv_bits and s.backend == "cpu":
         components["dequantized_kv"] = dequantized_kv_bytes(dims, after.full_capacity, b)
     components["overhead"] = FIXED_OVERHEAD_BYTES

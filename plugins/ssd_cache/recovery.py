@@ -74,7 +74,9 @@ def scan_blocks(blocks_dir: Path, identity: str, label: str) -> tuple[list[tuple
                     removed += remove_file(side)
             depth = int(metadata.get("index", 0))
             parent, tokens = b"", array("q", json.loads(metadata.get("tokens", "[]")))
-            if tokens and all(t == "KVCache" for t in json.loads(metadata.get("layer_types", "[]"))):
+            cut_by_token = all(t == "KVCache" for t in json.loads(metadata.get("layer_types", "[]")))
+            partial = len(tokens) < int(metadata.get("block_size", 0))
+            if tokens and (cut_by_token or (has_boundary and partial)):
                 parent = bytes.fromhex(metadata.get("parent_hash", ""))
             else:
                 tokens = array("q")

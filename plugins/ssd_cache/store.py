@@ -222,7 +222,9 @@ class PagedSSDStore(BlockStore):
         boundary = staged
         if boundary is None and block.boundary is not None:
             boundary = payload_of_states(block.boundary, block_hash=block_hash, index=block.index,
-                                         token_count=block.end_token, identity=self.identity,
+                                         token_count=block.index * block.block_size
+                                         + (len(block.tokens) if ends_a_turn(block) else block.block_size),
+                                         identity=self.identity,
                                          layer_types=layer_types)
         size = sum(p.estimated_file_size() for p in (payload, boundary) if p is not None)
         admitted, victims = self._index.reserve(block_hash, size, limit=self._quota.limit,
@@ -232,7 +234,7 @@ class PagedSSDStore(BlockStore):
         if not admitted:
             self._counts.add("declined")
             return
-        if kind == "block" and block.partially_reusable:
+        if kind == "block" and (block.partially_reusable or ends_a_turn(block)):
             self._index.set_tokens(block_hash, block.parent_hash, block.tokens)
         for part in (payload, boundary):
             if part is not None:
@@ -357,3 +359,10 @@ def _arrays_of(value: Any) -> list[Any]:
 
 
 __all__ = ["COUNTERS", "DEFAULT_QUEUE_BYTES", "DirectoryInUseError", "PagedSSDStore", "layer_types_of"]
+
+
+def ends_a_turn(block: CachedBlock) -> bool:
+    """Whether ``block`` is a partial block with a boundary state (a model with layers
+    that cannot be cut, where a request's prompt or completion ended): offered back
+    whole as a continuation of its parent, like a tail."""
+    return block.boundary is not None and 0 < len(block.tokens) < block.block_size
