@@ -121,6 +121,28 @@ def reference_greedy(path, prompt, n) -> list[int]:
 # -- output correctness ---------------------------------------------------------------
 
 
+def test_a_model_loaded_again_runs_the_warm_up_forwards_once(tmp_path, monkeypatch):
+    """What the warm-up pays is paid once per process (routes, kernels, BLAS threads);
+    a model the pool loads again skips its forwards and still answers the same."""
+    from omlx_core.scheduling import engine as scheduling_engine
+    from omlx_core.testing import build_model
+
+    calls = []
+    real = scheduling_engine.warm_up
+    monkeypatch.setattr(scheduling_engine, "warm_up", lambda *a: (calls.append(a), real(*a)))
+    path = tmp_path / "llama"
+    build_model("llama", path, seed=3)
+    answers = []
+    for _ in range(2):
+        engine = start_engine(path)
+        try:
+            answers.append(collect(engine.submit(GenerationRequest(
+                f"again-{next(_ids)}", prompt_of(engine, 6), GREEDY))).token_ids)
+        finally:
+            engine.shutdown()
+    assert len(calls) == 1 and answers[0] == answers[1] and len(answers[0]) == 12
+
+
 def test_greedy_output_matches_plain_mlx_lm(llama, tiny_model_path):
     prompt = prompt_of(llama, 40)
     assert len(prompt) > 3 * PREFILL_STEP  # several prefill chunks

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: (model path, KV format) pairs whose :func:`~.decode_batch.warm_up` ran in this process
+_warmed: set[tuple[str, str]] = set()
+_warmed_lock = threading.Lock()
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -178,8 +182,18 @@ class BatchedEngine(GuardedEngine):
 
     def _warm_up(self) -> None:
         """Pay what a first request would pay once, before the engine serves:
-        :func:`~.decode_batch.warm_up`, and the chat template's first rendering."""
-        warm_up(self._lm, lambda: make_request_cache(self._lm, self.kv_format))
+        :func:`~.decode_batch.warm_up` (once per model and KV format in this process: a
+        model the pool loads again finds its routes, kernels and BLAS threads started,
+        and its weights are evaluated at load; a float16 model's warm-up forwards alone
+        took ~4 s of a 2-core machine at every reload), and the chat template's first
+        rendering (the tokenizer is new at every load)."""
+        warmed = (str(self.model.path), str(self.kv_format))
+        with _warmed_lock:
+            first = warmed not in _warmed
+        if first:
+            warm_up(self._lm, lambda: make_request_cache(self._lm, self.kv_format))
+            with _warmed_lock:
+                _warmed.add(warmed)
         if getattr(self.tokenizer, "chat_template", None):
             try:
                 self.tokenize_chat([{"role": "user", "content": "Hello"}])
