@@ -93,4 +93,8 @@ fi
 if [ "$mode" = serve ]; then
   exec "$VENV/bin/omlx-core" serve "$@"
 fi
-exec "$VENV/bin/python" -m pytest "$@"
+# Two test processes, each taking whole files (a module's servers and models are set up
+# once): the fast tests are mostly one core's Python each, and the slow ones wait on
+# servers, ranks and wall-clock traffic as much as they compute. `-n 0` after it runs
+# them in one process.
+exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile "$@"
