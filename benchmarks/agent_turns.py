@@ -388,7 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "chunk; cells: median over the rounds (lowest-highest); ours / theirs: the median of "
         "the per-round ratios (range)",
     ]
-    report = render(results, header) if results else "# Agent turns\n\n" + "\n".join(header[:1])
+    if not results:
+        header = [header[0].split(";")[0] + f"; {args.turns} turns per conversation, no timing"]
+    report = render(results, header) if results else "# Agent turns\n\n" + "\n".join(header)
     if reuse:
         report += "\n\n" + "\n".join(render_reuse(reuse))
     publish_report(report, args.out if args.out is not None else DEFAULT_OUT)
