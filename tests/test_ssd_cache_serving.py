@@ -12,15 +12,14 @@ import openai
 import pytest
 
 from omlx_core.bench.servers import ServerProcess, ServerSpec
-from omlx_core.bootstrap import build_host
 from omlx_core.config import load_config
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.models.registry import spec_for_path
 from omlx_core.pluginmanager import build_plugin_manager
 from omlx_core.plugins import ssd_cache
 from omlx_core.plugins.batched import BatchedEngine
-from omlx_core.server_context import ServerContext
 from omlx_core.testing.scrape import metric_value
+from omlx_core.testing.served import ServedEngine
 from omlx_core.testing.waiting import free_port, wait_for
 from omlx_core.testing import engine_io
 
@@ -29,23 +28,13 @@ BLOCK = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
-class Served:
-    """One batched engine started the way ``serve`` starts it: its host built by core
-    (the SSD tier and the snapshot and finish sinks from the plugins), then ``startup``."""
+class Served(ServedEngine):
+    """An engine started the way ``serve`` starts it, with this module's small blocks and
+    prefill steps."""
 
     def __init__(self, path: Path, ssd_dir: Path | str, **overrides: object) -> None:
-        values = {"plugin.batched.prefill_step_size": PREFILL_STEP, "plugin.batched.block_size": BLOCK,
-                  "plugin.ssd_cache.dir": str(ssd_dir), **overrides}
-        self.config = load_config("base", overrides=[(k, str(v), "test") for k, v in values.items()],
-                                  env={})
-        self.plugins = build_plugin_manager()
-        self.context = ServerContext(config=self.config, plugins=self.plugins)
-        spec = spec_for_path(path)
-        self.engine = BatchedEngine(spec, build_host(self.context, spec))
-        self.engine.start()
-        self.context.engines[spec.id] = self.engine
-        self.plugins.hook.startup(context=self.context)
-        self.store = ssd_cache.store_for(self.engine.model.id) if ssd_dir else None
+        super().__init__(path, ssd_dir, **{"plugin.batched.prefill_step_size": PREFILL_STEP,
+                                           "plugin.batched.block_size": BLOCK, **overrides})
         self._ids = 0
 
     def run(self, prompt: list[int], request_id: str | None = None):
@@ -56,10 +45,6 @@ class Served:
             tokens += output.token_ids
             last = output
         return tokens, last
-
-    def stop(self) -> None:
-        self.plugins.hook.shutdown(context=self.context)
-        self.engine.shutdown()
 
 
 def prompt_for(engine: BatchedEngine, words: int) -> list[int]:

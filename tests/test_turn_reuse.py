@@ -1,21 +1,31 @@
 """An agent conversation re-sending its history every turn reuses, on every tiny model
-family, what the server saw on the turn before: the previous prompt and completion
-(boundary capture for the families whose layers cannot be cut), with the same greedy
-answers as an engine without a prefix cache."""
+family and on the real default model, what the server saw on the turn before: the
+previous prompt and completion (boundary capture for the families whose layers cannot
+be cut), in memory and through the SSD tier after a restart, with the same greedy
+answers as a server without a prefix cache."""
 
 from __future__ import annotations
 
+import sys
+
+import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from omlx_core.bench.prompts import text_of_tokens
+from omlx_core.bench.servers import ServerProcess, ServerSpec
 from omlx_core.config import load_config
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.batched import BatchedEngine
-from omlx_core.testing.conversation import reuse_table, run_conversation
+from omlx_core.testing.conversation import (Conversation, converse, engine_asker, http_asker,
+                                            reuse_table, run_conversation, with_tool_output)
 from omlx_core.testing.host import make_test_host
+from omlx_core.testing.served import ServedEngine
+from omlx_core.testing.waiting import free_port
 
 #: the issue's goal: turn N+1 reuses this much of the prefix it shares with turn N
 MIN_REUSE = 0.95
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma3", "qwen3_next", "gpt_oss"]
 
 
 def engine_for(path, **overrides) -> BatchedEngine:
@@ -26,20 +36,116 @@ def engine_for(path, **overrides) -> BatchedEngine:
     return engine
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gemma3", "qwen3_next", "gpt_oss"])
+def uncached_conversation(path, tokenizer) -> Conversation:
+    engine = engine_for(path, **{"plugin.batched.prefix_cache_budget": 0})
+    try:
+        conversation = run_conversation(engine, tokenizer, turns=8, max_tokens=16)
+    finally:
+        engine.shutdown()
+    assert all(t.cached_tokens == 0 for t in conversation.turns)
+    return conversation
+
+
+def assert_reused(conversation: Conversation, reference: Conversation, name: str) -> None:
+    assert conversation.answers == reference.answers
+    # Something is shared every turn (the system prompt at least), so reuse is measured.
+    assert all(t.shared_tokens > 64 for t in conversation.turns)
+    assert conversation.worst_reuse >= MIN_REUSE, reuse_table([(name, conversation)])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_each_turn_reuses_what_the_turn_before_left(tiny_model_path, family):
     path = tiny_model_path(family)
     tokenizer = load_tokenizer(path)
     cached = engine_for(path)
-    uncached = engine_for(path, **{"plugin.batched.prefix_cache_budget": 0})
     try:
         with_cache = run_conversation(cached, tokenizer, turns=8, max_tokens=16)
-        without = run_conversation(uncached, tokenizer, turns=8, max_tokens=16)
     finally:
         cached.shutdown()
-        uncached.shutdown()
-    assert with_cache.answers == without.answers
-    assert all(t.cached_tokens == 0 for t in without.turns)
-    # Something is shared every turn (the system prompt at least), so reuse is measured.
-    assert all(t.shared_tokens > 64 for t in with_cache.turns)
-    assert with_cache.worst_reuse >= MIN_REUSE, reuse_table([(family, with_cache)])
+    assert_reused(with_cache, uncached_conversation(path, tokenizer), family)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_turn_after_a_restart_reuses_what_the_ssd_tier_kept(tiny_model_path, tmp_path, family):
+    """Every turn runs on a new engine over the same SSD directory (a server restarted
+    between turns): its memory is empty, so all it reuses was read back from disk."""
+    path = tiny_model_path(family)
+    tokenizer = load_tokenizer(path)
+    restarts = []
+
+    def ask(messages, prompt):
+        with ServedEngine(path, tmp_path / "ssd") as served:
+            restarts.append(served.store.stats())
+            return engine_asker(served.engine, tokenizer, max_tokens=16)(messages, prompt)
+
+    restarted = converse(ask, tokenizer, turns=8)
+    # Each engine after the first found the blocks the ones before it left on disk.
+    assert len(restarts) == 8 and all(stats["blocks"] > 0 for stats in restarts[1:]), restarts
+    assert_reused(restarted, uncached_conversation(path, tokenizer), f"{family} (restarts)")
+
+
+# -- the real default model through a real server ---------------------------------------------------
+
+#: the served id of the default model (``[server] models`` of the shipped tiers)
+DEFAULT_ID = "smollm2-135m-instruct"
+SYSTEM_TOKENS = 1000
+TOOL_OUTPUT_TOKENS = 150
+ANSWER_TOKENS = 24
+
+
+def serve_spec(port: int, *settings: str) -> ServerSpec:
+    argv = [sys.executable, "-m", "omlx_core", "--log-level", "WARNING", "serve", "--tier",
+            "cpu-small", "--port", str(port)]
+    for setting in settings:
+        argv += ["--set", setting]
+    return ServerSpec("omlx", "omlx-core serve", argv, model_id=DEFAULT_ID)
+
+
+def served_conversation(default_model_dir, *settings: str, restart_every_turn: bool = False
+                        ) -> Conversation:
+    """8 greedy turns of a growing agent context (a ~1k-token system prompt, each user
+    message with tool output) against ``omlx-core serve`` over the default model, one
+    server for all turns or a new one for each."""
+    tokenizer = load_tokenizer(default_model_dir)
+    system = text_of_tokens(default_model_dir, SYSTEM_TOKENS, seed=35, heading="Follow these rules.")
+    port = free_port()
+
+    def ask_on(port: int):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=300)
+        return http_asker(client, DEFAULT_ID, default_model_dir, ANSWER_TOKENS)
+
+    def ask_restarted(messages, prompt):
+        port = free_port()
+        with ServerProcess(serve_spec(port, *settings), port):
+            return ask_on(port)(messages, prompt)
+
+    message = with_tool_output(default_model_dir, TOOL_OUTPUT_TOKENS)
+    if restart_every_turn:
+        return converse(ask_restarted, tokenizer, turns=8, system_prompt=system, message=message)
+    with ServerProcess(serve_spec(port, *settings), port):
+        return converse(ask_on(port), tokenizer, turns=8, system_prompt=system, message=message)
+
+
+@pytest.fixture(scope="module")
+def default_uncached(default_model_dir) -> Conversation:
+    conversation = served_conversation(default_model_dir, "plugin.batched.prefix_cache_budget=0",
+                                       "plugin.ssd_cache.dir=")
+    assert all(t.cached_tokens == 0 for t in conversation.turns)
+    return conversation
+
+
+@pytest.mark.slow
+def test_the_default_model_reuses_each_turn_through_a_server(default_model_dir, default_uncached,
+                                                             tmp_path):
+    conversation = served_conversation(default_model_dir, f"plugin.ssd_cache.dir={tmp_path / 'ssd'}")
+    assert conversation.turns[-1].prompt_tokens > SYSTEM_TOKENS + 7 * TOOL_OUTPUT_TOKENS
+    assert_reused(conversation, default_uncached, "default model")
+
+
+@pytest.mark.slow
+def test_the_default_model_reuses_each_turn_after_a_restart(default_model_dir, default_uncached,
+                                                            tmp_path):
+    conversation = served_conversation(default_model_dir, f"plugin.ssd_cache.dir={tmp_path / 'ssd'}",
+                                       restart_every_turn=True)
+    assert_reused(conversation, default_uncached, "default model (restarts)")

@@ -5,15 +5,22 @@ Each turn's prompt is the chat template over every message so far (the previous
 prompt's messages, the answer decoded to text, a new user message). What the server
 saw on turn N is its prompt and completion (the stop token included: the engine feeds
 it before the request ends); turn N+1 shares the longest token prefix of that with its
-own prompt, and reuses ``usage.cached_tokens`` of it. :func:`run_conversation` returns
-both per turn; :attr:`Turn.reuse` is their ratio.
+own prompt, and reuses ``usage.cached_tokens`` of it. :func:`converse` returns both per
+turn; :attr:`Turn.reuse` is their ratio.
+
+Who answers is an :data:`Ask`: :func:`engine_asker` submits to an omlx-core engine in
+this process, :func:`http_asker` sends the messages to a server's chat endpoint (with
+the openai SDK) and reads its answer's token ids from the logprobs. An ask may start a
+new server for each turn: then every turn's reuse is what the SSD tier kept across the
+restart.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from omlx_core.engine import GenerationRequest, SamplingParams
 from omlx_core.scheduling.block_hashes import common_prefix_length
@@ -34,6 +41,38 @@ def user_message(turn: int) -> str:
     topic = _TOPICS[turn % len(_TOPICS)]
     return (f"Turn {turn + 1}: what should we check first about {topic}, and what would "
             f"you change if it happened again next week?")
+
+
+def with_tool_output(model_dir: Path, tokens: int) -> Callable[[int], str]:
+    """User messages that carry ``tokens`` tokens of tool output each (prose sized by the
+    tokenizer in ``model_dir``, different every turn) after :func:`user_message`: the
+    context an agent resends grows by that much every turn."""
+
+    def message(turn: int) -> str:
+        from omlx_core.bench.prompts import text_of_tokens
+
+        output = text_of_tokens(model_dir, tokens, seed=1000 + turn, heading="Tool output:")
+        return f"{user_message(turn)}\n\n{output}"
+
+    return message
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One turn's answer as the server produced it."""
+
+    #: the completion's token ids (the stop token not among them)
+    tokens: list[int]
+    #: the answer as text, as it goes back into the history
+    text: str
+    #: whether it ended on a stop token (which the engine fed, so the server saw it)
+    stopped: bool
+    #: prompt tokens the server took from its cache
+    cached_tokens: int
+
+
+#: answers ``(messages, prompt token ids)`` for one turn
+Ask = Callable[[list[dict[str, str]], list[int]], Reply]
 
 
 @dataclass(frozen=True)
@@ -63,18 +102,33 @@ class Conversation:
         return min((t.reuse for t in self.turns), default=1.0)
 
 
-def run_conversation(engine: Any, tokenizer: Any, *, turns: int = 8, max_tokens: int = 24,
-                     system_prompt: str = SYSTEM_PROMPT) -> Conversation:
-    """Hold a ``turns``-turn greedy conversation with ``engine`` (an omlx-core engine,
-    started), re-sending the history through ``tokenizer``'s chat template every turn."""
+def converse(ask: Ask, tokenizer: Any, *, turns: int = 8, system_prompt: str = SYSTEM_PROMPT,
+             message: Callable[[int], str] = user_message) -> Conversation:
+    """Hold a ``turns``-turn conversation through ``ask``, re-sending the history through
+    ``tokenizer``'s chat template (mlx-lm's tokenizer wrapper) every turn; ``message``
+    gives the user's message of each turn (0-based)."""
     messages = [{"role": "system", "content": system_prompt}]
-    stop_ids = set(tokenizer.eos_token_ids)
+    stop_ids = sorted(tokenizer.eos_token_ids)
     seen: list[int] = []
     measured: list[Turn] = []
     answers: list[list[int]] = []
     for turn in range(turns):
-        messages.append({"role": "user", "content": user_message(turn)})
+        messages.append({"role": "user", "content": message(turn)})
         prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        reply = ask(list(messages), prompt)
+        if turn:
+            measured.append(Turn(len(prompt), common_prefix_length(seen, prompt),
+                                 reply.cached_tokens))
+        answers.append(reply.tokens)
+        seen = prompt + reply.tokens + (stop_ids[:1] if reply.stopped and stop_ids else [])
+        messages.append({"role": "assistant", "content": reply.text})
+    return Conversation(measured, answers)
+
+
+def engine_asker(engine: Any, tokenizer: Any, max_tokens: int = 24) -> Ask:
+    """Greedy turns on ``engine`` (an omlx-core engine, started), by token ids."""
+
+    def ask(messages: list[dict[str, str]], prompt: list[int]) -> Reply:
         request = GenerationRequest(f"turn-{next(_ids)}", prompt,
                                     SamplingParams(temperature=0.0, max_tokens=max_tokens))
         tokens, last = [], None
@@ -82,15 +136,54 @@ def run_conversation(engine: Any, tokenizer: Any, *, turns: int = 8, max_tokens:
             tokens += output.token_ids
             last = output
         if last is None or last.error:
-            raise RuntimeError(f"turn {turn + 1} failed: {getattr(last, 'error', 'no output')}")
-        if turn:
-            measured.append(Turn(len(prompt), common_prefix_length(seen, prompt),
-                                 last.usage.cached_tokens))
-        answers.append(tokens)
-        stop = [next(iter(stop_ids))] if last.finish_reason == "stop" and stop_ids else []
-        seen = prompt + tokens + stop
-        messages.append({"role": "assistant", "content": tokenizer.decode(tokens)})
-    return Conversation(measured, answers)
+            raise RuntimeError(f"the turn failed: {getattr(last, 'error', 'no output')}")
+        return Reply(tokens, tokenizer.decode(tokens), last.finish_reason == "stop",
+                     last.usage.cached_tokens)
+
+    return ask
+
+
+def http_asker(client: Any, model: str, model_dir: Path, max_tokens: int = 24) -> Ask:
+    """Greedy turns through ``client`` (an ``openai.OpenAI``) on a server's chat endpoint.
+    The answer's token ids come from its logprobs (each token's exact bytes, looked up in
+    the byte-level BPE vocabulary of ``model_dir``): the text encoded again can split
+    differently from what the model generated, and the shared prefix must be measured
+    against the tokens the server saw."""
+    ids_of = _ids_by_bytes(model_dir)
+
+    def ask(messages: list[dict[str, str]], prompt: list[int]) -> Reply:
+        response = client.chat.completions.create(model=model, messages=messages,
+                                                  max_tokens=max_tokens, temperature=0,
+                                                  logprobs=True)
+        choice, usage = response.choices[0], response.usage
+        entries = choice.logprobs.content if choice.logprobs is not None else []
+        tokens = [ids_of[bytes(entry.bytes)] for entry in entries or ()]
+        if usage.prompt_tokens != len(prompt) or usage.completion_tokens != len(tokens):
+            raise RuntimeError(f"the server saw {usage.prompt_tokens} prompt and "
+                               f"{usage.completion_tokens} completion tokens, the template and "
+                               f"the logprobs give {len(prompt)} and {len(tokens)}")
+        details = usage.prompt_tokens_details
+        cached = int(details.cached_tokens or 0) if details is not None else 0
+        return Reply(tokens, choice.message.content or "", choice.finish_reason == "stop", cached)
+
+    return ask
+
+
+def _ids_by_bytes(model_dir: Path) -> dict[bytes, int]:
+    from tokenizers import Tokenizer
+
+    from omlx_core.models.tokens import token_texts
+
+    texts = token_texts(model_dir)
+    size = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).get_vocab_size()
+    return {texts.bytes_of(i): i for i in reversed(range(size))}
+
+
+def run_conversation(engine: Any, tokenizer: Any, *, turns: int = 8, max_tokens: int = 24,
+                     system_prompt: str = SYSTEM_PROMPT) -> Conversation:
+    """:func:`converse` with greedy turns on ``engine`` (an omlx-core engine, started)."""
+    return converse(engine_asker(engine, tokenizer, max_tokens), tokenizer, turns=turns,
+                    system_prompt=system_prompt)
 
 
 def reuse_table(rows: Sequence[tuple[str, Conversation]]) -> str:
@@ -104,4 +197,6 @@ def reuse_table(rows: Sequence[tuple[str, Conversation]]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Conversation", "SYSTEM_PROMPT", "Turn", "reuse_table", "run_conversation", "user_message"]
+__all__ = ["Ask", "Conversation", "Reply", "SYSTEM_PROMPT", "Turn", "converse", "engine_asker",
+           "http_asker", "reuse_table", "run_conversation", "user_message",
+           "with_tool_output"]
