@@ -136,3 +136,21 @@ def test_minilm_agrees_with_the_numpy_reference_on_mixed_lengths_batched_and_alo
     assert len(TEXTS) >= 20 and min(lengths) <= 4 and max(lengths) >= 100, lengths
     found = agreement(minilm_engine, reference, TEXTS)
     assert found["batched"] >= 0.999 and found["unbatched"] >= 0.999, found
+
+
+@pytest.mark.slow
+def test_minilm_agrees_with_the_numpy_reference_on_short_texts_packed_in_one_forward(
+        minilm_engine: EncoderEngine) -> None:
+    """Inputs up to the packed route's width share a forward with no padding (one token
+    axis, each attending to its own tokens): the same vectors as the reference's."""
+    from omlx_core.plugins.encoder.cpu_routes import KERNEL_MAX_WIDTH
+
+    reference = NumpyBert(minilm_engine.model.path)
+    short = [t for t in TEXTS if len(reference.tokenizer.encode(t).ids) <= KERNEL_MAX_WIDTH]
+    assert len(short) >= 15
+    before = minilm_engine.stats()["forwards"]
+    expected = np.stack([reference.embed(t, KERNEL_MAX_WIDTH) for t in short])
+    batched = engine_vectors(minilm_engine, short, "short")
+    assert minilm_engine.stats()["forwards"] == before + 1
+    cosines = np.sum(batched.astype(np.float64) * expected, axis=1) / np.linalg.norm(batched, axis=1)
+    assert float(cosines.min()) >= 0.999, cosines

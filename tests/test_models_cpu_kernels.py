@@ -201,3 +201,65 @@ def test_a_model_takes_the_norm_and_rope_kernels_on_decode_steps_only(tiny_model
         want = mx.fast.rope(q, rope.dims, traditional=rope.traditional, base=rope.base,
                             scale=rope.scale, offset=mx.array([5, 9, 30]))
         assert mx.array_equal(rope(q, offset=mx.array([5, 9, 30])), want).item()
+
+
+# -- the encoder's primitives (plugins/encoder/cpu_routes.py) ------------------------------------
+
+
+def test_gelu_is_the_exact_gelu_over_the_whole_range(kernels):
+    x = mx.concatenate([mx.linspace(-12, 12, 4001), mx.array([0.0, -0.0, 1e-30, -1e-30]),
+                        mx.random.normal((70_000,), key=mx.random.key(3)) * 3])
+    got, want = kernels.gelu(x), nn.gelu(x)
+    assert got.dtype == mx.float32 and got.shape == x.shape and not mx.isnan(got).any().item()
+    # Abramowitz and Stegun's erf is within 1.5e-7 of erf: x / 2 times that at most.
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+    kept = mx.array(x)
+    strided = x[:70_000].reshape(7, -1)[:, ::3]
+    assert mx.allclose(kernels.gelu(strided), nn.gelu(strided), rtol=1e-5, atol=1e-6).item()
+    mx.eval(kernels.gelu(x * 1.0))  # an intermediate: its buffer becomes the output
+    assert mx.array_equal(x, kept).item()
+
+
+@pytest.mark.parametrize("shape", [(1, 384), (3, 7, 384), (2, 5, 33), (300, 64)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_layer_norm_equals_mlx(kernels, shape, residual):
+    keys = mx.random.split(mx.random.key(len(shape)), 4)
+    x = mx.random.normal(shape, key=keys[0]) * 3 + 1
+    r = mx.random.normal(shape, key=keys[1]) if residual else None
+    norm = nn.LayerNorm(shape[-1], eps=1e-12)
+    norm.weight = mx.random.normal((shape[-1],), key=keys[2])
+    norm.bias = mx.random.normal((shape[-1],), key=keys[3])
+    want = norm(x + r if residual else x)
+    got = kernels.layer_norm(x, r, norm.weight, norm.bias, 1e-12)
+    assert got.shape == x.shape and mx.allclose(got, want, rtol=1e-4, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("lengths", [[1], [5, 1, 12, 7], [64, 3, 30], [2] * 40])
+def test_packed_attention_is_each_sequences_own_attention(kernels, lengths):
+    heads, width = 4, 32
+    tokens = sum(lengths)
+    qkv = mx.random.normal((1, tokens, 3 * heads * width), key=mx.random.key(tokens)) * 2
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
+    got = kernels.packed_attention(qkv, mx.array(offsets, dtype=mx.int32), heads, 0.17)
+    assert got.shape == (1, tokens, heads * width)
+    for start, stop in zip(offsets, offsets[1:]):
+        part = qkv[0, start:stop].reshape(stop - start, 3, heads, width).transpose(1, 2, 0, 3)
+        want = mx.fast.scaled_dot_product_attention(part[0][None], part[1][None], part[2][None],
+                                                    scale=0.17)
+        want = want[0].transpose(1, 0, 2).reshape(stop - start, heads * width)
+        assert mx.allclose(got[0, start:stop], want, rtol=1e-4, atol=1e-5).item()
+
+
+def test_the_encoder_primitives_refuse_what_they_do_not_compute(kernels):
+    with pytest.raises(ValueError, match="float32"):
+        kernels.gelu(mx.zeros((2, 3), dtype=mx.float16))
+    with pytest.raises(ValueError, match="residual of its shape"):
+        kernels.layer_norm(mx.zeros((2, 3)), mx.zeros((3, 2)), mx.ones((3,)), mx.zeros((3,)), 1e-5)
+    with pytest.raises(ValueError, match="last axis"):
+        kernels.layer_norm(mx.zeros((2, 3)), None, mx.ones((4,)), mx.zeros((3,)), 1e-5)
+    with pytest.raises(ValueError, match="3 x heads"):
+        kernels.packed_attention(mx.zeros((1, 4, 10)), mx.array([0, 4], dtype=mx.int32), 4, 1.0)
+    with pytest.raises(ValueError, match="int32 offsets"):
+        kernels.packed_attention(mx.zeros((1, 4, 24)), mx.array([0.0, 4.0]), 4, 1.0)

@@ -6,6 +6,7 @@ model pool and the memory guard, as for every route."""
 from __future__ import annotations
 
 import base64
+import json
 from typing import Any, Mapping
 
 import falcon
@@ -62,10 +63,31 @@ def rerank_job(body: Mapping[str, Any]) -> EncodeJob:
                      input_param="documents", id_prefix="rerank-", **_truncation(body))
 
 
-def _encoded(vector: np.ndarray, encoding_format: str) -> Any:
+#: one float32 of a vector as JSON: 9 significant digits are the fewest that give every
+#: float32 back exactly, and printf formats them ~3x as fast as ``json.dumps`` writes the
+#: 17-digit repr of the float64 each would become (a body ~40 % shorter for the client
+#: to parse, too)
+FLOAT32_FORMAT = "%.9g"
+
+
+def _encoded(vector: np.ndarray, encoding_format: str) -> str:
+    """``vector`` as the JSON text of its ``embedding`` field."""
     if encoding_format == "base64":
-        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
-    return vector.tolist()
+        return '"' + base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii") + '"'
+    if vector.dtype != np.float32 or not np.isfinite(vector).all():
+        return json.dumps(vector.tolist())
+    return "[" + ",".join([FLOAT32_FORMAT] * len(vector)) % tuple(vector.tolist()) + "]"
+
+
+def embeddings_body(vectors: np.ndarray, encoding_format: str, model_id: str,
+                    prompt_tokens: int) -> str:
+    """The ``/v1/embeddings`` response's JSON text."""
+    data = ",".join('{"object":"embedding","index":%d,"embedding":%s}'
+                    % (index, _encoded(vector, encoding_format))
+                    for index, vector in enumerate(vectors))
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    return (f'{{"object":"list","data":[{data}],"model":{json.dumps(model_id)},'
+            f'"usage":{json.dumps(usage)}}}')
 
 
 class Embeddings:
@@ -80,15 +102,9 @@ class Embeddings:
         result = self.pipeline.encode(embeddings_job(body),
                                       client_gone=req.env.get("waitress.client_disconnected"))
         encoding_format = body.get("encoding_format") or "float"
-        resp.media = {
-            "object": "list",
-            "data": [{"object": "embedding", "index": index,
-                      "embedding": _encoded(vector, encoding_format)}
-                     for index, vector in enumerate(result.vectors)],
-            "model": result.model_id,
-            "usage": {"prompt_tokens": result.prompt_tokens,
-                      "total_tokens": result.prompt_tokens},
-        }
+        resp.content_type = falcon.MEDIA_JSON
+        resp.text = embeddings_body(result.vectors, encoding_format, result.model_id,
+                                    result.prompt_tokens)
 
 
 class Rerank:
@@ -121,4 +137,4 @@ class Rerank:
                                 "total_tokens": result.prompt_tokens}}
 
 
-__all__ = ["Embeddings", "Rerank", "embeddings_job", "rerank_job"]
+__all__ = ["Embeddings", "FLOAT32_FORMAT", "Rerank", "embeddings_body", "embeddings_job", "rerank_job"]

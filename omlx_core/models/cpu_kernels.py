@@ -22,6 +22,9 @@ first use otherwise. Where it cannot be built or loaded (no C++ compiler, no Pyt
 headers, an mlx built with another nanobind ABI, not Linux), :func:`kernels` returns
 ``None``, says why once in the log, and the routes use mlx's ops as before.
 ``OMLX_CPU_KERNELS=0`` turns the kernels off (A/B measurements).
+
+The encoder plugin's BERT forward takes three more (``gelu``, ``layer_norm``,
+``packed_attention``: :mod:`omlx_core.plugins.encoder.cpu_routes`).
 """
 
 from __future__ import annotations
@@ -167,7 +170,8 @@ def _self_check(module: ModuleType) -> None:
 
 
 def kernels() -> ModuleType | None:
-    """The loaded extension (``softmax(x)``, ``swiglu(gate, x)``), built on first use; or
+    """The loaded extension (``softmax(x)``, ``swiglu(gate, x)`` and the others of
+    ``cpu_kernels.cpp``), built on first use; or
     ``None`` where it cannot be (:func:`unavailable_reason` says why)."""
     if "module" in _loaded:  # every attention and MLP call asks: no lock once loaded
         return _loaded["module"]  # type: ignore[return-value]

@@ -116,6 +116,10 @@ class BertBackbone:
         self.model.eval()
         mx.eval(self.model.parameters())
         self.dtype_bytes = next(iter(weights.values())).dtype.size if weights else 4
+        if mx.default_device().type == mx.cpu:
+            from omlx_core.models import cpu_kernels
+
+            cpu_kernels.kernels()  # built (once) or loaded now, at load: never in a forward
         self.vocab_size = config.vocab_size
         self.dimensions = config.hidden_size
         self.max_length = min(layout.max_length or config.max_length, config.max_length)
@@ -149,12 +153,16 @@ class BertBackbone:
     def run(self, batch: PaddedBatch, kind: str) -> np.ndarray:
         import mlx.core as mx
 
+        real = np.arange(batch.ids.shape[1])[None, :] < batch.lengths[:, None]
+        states = self.model.packed(batch.ids[real], batch.lengths,
+                                   None if batch.type_ids is None else batch.type_ids[real])
+        if states is not None:
+            return self._packed_out(states, batch.lengths, kind)
         lengths = mx.array(batch.lengths)
         types = mx.array(batch.type_ids) if batch.type_ids is not None else None
         states = self.model(mx.array(batch.ids), lengths, types)
         if kind == "score":
-            logits = self.model.classify(states)[:, 0]
-            out = mx.sigmoid(logits) if self.layout.sigmoid else logits
+            out = self._scores(states[:, 0])
         else:
             out = pool(states, lengths, self.layout.pooling)
             if self.layout.normalize:
@@ -162,6 +170,36 @@ class BertBackbone:
         out = out.astype(mx.float32)
         mx.eval(out)
         return np.array(out)
+
+    def _scores(self, first: Any) -> Any:
+        import mlx.core as mx
+
+        logits = self.model.classify(first)[:, 0]
+        return mx.sigmoid(logits) if self.layout.sigmoid else logits
+
+    def _packed_out(self, states: Any, lengths: np.ndarray, kind: str) -> np.ndarray:
+        """Vectors or scores from packed token states ``(tokens, hidden)``, row ``i`` the
+        next ``lengths[i]`` tokens."""
+        import mlx.core as mx
+
+        starts = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        if kind == "score":
+            out = self._scores(states[mx.array(starts)]).astype(mx.float32)
+            mx.eval(out)
+            return np.array(out)
+        mx.eval(states)
+        tokens = np.array(states.astype(mx.float32), copy=False)
+        if self.layout.pooling == "cls":
+            vectors = tokens[starts]
+        elif self.layout.pooling == "last":
+            vectors = tokens[starts + lengths - 1]
+        else:
+            vectors = np.add.reduceat(tokens, starts, axis=0) / lengths[:, None].astype(np.float32)
+        if self.layout.normalize:
+            norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+            vectors = vectors / np.maximum(norms, 1e-12)
+        return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
 class DecoderBackbone:
