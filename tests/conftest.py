@@ -22,12 +22,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-    # Files with slow tests first, each file's tests in their order: ``./setup.sh test``
-    # hands whole files to two processes in this order, and a file of minutes handed out
-    # last ran alone for the last minutes of the run (it took 20 min 14 s, most of the
-    # last 7 on the slow files that sort late).
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.hookimpl(tryfirst=True)
