@@ -223,6 +223,29 @@ def test_the_step_cost_model_recovers_fixed_and_per_token_cost() -> None:
     assert per_token == pytest.approx(0.001, rel=0.05)
 
 
+def test_one_step_held_up_by_the_machine_does_not_stop_drafting() -> None:
+    """A wide step the OS preempted (measured at 10x its cost) is counted as at most
+    twice its prediction: rows that copy their input keep drafting after it, and the
+    plain steps that follow do not leave its slope in place."""
+    drafts = PromptLookupDrafts(max_drafts=6)
+    for _ in range(30):
+        drafts.cost.observe(1, 0.05)
+    for width in (7, 4, 7):
+        drafts.cost.observe(width, 0.05 + 0.005 * width)
+    assert drafts._best_width(1, [(0.9, 6)]) > 1
+    drafts.cost.observe(7, 10 * (0.05 + 0.005 * 7))
+    for _ in range(5):
+        drafts.cost.observe(1, 0.05)
+    assert drafts._best_width(1, [(0.9, 6)]) > 1
+    # A machine that really got slower moves the model all the same.
+    for _ in range(150):
+        drafts.cost.observe(1, 0.5 + 0.05)
+        drafts.cost.observe(7, 0.5 + 0.05 * 7)
+    fixed, per_token = drafts.cost.coefficients()
+    assert fixed == pytest.approx(0.5, rel=0.1)
+    assert per_token == pytest.approx(0.05, rel=0.1)
+
+
 def test_the_width_pays_only_where_drafts_are_kept() -> None:
     """Wide steps cost per token fed: rows whose drafts keep missing draft nothing, rows
     that copy their input draft, and a big batch needs more to widen all its rows."""

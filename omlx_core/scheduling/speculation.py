@@ -69,13 +69,21 @@ class StepCost:
 
     While the steps seen all fed about as many tokens, the slope is not identified
     from them; it is then pulled toward ``prior_share`` of a one-token step per token
-    (ridge regression toward that prior)."""
+    (ridge regression toward that prior).
+
+    A step is counted as at most ``outlier_ratio`` times what the model predicts for it.
+    A step the OS preempted, measured at many times its cost, would otherwise set the
+    slope from that one point for as long as only plain steps follow (their slope is
+    not identified, so nothing corrects it): on a busy machine, one wide step held up
+    for 10x its time stopped all drafting for about a hundred steps. A machine that
+    really got slower still moves the model, by up to that ratio per step."""
 
     def __init__(self, *, prior_share: float = 0.1, decay: float = 0.98,
-                 prior_weight: float = 4.0) -> None:
+                 prior_weight: float = 4.0, outlier_ratio: float = 2.0) -> None:
         self.prior_share = prior_share
         self.decay = decay
         self.prior_weight = prior_weight
+        self.outlier_ratio = outlier_ratio
         self._w = self._x = self._y = self._xx = self._xy = 0.0
 
     @property
@@ -83,6 +91,8 @@ class StepCost:
         return self._w > 0.5
 
     def observe(self, tokens: int, seconds: float) -> None:
+        if self.measured:
+            seconds = min(seconds, self.outlier_ratio * self.seconds(tokens))
         d = self.decay
         self._w = d * self._w + 1.0
         self._x = d * self._x + tokens
