@@ -385,6 +385,11 @@ def test_real_prefill_never_undercounts(loaded_models, family, prompt_tokens, ch
     ratio = estimate.total / measured.peak_bytes
     detail = (f"{family} {prompt_tokens} tokens / chunk {chunk}: measured "
               f"{measured.peak_bytes / MIB:.2f} MiB, {estimate.describe()} (ratio {ratio:.3f})")
+    if ratio < 1.0:
+        # Seen once in a CI run (qwen3_next, 2048/2048: 5.5 MiB over the usual peak) and
+        # never when repeated: say whether the same prefill measures the same again.
+        again = measure_prefill_peak(loaded_models(family), random_prompt(prompt_tokens, 512), chunk)
+        detail += f"; measured again at once: {again.peak_bytes / MIB:.2f} MiB"
     assert ratio >= 1.0, "undercount: " + detail
     bound = TINY_MAX_RATIO_LONG if prompt_tokens >= 2048 else TINY_MAX_RATIO_SHORT
     assert ratio <= bound, "overcount: " + detail
