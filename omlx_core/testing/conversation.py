@@ -158,13 +158,16 @@ def http_asker(client: Any, model: str, model_dir: Path, max_tokens: int = 24) -
         choice, usage = response.choices[0], response.usage
         entries = choice.logprobs.content if choice.logprobs is not None else []
         tokens = [ids_of[bytes(entry.bytes)] for entry in entries or ()]
-        if usage.prompt_tokens != len(prompt) or usage.completion_tokens != len(tokens):
+        stopped = choice.finish_reason == "stop"
+        # A stop token is counted in the usage but has no text, so no logprobs entry.
+        counted = len(tokens) + (1 if stopped else 0)
+        if usage.prompt_tokens != len(prompt) or usage.completion_tokens not in (len(tokens), counted):
             raise RuntimeError(f"the server saw {usage.prompt_tokens} prompt and "
                                f"{usage.completion_tokens} completion tokens, the template and "
                                f"the logprobs give {len(prompt)} and {len(tokens)}")
         details = usage.prompt_tokens_details
         cached = int(details.cached_tokens or 0) if details is not None else 0
-        return Reply(tokens, choice.message.content or "", choice.finish_reason == "stop", cached)
+        return Reply(tokens, choice.message.content or "", stopped, cached)
 
     return ask
 
