@@ -8,7 +8,9 @@ every few milliseconds) stays under the ceiling; every oversized request is refu
 with HTTP 413 before any body byte; every request that fits completes; nothing is left
 queued or running at the end.
 
-Set ``OMLX_RELIABILITY_REPORT=path.md`` to write the figures as a Markdown table.
+Set ``OMLX_RELIABILITY_REPORT=path.md`` to write the figures as a Markdown table; only
+then are the fitting requests also sent to a server whose ceiling never binds, for the
+report's throughput and latency comparison (a figure, not a check: the suite skips it).
 """
 
 from __future__ import annotations
@@ -262,18 +264,22 @@ def test_server_under_memory_pressure_never_crosses_its_ceiling(model_dir, tmp_p
         server.stop()
     server_log = server.log()
 
-    # The same fitting requests, sent the same way, to a server whose ceiling never
-    # binds: what the ceiling costs in throughput and latency.
-    fitting = [job for job in jobs if job.kind != "oversized"]
-    free = Server(model_dir, FREE_CEILING, tmp_path / "free.log")
-    try:
-        free_started = time.monotonic()
-        with ThreadPoolExecutor(CLIENTS) as pool:
-            free_outcomes = list(pool.map(lambda job: send(free.port, job), fitting))
-        free_elapsed = time.monotonic() - free_started
-    finally:
-        free.stop()
-    assert all(o.status == 200 for o in free_outcomes)
+    report_path = os.environ.get("OMLX_RELIABILITY_REPORT")
+    free_outcomes: list[Outcome] = []
+    free_elapsed = 0.0
+    if report_path:
+        # The same fitting requests, sent the same way, to a server whose ceiling never
+        # binds: what the ceiling costs in throughput and latency.
+        fitting = [job for job in jobs if job.kind != "oversized"]
+        free = Server(model_dir, FREE_CEILING, tmp_path / "free.log")
+        try:
+            free_started = time.monotonic()
+            with ThreadPoolExecutor(CLIENTS) as pool:
+                free_outcomes = list(pool.map(lambda job: send(free.port, job), fitting))
+            free_elapsed = time.monotonic() - free_started
+        finally:
+            free.stop()
+        assert all(o.status == 200 for o in free_outcomes)
     # No false refusal: every refused request, sent alone to a fresh server with the
     # same ceiling, is refused there too.
     refused = [o.job for o in outcomes if o.status != 200]
@@ -290,13 +296,14 @@ def test_server_under_memory_pressure_never_crosses_its_ceiling(model_dir, tmp_p
                         waited=server_log.count("waits for memory"),
                         gate_refusals=server_log.count("forward gate refuses"),
                         capped=latencies([o for o in outcomes if o.job.kind != "oversized"]),
-                        free=latencies(free_outcomes), free_elapsed=free_elapsed,
+                        free=latencies(free_outcomes) if free_outcomes else None,
+                        free_elapsed=free_elapsed,
                         refused=len(refused), false_refusals=len(false_refusals),
                         preempted=sum(value for name, value in metrics.items()
                                       if name.startswith("omlx_memory_preemptions_total")))
     print("\n" + format_report(figures))
-    if os.environ.get("OMLX_RELIABILITY_REPORT"):
-        Path(os.environ["OMLX_RELIABILITY_REPORT"]).write_text(format_report(figures) + "\n")
+    if report_path:
+        Path(report_path).write_text(format_report(figures) + "\n")
 
     refusals = [line for line in server_log.splitlines() if "forward gate refuses" in line]
     assert not refusals, "the forward gate refused requests that fit:\n" + "\n".join(refusals[:5])
@@ -367,13 +374,17 @@ def format_report(figures: dict[str, Any]) -> str:
         f"- requests that waited in the admission queue: {figures['waited']}; "
         f"refused by the forward gate: {figures['gate_refusals']}; preempted: "
         f"{figures['preempted']:.0f}",
-        f"- the {figures['capped']['count']} fitting requests against the same ones sent to a "
-        f"server whose ceiling never binds ({FREE_CEILING // 1024**3} GiB): wall time "
-        f"{figures['elapsed']:.1f} s vs {figures['free_elapsed']:.1f} s (throughput "
-        f"{figures['free_elapsed'] / figures['elapsed']:.2f}x the free run's, the oversized "
-        f"requests' 413s included in the capped run's time); latency p50 "
-        f"{figures['capped']['p50']:.2f} s vs {figures['free']['p50']:.2f} s, p95 "
-        f"{figures['capped']['p95']:.2f} s vs {figures['free']['p95']:.2f} s",
+    ]
+    if figures["free"] is not None:
+        lines.append(
+            f"- the {figures['capped']['count']} fitting requests against the same ones sent to a "
+            f"server whose ceiling never binds ({FREE_CEILING // 1024**3} GiB): wall time "
+            f"{figures['elapsed']:.1f} s vs {figures['free_elapsed']:.1f} s (throughput "
+            f"{figures['free_elapsed'] / figures['elapsed']:.2f}x the free run's, the oversized "
+            f"requests' 413s included in the capped run's time); latency p50 "
+            f"{figures['capped']['p50']:.2f} s vs {figures['free']['p50']:.2f} s, p95 "
+            f"{figures['capped']['p95']:.2f} s vs {figures['free']['p95']:.2f} s")
+    lines += [
         f"- false refusals: {figures['false_refusals']} of the {figures['refused']} refused "
         f"requests were served when sent alone to a fresh server with the same ceiling",
         "",
