@@ -1,44 +1,22 @@
 """The real default model (SmolLM2-135M: 9 attention heads, 3 KV heads) tensor-parallel
-over 3 ranks on loopback, through the openai SDK; and started by mlx.launch itself, with
-default settings, on this box's two cores (three ranks take seconds per step there: a
+over 3 ranks on loopback, started by mlx.launch itself with default settings and asked
+through the openai SDK, on this box's two cores (three ranks take seconds per step there: a
 slow group, not a dead one)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from distributed_group import RankGroup, free_port
-
-
-@pytest.mark.slow
-def test_three_ranks_serve_the_default_model_through_the_openai_sdk(tmp_path, default_model_dir) -> None:
-    import openai
-
-    group = RankGroup(tmp_path, default_model_dir, 3)
-    try:
-        client = openai.OpenAI(base_url=group.url("/v1"), api_key="unused")
-        model = client.models.list().data[0].id
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
-        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=12,
-                                               temperature=0)
-        assert reply.usage.completion_tokens > 0 and reply.choices[0].message.content
-        streamed = "".join(chunk.choices[0].delta.content or ""
-                           for chunk in client.chat.completions.create(
-                               model=model, messages=messages, max_tokens=12, temperature=0,
-                               stream=True) if chunk.choices)
-        assert streamed == reply.choices[0].message.content
-        engine = group.health()["engines"][model]
-        assert (engine["distributed_ranks"], engine["distributed_mode"]) == (3, "tensor")
-        assert group.stop() == [0, 0, 0], group.output()
-    finally:
-        group.close()
 
 
 @pytest.mark.slow
@@ -49,10 +27,12 @@ def test_two_ranks_are_refused_for_the_default_model_with_what_would_work(tmp_pa
 
 
 @pytest.mark.slow
-def test_mlx_launch_three_ranks_answer_a_40_token_chat_with_default_settings(tmp_path,
-                                                                          default_model_dir) -> None:
+def test_mlx_launch_three_ranks_serve_the_default_model_through_the_openai_sdk(tmp_path,
+                                                                         default_model_dir) -> None:
     """``mlx.launch -n 3 --backend ring -- omlx-core serve --distributed tensor --tier
-    cluster``: a step's collectives wait for ranks that share two cores, for seconds;
+    cluster``, with default settings: a 40-token chat, the same chat streamed (its first
+    tokens, the same text), ``/health`` naming the split, and every rank gone after
+    SIGTERM. A step's collectives wait for ranks that share two cores, for seconds;
     liveness is their heartbeats, so the group answers instead of declaring itself dead
     at its first request."""
     import openai
@@ -75,12 +55,29 @@ def test_mlx_launch_three_ranks_answer_a_40_token_chat_with_default_settings(tmp
             log_path.read_text(errors="replace")[-4000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                                timeout=1200, max_retries=0)
-        reply = client.chat.completions.create(
-            model="smollm2-135m-instruct", max_tokens=40, temperature=0,
-            messages=[{"role": "user", "content": "Tell me a short story about a cat."}])
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Tell me a short story about a cat."}]
+        reply = client.chat.completions.create(model=model, max_tokens=40, temperature=0,
+                                               messages=messages)
         output = log_path.read_text(errors="replace")
-        assert reply.choices[0].message.content and reply.usage.completion_tokens > 0, output
+        text = reply.choices[0].message.content
+        assert text and reply.usage.completion_tokens > 0, output
+        streamed = "".join(chunk.choices[0].delta.content or ""
+                           for chunk in client.chat.completions.create(
+                               model=model, messages=messages, max_tokens=12, temperature=0,
+                               stream=True) if chunk.choices)
+        assert streamed and text.startswith(streamed), (streamed, text)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=60) as response:
+            engine = json.loads(response.read())["engines"][model]
+        assert (engine["distributed_ranks"], engine["distributed_mode"]) == (3, "tensor")
+        output = log_path.read_text(errors="replace")
         assert "group is dead" not in output and process.poll() is None, output[-4000:]
+        # SIGTERM to rank 0 alone: the followers stop with it, and mlx.launch names any
+        # rank that exits otherwise than with status 0.
+        os.kill(_rank_pid(process.pid, 0), signal.SIGTERM)
+        assert process.wait(timeout=120) == 0
+        output = log_path.read_text(errors="replace")
+        assert "exited with code" not in output and "was killed" not in output, output[-4000:]
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
@@ -89,3 +86,29 @@ def test_mlx_launch_three_ranks_answer_a_40_token_chat_with_default_settings(tmp
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=60)
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The process ``mlx.launch`` (pid ``launcher``) started as ``rank``."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    for pid in parents:
+        ancestor = parents.get(pid)
+        while ancestor not in (None, 0, 1, launcher):
+            ancestor = parents.get(ancestor)
+        if ancestor != launcher:
+            continue
+        try:
+            environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # The server itself (``-m omlx_core``), not the shell mlx.launch starts it from.
+        if f"MLX_RANK={rank}".encode() in environ and b"omlx_core" in (
+                Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0"):
+            return pid
+    raise AssertionError(f"mlx.launch (pid {launcher}) has no rank {rank} process")
