@@ -4,6 +4,8 @@ forward gate sums the rows of a padded batch and keeps nothing held after it."""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -42,12 +44,26 @@ def bert_config(dims: dict[str, int]) -> dict[str, object]:
             "pad_token_id": 0, **dims}
 
 
+#: runs of a forward its peak is the largest of: on mlx's CPU stream, buffers are
+#: allocated when an operation is dispatched and freed when the worker has run the ones
+#: reading them, so one forward's peak depends on how far dispatch ran ahead (the tiny
+#: llama's 1 x 64 forward: 324-389 KiB over 30 runs, and 120 KiB once in a full suite
+#: run, 4.3x under its estimate); the estimate bounds the largest
+PEAK_RUNS = 3
+
+
 def measured_peak(run) -> int:  # type: ignore[no-untyped-def]
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    run()
-    return mx.get_peak_memory() - base
+    peaks = []
+    for _ in range(PEAK_RUNS):
+        gc.collect()
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        run()
+        mx.synchronize()
+        peaks.append(mx.get_peak_memory() - base)
+    return max(peaks)
 
 
 @pytest.fixture(autouse=True)

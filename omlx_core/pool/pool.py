@@ -345,8 +345,7 @@ class ModelPool:
         """Return once ``record``'s planned bytes fit and are claimed for it in the memory
         guard's ledger (next to the running requests' reservations and the other loads'
         claims: :meth:`~omlx_core.memory.admission.AdmissionQueue.try_claim`), unloading
-        idle models (:func:`~omlx_core.pool.room.unload_candidate`: the least recently used
-        that frees enough alone, else the least recently used); raise
+        idle models (:func:`~omlx_core.pool.room.unload_candidate`); raise
         :class:`RequestRejected` otherwise."""
         need = record.planned_bytes or 0
         deadline = time.monotonic() + self.wait_s
