@@ -30,7 +30,7 @@ def test_two_ranks_are_refused_for_the_default_model_with_what_would_work(tmp_pa
 def test_mlx_launch_three_ranks_serve_the_default_model_through_the_openai_sdk(tmp_path,
                                                                          default_model_dir) -> None:
     """``mlx.launch -n 3 --backend ring -- omlx-core serve --distributed tensor --tier
-    cluster``, with default settings: a 40-token chat, the same chat streamed (its first
+    cluster``, with default settings: a 24-token chat, the same chat streamed (its first
     tokens, the same text), ``/health`` naming the split, and every rank gone after
     SIGTERM. A step's collectives wait for ranks that share two cores, for seconds;
     liveness is their heartbeats, so the group answers instead of declaring itself dead
@@ -57,14 +57,14 @@ def test_mlx_launch_three_ranks_serve_the_default_model_through_the_openai_sdk(t
                                timeout=1200, max_retries=0)
         model = client.models.list().data[0].id
         messages = [{"role": "user", "content": "Tell me a short story about a cat."}]
-        reply = client.chat.completions.create(model=model, max_tokens=40, temperature=0,
+        reply = client.chat.completions.create(model=model, max_tokens=24, temperature=0,
                                                messages=messages)
         output = log_path.read_text(errors="replace")
         text = reply.choices[0].message.content
         assert text and reply.usage.completion_tokens > 0, output
         streamed = "".join(chunk.choices[0].delta.content or ""
                            for chunk in client.chat.completions.create(
-                               model=model, messages=messages, max_tokens=12, temperature=0,
+                               model=model, messages=messages, max_tokens=8, temperature=0,
                                stream=True) if chunk.choices)
         assert streamed and text.startswith(streamed), (streamed, text)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=60) as response:
