@@ -30,6 +30,7 @@ from omlx_core.testing.browser import BrowserMissing, console_errors, headless_c
 from omlx_core.testing.waiting import wait_for
 
 openai = pytest.importorskip("openai")
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402  (after the importorskip)
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -57,7 +58,11 @@ def browser() -> Iterator[Any]:
 
 
 def until(driver: Any, condition: Any, message: str = "") -> Any:
-    return WebDriverWait(driver, PATIENCE_S, poll_frequency=0.1).until(condition, message)
+    # The page redraws its tables on every poll: an element found just before a redraw is
+    # stale by the time it is read, and the condition is asked again.
+    return WebDriverWait(driver, PATIENCE_S, poll_frequency=0.1,
+                         ignored_exceptions=(StaleElementReferenceException,)
+                         ).until(condition, message)
 
 
 def page_state(driver: Any, expression: str) -> Any:
@@ -188,13 +193,18 @@ def test_an_embedding_request_shows_in_the_request_table_and_its_cancel_button_a
     thread = threading.Thread(target=embed)
     thread.start()
 
-    def encoding_row(driver: Any) -> list[Any]:
-        return [row for row in driver.find_elements(By.CSS_SELECTOR, "#requests tbody tr")
-                if EMBEDDING_MODEL in row.text and "encoding" in row.text]
+    def cancel_encoding_row(driver: Any) -> str | None:
+        """The embedding request's row text, once its cancel button is clicked (read and
+        clicked in one try: the next redraw makes the row stale)."""
+        for row in driver.find_elements(By.CSS_SELECTOR, "#requests tbody tr"):
+            text = row.text
+            if EMBEDDING_MODEL in text and "encoding" in text:
+                row.find_element(By.CSS_SELECTOR, "button").click()
+                return text
+        return None
 
-    row = until(browser, encoding_row, "the request table never showed the embedding request")[0]
-    assert "tokens (embeddings or rerank)" in row.text
-    row.find_element(By.CSS_SELECTOR, "button").click()
+    text = until(browser, cancel_encoding_row, "the request table never showed the embedding request")
+    assert "tokens (embeddings or rerank)" in text
     thread.join(PATIENCE_S)
     assert not thread.is_alive()
     assert outcome["status"] == 503 and outcome["body"]["error"]["code"] == "aborted", outcome
