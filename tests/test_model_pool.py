@@ -25,8 +25,6 @@ from omlx_core.memory.types import CeilingBreakdown, LimitSnapshot, Rejection, R
 from omlx_core.models.errors import ModelError
 from omlx_core.models.registry import resolve_model
 from omlx_core.pool import AVAILABLE, FAILED, RESIDENT, ModelLoadFailed, ModelPool
-from omlx_core.pool.records import ModelRecord
-from omlx_core.pool.room import unload_candidate
 from omlx_core.server_context import ServerContext
 from omlx_core.testing import cached_model
 from omlx_core.testing.waiting import wait_for
@@ -176,25 +174,6 @@ def test_a_cold_model_evicts_the_least_recently_used_idle_one(context):
     assert pool.counters.unloads == {"evicted": 1}
     assert set(context.engines) == {"tiny-a", "tiny-c"}
     assert memory.in_use() <= memory.hard_bytes
-
-
-def test_the_model_unloaded_is_the_least_recently_used_that_makes_the_room_alone():
-    def resident(model_id: str, weights: int, last_used: float, pinned: bool = False,
-                 **fields) -> ModelRecord:
-        return ModelRecord(model_id, "batched", pinned=pinned, keep_alive_s=None, state=RESIDENT,
-                           weights_bytes=weights, last_used=last_used, **fields)
-
-    small, large = resident("small", 100, 1.0), resident("large", 500, 2.0)
-    busy = resident("busy", 900, 0.0, users=1)
-    pinned = resident("pinned", 900, 0.0, pinned=True)
-    records = [small, large, busy, pinned]
-    assert unload_candidate(records, 300) is large  # small alone would not make the room
-    assert unload_candidate(records, 100) is small  # both would: the least recently used
-    assert unload_candidate(records, 800) is small  # neither alone: the least recently used
-    # A footprint measured low (another model unloaded meanwhile) still counts its weights.
-    large.measured_bytes = 10
-    assert unload_candidate(records, 300) is large
-    assert unload_candidate([busy, pinned], 1) is None
 
 
 def test_pinned_and_busy_models_are_never_evicted_the_load_waits_then_503(context):

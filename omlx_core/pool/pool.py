@@ -8,9 +8,8 @@ before a byte of the model is read: its weights' bytes from the safetensors head
 plus the engine's working set (the ``estimate_peak`` answer for one prefill chunk),
 against the memory guard's latest snapshot (hard limit, memory in use less what the
 server gives back on demand, the transient margin), less what other loads in progress
-have claimed. When it does not fit, idle models are unloaded: the least recently used
-one that makes the room alone, else the least recently used; never a pinned one, never
-one with a request running or waiting for it. When
+have claimed. When it does not fit, idle models are unloaded, least recently used
+first: never a pinned one, never one with a request running or waiting for it. When
 busy or pinned models hold the room, the load waits (``server.model_load_wait_s``) and
 then refuses with stage ``"load"`` (HTTP 503 with ``Retry-After``); when it could never
 fit, even with every unpinned model gone, it refuses at once (HTTP 413, with advice).
@@ -345,8 +344,7 @@ class ModelPool:
         """Return once ``record``'s planned bytes fit and are claimed for it in the memory
         guard's ledger (next to the running requests' reservations and the other loads'
         claims: :meth:`~omlx_core.memory.admission.AdmissionQueue.try_claim`), unloading
-        idle models (:func:`~omlx_core.pool.room.unload_candidate`); raise
-        :class:`RequestRejected` otherwise."""
+        idle models least recently used first; raise :class:`RequestRejected` otherwise."""
         need = record.planned_bytes or 0
         deadline = time.monotonic() + self.wait_s
         while True:
@@ -362,7 +360,7 @@ class ModelPool:
                 floor = floor_bytes(self._records.values(), snapshot, self._bare_bytes)
                 if floor + need + snapshot.margin_bytes > snapshot.hard_bytes:
                     raise never_fits(record, snapshot, floor, self._records.values(), self._advice)
-                victim = unload_candidate(self._records.values(), need - max(room or 0, 0))
+                victim = unload_candidate(self._records.values())
                 if victim is not None:
                     victim.state = UNLOADING
                 elif time.monotonic() >= deadline:

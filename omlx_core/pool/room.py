@@ -74,19 +74,11 @@ def bare_bytes(records: Iterable[ModelRecord], snapshot: Any, claimed_bytes: int
     return snapshot.in_use_bytes - snapshot.reclaimable_bytes - models - claimed_bytes
 
 
-def unload_candidate(records: Iterable[ModelRecord], shortfall: int = 0) -> ModelRecord | None:
-    """The resident model to unload now to free ``shortfall`` bytes: the least recently
-    used one that frees enough alone, else the least recently used one.
-
-    Plain LRU order unloaded a small model that could not make the room by itself, then
-    a large one as well, and the small one was loaded again at once by the requests
-    still coming for it (a pool with room for two of three models did this on every
-    swap)."""
-    candidates = sorted((r for r in records
-                         if r.state == RESIDENT and not r.pinned and r.idle and not r.draining),
-                        key=lambda r: r.last_used)
-    enough = [r for r in candidates if r.held_bytes() >= shortfall]
-    return (enough or candidates or [None])[0]
+def unload_candidate(records: Iterable[ModelRecord]) -> ModelRecord | None:
+    """The least recently used resident model that may be unloaded now."""
+    candidates = [r for r in records
+                  if r.state == RESIDENT and not r.pinned and r.idle and not r.draining]
+    return min(candidates, key=lambda r: r.last_used) if candidates else None
 
 
 # -- refusals ---------------------------------------------------------------------------
