@@ -1,5 +1,5 @@
 """A short soak (issue 24, item 2): ``omlx-core serve --memory-ceiling 0.9GiB`` on the
-default model takes 80 s of mixed traffic (the first 40 s a warm-up) on loopback (chats, completions, tools and
+default model takes 100 s of mixed traffic on loopback (chats, completions, tools and
 JSON, Anthropic, Responses, cancels, oversized prompts and bodies that must be 413, bad
 bodies that must be 400, slow senders and readers), and every verdict of
 :mod:`benchmarks.soak` must hold: no 5xx, no truncated 200, every refusal a fresh
@@ -15,7 +15,7 @@ from benchmarks.soak import SoakResult, render, soak
 
 pytestmark = pytest.mark.slow
 
-TRAFFIC_S = 80
+TRAFFIC_S = 100
 WARM_UP_S = 40
 
 
