@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.ceiling import child_pids
 from distributed_group import RankGroup, free_port
 
 
@@ -89,26 +90,18 @@ def test_mlx_launch_three_ranks_serve_the_default_model_through_the_openai_sdk(t
 
 
 def _rank_pid(launcher: int, rank: int) -> int:
-    """The process ``mlx.launch`` (pid ``launcher``) started as ``rank``."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    for pid in parents:
-        ancestor = parents.get(pid)
-        while ancestor not in (None, 0, 1, launcher):
-            ancestor = parents.get(ancestor)
-        if ancestor != launcher:
-            continue
+    """The process ``mlx.launch`` (pid ``launcher``) started as ``rank``: among its
+    descendants, the server itself (``-m omlx_core``, not the shell that started it)
+    whose environment names that rank."""
+    pending = child_pids(launcher)
+    while pending:
+        pid = pending.pop()
+        pending += child_pids(pid)
         try:
-            environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
-            continue
-        # The server itself (``-m omlx_core``), not the shell mlx.launch starts it from.
-        if f"MLX_RANK={rank}".encode() in environ and b"omlx_core" in (
-                Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0"):
+            continue  # it ended meanwhile
+        if f"MLX_RANK={rank}".encode() in environ and b"omlx_core" in argv:
             return pid
     raise AssertionError(f"mlx.launch (pid {launcher}) has no rank {rank} process")
