@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -227,3 +228,22 @@ def test_installed_at_load_and_greedy_outputs_unchanged(family, tiny_model_path,
     assert ours_tokens == theirs_tokens
     assert mx.allclose(ours_logits, theirs_logits, rtol=1e-4, atol=1e-4).item()
     assert install_cpu_attention(model) == install_cpu_attention(model)
+
+
+def test_the_softmax_threads_all_start_at_load(tiny_model_path, monkeypatch):
+    """A thread started at a server's first long prompt reads as growth to a soak that
+    counted the threads after its warm-up (it did, 101 -> 102): every helper thread is up
+    once the model is loaded."""
+    monkeypatch.setattr(attention, "_pool", None)
+    monkeypatch.setattr(attention, "available_cores", lambda: 4)
+    before = set(threading.enumerate())
+    model, _ = load_model(tiny_model_path("llama"))
+    assert routed_modules(model, "scaled_dot_product_attention", "_omlx_cpu_attention")
+    started = [t for t in set(threading.enumerate()) - before if t.name.startswith("omlx-softmax")]
+    try:
+        assert len(started) == 3
+        softmax_in_place(np.ones((4, 64 * 4, 8), np.float32))
+        assert not [t for t in set(threading.enumerate()) - before
+                    if t.name.startswith("omlx-softmax") and t not in started]
+    finally:
+        attention._pool.shutdown()

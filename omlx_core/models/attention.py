@@ -109,11 +109,20 @@ def available_cores() -> int:
 
 
 def _workers() -> ThreadPoolExecutor:
+    """The softmax's helper threads, all started the first time they are asked for
+    (:func:`install_cpu_attention` asks at load): a ``ThreadPoolExecutor`` starts a
+    thread at a submit that finds none idle, so each start task waits on the others until
+    every thread is up. A server's thread count then does not grow at its first long
+    prompt, hours into serving, where a soak's count reads it as a leak."""
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=max(available_cores() - 1, 1),
-                                       thread_name_prefix="omlx-softmax")
+            count = max(available_cores() - 1, 1)
+            pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="omlx-softmax")
+            all_up = threading.Barrier(count)
+            for started in [pool.submit(all_up.wait, 60) for _ in range(count)]:
+                started.result()
+            _pool = pool
         return _pool
 
 
@@ -398,4 +407,6 @@ def install_cpu_attention(model: Any) -> list[str]:
                               scaled_dot_product_attention, _INSTALLED_MARK)
     if installed and mx.default_device().type == mx.cpu:
         cpu_kernels.kernels()  # built (once) or loaded now, at load: never inside a forward
+        if available_cores() > 1:
+            _workers()
     return installed
