@@ -6,8 +6,10 @@ answers as a server without a prefix cache."""
 
 from __future__ import annotations
 
+import gc
 import sys
 
+import mlx.core as mx
 import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
@@ -15,6 +17,7 @@ from mlx_lm.utils import load_tokenizer
 from omlx_core.bench.prompts import text_of_tokens
 from omlx_core.bench.servers import ServerProcess, ServerSpec
 from omlx_core.config import load_config
+from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.batched import BatchedEngine
 from omlx_core.testing.conversation import (Conversation, converse, engine_asker, http_asker,
@@ -82,6 +85,51 @@ def test_each_turn_after_a_restart_reuses_what_the_ssd_tier_kept(tiny_model_path
     # Each engine after the first found the blocks the ones before it left on disk.
     assert len(restarts) == 8 and all(stats["blocks"] > 0 for stats in restarts[1:]), restarts
     assert_reused(restarted, uncached_conversation(path, tokenizer), f"{family} (restarts)")
+
+
+#: a prefix-cache budget a third of what 8 turns of a tiny model's conversation leave
+SMALL_BUDGET = 300_000
+#: mlx's allocator may serve a buffer up to two pages (4 KiB) larger than asked: once per
+#: cached block or tail, whose arrays share one buffer (omlx_core/scheduling/cache_layout.py)
+ALLOCATOR_SLACK = 2 * 4096
+
+
+def _held_by_the_prefix_cache(engine: BatchedEngine) -> tuple[int, int]:
+    """The bytes the process frees when ``engine``'s prefix cache lets go of everything
+    (read on the MLX thread once frees have settled), and the entries it held."""
+    def settled() -> int:
+        gc.collect()
+        mx.synchronize()
+        return mx.get_active_memory()
+
+    def clear() -> tuple[int, int]:
+        stats = engine.prefix_cache.stats()
+        before = settled()
+        engine.prefix_cache.clear()
+        return before - settled(), stats["blocks"] + stats["tails"]
+
+    return mlx_thread().run(clear)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next", "gpt_oss"])
+def test_blocks_and_boundary_states_stay_within_the_prefix_cache_budget(tiny_model_path, family):
+    """Every turn's blocks, tails and the boundary states of the layers that cannot be cut
+    are counted against ``prefix_cache_budget`` and evicted to stay under it; the memory
+    the process really holds for them is that count (up to the allocator's rounding),
+    and the answers stay those of an engine without a cache."""
+    path = tiny_model_path(family)
+    tokenizer = load_tokenizer(path)
+    engine = engine_for(path, **{"plugin.batched.prefix_cache_budget": SMALL_BUDGET})
+    try:
+        conversation = run_conversation(engine, tokenizer, turns=8, max_tokens=16)
+        stats = engine.stats()["prefix_cache"]
+        held, entries = _held_by_the_prefix_cache(engine)
+    finally:
+        engine.shutdown()
+    assert stats["evictions"] > 0 and stats["tails"] > 0, stats
+    assert 0 < stats["bytes"] <= SMALL_BUDGET, stats
+    assert stats["bytes"] <= held <= stats["bytes"] + ALLOCATOR_SLACK * entries, (held, stats)
+    assert conversation.answers == uncached_conversation(path, tokenizer).answers
 
 
 # -- the real default model through a real server ---------------------------------------------------
