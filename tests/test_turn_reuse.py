@@ -89,8 +89,10 @@ def test_each_turn_after_a_restart_reuses_what_the_ssd_tier_kept(tiny_model_path
 
 #: a prefix-cache budget a third of what 8 turns of a tiny model's conversation leave
 SMALL_BUDGET = 300_000
-#: mlx's allocator may serve a buffer up to two pages (4 KiB) larger than asked: once per
-#: cached block or tail, whose arrays share one buffer (omlx_core/scheduling/cache_layout.py)
+#: mlx's allocator may serve a buffer up to two pages (4 KiB) larger than asked; a cached
+#: block or tail keeps its arrays in one buffer per dtype and shape
+#: (omlx_core/scheduling/cache_layout.py), and measured, the rounding stays under one such
+#: slack per entry on these models
 ALLOCATOR_SLACK = 2 * 4096
 
 

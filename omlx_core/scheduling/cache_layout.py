@@ -9,11 +9,11 @@ cannot be cut back to an earlier token count, so it is captured whole at a block
 boundary (a *boundary state*) and restored only at exactly that boundary.
 
 Stored arrays are compact copies: a view would pin the whole buffer it was cut from
-and make the byte budget a lie. For the same reason a block's or tail's arrays share one
-buffer per dtype (:func:`_one_buffer`): mlx's allocator serves a request from a freed
-buffer up to twice its size (or two pages larger), so small per-layer arrays, each in a
-reused buffer, held up to 28 % more than the bytes the budget counts in the tiny test
-models' conversations; one buffer per entry wastes that slack once at most.
+and make the byte budget a lie. For the same reason a block's or tail's arrays share a
+buffer per dtype and shape (:func:`_one_buffer`): mlx's allocator serves a request from
+a freed buffer up to twice its size (or two pages larger), so small per-layer arrays,
+each in a reused buffer, held up to 28 % more than the bytes the budget counts in the
+tiny test models' conversations; one buffer per entry wastes that slack once at most.
 """
 
 from __future__ import annotations
@@ -74,23 +74,28 @@ def _arrays(value: Any) -> list[mx.array]:
 
 
 def _one_buffer(value: Any) -> Any:
-    """A structural copy of ``value`` whose arrays of each dtype are views into one new
-    buffer (evaluated): what they hold is then their bytes, less than two pages more."""
-    arrays = _arrays(value)
+    """A structural copy of ``value`` (evaluated) whose arrays are compact copies, those
+    of one dtype and one shape past the first axis sharing one new buffer: an entry then
+    holds its bytes, plus the allocator's rounding once per buffer, and pins nothing it
+    was cut from. Joined along their first axis (a cache's batch axis), the arrays are
+    copied once, straight from the views they are given: no temporary copy first."""
     groups: dict[Any, list[mx.array]] = {}
-    for array in arrays:
-        if array.size:
-            groups.setdefault(array.dtype, []).append(array)
-    views: dict[int, mx.array] = {}
+    for array in _arrays(value):
+        key = (array.dtype, tuple(array.shape[1:])) if array.ndim and array.size else id(array)
+        members = groups.setdefault(key, [])
+        if not any(member is array for member in members):
+            members.append(array)
+    copies: dict[int, mx.array] = {}
     for members in groups.values():
         if len(members) == 1:
-            continue  # its own allocation already
-        flat = mx.concatenate([member.reshape(-1) for member in members])
+            copies[id(members[0])] = mx.array(members[0])  # a copy, never a view
+            continue
+        joined = mx.concatenate(members, axis=0)
         offset = 0
         for member in members:
-            views[id(member)] = flat[offset:offset + member.size].reshape(member.shape)
-            offset += member.size
-    packed = _map_arrays(value, lambda array: views.get(id(array), array))
+            copies[id(member)] = joined[offset:offset + member.shape[0]]
+            offset += member.shape[0]
+    packed = _map_arrays(value, lambda array: copies[id(array)])
     mx.eval(_arrays(packed))
     return packed
 
@@ -114,20 +119,21 @@ class CacheLayout:
         return make_request_cache(self._model, self.kv_format)
 
     def cut(self, cache: Sequence[Any], start: int, end: int) -> tuple[Any, ...]:
-        """Compact copies of tokens ``[start, end)`` of every cuttable layer (``None``
-        for the others); not yet evaluated."""
+        """Tokens ``[start, end)`` of every cuttable layer (``None`` for the others):
+        views of ``cache``, which :meth:`make_block` and :meth:`make_tail` copy."""
         kv: list[Any] = []
         for layer, cuttable in zip(cache, self.cuttable):
             if cuttable:
-                kv.append(tuple(mx.array(a[..., start:end, :]) for a in _layer_arrays(layer)))
+                kv.append(tuple(a[..., start:end, :] for a in _layer_arrays(layer)))
             else:
                 kv.append(None)
         return tuple(kv)
 
     def capture(self, cache: Sequence[Any]) -> tuple[Any, ...]:
-        """Compact copies of the whole state of every non-cuttable layer (``None`` for
-        cuttable ones); not yet evaluated."""
-        return tuple(None if cuttable else _map_arrays(layer, mx.array)
+        """The whole state of every non-cuttable layer (``None`` for cuttable ones): the
+        layers cloned around ``cache``'s arrays, which :meth:`make_block` and
+        :meth:`make_tail` copy."""
+        return tuple(None if cuttable else _map_arrays(layer, lambda array: array)
                      for layer, cuttable in zip(cache, self.cuttable))
 
     def make_block(self, block_hash: bytes, parent_hash: bytes, index: int, block_size: int,
