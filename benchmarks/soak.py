@@ -213,6 +213,7 @@ def _read_stream(response: http.client.HTTPResponse, request: Request,
 def send(port: int, request: Request) -> Outcome:
     started = time.monotonic()
     outcome = Outcome(request.kind, 0)
+    said = ""  # an error body's code and message, for the report
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT)
     try:
         if request.kind == "slow sender":
@@ -236,6 +237,7 @@ def send(port: int, request: Request) -> Outcome:
                 error = json.loads(body)
                 error = error.get("error", error)
                 outcome.error_code = str(error.get("code") or error.get("type") or "")
+                said = f" ({outcome.error_code}: {str(error.get('message', ''))[:240]})"
             except (ValueError, AttributeError):
                 outcome.problem = f"a {response.status} whose body is not JSON: {body[:200]!r}"
             outcome.request = (request.path, request.body)
@@ -260,7 +262,7 @@ def send(port: int, request: Request) -> Outcome:
     finally:
         connection.close()
     if outcome.status not in request.expect and not outcome.problem:
-        outcome.problem = f"HTTP {outcome.status}, expected {request.expect}"
+        outcome.problem = f"HTTP {outcome.status}{said}, expected {request.expect}"
     if request.code and outcome.status in request.expect and outcome.error_code != request.code:
         outcome.problem = f"error code {outcome.error_code!r}, expected {request.code!r}"
     outcome.seconds = time.monotonic() - started
