@@ -173,7 +173,9 @@ def test_restored_cache_continues_exactly_like_the_original(tiny_model_path, fam
 ALLOCATOR_SLACK = 2 * 4096
 
 
-def _active_memory_settled() -> int:
+def active_memory_settled() -> int:
+    """mlx's active memory once unreferenced arrays are collected and the stream has
+    caught up (its worker frees a buffer only after running what reads it)."""
     gc.collect()
     mx.synchronize()
     return mx.get_active_memory()
@@ -197,11 +199,11 @@ def test_a_block_holds_its_bytes_where_the_allocator_has_larger_buffers_free(tin
         spare = [mx.zeros((n + n // 2,), mx.uint8) + 1 for n in sizes]
         mx.eval(spare)
         del spare  # each array's size and a half, free in mlx's buffer cache
-        before = _active_memory_settled()
+        before = active_memory_settled()
         mx.reset_peak_memory()
         block = layout.make_block(b"b" * 16, b"r" * 16, 0, 64, layout.cut(cache, 0, 64), None)
         peak = mx.get_peak_memory() - before
-        return _active_memory_settled() - before, peak, block.nbytes, sum(sizes)
+        return active_memory_settled() - before, peak, block.nbytes, sum(sizes)
 
     held, peak, nbytes, counted = mlx_thread().run(compute)
     assert nbytes == counted

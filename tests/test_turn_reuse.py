@@ -6,10 +6,8 @@ answers as a server without a prefix cache."""
 
 from __future__ import annotations
 
-import gc
 import sys
 
-import mlx.core as mx
 import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
@@ -25,6 +23,7 @@ from omlx_core.testing.conversation import (Conversation, converse, engine_asker
 from omlx_core.testing.host import make_test_host
 from omlx_core.testing.served import ServedEngine
 from omlx_core.testing.waiting import free_port
+from tests.test_batched_prefix_cache import ALLOCATOR_SLACK, active_memory_settled
 
 #: the issue's goal: turn N+1 reuses this much of the prefix it shares with turn N
 MIN_REUSE = 0.95
@@ -89,26 +88,16 @@ def test_each_turn_after_a_restart_reuses_what_the_ssd_tier_kept(tiny_model_path
 
 #: a prefix-cache budget a third of what 8 turns of a tiny model's conversation leave
 SMALL_BUDGET = 300_000
-#: mlx's allocator may serve a buffer up to two pages (4 KiB) larger than asked; a cached
-#: block or tail keeps its arrays in one buffer per dtype and shape
-#: (omlx_core/scheduling/cache_layout.py), and measured, the rounding stays under one such
-#: slack per entry on these models
-ALLOCATOR_SLACK = 2 * 4096
 
 
 def _held_by_the_prefix_cache(engine: BatchedEngine) -> tuple[int, int]:
     """The bytes the process frees when ``engine``'s prefix cache lets go of everything
     (read on the MLX thread once frees have settled), and the entries it held."""
-    def settled() -> int:
-        gc.collect()
-        mx.synchronize()
-        return mx.get_active_memory()
-
     def clear() -> tuple[int, int]:
         stats = engine.prefix_cache.stats()
-        before = settled()
+        before = active_memory_settled()
         engine.prefix_cache.clear()
-        return before - settled(), stats["blocks"] + stats["tails"]
+        return before - active_memory_settled(), stats["blocks"] + stats["tails"]
 
     return mlx_thread().run(clear)
 
@@ -130,6 +119,9 @@ def test_blocks_and_boundary_states_stay_within_the_prefix_cache_budget(tiny_mod
         engine.shutdown()
     assert stats["evictions"] > 0 and stats["tails"] > 0, stats
     assert 0 < stats["bytes"] <= SMALL_BUDGET, stats
+    # A cached block or tail keeps its arrays in one buffer per dtype and shape
+    # (omlx_core/scheduling/cache_layout.py); measured, the allocator's rounding stays
+    # under one slack per entry on these models.
     assert stats["bytes"] <= held <= stats["bytes"] + ALLOCATOR_SLACK * entries, (held, stats)
     assert conversation.answers == uncached_conversation(path, tokenizer).answers
 
