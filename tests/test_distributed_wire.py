@@ -46,10 +46,10 @@ def test_the_gates_answers_round_trip() -> None:
     refused = RequestRejected(Rejection(estimated_bytes=7, limit_bytes=6, breakdown=breakdown,
                                         request_id="r", model_id="m", prompt_tokens=3,
                                         stage="forward", cause="memory_short", detail="d",
-                                        pinned_models=("p",)), ["raise it"], 2.5)
+                                        pinned_models=("p",)), ["raise it"], 2.5, wait=True)
     (rid, back), = wire.decode_refusals(wire.encode_refusals({"r": refused})).items()
     assert rid == "r" and back.rejection == refused.rejection
-    assert (back.advice, back.retry_after_s) == (["raise it"], 2.5)
+    assert (back.advice, back.retry_after_s, back.wait) == (["raise it"], 2.5, True)
     plan = DecodePlan({"a": 512, "b": 1 << 62}, ("c",))
     assert wire.decode_plan(wire.encode_plan(plan)) == plan
     assert wire.decode_flag(wire.encode_flag(True)) is True

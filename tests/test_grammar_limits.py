@@ -227,3 +227,76 @@ def test_idle_compile_workers_are_memory_the_guard_can_take_back(jobs):
     finally:
         queue.close()
     assert reclaimable_outside_engines() == 0
+
+
+def test_a_prefill_short_only_of_a_compile_in_flight_waits_for_it_and_then_runs(jobs,
+                                                                                 tiny_model_path):
+    """The soak's 503: a grammar worker starting up (100+ MiB for a second) left a
+    lone chat request short, and the gate refused it for good. Now the request waits
+    while the compile is in flight, then the idle worker is reclaimed and it runs."""
+    from omlx_core.config import load_config
+    from omlx_core.engine import GenerationRequest, SamplingParams
+    from omlx_core.memory.ceilings import ProbeReadings
+    from omlx_core.memory.guard import MemoryGuard
+    from omlx_core.memory.probes import CgroupMemory, LinuxMeminfo, ProcessFootprint
+    from omlx_core.memory.usage import MemoryUsage
+    from omlx_core.models.registry import spec_for_path
+    from omlx_core.pluginmanager import PluginManager
+    from omlx_core.plugins import advice as advice_plugin
+    from omlx_core.plugins import batched as batched_plugin
+    from omlx_core.plugins import memory_guard as memory_guard_plugin
+    from omlx_core.plugins.batched import BatchedEngine
+    from omlx_core.testing import engine_io
+    from omlx_core.testing.host import make_test_host
+    from pathlib import Path
+    from tests.test_memory_forward_gate import MIB, PerTokenPlugin
+
+    gib, margin, prompt = 1024**3, 16 * MIB, list(range(7, 17))  # one 9-token chunk: 9 MiB
+    queue = CompileQueue(CompileSettings(workers=1, timeout_s=120))
+    hold = threading.Event()
+    settings = [("memory.tier", "custom", "test"), ("memory.transient_margin", str(margin), "test"),
+                ("plugin.batched.prefix_cache_budget", "0", "test")]
+    engine = BatchedEngine(spec_for_path(tiny_model_path("llama")),
+                           make_test_host(load_config(tier="cpu-small", env={}, overrides=settings)))
+    guard = None
+    try:
+        engine.start()
+        queue.submit(jobs("a", "x+")).result(timeout=120)  # the worker holds the tokenizer
+        busy = jobs("a", "y+", hold)
+        queue.submit(busy)
+        assert wait_for(busy.future.running) and wait_for(lambda: queue.busy_bytes() > 20 * MIB)
+        usage = MemoryUsage()
+        # The chunk fits beside what this process holds, but not beside the busy worker.
+        ceiling = usage.high_water() + 9 * MIB + margin - queue.busy_bytes() // 2
+        plugins = PluginManager()
+        for plugin, name in ((memory_guard_plugin, "memory_guard"), (advice_plugin, "advice"),
+                             (PerTokenPlugin(), "estimator"), (batched_plugin, "batched")):
+            plugins.register(plugin, name)
+        guard = MemoryGuard(plugins, load_config(tier="cpu-small", env={}, overrides=[
+            *settings, ("memory.custom_ceiling", str(ceiling), "test")]),
+            usage=usage, mlx_cache=lambda: 0)
+        readings = ProbeReadings(
+            system="Linux", meminfo=LinuxMeminfo(32 * gib, 20 * gib, 20 * gib, 20 * gib, 0, 0),
+            cgroup=CgroupMemory(2, Path("/x"), None, None, None),
+            footprint=ProcessFootprint(gib, gib, "test"))
+        guard.start(lambda: [engine], read=lambda: readings)
+        assert wait_for(lambda: engine.scheduler.limits is not None)
+        handle = engine.submit(GenerationRequest("chat", prompt, SamplingParams(
+            temperature=0.0, max_tokens=4)))
+        # It waits (preempted, not failed) while the compile is in flight.
+        assert wait_for(lambda: engine.scheduler.stats()["preempted"] >= 1)
+        assert guard.forward_gate_for(engine).refused_total == 0
+        assert queue.busy_bytes() > 20 * MIB  # still held: the wait is for the compile
+        hold.set()
+        busy.future.result(timeout=120)
+        outputs = engine_io.collect(handle)
+        assert outputs[-1].finish_reason in ("stop", "length"), outputs[-1].error
+        assert sum(len(o.token_ids) for o in outputs) >= 1
+        assert guard.forward_gate_for(engine).refused_total == 0
+        assert queue.worker_pids() == []  # the idle worker was reclaimed for the room
+    finally:
+        hold.set()
+        if guard is not None:
+            guard.close()
+        engine.shutdown()
+        queue.close()

@@ -63,6 +63,27 @@ def test_compiled_grammars_are_memory_the_guard_counts_and_takes_back(tokenizer)
     cache.close()
 
 
+def test_the_guard_empties_mlxs_buffer_cache_before_it_drops_compiled_grammars(tokenizer):
+    """Compiled grammars and idle grammar workers are the last the guard takes back: a
+    worker restarts in about a second of CPU and a grammar compiles again, while mlx's
+    freed buffers cost nothing to give back. (Dropping both for every shortfall
+    restarted a worker every few seconds in the soak.)"""
+    from omlx_core.config import load_config
+    from omlx_core.memory.guard import MemoryGuard
+    from omlx_core.pluginmanager import PluginManager
+
+    cache = compiler_for(tokenizer, vocab_size=512)
+    cache.compile(schema(0))
+    guard = MemoryGuard(PluginManager(), load_config(tier="cpu-small", env={}),
+                        usage=MemoryUsage(), mlx_cache=lambda: 8 * MIB)
+    assert guard.reclaim(4 * MIB) == 8 * MIB
+    assert len(cache) == 1  # mlx's buffer cache was enough
+    held = cache.bytes
+    assert guard.reclaim(8 * MIB + held) >= 8 * MIB + held
+    assert len(cache) == 0
+    cache.close()
+
+
 @pytest.mark.slow
 def test_distinct_grammars_keep_resident_memory_within_the_cache_budget(default_model_dir):
     """Forty distinct schemas for the default model's 49k-token vocabulary (~2 MiB each:

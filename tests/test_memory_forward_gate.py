@@ -154,6 +154,27 @@ def test_refusals_of_a_shared_forward_are_provisional(caplog):
     assert gate.refused_total == 1
 
 
+def test_a_refused_request_waits_while_a_request_not_refused_runs_on():
+    gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
+    refused = gate.check_prefill(replace(step(chunk("small", 50), chunk("big", 60),
+                                              hard=170 * MIB), running=2))
+    assert set(refused) == {"big"} and refused["big"].wait
+    assert gate.refused_total == 0
+
+
+def test_with_nothing_else_running_every_refused_request_but_the_last_waits_for_it():
+    """The last one ends and frees its memory; the others are judged again without it.
+    (Before, the gate said both wait, and the engine, counting what still ran after
+    putting the first back, ended the second: a 503 in the soak.)"""
+    gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
+    refused = gate.check_prefill(replace(step(chunk("a", 60), chunk("b", 60), hard=170 * MIB),
+                                         running=2))
+    assert (refused["a"].wait, refused["b"].wait) == (True, False)
+    assert gate.refused_total == 1
+    alone = gate.check_prefill(step(chunk("a", 60), hard=170 * MIB))
+    assert not alone["a"].wait and gate.refused_total == 2
+
+
 def test_a_refused_chunk_leaves_no_kv_for_the_ones_after_it():
     gate = PrefillForwardGate(per_token, fixed_usage(), MARGIN)
     refused = gate.check_prefill(step(chunk("big", 100), chunk("next", 40), hard=160 * MIB))

@@ -40,7 +40,8 @@ from typing import Any, Callable
 
 from omlx_core.grammar.compile_worker import CompileFailed, CompileKilled, CompileWorker
 from omlx_core.grammar.errors import GrammarBusy, GrammarCompileTimeout, GrammarError
-from omlx_core.memory.usage import register_reclaimable, unregister_reclaimable
+from omlx_core.memory.usage import (register_in_flight, register_reclaimable,
+                                    unregister_in_flight, unregister_reclaimable)
 from omlx_core.settings import format_size
 
 __all__ = ["CompileJob", "CompileQueue", "CompileSettings", "compile_client", "compile_queue",
@@ -149,6 +150,7 @@ class CompileQueue:
         self._busy: set[str] = set()
         self._closed = False
         register_reclaimable(self.release_idle)
+        register_in_flight(self.busy_bytes)
         #: counters for /metrics and the benchmarks
         self.refused = 0
         self.killed = 0
@@ -311,6 +313,16 @@ class CompileQueue:
                     worker.stop()
             return total
 
+    def busy_bytes(self) -> int:
+        """The resident bytes of the workers running a compile now (starting up
+        included): held until the compile ends, at its deadline at the latest, after
+        which the worker is idle and :meth:`release_idle` gives them back. The memory
+        guard lets a request that fits without them wait for them
+        (``register_in_flight``)."""
+        with self._lock:
+            return sum(worker.resident_bytes() for worker in self._workers
+                       if worker.name in self._busy)
+
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self._workers if w.pid is not None]
 
@@ -323,6 +335,7 @@ class CompileQueue:
                                                      self.settings.timeout_s))
             self._lock.notify_all()
         unregister_reclaimable(self.release_idle)
+        unregister_in_flight(self.busy_bytes)
         for worker in self._workers:
             worker.stop()
 

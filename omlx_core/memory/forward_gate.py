@@ -10,15 +10,25 @@ is
 (one chunk, or several requests' chunks sharing the forward). A forward whose
 projection passes the hard limit first gets the room cached memory can give (prefix
 caches evicted least recently used first, mlx's buffer cache emptied); if it still
-passes, it is refused: its requests end with ``finish_reason="error"`` and their
-memory is freed, while every other request goes on.
+passes, it is refused, while every other request goes on. A refused request **waits**
+(``RequestRejected.wait``: its engine preempts it) when what holds the memory gives it
+back by itself: requests of its engine that run on past the step; when none do, the
+last request refused in the step (which ends, so the others are judged again without
+it); or a helper's work in flight (a grammar compile in its worker process, which ends
+by its deadline) if the forward fits without that. It waits for helpers for at most the
+ledger's queue timeout in all, and ``may_resume`` holds it while their work is still
+in flight. Otherwise it ends with ``finish_reason="error"`` and its memory is freed.
+(Before, the engine decided "others run" itself after putting back the refusals ahead
+of it, so the last of several refused requests ended although the gate had said it
+waits; and a request refused while the grammar worker restarted, 117 MiB for a second,
+ended with a 503 that a second's wait would have avoided.)
 A shared forward also copies every member's cached prefix into a batch buffer
 (right-aligned to the longest, the new tokens after it) and each row back out, so its
 projection adds ``2 x rows x (longest cached + longest new) x KV bytes per token``.
 (The batched engine then asks again with every chunk alone before refusing anything,
 so refusals of a shared forward are logged at DEBUG and not counted in
-``refused_total``: only the second answer is final. Nor are refusals of a request
-while others of its engine run, logged at INFO: it waits for them, preempted.)
+``refused_total``: only the second answer is final. Nor are refusals that wait, logged
+at INFO.)
 Model loads in flight are not counted here: a load claims its bytes in the admission
 ledger next to the requests' reservations, so what admission let run already has room
 beside it (counting a load not yet begun here refused a request running alone before
@@ -52,6 +62,7 @@ again. The oldest request is never preempted: it passed preflight with its whole
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -64,6 +75,7 @@ from omlx_core.memory.gate import (
     PrefillChunk,
     PrefillStep,
     Refusals,
+    refusal_waits,
 )
 from omlx_core.memory.types import (
     KV_STEP,
@@ -84,6 +96,11 @@ log = logging.getLogger(__name__)
 #: reclaims asked for at most before one decision: each frees what its caches count,
 #: and the reading may fall by less, so the shortfall is asked for again
 _RECLAIM_ROUNDS = 8
+#: how long a request waits for helpers' work in flight at most without a ledger (with
+#: one, its queue timeout: ``memory.queue_timeout_s``)
+_HELPER_WAIT_S = 30.0
+#: requests remembered as waiting for helpers before the ones long gone are forgotten
+_MAX_HELPER_WAITS = 1024
 
 Estimate = Callable[[PeakQuery], "PeakEstimate | None"]
 Advise = Callable[[Rejection], "list[str]"]
@@ -130,10 +147,16 @@ class PrefillForwardGate(ForwardGate):
                  full_logits: bool = False, backend: str = "cpu", retry_after_s: float = 2.0,
                  kv_bits: int | None = None, kv_group_size: int = 64,
                  reclaim: Callable[[int], int] | None = None,
-                 ledger: AdmissionQueue | None = None):
+                 ledger: AdmissionQueue | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self._reclaim = reclaim
         #: the admission ledger decode growth is reserved in (``None``: decode unbudgeted)
         self._ledger = ledger
+        self._clock = clock
+        #: when each request refused for helpers' work in flight first waited for it
+        self._helper_waits: dict[str, float] = {}
+        #: how long a request waits for helpers' work in flight at most, in all
+        self._helper_wait_s = ledger.timeout_s if ledger is not None else _HELPER_WAIT_S
         self._per_token: dict[str, int | None] = {}
         #: requests preempted so far, by (binding ceiling, stage): "decode" for growth
         #: that did not fit, "forward" for a prefill refused while others ran
@@ -167,36 +190,59 @@ class PrefillForwardGate(ForwardGate):
         current = self._usage.high_water(record=True)
         earlier_kv = 0
         refused: dict[str, RequestRejected] = {}
-        # Final refusals: of forwards run alone, of a request running alone. A shared
-        # forward is asked about again; a request refused while others run waits for them.
+        # (forward, estimated peak, memory in use before it, projected peak) of each
+        # forward that does not fit; what becomes of them depends on all of them.
+        short: list[tuple[list[PrefillChunk], int, int, int]] = []
         final = 0
-        waits = step.running > 1
         for forward in _forwards(step.chunks):
-            shared = len(forward) > 1
-            provisional = shared or waits
             estimates = self._chunk_estimates(step, forward)
             if estimates is None:
                 for chunk in forward:
                     refused[chunk.request_id] = self._unestimable(step, chunk, limits)
-                final += 0 if shared else len(forward)  # waiting would not help
+                final += 0 if len(forward) > 1 else len(forward)  # waiting would not help
                 continue
-            copy = _copy_bytes(forward, estimates) if shared else 0
+            copy = _copy_bytes(forward, estimates) if len(forward) > 1 else 0
             total = sum(estimate.total for estimate in estimates) + copy
             beside = earlier_kv + total + self.transient_margin
             if current + beside > hard:
                 current = self._use_after_reclaim(lambda use: use + beside - hard, current)
             projected = current + beside
             if projected > hard:
-                for chunk in forward:
-                    refused[chunk.request_id] = self._reason(step, chunk, total, current + earlier_kv,
-                                                             limits, shared=shared, waits=waits)
-                final += 0 if provisional else len(forward)
+                short.append((forward, total, current + earlier_kv, projected))
                 continue
+            for chunk in forward:
+                self._helper_waits.pop(chunk.request_id, None)
             # What stays resident after this forward is its KV (and extra bytes), not
             # its transient.
             earlier_kv += sum(estimate.held_bytes for estimate in estimates)
+        # Who waits (refusal_waits): while requests the step does not refuse run on,
+        # every refused one; else all but the last, which ends (the unestimable ones
+        # count first, and are final anyway). The last waits too for a helper's work in
+        # flight (a grammar compile) when that is what it is short of.
+        count = len({c.request_id for forward, *_ in short for c in forward} | set(refused))
+        others = step.running > count
+        in_flight = self._usage.in_flight_outside_engines() if short and not others else 0
+        for index, (forward, total, base, projected) in enumerate(short):
+            shared = len(forward) > 1
+            helpers = in_flight if not others and projected - in_flight <= hard and all(
+                self._may_wait_for_helpers(chunk.request_id) for chunk in forward) else 0
+            wait = helpers > 0 or refusal_waits(step.running, count, index + count - len(short))
+            for chunk in forward:
+                refused[chunk.request_id] = self._reason(
+                    step, chunk, total, base, limits, shared=shared, wait=wait, helpers=helpers)
+            final += 0 if shared or wait else len(forward)
         self.refused_total += final
         return refused
+
+    def _may_wait_for_helpers(self, request_id: str) -> bool:
+        """Whether ``request_id`` may (still) wait for helpers' work in flight: for at
+        most the ledger's queue timeout in all, counted from its first such wait."""
+        now = self._clock()
+        since = self._helper_waits.setdefault(request_id, now)
+        if len(self._helper_waits) > _MAX_HELPER_WAITS:  # requests that ended meanwhile
+            self._helper_waits = {rid: t for rid, t in self._helper_waits.items()
+                                  if now - t <= 2 * self._helper_wait_s}
+        return now - since <= self._helper_wait_s
 
     def check_decode(self, step: DecodeStep) -> DecodePlan:
         limits: LimitSnapshot | None = step.limits
@@ -271,6 +317,10 @@ class PrefillForwardGate(ForwardGate):
         return limit - self._use_after_reclaim(lambda use: wanted - (limit - use))
 
     def may_resume(self, request_id: str) -> bool:
+        since = self._helper_waits.get(request_id)
+        if (since is not None and self._clock() - since <= self._helper_wait_s
+                and self._usage.in_flight_outside_engines() > 0):
+            return False  # the helpers' work it waits for is still in flight
         return self._ledger is None or self._ledger.resume(request_id)
 
     def suspend(self, request_id: str) -> None:
@@ -390,17 +440,23 @@ class PrefillForwardGate(ForwardGate):
         return estimates
 
     def _reason(self, step: PrefillStep, chunk: PrefillChunk, peak: int, base: int,
-                limits: LimitSnapshot, *, shared: bool = False, waits: bool = False
-                ) -> RequestRejected:
+                limits: LimitSnapshot, *, shared: bool = False, wait: bool = False,
+                helpers: int = 0) -> RequestRejected:
         # A shared forward's refusal is provisional: the engine asks again with one chunk
-        # per forward, and only that answer is final. A request refused while others run
-        # waits for them (its engine preempts it).
-        log.log(logging.DEBUG if shared else logging.INFO if waits else logging.WARNING,
-                "forward gate refuses a %d-token prefill chunk of request %s (model %r)%s: "
+        # per forward, and only that answer is final. A request that waits (for the
+        # engine's other requests, or helpers' work in flight) is preempted by its engine.
+        if shared:
+            level, why = logging.DEBUG, " in a shared forward"
+        elif helpers:
+            level, why = logging.INFO, (f"; it waits for helpers' work in flight (a grammar "
+                                        f"compile) holding {format_size(helpers)} of it")
+        elif wait:
+            level, why = logging.INFO, "; it waits for the running requests"
+        else:
+            level, why = logging.WARNING, ""
+        log.log(level, "forward gate refuses a %d-token prefill chunk of request %s (model %r)%s: "
                 "%s in use + %s estimated + %s margin > %s limit", chunk.new_tokens,
-                chunk.request_id, step.model_id,
-                " in a shared forward" if shared else
-                "; it waits for the running requests" if waits else "",
+                chunk.request_id, step.model_id, why,
                 format_size(base), format_size(peak),
                 format_size(self.transient_margin), format_size(limits.hard_bytes))
         return self._rejected(chunk, Rejection(
@@ -412,12 +468,13 @@ class PrefillForwardGate(ForwardGate):
             f"the next chunk needs an estimated {format_size(peak)} "
             f"(+{format_size(self.transient_margin)} margin) on top of {format_size(base)} in "
             f"use, over the {format_size(limits.hard_bytes)} limit; the request was stopped "
-            "before the forward ran")
+            "before the forward ran", wait=wait)
 
-    def _rejected(self, chunk: PrefillChunk, rejection: Rejection, what: str) -> RequestRejected:
+    def _rejected(self, chunk: PrefillChunk, rejection: Rejection, what: str, *,
+                  wait: bool = False) -> RequestRejected:
         """The refusal a stopped request carries: where, why, outcome, advice."""
         detail = (f"memory ran short during prefill (tokens {chunk.cached_tokens}-"
                   f"{chunk.cached_tokens + chunk.new_tokens} of {chunk.prompt_tokens}): {what}")
         rejection = replace(rejection, detail=detail)
         advice = self._advise(rejection) if self._advise else []
-        return RequestRejected(rejection, advice, retry_after_s=self.retry_after_s)
+        return RequestRejected(rejection, advice, retry_after_s=self.retry_after_s, wait=wait)

@@ -10,12 +10,13 @@ Once per scheduler step that has prefill work, the scheduler plans the chunks it
 about to run, describes them in a :class:`PrefillStep` and calls
 ``gate.check_prefill(step)`` *before any of those forwards runs*. The gate answers with
 the request ids it refuses, each with a :class:`~omlx_core.memory.types.RequestRejected`
-(stage ``"forward"``). A refused request running alone ends at once with
-``finish_reason="error"`` and that rejection on its final output
-(:attr:`~omlx_core.engine.GenerationOutput.rejected`); one refused while others of the
-engine run (``running > 1``) is preempted instead (``gate.suspend``): it waits, its
-finished chunks in the prefix cache, until ``may_resume`` lets it back. Either way its
-partial KV cache is dropped; every other chunk of the step runs as planned.
+(stage ``"forward"``). A refusal with ``wait`` set (the memory is held by what gives it
+back by itself: requests of the engine that run on past the step, or a helper's work in
+flight) preempts the request (``gate.suspend``): it waits, its finished chunks in the
+prefix cache, until ``may_resume`` lets it back. Any other refused request ends at once
+with ``finish_reason="error"`` and that rejection on its final output
+(:attr:`~omlx_core.engine.GenerationOutput.rejected`). Either way its partial KV cache
+is dropped; every other chunk of the step runs as planned.
 
 What the gate can rely on:
 
@@ -105,9 +106,9 @@ class PrefillStep:
     #: the engine's prefill step: the most tokens one step prefills in all
     chunk_size: int
     limits: LimitSnapshot | None = None
-    #: requests of the engine prefilling or decoding in this step; while others run, a
-    #: refused request is preempted (it waits for them), not failed, so a gate counts
-    #: only refusals of a request running alone as final
+    #: requests of the engine prefilling or decoding in this step; while some that the
+    #: gate does not refuse run on, a refused request waits for them (``wait``), so a
+    #: gate counts only refusals with nothing to wait for as final
     running: int = 1
     model_config: Mapping[str, Any] = field(default_factory=dict, compare=False)
     #: the forwards encode (embeddings, relevance scores): each chunk is one row of a
@@ -169,6 +170,16 @@ class DecodePlan:
 UNLIMITED_TOKENS = 1 << 62
 
 
+def refusal_waits(running: int, refused: int, position: int) -> bool:
+    """Whether a request refused before a forward waits rather than ends: the refusal at
+    ``position`` (0-based, in the step's order) of ``refused`` requests refused in a
+    step of ``running``. It waits while some request the step does not refuse runs on
+    (it gives its memory back when it ends); when none does, every refused request but
+    the last waits for the last one, which ends (its memory freed, the others are
+    judged again without it)."""
+    return running > refused or position < refused - 1
+
+
 class ForwardGate(abc.ABC):
     """What a scheduler asks before (and after) each step's prefill forwards."""
 
@@ -218,4 +229,4 @@ class MemoryReceiver(abc.ABC):
 
 
 __all__ = ["CacheRestore", "DecodePlan", "DecodeRow", "DecodeStep", "ForwardGate", "MemoryReceiver",
-           "PrefillChunk", "PrefillStep", "Refusals", "UNLIMITED_TOKENS"]
+           "PrefillChunk", "PrefillStep", "Refusals", "UNLIMITED_TOKENS", "refusal_waits"]

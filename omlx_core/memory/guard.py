@@ -229,7 +229,9 @@ class MemoryGuard:
 
     def reclaim(self, nbytes: int) -> int:
         """Free at least ``nbytes`` if the caches hold that much: engines' caches first
-        (least recently used blocks), then mlx's buffer cache. Returns the bytes freed;
+        (least recently used blocks), then mlx's buffer cache (always emptied), then,
+        only if still short, what lives beside the engines (idle grammar workers, whose
+        restart costs a second of CPU, and compiled grammars). Returns the bytes freed;
         afterwards the usage reading starts afresh (the memory given back is gone, not
         a moment ago's peak). Runs on the MLX thread (the forward gate calls it)."""
         freed = 0
@@ -238,11 +240,11 @@ class MemoryGuard:
                 break
             if isinstance(engine, GuardedEngine):
                 freed += max(0, int(engine.reclaim(nbytes - freed)))
-        if freed < nbytes:
-            freed += self.usage.reclaim_outside_engines()
         cached = self._mlx_cache()
         clear_cache()
         freed += cached
+        if freed < nbytes:
+            freed += self.usage.reclaim_outside_engines()
         self.usage.forget_recent()
         self.reclaimed_bytes_total += freed
         log.info("reclaimed %s of caches for a request that needed the room", format_size(freed))

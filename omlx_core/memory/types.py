@@ -324,13 +324,18 @@ class RequestRejected(Exception):
     :param rejection: the structured reason: estimate, limit, ceilings, cause.
     :param advice: what an operator or client can do, from the ``on_rejection`` hook.
     :param retry_after_s: when a retry may succeed; ``None`` for a preflight refusal.
+    :param wait: (a forward gate's refusal) the memory the request needs is held by work
+        that gives it back by itself: other requests of its engine, or a helper's work in
+        flight. An engine that can keep the request waiting does (it asks again when the
+        gate lets it resume); otherwise the refusal is final and the request ends.
     """
 
     def __init__(self, rejection: Rejection, advice: list[str] | None = None,
-                 retry_after_s: float | None = None):
+                 retry_after_s: float | None = None, *, wait: bool = False):
         self.rejection = rejection
         self.advice = list(advice or [])
         self.retry_after_s = retry_after_s
+        self.wait = wait
         super().__init__(rejection.summary() + (". " + " ".join(self.advice) if self.advice else ""))
 
     @property
@@ -346,7 +351,7 @@ class RequestRejected(Exception):
                     or (rejection.stage == "load" and rejection.cause == "never_fits"))
 
     def with_advice(self, advice: list[str]) -> "RequestRejected":
-        return RequestRejected(self.rejection, advice, self.retry_after_s)
+        return RequestRejected(self.rejection, advice, self.retry_after_s, wait=self.wait)
 
 
 @dataclass(frozen=True)

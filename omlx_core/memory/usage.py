@@ -181,6 +181,34 @@ def reclaim_outside_engines() -> int:
     return sum(max(0, int(release(False))) for release in releases)
 
 
+#: what the footprint holds beside the engines that comes back by itself: ``held()`` ->
+#: the resident bytes of work in flight that ends on its own within a bound (a grammar
+#: compile, stopped at its deadline), after which it is given back or reclaimable
+_in_flight: list[Callable[[], int]] = []
+
+
+def register_in_flight(held: Callable[[], int]) -> None:
+    """Let the memory guard count what ``held()`` reports (a helper process busy with
+    work that ends by itself, such as a grammar compile under its deadline) as memory
+    that comes back without anyone giving it back: a request that fits once that work
+    ends waits for it instead of being refused."""
+    with _helpers_lock:
+        _in_flight.append(held)
+
+
+def unregister_in_flight(held: Callable[[], int]) -> None:
+    with _helpers_lock:
+        if held in _in_flight:
+            _in_flight.remove(held)
+
+
+def in_flight_outside_engines() -> int:
+    """Resident bytes held now by work in flight that ends by itself."""
+    with _helpers_lock:
+        sources = list(_in_flight)
+    return sum(max(0, int(held())) for held in sources)
+
+
 def footprint_bytes() -> int:
     """Resident bytes of this process and its helper processes, after handing freed heap
     pages back to the OS.
@@ -241,6 +269,11 @@ class MemoryUsage:
     def reclaim_outside_engines(self) -> int:
         """Give back what the footprint holds beside the engines; the bytes it held."""
         return reclaim_outside_engines() if self._counts_outside_engines else 0
+
+    def in_flight_outside_engines(self) -> int:
+        """What the footprint holds beside the engines for work in flight that ends by
+        itself (a grammar compile in a helper process)."""
+        return in_flight_outside_engines() if self._counts_outside_engines else 0
 
     def resident(self) -> int:
         """Bytes held right now: max(mlx active, process footprint)."""

@@ -1,10 +1,11 @@
 """A scheduler step's prefill: the planned forwards, then the first tokens.
 
 The planner (:mod:`~omlx_core.scheduling.prefill_planner`) cuts the step's chunks
-and forwards and asks the forward gate. A request the gate refuses while other
-requests of this engine run is preempted (it waits for them to give the memory back;
-its finished chunks stay in the prefix cache); one refused alone ends with
-``finish_reason="error"`` and the gate's :class:`~omlx_core.memory.types.RequestRejected`.
+and forwards and asks the forward gate. A request the gate refuses with ``wait`` (other
+requests of this engine run on, or a helper's work in flight holds the memory, and give
+it back by themselves) is preempted: it waits, its finished chunks in the prefix cache;
+any other refused request ends with ``finish_reason="error"`` and the gate's
+:class:`~omlx_core.memory.types.RequestRejected`.
 Either way its cache is dropped, and the other chunks and streams go on.
 
 At the end of the step every request whose chunks are done has its last prompt token
@@ -90,13 +91,16 @@ class PrefillRunner:
         for request_id, rejected in refused.items():
             sequence = state.by_id.get(request_id)
             if sequence is not None and sequence.phase == PREFILLING:
-                if state.running() > 1:
-                    # Others hold the memory it needs and will give it back: it waits for
-                    # them (its finished chunks stay in the prefix cache), not fails.
+                if rejected.wait:
+                    # What holds the memory it needs gives it back by itself (the
+                    # engine's other requests, a grammar compile): it waits (its finished
+                    # chunks stay in the prefix cache), not fails. The gate judged this
+                    # against the step's running requests, not what is left of them
+                    # after the refusals before it were put back.
                     self.requeue([sequence])
                 else:
-                    # Alone and still short: memory went elsewhere (another process);
-                    # waiting on this engine would not bring it back.
+                    # Nothing that runs gives it back: memory went elsewhere (another
+                    # process), and waiting would not bring it back.
                     self.finish(sequence, "error", error=str(rejected), rejected=rejected)
         for group in groups:
             if len(group) == 1:

@@ -67,7 +67,8 @@ from omlx_core.engine import (
     GuardedEngine,
     SamplingParams,
 )
-from omlx_core.memory.gate import ForwardGate, MemoryReceiver, PrefillStep, Refusals
+from omlx_core.memory.gate import (ForwardGate, MemoryReceiver, PrefillStep, Refusals,
+                                   refusal_waits)
 from omlx_core.memory.types import Rejection, RequestRejected
 from omlx_core.testing import sampling_check
 from omlx_core.testing.engine_io import (
@@ -394,14 +395,19 @@ class ScriptedGate(ForwardGate):
         self._after = after or (lambda step: {})
 
     def check_prefill(self, step: PrefillStep) -> Refusals:
-        return {rid: refusal(rid, reason) for rid, reason in self._refuse(step).items()}
+        # Which refused requests wait follows the contract (refusal_waits), as a
+        # memory guard's gate does.
+        refused = self._refuse(step)
+        return {rid: refusal(rid, reason, wait=refusal_waits(step.running, len(refused), index))
+                for index, (rid, reason) in enumerate(refused.items())}
 
     def check_after_prefill(self, step: PrefillStep) -> Refusals:
         return {rid: refusal(rid, reason) for rid, reason in self._after(step).items()}
 
 
-def refusal(request_id: str, reason: str) -> RequestRejected:
+def refusal(request_id: str, reason: str, *, wait: bool = False) -> RequestRejected:
     """A forward-stage refusal whose message is ``reason``."""
     return RequestRejected(Rejection(estimated_bytes=0, limit_bytes=None, breakdown=None,
                                      request_id=request_id, stage="forward",
-                                     cause="memory_short", detail=reason), retry_after_s=1.0)
+                                     cause="memory_short", detail=reason), retry_after_s=1.0,
+                           wait=wait)

@@ -85,6 +85,10 @@ class _Request:
         return self.request.request_id
 
 
+#: how soon a prefill chunk the gate held back (``wait``) is asked about again
+RETRY_S = 0.05
+
+
 class PrimaryPath:
     """The speculative worker the engine attaches to the MLX thread.
 
@@ -113,6 +117,8 @@ class PrimaryPath:
         self._current: _Request | None = None
         #: the id of the request this path serves or is about to (set under the lock)
         self._claimed: str | None = None
+        #: when a prefill chunk the gate held back (``wait``) is asked about again
+        self._retry_at = 0.0
 
     # -- called from request threads -------------------------------------------------
 
@@ -155,7 +161,16 @@ class PrimaryPath:
     # -- the Worker contract, on the MLX thread ------------------------------------------
 
     def has_work(self) -> bool:
-        return self._current is not None or bool(self._waiting)
+        if self._current is not None:
+            return time.monotonic() >= self._retry_at or self._current_aborted()
+        return bool(self._waiting)
+
+    def wake_at(self) -> float | None:
+        return self._retry_at if self._current is not None and self._retry_at > time.monotonic() else None
+
+    def _current_aborted(self) -> bool:
+        with self._lock:
+            return self._current is not None and self._current.request_id in self._aborted
 
     def step(self) -> None:
         if self._current is None:
@@ -230,7 +245,11 @@ class PrimaryPath:
         gate = self.guard.gate
         refused = gate.check_prefill(step) if gate is not None else {}
         if current.request_id in refused:
-            return self._refuse(current, refused[current.request_id])
+            rejected = refused[current.request_id]
+            if rejected.wait:  # what holds the memory gives it back by itself: ask again
+                self._retry_at = time.monotonic() + RETRY_S
+                return None
+            return self._refuse(current, rejected)
         tokens = prompt[start:end]
         capture = self._capture()
         with capture:

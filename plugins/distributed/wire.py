@@ -319,16 +319,18 @@ def _rejection_body(rejection: Rejection) -> dict[str, Any]:
 def encode_refusals(refusals: Mapping[str, RequestRejected]) -> bytes:
     return _encode("refusals", {"refusals": [
         {"request_id": request_id, "rejection": _rejection_body(error.rejection),
-         "advice": list(error.advice), "retry_after_s": error.retry_after_s}
+         "advice": list(error.advice), "retry_after_s": error.retry_after_s,
+         "wait": bool(error.wait)}
         for request_id, error in refusals.items()]})
 
 
 def _refusal(value: Any, where: str) -> tuple[str, RequestRejected]:
     body = _object(value, where, {
         "request_id": _ID, "rejection": lambda v, w: Rejection(**_object(v, w, _REJECTION_SHAPE)),
-        "advice": lambda v, w: _list(v, w, _str), "retry_after_s": _optional(_float)})
+        "advice": lambda v, w: _list(v, w, _str), "retry_after_s": _optional(_float),
+        "wait": _bool})
     return body["request_id"], RequestRejected(body["rejection"], body["advice"],
-                                               body["retry_after_s"])
+                                               body["retry_after_s"], wait=body["wait"])
 
 
 def decode_refusals(data: bytes) -> dict[str, RequestRejected]:

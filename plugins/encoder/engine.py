@@ -254,7 +254,7 @@ class EncoderEngine(EncodingEngine):
         gate = self.host.memory.forward_gate
         refused = gate.check_prefill(step) if gate is not None else {}
         if refused:
-            self._refused(rows, refused, pending)
+            self._refused(rows, refused)
             return
         with self._lock:
             for item in plan:
@@ -290,20 +290,21 @@ class EncoderEngine(EncodingEngine):
             self._retry_at = time.monotonic() + seconds * (1 - self.busy_share) / self.busy_share
             self.counters["paced_s"] += round(self._retry_at - time.monotonic(), 3)
 
-    def _refused(self, rows: list[tuple[_Job, int]], refused: Any, pending: int) -> None:
+    def _refused(self, rows: list[tuple[_Job, int]], refused: Any) -> None:
         """Act on the gate's refusal of the planned forward: fewer rows next time, a
-        retry in a moment, or (a lone row of the only request) the request's end."""
+        retry in a moment (the memory is given back by itself: other requests end), or
+        the request's end."""
         if len(rows) > 1:
             self._row_cap = max(1, len(rows) // 2)
             self.counters["gate_splits"] += 1
             return
         job = rows[0][0]
-        if pending > 1:
+        rejected = refused[job.request_id]
+        if rejected.wait:  # other requests (or a helper's work) give the memory back
             self._retry_at = time.monotonic() + RETRY_S
             self.counters["gate_waits"] += 1
             return
         self.counters["refused"] += 1
-        rejected = refused[job.request_id]
         self._end(job, "error", error=str(rejected), rejected=rejected)
 
     def fail(self, exc: BaseException) -> None:
