@@ -3,7 +3,7 @@ started as the README starts it, before and after: the checkout given by ``--bef
 and this one.
 
     python -m benchmarks.attacks [--before PATH] [--flood-s 120] [--flood-only] [--control]
-        [--rounds N] [--distributed] [--out FILE]
+        [--rounds N] [--distributed | --distributed-only] [--out FILE]
 
 ``--before`` is another checkout with its own virtualenv (``PATH/.venv``): the commit
 before the change (``git archive <commit> | tar -x -C PATH``, then ``./setup.sh test
@@ -33,7 +33,7 @@ broken model, a second model, a short keep-alive). The replays:
    nested 50,000 deep, ``memory.queue_timeout_s = nan``;
 5. with ``--distributed``: ``mlx.launch -n 3 --backend ring -- omlx-core serve
    --distributed tensor`` with and without ``--tier cluster`` answering a 40-token chat
-   (minutes each on two cores);
+   (minutes each on two cores; ``--distributed-only`` replays just these);
 6. **a streamed request's 413 after a 200**: a stream for a model that loads longer than
    the keep-alive (0.05 s here) and whose prompt cannot be served.
 
@@ -423,6 +423,14 @@ def distributed_group(python: str, checkout: Path, cache_root: Path, tier_args: 
                 process.wait(30)
 
 
+def distributed_groups(label: str, python: str, checkout: Path, cache_root: Path, run: Run) -> None:
+    """Finding 5: the 3-rank group with and without ``--tier cluster``."""
+    for name, tier_args in (("with --tier cluster", ["--tier", "cluster"]), ("without --tier", [])):
+        print(f"[{label}] 3 ranks {name}", flush=True)
+        run.findings[f"3 ranks, default model, {os.cpu_count()} cores, {name}: a 40-token chat"] = \
+            distributed_group(python, checkout, cache_root, tier_args)
+
+
 # -- running it ----------------------------------------------------------------------------------
 
 
@@ -469,6 +477,9 @@ def run_checkout(label: str, python: str, checkout: Path, models: dict[str, Path
     run = Run()
     cache_root = fresh_cache_root()
     try:
+        if args.distributed_only:
+            distributed_groups(label, python, checkout, cache_root, run)
+            return run
         print(f"[{label}] default server: grammar flood for {args.flood_s:.0f} s", flush=True)
         server = Served(python, checkout, free_port(), cache_root, [])
         try:
@@ -497,11 +508,7 @@ def run_checkout(label: str, python: str, checkout: Path, models: dict[str, Path
         run.findings["memory.queue_timeout_s = nan"] = nan_setting(python, checkout)
         run.findings.update(distributed_source(checkout))
         if args.distributed:
-            for name, tier_args in (("with --tier cluster", ["--tier", "cluster"]),
-                                    ("without --tier", [])):
-                print(f"[{label}] 3 ranks {name}", flush=True)
-                run.findings[f"3 ranks, default model, 2 cores, {name}: a 40-token chat"] = \
-                    distributed_group(python, checkout, cache_root, tier_args)
+            distributed_groups(label, python, checkout, cache_root, run)
     finally:
         shutil.rmtree(cache_root, ignore_errors=True)
     return run
@@ -593,10 +600,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --control: flood and control pairs (default 1)")
     parser.add_argument("--distributed", action="store_true",
                         help="also start 3-rank groups with mlx.launch (several minutes each)")
+    parser.add_argument("--distributed-only", action="store_true",
+                        help="replay only the 3-rank groups of --distributed")
     parser.add_argument("--out", type=Path, default=None, help="write the report here too")
     args = parser.parse_args(argv)
     if args.control and not args.flood_only:
         parser.error("--control goes with --flood-only")
+    if args.distributed_only and (args.flood_only or args.control):
+        parser.error("--distributed-only replays no flood")
     if args.rounds < 1:
         parser.error("--rounds must be 1 or more")
     before_python = args.before / ".venv" / "bin" / "python" if args.before else None
@@ -620,9 +631,12 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n\n".join([
         f"# Attacks replayed, before and after ({datetime.date.today()})",
         f"{platform.machine()}, {os.cpu_count()} cores, load average {load[0]:.2f} at the end; "
-        f"servers: `omlx-core serve` (default model, the tier the machine picks); flood "
-        f"{args.flood_s:.0f} s of 3 clients' 60,000-value enums",
-        "## Grammar flood", table(flood_rows({label: run.flood for label, run in runs.items()}), labels),
+        f"servers: `omlx-core serve` (default model, the tier the machine picks)"
+        + ("" if args.distributed_only else
+           f"; flood {args.flood_s:.0f} s of 3 clients' 60,000-value enums"),
+        *([] if args.distributed_only else [
+            "## Grammar flood",
+            table(flood_rows({label: run.flood for label, run in runs.items()}), labels)]),
         *(section for label, run in runs.items() if run.controls
           for section in (f"## Grammar flood against a control ({label})",
                           *flood_against_control(run))),

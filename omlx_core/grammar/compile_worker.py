@@ -10,8 +10,8 @@ time and memory it took there. A compiled grammar is not sent back: xgrammar's
 serialization of one can be hundreds of times its size (an EBNF of 2,000 alternatives:
 0.8 MiB compiled, 200 MiB of JSON and 14 s to write it).
 
-The child (``python -m omlx_core.grammar.compile_worker``) imports xgrammar (through the
-torch stub) and nothing of mlx. The parent sends it each tokenizer once
+The child (:func:`main` in a fresh interpreter) imports xgrammar (through the torch stub,
+with an inert ``transformers``) and nothing of mlx. The parent sends it each tokenizer once
 (``TokenizerInfo.serialize_json``) and then grammars to compile; it answers with how long
 the compile took and the compiled grammar's size. Every message on the pipe is a 4-byte
 length, a JSON header of at most :data:`MAX_HEADER_BYTES`, and a payload whose length
@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -138,7 +139,10 @@ class CompileWorker:
         self.stop()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "omlx_core.grammar.compile_worker"],
+            # Not ``-m``: the package imports this module first, and runpy warns of that
+            # on every start.
+            [sys.executable, "-c", "import sys; from omlx_core.grammar.compile_worker "
+             "import main; sys.exit(main())"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, env=env, bufsize=0,
             start_new_session=True)  # a Ctrl-C to the server is the server's to handle
         count_helper_process(self._process.pid)
@@ -251,9 +255,30 @@ def compile_request(compiler: Any, request: dict[str, Any]) -> Any:
     raise ValueError(f"unknown grammar kind {kind!r}")
 
 
+def _without_transformers() -> None:
+    """Give xgrammar an inert ``transformers`` to import in this child (0.2.x imports
+    three names of it: ``tokenizer_info``'s checks of Hugging Face tokenizers and
+    ``contrib.hf``'s logits processor); the child builds every
+    tokenizer from the parent's serialized ``TokenizerInfo`` and never a Hugging Face
+    one, and the real import took 31 MiB of its 89 MiB idle resident set and 0.8 s of
+    its 1.2 s start (measured), paid again at every restart after the memory guard
+    stopped an idle worker. A name a later xgrammar imports beyond these fails the
+    start, which the parent reports."""
+    if "transformers" in sys.modules:
+        return
+    module = types.ModuleType("transformers")
+    module.__doc__ = "omlx-core's compile worker: no Hugging Face tokenizers here"
+    base = type("PreTrainedTokenizerBase", (), {})
+    module.PreTrainedTokenizerBase = base
+    module.PreTrainedTokenizerFast = type("PreTrainedTokenizerFast", (base,), {})
+    module.LogitsProcessor = type("LogitsProcessor", (), {})
+    sys.modules["transformers"] = module
+
+
 def child_main(stdin: BinaryIO, stdout: BinaryIO) -> int:
     """Compile what the parent sends until it closes the pipe."""
     try:
+        _without_transformers()
         xgr = import_xgrammar()
     except Exception as exc:  # reported to the parent, which names it
         write_message(stdout, {"ready": False, "error": f"{type(exc).__name__}: {exc}"})
