@@ -219,12 +219,20 @@ class CompileQueue:
 
     def _serve(self, worker: CompileWorker) -> None:
         # Every worker starts with the first grammar: what they hold is there from then
-        # on, not added later by a burst of compiles.
+        # on, not added later by a burst of compiles. Starting counts as busy: the
+        # guard does not stop a worker half-way through its start (which it did when
+        # it reclaimed idle workers, each start then ending in a logged crash).
+        with self._lock:
+            self._busy.add(worker.name)
         try:
             worker.start()
         except Exception:
-            log.exception("grammar compile worker %s did not start; it is retried with its "
-                          "first compile", worker.name)
+            if not self._closed:
+                log.exception("grammar compile worker %s did not start; it is retried with "
+                              "its first compile", worker.name)
+        finally:
+            with self._lock:
+                self._busy.discard(worker.name)
         while (job := self._next(worker)) is not None:
             try:
                 self._run(worker, job)
