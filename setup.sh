@@ -93,12 +93,8 @@ fi
 if [ "$mode" = serve ]; then
   exec "$VENV/bin/omlx-core" serve "$@"
 fi
-# Two test processes, each taking whole files (a module's servers and models are set up
-# once): the fast tests are mostly one core's Python each, and the slow ones wait on
-# servers, ranks and wall-clock traffic as much as they compute. `-n 0` after it runs
-# them in one process. One OpenBLAS thread per process (unless set): two test processes,
-# each with servers whose BLAS threads spin while they wait for work, oversubscribed two
-# cores (two default-model workloads side by side: 54-60 s with OpenBLAS's own threads,
-# 48 s with one each).
-export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
-exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile "$@"
+# Two test processes, each taking whole files (pyproject's addopts: `-n 2 --dist
+# loadfile`; `-n 0` after it runs one process): the fast tests are mostly one core's
+# Python each, and the slow ones wait on servers, ranks and wall-clock traffic as much as
+# they compute. tests/conftest.py gives each process one OpenBLAS thread.
+exec "$VENV/bin/python" -m pytest "$@"

@@ -34,6 +34,13 @@ def pytest_configure(config):
     # so only a process that may still re-execute does it.
     from omlx_core.platform.blas import NO_REEXEC_ENV, REEXEC_MARKER_ENV
 
+    # One OpenBLAS thread per test process (unless set): two processes, each with servers
+    # whose BLAS threads spin while they wait for work, oversubscribed two cores (two
+    # default-model workloads side by side: 54-60 s with OpenBLAS's own threads, 48 s with
+    # one each). Set before the re-execution, which every process inherits.
+    processes = getattr(config.option, "numprocesses", None) or 0
+    if processes in ("auto", "logical") or (isinstance(processes, int) and processes > 1):
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     may_reexec = "1" not in (os.environ.get(REEXEC_MARKER_ENV), os.environ.get(NO_REEXEC_ENV))
     capture = config.pluginmanager.getplugin("capturemanager") if may_reexec else None
     if capture is not None:

@@ -31,11 +31,12 @@ def fresh_venv(tmp_path_factory):
     venv = tmp_path_factory.mktemp("venv")
     # No pip of its own: the outer environment's pip, seen through the site directory below,
     # installs into this interpreter's prefix.
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=300)
     python = venv / "bin" / "python"
     fresh_site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True).stdout.strip()
+        check=True, capture_output=True, text=True, timeout=300).stdout.strip()
     outer = [p for p in site.getsitepackages() if Path(p).is_dir()]
     # addsitedir (not a bare path) so the outer environment's own .pth files, such as an
     # editable omlx-core install, take effect too.
@@ -47,7 +48,7 @@ def fresh_venv(tmp_path_factory):
     shutil.copytree(EXAMPLE, source)
     result = subprocess.run(
         [str(python), "-m", "pip", "install", "--disable-pip-version-check", str(source)],
-        capture_output=True, text=True)
+        capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return venv
 
@@ -71,7 +72,7 @@ def test_example_is_listed_by_omlx_core_plugins(fresh_venv):
 
 def test_example_is_not_visible_without_the_install():
     result = subprocess.run([sys.executable, "-m", "omlx_core", "plugins", "--json", "--tier",
-                             "cpu-small"], capture_output=True, text=True,
+                             "cpu-small"], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMLX_NO_BLAS_REEXEC": "1"})
     assert "sequential" not in {p["name"] for p in json.loads(result.stdout)}
 

@@ -224,7 +224,7 @@ def test_opt_out_returns_without_exec(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_matmul_benchmark_measures_something() -> None:
-    assert 0.0 < blas.matmul_benchmark_ms(repeats=1) < 10_000.0
+    assert blas.matmul_benchmark_ms(repeats=1) > 0.0
 
 
 # --- backend ---------------------------------------------------------------------------

@@ -64,6 +64,7 @@ def test_a_deadlocked_engine_fails_the_run_naming_the_test(tmp_path) -> None:
         [sys.executable, "-m", "pytest", str(module), "-c", str(ROOT / "pyproject.toml"),
          "--rootdir", str(tmp_path), "-p", "omlx_core.testing.pytest_fixtures",
          "-p", "no:cacheprovider", "-o", "timeout=5", "-o", "timeout_func_only=true", "-q",
+         "-n", "0",
          "-k", "test_streams_tokens_as_they_come_and_ends_with_usage or test_max_tokens"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr

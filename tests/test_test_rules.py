@@ -99,11 +99,24 @@ def _compares(node: ast.Assert) -> list[ast.Compare]:
 def timed_assertions(source: str) -> list[int]:
     """Lines of ``assert`` statements whose comparison involves a clock reading: a clock
     call, a name (or attribute) assigned from one anywhere in the module (``started``,
-    ``outcome.seconds``), or a name that says it is a duration (``elapsed``)."""
+    ``outcome.seconds``), a name that says it is a duration (``elapsed``), or a call
+    that measures one (``matmul_benchmark_ms()``) bounded by anything but zero."""
     tree = ast.parse(source)
     timed = _timed_names(tree)
     return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)
-            and any(_reads_clock(c, timed) for c in _compares(node))]
+            and any(_reads_clock(c, timed) or _bounds_a_measured_time(c) for c in _compares(node))]
+
+
+def _bounds_a_measured_time(compare: ast.Compare) -> bool:
+    """``x_ms() < 10_000``: an ordering of a call whose name says it returns a duration
+    (a setting's getter compared for equality, ``retry_after_s() == 1.0``, is not)."""
+    operands = [compare.left, *compare.comparators]
+    measured = any(isinstance(o, ast.Call) and DURATION_NAME.search((_name_of(o.func) or "").lstrip("."))
+                   for o in operands)
+    ordered = any(isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for op in compare.ops)
+    others = [o for o in operands if not isinstance(o, ast.Call)]
+    return measured and ordered and not all(
+        isinstance(o, ast.Constant) and o.value == 0 for o in others)
 
 
 def _is_duration(node: ast.AST, timed: set[str]) -> bool:
@@ -328,6 +341,13 @@ UNBOUNDED_WHEN_BARE = frozenset({"join", "wait", "result", "acquire", "communica
 HANDLE_NAME = re.compile(r"(^|_)handle$")
 
 
+def _is_subprocess_wait(func: ast.AST) -> bool:
+    """``subprocess.run`` and the calls like it, which wait for the child to end."""
+    return (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+            and func.value.id == "subprocess"
+            and func.attr in ("run", "call", "check_call", "check_output"))
+
+
 def unbounded_waits(source: str) -> list[int]:
     """Lines of waits with no bound: ``thread.join()``, ``event.wait()``,
     ``future.result()``, ``queue.get()``, ``process.wait()``, ``handle.next_output()``,
@@ -340,6 +360,9 @@ def unbounded_waits(source: str) -> list[int]:
             name = (_name_of(node.func) or "").lstrip(".")
             bare = not node.args and not any(k.arg in ("timeout", "timeout_s") for k in node.keywords)
             if isinstance(node.func, ast.Attribute) and name in UNBOUNDED_WHEN_BARE and bare:
+                lines.append(node.lineno)
+            elif (_is_subprocess_wait(node.func)
+                  and not any(k.arg == "timeout" for k in node.keywords)):
                 lines.append(node.lineno)
             elif name in ("iter", "list") and node.args and HANDLE_NAME.search(
                     (_name_of(node.args[0]) or "").lstrip(".")):
@@ -428,8 +451,10 @@ def test_d(outcome):
 def test_f(server):
     status, seconds, body = server.ask("hello")
     assert status == 413 and seconds < 1.0
+def test_g():
+    assert 0.0 < blas.matmul_benchmark_ms(repeats=1) < 10_000.0
 '''
-    assert len(timed_assertions(caught)) == 5
+    assert len(timed_assertions(caught)) == 6
     allowed = '''
 import time
 def test_e(event):
@@ -438,6 +463,8 @@ def test_e(event):
         time.sleep(0.01)
     assert event.is_set()
     assert retry_after >= 1
+    assert blas.matmul_benchmark_ms(repeats=1) > 0.0
+    assert queue.retry_after_s() == 1.0
 '''
     assert timed_assertions(allowed) == []
 
@@ -598,8 +625,9 @@ def test_a(engine, thread, event, future, process, outputs):
     final = list(handle)[-1]
     tokens = [t for o in handle for t in o.token_ids]
     last = handle.next_output()
+    subprocess.run([sys.executable, "-m", "venv", path], check=True)
 '''
-    assert unbounded_waits(caught) == [3, 4, 5, 6, 7, 9, 10, 12, 13, 14]
+    assert unbounded_waits(caught) == [3, 4, 5, 6, 7, 9, 10, 12, 13, 14, 15]
     allowed = '''
 def test_b(engine, thread, event, process, config):
     thread.join(60)
@@ -610,5 +638,6 @@ def test_b(engine, thread, event, process, config):
         collect(handle)
     first = handle.next_output(timeout=60)
     eos = next(iter(tokenizer.eos_token_ids))
+    subprocess.run([sys.executable, "-c", "pass"], check=True, timeout=60)
 '''
     assert unbounded_waits(allowed) == []
