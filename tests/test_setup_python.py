@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,59 @@ def test_setup_sh_refuses_a_virtualenv_made_with_an_old_python(bin_dir: Path,
                           text=True, timeout=60, env={"PATH": str(bin_dir), "OMLX_VENV": str(venv)})
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
     assert "older than 3.11" in done.stderr and f"rm -rf {venv}" in done.stderr
+
+
+def _answers(port: int) -> bool:
+    import http.client
+
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        connection.request("GET", "/v1/models")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_setup_sh_serve_installs_nothing_twice_and_serves_the_default_model(
+        default_model_dir, tmp_path: Path) -> None:
+    """README's first command, run again as a newcomer would after `./setup.sh test`: the
+    installs are skipped (the stamp that run wrote for this pyproject.toml and setup.sh)
+    and the embedded default model answers a chat through the OpenAI SDK."""
+    from openai import OpenAI
+
+    from omlx_core.testing.waiting import free_port, wait_for
+
+    venv = Path(sys.prefix)
+    stamp = (venv / ".omlx-setup").read_text().split() if (venv / ".omlx-setup").is_file() else []
+    files = subprocess.run("cat pyproject.toml setup.sh | cksum", shell=True, cwd=ROOT,
+                           capture_output=True, text=True, timeout=60).stdout.split()[0]
+    # Installing again here would rewrite the editable install under the running suite.
+    assert stamp[:1] == [files] and "grammar" in stamp, (
+        f"{venv} was not installed by ./setup.sh for this pyproject.toml and setup.sh: run "
+        "./setup.sh test once")
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [BASH, str(ROOT / "setup.sh"), "serve", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            env={**os.environ, "OMLX_VENV": str(venv)})
+    try:
+        assert wait_for(lambda: _answers(port) or process.poll() is not None, timeout=300), \
+            log.read_text()
+        assert process.poll() is None, log.read_text()
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                        timeout=120)
+        reply = client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hello!"}],
+            max_tokens=8, temperature=0)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert reply.usage.completion_tokens >= 1
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    output = log.read_text()
+    assert "is installed in" in output and "== installing omlx-core" not in output, output
