@@ -166,7 +166,8 @@ class PrimaryPath:
         return bool(self._waiting)
 
     def wake_at(self) -> float | None:
-        return self._retry_at if self._current is not None and self._retry_at > time.monotonic() else None
+        waiting = self._current is not None and self._retry_at > time.monotonic()
+        return self._retry_at if waiting else None
 
     def _current_aborted(self) -> bool:
         with self._lock:
