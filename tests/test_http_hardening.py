@@ -220,6 +220,21 @@ def test_client_errors_name_no_path_of_this_machine(context, server, tmp_path_fa
         assert str(tmp_path_factory.getbasetemp()) not in json.dumps(text), path
 
 
+def test_a_server_whose_wake_up_pipe_is_gone_still_closes(context) -> None:
+    """A suite run once saw the loop's wake-up pipe closed (EBADF) as a server closed:
+    the close then raised and left the loop thread running. It closes from the calling
+    thread instead, and the loop ends."""
+    import os
+
+    server = HTTPServer(context, port=0).start()
+    assert call(server, "GET", "/v1/models")[0] == 200
+    trigger = server._server.trigger
+    os.close(trigger.trigger)
+    trigger._fds = [fd for fd in trigger._fds if fd != trigger.trigger]
+    server.close()
+    assert not server._thread.is_alive()
+
+
 def test_a_server_other_machines_reach_needs_keys(context) -> None:
     with pytest.raises(ConfigError, match="--insecure-no-auth"):
         HTTPServer(context, host="0.0.0.0", port=0)

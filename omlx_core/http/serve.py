@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from waitress import wasyncore
 
@@ -130,17 +130,37 @@ class HTTPServer:
             stopped_listening.set()
 
         if self._thread is not None and self._thread.is_alive():
-            server.trigger.pull_trigger(stop_listening)
-            stopped_listening.wait(timeout)
+            if self._pull(stop_listening):
+                stopped_listening.wait(timeout)
+            else:
+                stop_listening()
         aborted = self.frontend.shutdown()
         if aborted:
             log.info("aborted %d in-flight request(s) on shutdown", aborted)
         server.task_dispatcher.shutdown(timeout=timeout)
-        if self._thread is not None and self._thread.is_alive():
-            server.trigger.pull_trigger(lambda: wasyncore.close_all(server.socket_map, ignore_all=True))
+
+        def close_all() -> None:
+            wasyncore.close_all(server.socket_map, ignore_all=True)
+
+        if self._thread is not None and self._thread.is_alive() and self._pull(close_all):
             self._thread.join(timeout)
         else:
-            wasyncore.close_all(server.socket_map, ignore_all=True)
+            # Without the loop's wake-up pipe the sockets close from here: the loop polls
+            # with a timeout, finds its map empty and ends.
+            close_all()
+            if self._thread is not None:
+                self._thread.join(timeout)
+
+    def _pull(self, thunk: Callable[[], None]) -> bool:
+        """Run ``thunk`` on the server's loop thread; ``False`` when its wake-up pipe is
+        closed already (a suite run once saw EBADF there as a server closed)."""
+        try:
+            self._server.trigger.pull_trigger(thunk)
+            return True
+        except OSError as error:
+            log.warning("the HTTP server's wake-up pipe is closed (%s); closing it from this "
+                        "thread", error)
+            return False
 
     def __enter__(self) -> "HTTPServer":
         return self.start()
