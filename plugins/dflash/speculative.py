@@ -190,9 +190,7 @@ class PrimaryPath:
                     self._claimed = None
                 return
         current = self._current
-        with self._lock:
-            aborted = current.request_id in self._aborted
-        if aborted:
+        if self._current_aborted():
             return self._end(current, GenerationOutput(current.request_id, finish_reason="abort"))
         prompt = current.request.prompt_tokens
         if current.prefilled < len(prompt) - 1:
