@@ -22,10 +22,14 @@ from omlx_core.testing import family_config
 
 MIB = 1 << 20
 #: the estimate may overcount by this much (measured 1.10-1.46 over these shapes and
-#: others); below 1 MiB measured, the fixed per-forward overhead (token ids, masks:
-#: ~0.1 MiB) weighs more
+#: others)
 MAX_RATIO = 1.5
-MAX_RATIO_SMALL = 1.7
+#: below 1 MiB measured a ratio says nothing: the peak of a 1 x 16 forward is set by how
+#: far dispatch ran ahead of mlx's CPU worker (minilm-like: 0.46 MiB over 20 runs alone,
+#: 0.19 MiB once in CI beside a second test process, ratio 3.49), so there the bound is
+#: on the bytes overcounted, which no ceiling of a serving machine notices
+SMALL_PEAK = 1 * MIB
+MAX_OVERCOUNT_SMALL = 1 * MIB
 
 CONFIGS = {
     "minilm-like": dict(hidden_size=384, intermediate_size=1536, num_attention_heads=12,
@@ -91,7 +95,11 @@ def test_a_bert_forward_never_exceeds_its_estimate(name: str) -> None:
                                            encode=True))
         ratio = estimate.total / peak
         detail = f"{name} {rows}x{width}: measured {peak / MIB:.2f} MiB, ratio {ratio:.2f}"
-        assert 1.0 <= ratio <= (MAX_RATIO if peak >= MIB else MAX_RATIO_SMALL), detail
+        assert ratio >= 1.0, detail
+        if peak >= SMALL_PEAK:
+            assert ratio <= MAX_RATIO, detail
+        else:
+            assert estimate.total - peak <= MAX_OVERCOUNT_SMALL, detail
         assert estimate.kv_bytes == 0 and estimate.held_bytes == 0 and estimate.kv_bytes_per_token == 0
 
 
