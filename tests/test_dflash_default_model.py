@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import mlx.core as mx
@@ -25,6 +23,7 @@ from omlx_core.models.registry import spec_for_path
 from omlx_core.plugins.dflash import DFlashEngine
 from omlx_core.testing.host import make_test_host
 from omlx_core.testing import engine_io
+from omlx_core.testing.waiting import free_port, wait_for_output
 
 pytestmark = pytest.mark.slow
 
@@ -65,27 +64,17 @@ def test_ngram_greedy_output_is_the_default_models_own(default_model_dir):
         engine.shutdown()
 
 
-def test_serve_engine_dflash_reports_drafted_and_accepted_tokens(default_model_dir):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "omlx_core", "serve", "--tier", "cpu-small", "--port", str(port),
-         "--engine", "dflash"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+def test_serve_engine_dflash_reports_drafted_and_accepted_tokens(default_model_dir, tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "omlx_core", "serve", "--tier", "cpu-small", "--port", str(port),
+             "--engine", "dflash"],
+            stdout=output, stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
-        lines = []
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "ready" in line and f"http://127.0.0.1:{port}" in line:
-                break
-        else:
-            pytest.fail("no ready line within 180 s:\n" + "".join(lines))
-        assert any("starting engine 'dflash'" in line for line in lines), "".join(lines)
+        started = wait_for_output(process, log, f"ready: http://127.0.0.1:{port}", timeout=180)
+        assert "starting engine 'dflash'" in started, started
         body = json.dumps({"model": "smollm2-135m-instruct", "messages": MESSAGES,
                            "max_tokens": 32, "temperature": 0}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,

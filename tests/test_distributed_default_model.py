@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from benchmarks.ceiling import child_pids
 from distributed_group import RankGroup, free_port
+from omlx_core.testing.waiting import wait_for_output
 
 
 @pytest.mark.slow
@@ -47,13 +47,7 @@ def test_mlx_launch_three_ranks_serve_the_default_model_through_the_openai_sdk(t
              "omlx_core", "serve", "--distributed", "tensor", "--tier", "cluster", "--port",
              str(port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        ready = f"ready: http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while (ready not in log_path.read_text(errors="replace") and process.poll() is None
-               and time.monotonic() < deadline):
-            time.sleep(0.5)
-        assert ready in log_path.read_text(errors="replace"), \
-            log_path.read_text(errors="replace")[-4000:]
+        wait_for_output(process, log_path, f"ready: http://127.0.0.1:{port}", timeout=600)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                                timeout=1200, max_retries=0)
         model = client.models.list().data[0].id

@@ -19,7 +19,7 @@ from omlx_core.plugins.distributed import wire
 from omlx_core.plugins.distributed.cluster import EXIT_GROUP_DEAD, Cluster, GroupDead
 from omlx_core.plugins.distributed.liveness import Heartbeats
 from omlx_core.plugins.distributed.step_sync import CollectiveSteps
-from omlx_core.testing.waiting import wait_for
+from omlx_core.testing.waiting import wait_for, wait_for_output
 
 
 def request(rid: str = "req-1", **sampling) -> GenerationRequest:
@@ -258,7 +258,7 @@ threading.Event().wait()
 """
 
 
-def test_the_group_is_alive_while_its_ranks_beat_however_long_a_step_takes() -> None:
+def test_the_group_is_alive_while_its_ranks_beat_however_long_a_step_takes(tmp_path: Path) -> None:
     import signal
     import subprocess
     import sys
@@ -267,12 +267,14 @@ def test_the_group_is_alive_while_its_ranks_beat_however_long_a_step_takes() -> 
     leader = Heartbeats(0, 2, interval_s=0.05, timeout_s=5.0, exit_after_s=0,
                         on_dead=deaths.append, steps=lambda: 0)
     hello = leader.listen("127.0.0.1")
-    follower = subprocess.Popen([sys.executable, "-c", FOLLOWER], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE)
+    log = tmp_path / "follower.log"
+    with log.open("wb") as output:
+        follower = subprocess.Popen([sys.executable, "-c", FOLLOWER], stdin=subprocess.PIPE,
+                                    stdout=output)
     try:
         follower.stdin.write(wire.encode_hello(hello))
         follower.stdin.close()
-        assert follower.stdout.readline() == b"joined\n"
+        wait_for_output(follower, log, "joined\n", timeout=60)
         # Two liveness timeouts' worth of beats pass (a step as long as it takes): nobody
         # is dead. (The timeout is 5 s: on two cores shared with other tests' servers a
         # follower process went unscheduled for 2 s.)

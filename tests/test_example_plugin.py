@@ -10,13 +10,12 @@ import signal
 import site
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from omlx_core.testing import cached_model
-from omlx_core.testing.waiting import free_port
+from omlx_core.testing.waiting import free_port, wait_for_output
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "sequential-engine"
@@ -91,23 +90,15 @@ path = "{model_dir}"
 engine = "sequential"
 """)
     env = {**os.environ, "OMLX_NO_BLAS_REEXEC": "1", "PYTHONUNBUFFERED": "1"}
-    server = subprocess.Popen(
-        [str(fresh_venv / "bin" / "python"), "-m", "omlx_core", "serve", "--tier", "cpu-small",
-         "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=env)
+    log = tmp_path / "serve.log"
+    with log.open("wb") as output:
+        server = subprocess.Popen(
+            [str(fresh_venv / "bin" / "python"), "-m", "omlx_core", "serve", "--tier", "cpu-small",
+             "--config", str(config)], stdout=output, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 120
-        lines = []
-        while time.monotonic() < deadline:
-            line = server.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "ready" in line:
-                break
-        output = "".join(lines)
-        assert f"omlx-core ready: http://127.0.0.1:{port}" in output, output
-        assert "starting engine 'sequential' for model 'tiny'" in output, output
+        started = wait_for_output(server, log, f"omlx-core ready: http://127.0.0.1:{port}",
+                                  timeout=120)
+        assert "starting engine 'sequential' for model 'tiny'" in started, started
         from openai import OpenAI
 
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
@@ -120,5 +111,5 @@ engine = "sequential"
         assert "tiny" in [m.id for m in client.models.list().data]
     finally:
         server.send_signal(signal.SIGTERM)
-        rest, _ = server.communicate(timeout=30)
-    assert server.returncode == 0, output + rest
+        server.wait(timeout=30)
+    assert server.returncode == 0, log.read_text(errors="replace")

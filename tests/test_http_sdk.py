@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from typing import Iterator
 
 import pytest
@@ -18,7 +16,7 @@ import pytest
 from omlx_core.bootstrap import load_setup, start_engines, stop_engines
 from omlx_core.http import HTTPServer, build_frontend
 from omlx_core.server_context import ServerContext
-from omlx_core.testing.waiting import wait_for
+from omlx_core.testing.waiting import free_port, wait_for, wait_for_output
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -238,26 +236,15 @@ def test_oversized_prompt_is_413_through_both_sdks(guarded: ServerContext) -> No
 # -- omlx-core serve ----------------------------------------------------------------------------
 
 
-def test_omlx_core_serve_prints_ready_and_stops_on_sigterm(default_model_dir) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "omlx_core", "serve", "--tier", "cpu-small", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+def test_omlx_core_serve_prints_ready_and_stops_on_sigterm(default_model_dir, tmp_path) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "omlx_core", "serve", "--tier", "cpu-small", "--port", str(port)],
+            stdout=output, stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
-        lines = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "ready" in line and f"http://127.0.0.1:{port}" in line:
-                break
-        else:
-            pytest.fail("no ready line within 120 s:\n" + "".join(lines))
-        assert any("ready" in line for line in lines), "".join(lines)
+        wait_for_output(process, log, f"omlx-core ready: http://127.0.0.1:{port}", timeout=120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         # The default chat model, and the shipped embedding model served beside it.
         assert [m.id for m in client.models.list().data] == [MODEL, "all-minilm-l6-v2"]

@@ -34,7 +34,7 @@ import pytest
 from benchmarks.ceiling import PeakRss, status_fields
 from omlx_core.plugins.estimator.prefill import estimate_for_config
 from omlx_core.testing.models import build_model
-from omlx_core.testing.waiting import free_port
+from omlx_core.testing.waiting import free_port, wait_for_output
 
 pytestmark = pytest.mark.slow
 
@@ -78,12 +78,11 @@ class Server:
              "--set", "plugin.batched.prefix_cache_budget=32MiB", "--set", "memory.queue_size=128"],
             stdout=self._log, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "OMLX_LOG_LEVEL": "INFO"})
-        deadline = time.monotonic() + 120
-        while "omlx-core ready:" not in self.log():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not start:\n{self.log()}")
-            time.sleep(0.1)
+        try:
+            wait_for_output(self.process, log_path, "omlx-core ready:", timeout=120)
+        except AssertionError:
+            self.stop()
+            raise
 
     def log(self) -> str:
         return self.log_path.read_text()

@@ -185,12 +185,10 @@ class Served:
                                             start_new_session=True)
 
     def wait_ready(self) -> None:
-        from omlx_core.testing.waiting import wait_for
+        from omlx_core.testing.waiting import wait_for_output
 
-        ready = f"omlx-core ready: http://127.0.0.1:{self.port}"
-        assert wait_for(lambda: ready in self.log.read_text() or self.process.poll() is not None,
-                        COMMAND_S), self.log.read_text()
-        assert ready in self.log.read_text(), self.log.read_text()
+        wait_for_output(self.process, self.log, f"omlx-core ready: http://127.0.0.1:{self.port}",
+                        COMMAND_S)
 
     def post(self, path: str, body: dict) -> dict:
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",

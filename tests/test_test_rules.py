@@ -37,9 +37,9 @@ MIN_BOUND_S = 10.0
 #: calls that wait (their bound: the keyword ``timeout``/``timeout_s``, or the positional
 #: argument at this index)
 WAITS = {"wait": 0, "join": 0, "result": 0, "flush": 0, "acquire": 1, "next_output": 0,
-         "wait_for": 1, "wait_until": 1}
+         "wait_for": 1, "wait_until": 1, "wait_for_output": 3}
 #: waits that end a test with a failure when they run out (the rest only when asserted)
-MUST_SUCCEED = frozenset({"join", "wait_for", "wait_until"})
+MUST_SUCCEED = frozenset({"join", "wait_for", "wait_until", "wait_for_output"})
 #: sleeps that are the behaviour under test (a slow peer), not a way to order events
 SIMULATED_SLOWNESS = {
     ("test_http_connection_guard.py", "chunks"):
@@ -246,7 +246,8 @@ def unordered_sleeps(source: str, module: str = "") -> list[int]:
     (``threading.Timer(0.2, release.set)``), a sleep that is not the pace of a polling
     loop which exits on its condition and fails when it never comes (a sleep on its own,
     a scripted delay, a loop that falls through), or a call of
-    :func:`omlx_core.testing.waiting.wait_for` whose answer is dropped. Sleeps listed in
+    :func:`omlx_core.testing.waiting.wait_for` whose answer is dropped (``wait_for_output``
+    fails by itself). Sleeps listed in
     :data:`SIMULATED_SLOWNESS` (by module and function) are the behaviour under test."""
     tree = ast.parse(source)
     parents = _parents(tree)
@@ -254,7 +255,8 @@ def unordered_sleeps(source: str, module: str = "") -> list[int]:
                    if isinstance(node, ast.ImportFrom) and node.module in ("time", "asyncio")
                    for alias in node.names if alias.name == "sleep"}
     waits = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-             and node.module == "omlx_core.testing.waiting" for alias in node.names}
+             and node.module == "omlx_core.testing.waiting" for alias in node.names
+             if alias.name == "wait_for"}
     lines = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Expr)
              and isinstance(node.value, ast.Call) and _name_of(node.value.func) in waits]
     for node in ast.walk(tree):
@@ -300,8 +302,8 @@ def short_bounds(source: str) -> list[int]:
     """Lines where a wait that must succeed is bounded below :data:`MIN_BOUND_S`: a
     deadline ``clock() + 2``, a ``timeout``/``timeout_s`` parameter defaulting to less,
     or a wait (:data:`WAITS`) given less that is asserted, or joined. A wait asserted
-    *not* to succeed (``assert not done.wait(0.3)``: nothing happens meanwhile) may be
-    short."""
+    *not* to succeed (``assert not done.wait(0.3)``: nothing happens meanwhile, or one
+    inside ``pytest.raises``) may be short."""
     tree = ast.parse(source)
     constants = _constants(tree)
     parents = _parents(tree)
@@ -327,7 +329,11 @@ def short_bounds(source: str) -> list[int]:
             if not short(bound):
                 continue
             parent = parents.get(node)
-            negated = isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)
+            negated = isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not) or any(
+                isinstance(p, ast.With) and any(isinstance(item.context_expr, ast.Call)
+                                                and _name_of(item.context_expr.func) == ".raises"
+                                                for item in p.items)
+                for p in _ancestors(node, parents))
             asserted = any(isinstance(p, ast.Assert) for p in _ancestors(node, parents))
             if not negated and (name in MUST_SUCCEED or asserted):
                 lines.append(node.lineno)
@@ -551,6 +557,12 @@ def test_g(engine):
     wait_for(lambda: engine.idle(), 60)
 '''
     assert unordered_sleeps(caught) == [7, 10, 16, 20, 23, 26]
+    # A wait that fails by itself when what it waits for never comes may drop its answer.
+    assert unordered_sleeps('''
+from omlx_core.testing.waiting import wait_for_output
+def test_h(server, log):
+    wait_for_output(server, log, "ready", timeout=60)
+''') == []
     allowed = '''
 import threading
 import time
@@ -594,8 +606,9 @@ def test_a(engine, context, thread, event):
     deadline = time.monotonic() + 2
     assert store.flush(timeout_s=2)
     assert event.wait(3)
+    wait_for_output(server, log, "ready", timeout=5)
 '''
-    assert short_bounds(caught) == [4, 7, 8, 9, 10, 11, 12]
+    assert short_bounds(caught) == [4, 7, 8, 9, 10, 11, 12, 13]
     allowed = '''
 import time
 def test_b(done, handle, thread):
@@ -606,6 +619,8 @@ def test_b(done, handle, thread):
     thread.join(60)
     deadline = time.monotonic() + 120
     queue.get(timeout=0.1)
+    with pytest.raises(AssertionError):
+        wait_for_output(silent, log, "ready", timeout=1)
 '''
     assert short_bounds(allowed) == []
 
