@@ -115,7 +115,12 @@ def test_a_decoder_forward_for_its_hidden_states_never_exceeds_its_estimate(tmp_
         peak = measured_peak(lambda: mx.eval(model.model(ids)[:, -1]))
         estimate = estimate_peak(PeakQuery(model_config=config, new_tokens=width, rows=rows,
                                            encode=True))
-        assert 1.0 <= estimate.total / peak <= 3.0, (rows, width, peak, estimate)
+        detail = f"llama {rows}x{width}: measured {peak / MIB:.2f} MiB, estimate {estimate}"
+        assert estimate.total >= peak, detail
+        if peak >= SMALL_PEAK:
+            assert estimate.total <= 3.0 * peak, detail
+        else:
+            assert estimate.total - peak <= MAX_OVERCOUNT_SMALL, detail
 
 
 def test_the_forward_gate_judges_an_encode_batch_as_the_sum_of_its_rows() -> None:

@@ -357,6 +357,24 @@ def test_a_structured_estimate_refuses_negative_parts_and_adds_extra_bytes():
 TINY_MAX_RATIO_SHORT = 1.35
 TINY_MAX_RATIO_LONG = 1.24
 REAL_RUNS = [(512, 256), (1000, 300), (2048, 512), (2048, 2048)]
+#: measurements of one prefill at most, while its estimate reads over the bound
+PEAK_RUNS = 3
+
+
+def largest_peak(measure, estimate_bytes: int, bound: float) -> int:  # type: ignore[no-untyped-def]
+    """The largest of the peaks ``measure()`` reads, measuring again (up to
+    :data:`PEAK_RUNS` in all) while ``estimate_bytes`` is over ``bound`` times it. On mlx's
+    CPU stream a buffer lives from its operation's dispatch until the worker has run what
+    reads it, so a run whose worker kept up with dispatch reads low (a tiny model's 2-3 MiB
+    prefill read 15-20 % low beside a busy thread in the same process): the estimate
+    bounds the largest run. Measuring again only raises the peak, so it never hides an
+    undercount."""
+    peak = measure()
+    for _ in range(PEAK_RUNS - 1):
+        if estimate_bytes <= bound * peak:
+            break
+        peak = max(peak, measure())
+    return peak
 
 
 @pytest.fixture(scope="module")
@@ -380,37 +398,41 @@ def loaded_models(tmp_path_factory):
 def test_real_prefill_never_undercounts(loaded_models, family, prompt_tokens, chunk):
     from benchmarks.estimator import measure_prefill_peak, random_prompt
 
-    measured = measure_prefill_peak(loaded_models(family), random_prompt(prompt_tokens, 512), chunk)
     estimate = estimate_for_config(family_config(family), prompt_tokens, 0, chunk)
-    ratio = estimate.total / measured.peak_bytes
+    bound = TINY_MAX_RATIO_LONG if prompt_tokens >= 2048 else TINY_MAX_RATIO_SHORT
+    peak = largest_peak(lambda: measure_prefill_peak(
+        loaded_models(family), random_prompt(prompt_tokens, 512), chunk).peak_bytes,
+        estimate.total, bound)
+    ratio = estimate.total / peak
     detail = (f"{family} {prompt_tokens} tokens / chunk {chunk}: measured "
-              f"{measured.peak_bytes / MIB:.2f} MiB, {estimate.describe()} (ratio {ratio:.3f})")
+              f"{peak / MIB:.2f} MiB, {estimate.describe()} (ratio {ratio:.3f})")
     if ratio < 1.0:
         # Seen once in a CI run (qwen3_next, 2048/2048: 5.5 MiB over the usual peak) and
         # never when repeated: say whether the same prefill measures the same again.
         again = measure_prefill_peak(loaded_models(family), random_prompt(prompt_tokens, 512), chunk)
         detail += f"; measured again at once: {again.peak_bytes / MIB:.2f} MiB"
     assert ratio >= 1.0, "undercount: " + detail
-    bound = TINY_MAX_RATIO_LONG if prompt_tokens >= 2048 else TINY_MAX_RATIO_SHORT
     assert ratio <= bound, "overcount: " + detail
 
 
 def test_real_prefill_over_resident_cached_tokens(loaded_models):
     from benchmarks.estimator import measure_prefill_peak, random_prompt
 
-    measured = measure_prefill_peak(loaded_models("llama"), random_prompt(2048, 512), 512,
-                                    cached_tokens=1536)
     estimate = estimate_for_config(family_config("llama"), 512, 1536, 512)
-    assert 1.0 <= estimate.total / measured.peak_bytes <= TINY_MAX_RATIO_LONG, estimate.describe()
+    peak = largest_peak(lambda: measure_prefill_peak(
+        loaded_models("llama"), random_prompt(2048, 512), 512, cached_tokens=1536).peak_bytes,
+        estimate.total, TINY_MAX_RATIO_LONG)
+    assert 1.0 <= estimate.total / peak <= TINY_MAX_RATIO_LONG, estimate.describe()
 
 
 def test_real_prefill_with_full_logits(loaded_models):
     from benchmarks.estimator import measure_prefill_peak, random_prompt
 
-    measured = measure_prefill_peak(loaded_models("qwen3"), random_prompt(2048, 512), 1024,
-                                    evaluate_logits=True)
     estimate = estimate_for_config(family_config("qwen3"), 2048, 0, 1024, full_logits=True)
-    assert 1.0 <= estimate.total / measured.peak_bytes <= TINY_MAX_RATIO_LONG, estimate.describe()
+    peak = largest_peak(lambda: measure_prefill_peak(
+        loaded_models("qwen3"), random_prompt(2048, 512), 1024, evaluate_logits=True).peak_bytes,
+        estimate.total, TINY_MAX_RATIO_LONG)
+    assert 1.0 <= estimate.total / peak <= TINY_MAX_RATIO_LONG, estimate.describe()
 
 
 # A quantized cache on the CPU backend: the route expands a layer's KV and attends it
@@ -432,11 +454,15 @@ def test_real_prefill_with_quantized_kv(bits):
     model = model_class(args_class.from_dict(config))
     mx.eval(model.parameters())
     install_cpu_routes(model)  # the served path: the layer's KV dequantized, then attended
-    cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in range(3)]
-    measured = measure_prefill_peak(model, random_prompt(2048, 512), 512, first_token=False,
-                                    cache=cache)
     estimate = estimate_for_config(config, 2048, 0, 512, kv_bits=bits, first_token=False)
-    assert 1.0 <= estimate.total / measured.peak_bytes <= TINY_MAX_RATIO_QUANTIZED, estimate.describe()
+
+    def measure() -> int:
+        cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in range(3)]
+        return measure_prefill_peak(model, random_prompt(2048, 512), 512, first_token=False,
+                                    cache=cache).peak_bytes
+
+    peak = largest_peak(measure, estimate.total, TINY_MAX_RATIO_QUANTIZED)
+    assert 1.0 <= estimate.total / peak <= TINY_MAX_RATIO_QUANTIZED, estimate.describe()
 
 
 def test_real_prefill_with_latent_attention():
@@ -449,10 +475,11 @@ def test_real_prefill_with_latent_attention():
     model = model_class(args_class.from_dict(DEEPSEEK_V3))
     mx.eval(model.parameters())
     for prompt_tokens, chunk in [(1000, 300), (2048, 2048)]:
-        measured = measure_prefill_peak(model, random_prompt(prompt_tokens, 512), chunk)
         estimate = estimate_for_config(DEEPSEEK_V3, prompt_tokens, 0, chunk)
+        peak = largest_peak(lambda: measure_prefill_peak(
+            model, random_prompt(prompt_tokens, 512), chunk).peak_bytes, estimate.total, 1.25)
         # The latent formula counts both score matrices and the expanded K/V at once.
-        assert 1.0 <= estimate.total / measured.peak_bytes <= 1.25, estimate.describe()
+        assert 1.0 <= estimate.total / peak <= 1.25, estimate.describe()
 
 
 @pytest.mark.slow
