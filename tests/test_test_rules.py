@@ -298,6 +298,13 @@ def _seconds(node: ast.AST | None, constants: dict[str, float]) -> float | None:
     return None
 
 
+def _inside_raises(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Whether ``node`` runs inside ``with pytest.raises(...)``: expected to fail."""
+    return any(isinstance(scope, ast.With) and any(
+        isinstance(item.context_expr, ast.Call) and _name_of(item.context_expr.func) == ".raises"
+        for item in scope.items) for scope in _ancestors(node, parents))
+
+
 def short_bounds(source: str) -> list[int]:
     """Lines where a wait that must succeed is bounded below :data:`MIN_BOUND_S`: a
     deadline ``clock() + 2``, a ``timeout``/``timeout_s`` parameter defaulting to less,
@@ -329,11 +336,8 @@ def short_bounds(source: str) -> list[int]:
             if not short(bound):
                 continue
             parent = parents.get(node)
-            negated = isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not) or any(
-                isinstance(p, ast.With) and any(isinstance(item.context_expr, ast.Call)
-                                                and _name_of(item.context_expr.func) == ".raises"
-                                                for item in p.items)
-                for p in _ancestors(node, parents))
+            negated = (isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)
+                       or _inside_raises(node, parents))
             asserted = any(isinstance(p, ast.Assert) for p in _ancestors(node, parents))
             if not negated and (name in MUST_SUCCEED or asserted):
                 lines.append(node.lineno)
