@@ -444,10 +444,10 @@ TINY_MAX_RATIO_QUANTIZED = 1.26
 @pytest.mark.parametrize("bits", [8, 4])
 def test_real_prefill_with_quantized_kv(bits):
     import mlx.core as mx
-    from mlx_lm.models.cache import QuantizedKVCache
 
     from benchmarks.estimator import measure_prefill_peak, random_prompt
     from omlx_core.models.loader import install_cpu_routes, model_classes
+    from omlx_core.scheduling.kv_cache import RotatedQuantizedKVCache
 
     config = family_config("llama", {"head_dim": 64, "num_hidden_layers": 3})
     model_class, args_class = model_classes(config)
@@ -457,7 +457,7 @@ def test_real_prefill_with_quantized_kv(bits):
     estimate = estimate_for_config(config, 2048, 0, 512, kv_bits=bits, first_token=False)
 
     def measure() -> int:
-        cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in range(3)]
+        cache = [RotatedQuantizedKVCache(group_size=64, bits=bits) for _ in range(3)]
         return measure_prefill_peak(model, random_prompt(2048, 512), 512, first_token=False,
                                     cache=cache).peak_bytes
 

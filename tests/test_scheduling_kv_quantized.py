@@ -1,20 +1,27 @@
 """A quantized KV cache end to end: the batch cache, the scheduler's greedy tokens, the
 prefix cache's blocks, the SSD tier's files, the estimate, and the bad settings.
 
-The reference for tokens is a plain loop over mlx-lm's own ``QuantizedKVCache`` (the
-prompt but its last token in one forward, then one token at a time), which is what the
-engine's first prefill chunk, first-token forward and decode lane compute.
+The reference for tokens is a plain loop over a request's own quantized cache
+(``RotatedQuantizedKVCache``: mlx-lm's ``QuantizedKVCache`` fed rotated rows; the prompt
+but its last token in one forward, then one token at a time), which is what the engine's
+first prefill chunk, first-token forward and decode lane compute. The rotation itself is
+checked against attention over the dequantized rows rotated back, on every path that
+reads a quantized cache.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models import base
 from mlx_lm.models.cache import QuantizedKVCache
 
+from omlx_core.models.attention import cpu_attention, install_kv_rotation
+from omlx_core.models.kv_rotation import kv_rotation, rotated_attention
 from omlx_core.engine import SamplingParams
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.loader import load_model
@@ -23,12 +30,13 @@ from omlx_core.scheduling import BatchedEngine
 from omlx_core.scheduling.kv_cache import (
     BatchQuantizedKVCache,
     KVFormat,
+    RotatedQuantizedKVCache,
     make_request_cache,
     merge_layers,
     position_bytes,
 )
 from omlx_core.testing.host import make_test_host
-from omlx_core.testing.models import build_model
+from omlx_core.testing.models import build_model, routed_modules
 
 from tests.test_batched_engine import collect, make_config, prompt_of, submit, wait_idle
 
@@ -51,7 +59,7 @@ def quantizable(tmp_path_factory):
 
 
 def reference_greedy(model: Any, prompt: list[int], count: int, kv_format: KVFormat) -> list[int]:
-    """Greedy tokens over mlx-lm's QuantizedKVCache, one row, no batching."""
+    """Greedy tokens over a request's own quantized cache, one row, no batching."""
     cache = make_request_cache(model, kv_format)
     if len(prompt) > 1:
         mx.eval(model(mx.array(prompt[:-1])[None], cache=cache))
@@ -77,7 +85,7 @@ def test_the_batch_cache_holds_each_rows_own_quantized_kv(bits):
         fmt = KVFormat(bits=bits, group_size=32)
         rows = []
         for length in (5, 12, 3):
-            cache = QuantizedKVCache(group_size=fmt.group_size, bits=bits)
+            cache = RotatedQuantizedKVCache(group_size=fmt.group_size, bits=bits)
             keys = mx.random.normal((1, 2, length, 64), key=mx.random.key(length))
             cache.update_and_fetch(keys, keys * 2)
             rows.append(cache)
@@ -98,11 +106,11 @@ def test_the_batch_cache_holds_each_rows_own_quantized_kv(bits):
     assert all(mlx_thread().run(run))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_next"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_kv_gives_the_tokens_of_mlx_lms_quantized_cache(quantizable, family, bits):
+def test_quantized_kv_gives_the_tokens_of_a_requests_own_cache(quantizable, family, bits):
     """Rows of different lengths decoding together (left padding, masked) give each row
-    the tokens it gets alone over mlx-lm's QuantizedKVCache."""
+    the tokens it gets alone over its own quantized cache."""
     path = quantizable(family)
     engine = start(path, **{"engine.kv_bits": bits, "plugin.batched.prefill_step_size": 256})
     try:
@@ -118,7 +126,78 @@ def test_quantized_kv_gives_the_tokens_of_mlx_lms_quantized_cache(quantizable, f
     for output, reference in zip(outputs, references):
         assert output == reference[:len(output)]
         assert len(output) == GREEDY.max_tokens or reference[len(output)] in (0, 1, 2)
-    assert stats["kv_cache"].startswith(f"{bits}-bit (group 64)")
+    assert stats["kv_cache"].startswith(f"{bits}-bit (group 64, rotated)")
+
+
+def _outlier_rows(shape: tuple[int, ...], seed: int) -> mx.array:
+    """Rows like a model's keys: most channels small, a few large and offset."""
+    rows = mx.random.normal(shape, key=mx.random.key(seed))
+    return rows + mx.zeros((shape[-1],)).at[mx.array([3, 40])].add(mx.array([12.0, -8.0]))
+
+
+def _unrotated(triple: tuple[mx.array, ...], fmt: KVFormat) -> mx.array:
+    """Stored rows dequantized and rotated back: the KV the rotated attention reads."""
+    rows = mx.dequantize(*triple, group_size=fmt.group_size, bits=fmt.bits)
+    return rows @ kv_rotation(rows.shape[-1])
+
+
+def _mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    return base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
+
+
+@pytest.mark.parametrize("path", ["decode kernel", "prefill chunk", "mlx-lm"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_attention_over_a_rotated_cache_is_attention_over_its_kv_rotated_back(path, bits):
+    """Queries rotated in and the output rotated back (exact in real arithmetic): every
+    path that reads a quantized cache (the CPU kernels' decode attention, a chunk's
+    dequantize-then-attend, mlx-lm's quantized attention) gives mlx's float attention
+    over the stored rows dequantized and rotated back, grouped heads included."""
+    fmt = KVFormat(bits=bits, group_size=32)
+
+    def run() -> tuple[tuple[int, ...], tuple[int, ...], float]:
+        cache = RotatedQuantizedKVCache(group_size=fmt.group_size, bits=bits)
+        keys, values = _outlier_rows((2, 2, 40, 64), 1), mx.random.normal((2, 2, 40, 64), key=mx.random.key(2))
+        stored_keys, stored_values = cache.update_and_fetch(keys, values)
+        rows = 1 if path == "decode kernel" else 7
+        queries = mx.random.normal((2, 4, rows, 64), key=mx.random.key(3))
+        mask = None if rows == 1 else "causal"
+        attend = _mlx_lm_attention if path == "mlx-lm" else partial(cpu_attention, fallback=_mlx_lm_attention)
+        ours = rotated_attention(attend, queries, stored_keys, stored_values, cache, 0.125, mask)
+        reference = mx.fast.scaled_dot_product_attention(
+            queries, _unrotated(stored_keys, fmt), _unrotated(stored_values, fmt), scale=0.125, mask=mask)
+        return ours.shape, reference.shape, mx.max(mx.abs(ours - reference)).item()
+
+    shape, expected_shape, difference = mlx_thread().run(run)
+    assert shape == expected_shape
+    assert difference < 1e-4
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rotation_spreads_a_rows_large_channels_before_quantizing(bits):
+    """What the rotation is for: rows with a few large channels (as keys have) come back
+    from 4-bit storage with a fraction of the error unrotated storage leaves."""
+    fmt = KVFormat(bits=bits, group_size=64)
+
+    def errors() -> tuple[float, float]:
+        rows = _outlier_rows((1, 2, 256, 64), 4)
+        plain = mx.dequantize(*mx.quantize(rows, group_size=64, bits=bits), group_size=64, bits=bits)
+        cache = RotatedQuantizedKVCache(group_size=64, bits=bits)
+        stored, _ = cache.update_and_fetch(rows, rows)
+        return (mx.sqrt(mx.mean((plain - rows) ** 2)).item(),
+                mx.sqrt(mx.mean((_unrotated(stored, fmt) - rows) ** 2)).item())
+
+    plain, rotated = mlx_thread().run(errors)
+    assert rotated < 0.5 * plain, (plain, rotated)
+
+
+def test_models_the_cpu_route_leaves_to_mlx_lm_read_rotated_caches_too(tiny_model_path):
+    """qwen3_next (recurrent layers) keeps mlx-lm's attention, wrapped to rotate; llama's
+    CPU route reads rotated caches itself."""
+    hybrid, _ = load_model(tiny_model_path("qwen3_next"))
+    dense, _ = load_model(tiny_model_path("llama"))
+    assert routed_modules(hybrid, "scaled_dot_product_attention", "_omlx_kv_rotation")
+    assert not routed_modules(dense, "scaled_dot_product_attention", "_omlx_kv_rotation")
+    assert install_kv_rotation(hybrid) == install_kv_rotation(hybrid)
 
 
 def test_a_quantized_prefix_is_restored_as_stored(quantizable):
@@ -144,7 +223,7 @@ def test_a_quantized_block_survives_the_ssd_tier(tmp_path):
     from omlx_core.plugins.ssd_cache.blockfile import kv_of, payload_of_kv, read_arrays, write_payload
 
     def roundtrip() -> bool:
-        cache = QuantizedKVCache(group_size=64, bits=4)
+        cache = RotatedQuantizedKVCache(group_size=64, bits=4)
         keys = mx.random.normal((1, 2, 8, 64), key=mx.random.key(1))
         cache.update_and_fetch(keys, -keys)
         kv = (tuple(mx.array(a[..., :8, :]) for a in (*cache.keys, *cache.values)), None)

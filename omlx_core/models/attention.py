@@ -37,7 +37,10 @@ kernels' quantized decode attention, which expands one key or value row at a tim
 dequantized cache); any other float32 call over one has its layer's keys and values
 dequantized first and then goes the same way (mlx's quantized matmuls are scalar loops
 on the CPU backend). Non-float32 activations, attention sinks and every GPU
-stream (Metal and CUDA have fused kernels) go to mlx-lm's function unchanged. The memory estimate does not depend on whether a model takes the
+stream (Metal and CUDA have fused kernels) go to mlx-lm's function unchanged. Around all
+of it, a quantized KV cache (stored rotated: :mod:`~omlx_core.models.kv_rotation`) gets
+its queries rotated in and its output rotated back; :func:`install_kv_rotation` does the
+same around mlx-lm's function in the models the route leaves to mlx-lm. The memory estimate does not depend on whether a model takes the
 route: it counts mlx's fallback (the kernels' graph holds the arrays the fallback holds,
 the NumPy softmax the same less the mask).
 Evaluating inside the forward is what the engine's prefill does after each chunk
@@ -51,16 +54,18 @@ import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
 from omlx_core.models import cpu_kernels
+from omlx_core.models.kv_rotation import rotated_attention
 
 __all__ = ["MAX_VERIFY_ROWS", "MIN_KEYS", "MIN_SCORES", "MIN_VERIFY_SCORES", "attention_caches_only",
            "available_cores", "cpu_attention", "family_modules", "install_cpu_attention",
-           "install_route", "kernel_attention", "mask_in_place", "route_takes", "softmax_in_place"]
+           "install_kv_rotation", "install_route", "kernel_attention", "mask_in_place", "route_takes", "softmax_in_place"]
 
 #: Fewest keys a multi-row call (a prefill chunk) attends over for the route to take it:
 #: from there on the softmax is most of a chunk's time, even for the small chunks the
@@ -95,6 +100,7 @@ MIN_VERIFY_SCORES = 1 << 14
 _MIN_ROWS_PER_WORKER = 64
 
 _INSTALLED_MARK = "_omlx_cpu_attention"
+_ROTATION_MARK = "_omlx_kv_rotation"
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -401,7 +407,8 @@ def install_cpu_attention(model: Any) -> list[str]:
     original = base.scaled_dot_product_attention
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        return cpu_attention(queries, keys, values, cache, scale, mask, sinks, fallback=original)
+        return rotated_attention(partial(cpu_attention, fallback=original), queries, keys, values,
+                                 cache, scale, mask, sinks)
 
     installed = install_route(model, "scaled_dot_product_attention", original,
                               scaled_dot_product_attention, _INSTALLED_MARK)
@@ -409,4 +416,27 @@ def install_cpu_attention(model: Any) -> list[str]:
         cpu_kernels.kernels()  # built (once) or loaded now, at load: never inside a forward
         if available_cores() > 1:
             _workers()
+    return installed
+
+
+def install_kv_rotation(model: Any) -> list[str]:
+    """Make mlx-lm's ``scaled_dot_product_attention`` read a quantized KV cache stored
+    rotated (:func:`~omlx_core.models.kv_rotation.rotated_attention`) in the family
+    modules of ``model`` that :func:`install_cpu_attention` leaves to mlx-lm (models with
+    recurrent layers); it is mlx-lm's function otherwise, on every device. The names of
+    the modules doing so (installing twice changes nothing; where the CPU route is in
+    place, it reads rotated caches itself: ``[]``)."""
+    from mlx_lm.models import base
+
+    original = base.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        return rotated_attention(original, queries, keys, values, cache, scale, mask, sinks)
+
+    setattr(scaled_dot_product_attention, _ROTATION_MARK, True)
+    installed = []
+    for module in family_modules(model, "scaled_dot_product_attention", original, _ROTATION_MARK):
+        if not getattr(module.scaled_dot_product_attention, _ROTATION_MARK, False):
+            module.scaled_dot_product_attention = scaled_dot_product_attention
+        installed.append(module.__name__)
     return installed

@@ -34,11 +34,12 @@ def install_cpu_routes(model: Any) -> None:
     routes and kernels (each does nothing off the CPU backend or where it does not
     apply): :mod:`~omlx_core.models.attention`, :mod:`~omlx_core.models.mlp_route`,
     :mod:`~omlx_core.models.layer_kernels`."""
-    from omlx_core.models.attention import install_cpu_attention
+    from omlx_core.models.attention import install_cpu_attention, install_kv_rotation
     from omlx_core.models.layer_kernels import install_cpu_layer_kernels
     from omlx_core.models.mlp_route import install_cpu_swiglu
 
     install_cpu_attention(model)
+    install_kv_rotation(model)  # a quantized KV cache is read rotated on every model
     install_cpu_swiglu(model)
     install_cpu_layer_kernels(model)
 

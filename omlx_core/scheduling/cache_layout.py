@@ -1,6 +1,6 @@
 """How one model's per-layer caches become prefix-cache blocks and back.
 
-A plain attention layer (``KVCache``, or ``QuantizedKVCache`` in a quantized KV format)
+A plain attention layer (``KVCache``, or ``RotatedQuantizedKVCache`` in a quantized KV format)
 can be cut at any token: a block keeps just its own tokens' keys and values (a
 quantized layer: its packed values, scales and biases, six arrays, stored as they are
 and restored without quantizing again), and a prefix is rebuilt by concatenating blocks. Every other layer
@@ -22,27 +22,27 @@ import copy
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx_core.kvblocks import CachedBlock, CachedTail
-from omlx_core.scheduling.kv_cache import FULL_PRECISION, KVFormat, make_request_cache
+from omlx_core.scheduling.kv_cache import FULL_PRECISION, KVFormat, RotatedQuantizedKVCache, make_request_cache
 
 
 def _is_cuttable(layer: Any) -> bool:
-    # Exactly KVCache (a KV format may make it a QuantizedKVCache): subclasses (chunked)
+    # Exactly KVCache (a KV format may make it a RotatedQuantizedKVCache): subclasses (chunked)
     # keep state a slice would corrupt.
     return type(layer) is KVCache
 
 
 def _layer_arrays(layer: Any) -> tuple[mx.array, ...]:
     """A cuttable layer's buffers: keys and values, or their quantized triples."""
-    if type(layer) is QuantizedKVCache:
+    if type(layer) is RotatedQuantizedKVCache:
         return (*layer.keys, *layer.values)
     return layer.keys, layer.values
 
 
 def _adopt_arrays(layer: Any, arrays: list[mx.array]) -> None:
-    if type(layer) is QuantizedKVCache:
+    if type(layer) is RotatedQuantizedKVCache:
         layer.keys, layer.values = tuple(arrays[:3]), tuple(arrays[3:])
     else:
         layer.keys, layer.values = arrays

@@ -84,7 +84,7 @@ def create_prefix_cache(model: ModelSpec, host: EngineHost) -> PrefixCache:
     # Blocks of another KV format never match: the format is part of every block's key.
     namespace = f"{model.id}\0{model.path}"
     if kv_format.quantized:
-        namespace += f"\0kv{kv_format.bits}g{kv_format.group_size}"
+        namespace += f"\0{kv_format.tag}"
     cache = PrefixCache(settings.block_size, settings.cache_budget, namespace=namespace)
     if host.lower_tiers:
         if len(host.lower_tiers) > 1:

@@ -1,0 +1,71 @@
+"""The rotation a quantized KV cache stores its keys and values under, and attention
+over such a cache (:mod:`omlx_core.scheduling.kv_cache` says why).
+
+A cache stored rotated has a ``rotation`` attribute: ``(R for its key head size, R for
+its value head size)``, each an orthonormal, symmetric Hadamard matrix
+(:func:`kv_rotation`). :func:`rotated_attention` wraps any function with mlx-lm's
+``scaled_dot_product_attention`` contract: queries rotated in, the output rotated back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+#: the widest Hadamard block a rotation uses (a head of 256 dims is two blocks of 128)
+MAX_ROTATION_BLOCK = 128
+
+
+def kv_rotation(head_dim: int, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """The orthonormal, symmetric ``head_dim x head_dim`` matrix quantized KV rows are
+    rotated by: Sylvester Hadamard blocks of the largest power of two dividing
+    ``head_dim`` (at most :data:`MAX_ROTATION_BLOCK`) on the diagonal, each scaled by
+    ``1/sqrt(block)`` (a head of 96 dims: three blocks of 32)."""
+    key = (head_dim, dtype)
+    rotation = _ROTATIONS.get(key)
+    if rotation is None:
+        block = min(head_dim & -head_dim, MAX_ROTATION_BLOCK)
+        hadamard = mx.array([[1.0]])
+        while hadamard.shape[0] < block:
+            hadamard = mx.concatenate([mx.concatenate([hadamard, hadamard], axis=1),
+                                       mx.concatenate([hadamard, -hadamard], axis=1)], axis=0)
+        hadamard = hadamard / math.sqrt(block)
+        rotation = mx.zeros((head_dim, head_dim))
+        for start in range(0, head_dim, block):
+            rotation[start:start + block, start:start + block] = hadamard
+        rotation = rotation.astype(dtype)
+        mx.eval(rotation)
+        _ROTATIONS[key] = rotation
+    return rotation
+
+
+_ROTATIONS: dict[tuple[int, mx.Dtype], mx.array] = {}
+
+
+def rotated_attention(attend: Any, queries: mx.array, keys: Any, values: Any, cache: Any,
+                      *args: Any, **kwargs: Any) -> mx.array:
+    """``attend(queries, keys, values, cache, ...)`` (mlx-lm's attention contract) over a
+    cache whose KV is stored rotated (its ``rotation`` attribute, see the module): the
+    queries rotated in, the output rotated back. Any other cache: ``attend`` as is."""
+    rotation = getattr(cache, "rotation", None)
+    if rotation is None:
+        return attend(queries, keys, values, cache, *args, **kwargs)
+    key_rotation, value_rotation = rotation
+    output = attend(queries @ key_rotation.astype(queries.dtype), keys, values, cache, *args, **kwargs)
+    return output @ value_rotation.astype(output.dtype)
+
+
+def stored_rotation(keys: Sequence[mx.array] | None, values: Sequence[mx.array] | None,
+                    bits: int) -> tuple[mx.array, mx.array] | None:
+    """The rotations of quantized ``keys`` and ``values`` triples (``(packed, scales,
+    biases)``, stored rotated): ``(R for the key head size, R for the value head size)``,
+    ``None`` while there are none."""
+    if keys is None or values is None:
+        return None
+    return (kv_rotation(keys[0].shape[-1] * 32 // bits, keys[1].dtype),
+            kv_rotation(values[0].shape[-1] * 32 // bits, values[1].dtype))
+
+
+__all__ = ["MAX_ROTATION_BLOCK", "kv_rotation", "rotated_attention", "stored_rotation"]
