@@ -221,7 +221,7 @@ def _kv_bits(rejection: Rejection) -> str | None:
     return (f"With the KV cache quantized to {bits} bits this request would fit: serve with "
             f"--kv-bits {bits} (engine.kv_bits = {bits}, or kv_bits = {bits} under "
             f"[models.{model}]; perplexity on the default model "
-            f"{'+0.2 %' if bits == 8 else '+15 %'} of the unquantized cache's, BENCHMARKS.md).")
+            f"{'-0.02 %' if bits == 8 else '+5.6 %'} of the unquantized cache's, BENCHMARKS.md).")
 
 
 @hookimpl
