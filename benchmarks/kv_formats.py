@@ -89,16 +89,12 @@ def formats() -> dict[str, tuple[Callable[[Any], Any] | None, Callable[[Any], An
     }
 
 
-def perplexity(model: Any, tokens: Sequence[int], key_format: Any, value_format: Any) -> float:
+def perplexity_over(model: Any, tokens: Sequence[int], cache: list[Any]) -> float:
+    """The perplexity of ``tokens`` under ``model``, prefilled in :data:`CHUNK`-token chunks
+    into ``cache`` (one layer cache per model layer, as the engine prefills): every
+    position's next-token log-likelihood."""
     import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
 
-    class Stored(KVCache):
-        def update_and_fetch(self, keys: Any, values: Any) -> Any:
-            return super().update_and_fetch(key_format(keys) if key_format else keys,
-                                            value_format(values) if value_format else values)
-
-    cache = [Stored() for _ in model.layers]
     total = 0.0
     for start in range(0, len(tokens) - 1, CHUNK):
         chunk = tokens[start:start + CHUNK]
@@ -107,6 +103,18 @@ def perplexity(model: Any, tokens: Sequence[int], key_format: Any, value_format:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         total -= float(mx.sum(mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)).item())
     return math.exp(total / (len(tokens) - 1))
+
+
+def perplexity(model: Any, tokens: Sequence[int], key_format: Any, value_format: Any) -> float:
+    """:func:`perplexity_over` a float cache that stores rows as the formats give them back."""
+    from mlx_lm.models.cache import KVCache
+
+    class Stored(KVCache):
+        def update_and_fetch(self, keys: Any, values: Any) -> Any:
+            return super().update_and_fetch(key_format(keys) if key_format else keys,
+                                            value_format(values) if value_format else values)
+
+    return perplexity_over(model, tokens, [Stored() for _ in model.layers])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,7 +31,6 @@ import argparse
 import datetime
 import http.client
 import json
-import math
 import os
 import platform
 import statistics
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks.ceiling import PeakRss, reset_peak, status_fields
+from benchmarks.kv_formats import CHUNK, perplexity_over
 from omlx_core.bench import publish_report
 from omlx_core.bench.client import chat_body, run_concurrently, special_token_ids, stream_chat
 from omlx_core.bench.prompts import text_of_tokens
@@ -59,7 +59,6 @@ CONTINUATIONS = 16
 ANSWER_TOKENS = 24
 STREAMS = 8
 STREAM_TOKENS = 128
-PERPLEXITY_CHUNK = 256
 
 
 # -- 1. capacity ------------------------------------------------------------------------
@@ -135,26 +134,14 @@ def capacity(bits: int, ceiling: str, settings: ServerSettings, model_dir: Path,
 
 def perplexities(model_dir: Path) -> tuple[int, dict[int, float]]:
     """Tokens scored, and the perplexity of the text for each KV format."""
-    import mlx.core as mx
-
     from omlx_core.mlx_thread import mlx_thread
     from omlx_core.scheduling import KVFormat, load_model, make_request_cache
 
     def run() -> tuple[int, dict[int, float]]:
         model, tokenizer = load_model(model_dir)
         tokens = tokenizer.encode(TEXT.read_text(encoding="utf-8"))
-        results = {}
-        for bits in FORMATS:
-            cache = make_request_cache(model, KVFormat.from_settings(bits, 64))
-            total = 0.0
-            for start in range(0, len(tokens) - 1, PERPLEXITY_CHUNK):
-                chunk = tokens[start:start + PERPLEXITY_CHUNK]
-                targets = tokens[start + 1:start + 1 + len(chunk)]
-                logits = model(mx.array(chunk)[None], cache=cache)[0, :len(targets)].astype(mx.float32)
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)
-                total -= float(mx.sum(picked).item())
-            results[bits] = math.exp(total / (len(tokens) - 1))
+        results = {bits: perplexity_over(model, tokens, make_request_cache(model, KVFormat.from_settings(bits, 64)))
+                   for bits in FORMATS}
         return len(tokens) - 1, results
 
     return mlx_thread().run(run)
@@ -221,7 +208,7 @@ def _capacity_table(runs: Sequence[Capacity], ceiling: int) -> list[str]:
 
 def _perplexity_table(scored: int, ppl: dict[int, float]) -> list[str]:
     lines = ["", f"## Perplexity on `benchmarks/data/perplexity.txt` ({scored} tokens scored, "
-                 f"{PERPLEXITY_CHUNK}-token prefill chunks)", "",
+                 f"{CHUNK}-token prefill chunks)", "",
              "| KV cache | perplexity | vs full precision |", "|---|---:|---:|"]
     for bits in FORMATS:
         name = f"{bits}-bit (group 64)" if bits else "full precision (float32)"
