@@ -11,6 +11,7 @@ reads a quantized cache.
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,25 @@ def test_models_the_cpu_route_leaves_to_mlx_lm_read_rotated_caches_too(tiny_mode
     assert routed_modules(hybrid, "scaled_dot_product_attention", "_omlx_kv_rotation")
     assert not routed_modules(dense, "scaled_dot_product_attention", "_omlx_kv_rotation")
     assert install_kv_rotation(hybrid) == install_kv_rotation(hybrid)
+
+
+def test_a_model_whose_attention_skips_the_rotation_is_refused_at_start(quantizable, monkeypatch):
+    """A layer that computes attention some other way than through the routed function
+    would read rotated keys with unrotated queries: the start-up check counts the
+    layers that read their cache rotated and refuses the format, naming it."""
+    from omlx_core.scheduling.kv_cache import check_kv_format
+
+    def check() -> None:
+        model, _ = load_model(quantizable("llama"))
+        check_kv_format(model, KVFormat(bits=8), "plain")  # routed: every layer counted
+        for name in routed_modules(model, "scaled_dot_product_attention", "_omlx_cpu_attention"):
+            monkeypatch.setattr(sys.modules[name], "scaled_dot_product_attention",
+                                base.scaled_dot_product_attention)
+        check_kv_format(model, KVFormat(bits=8), "unrouted")
+
+    with pytest.raises(ValueError, match=r"'unrouted' cannot be served with kv_bits=8: 2 of its 2 "
+                                         r"quantized attention layers .*allowed for it: kv_bits=0"):
+        mlx_thread().run(check)
 
 
 def test_a_quantized_prefix_is_restored_as_stored(quantizable):

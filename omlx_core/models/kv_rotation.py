@@ -10,6 +10,7 @@ its value head size)``, each an orthonormal, symmetric Hadamard matrix
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -52,9 +53,20 @@ def rotated_attention(attend: Any, queries: mx.array, keys: Any, values: Any, ca
     rotation = getattr(cache, "rotation", None)
     if rotation is None:
         return attend(queries, keys, values, cache, *args, **kwargs)
+    _calls.count = rotated_calls() + 1
     key_rotation, value_rotation = rotation
     output = attend(queries @ key_rotation.astype(queries.dtype), keys, values, cache, *args, **kwargs)
     return output @ value_rotation.astype(output.dtype)
+
+
+_calls = threading.local()
+
+
+def rotated_calls() -> int:
+    """How many attention calls over a rotated cache this thread has made: a forward over
+    a model's quantized caches makes one per quantized layer, unless a layer computes its
+    attention some other way (which would read rotated keys with unrotated queries)."""
+    return getattr(_calls, "count", 0)
 
 
 def stored_rotation(keys: Sequence[mx.array] | None, values: Sequence[mx.array] | None,
@@ -68,4 +80,4 @@ def stored_rotation(keys: Sequence[mx.array] | None, values: Sequence[mx.array] 
             kv_rotation(values[0].shape[-1] * 32 // bits, values[1].dtype))
 
 
-__all__ = ["MAX_ROTATION_BLOCK", "kv_rotation", "rotated_attention", "stored_rotation"]
+__all__ = ["MAX_ROTATION_BLOCK", "kv_rotation", "rotated_attention", "rotated_calls", "stored_rotation"]

@@ -40,7 +40,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
-from omlx_core.models.kv_rotation import kv_rotation, stored_rotation
+from omlx_core.models.kv_rotation import kv_rotation, rotated_calls, stored_rotation
 
 #: the KV bits a model may be served with (``None``: full precision)
 KV_BITS = (8, 4)
@@ -110,10 +110,12 @@ def quantized_layers(model: Any, kv_format: KVFormat) -> tuple[int, int]:
 def check_kv_format(model: Any, kv_format: KVFormat, model_id: str) -> None:
     """Raise ``ValueError`` naming the value, what is allowed and the model when
     ``model`` (loaded) cannot be served with ``kv_format``: it has no plain attention
-    layer, or its attention cannot read quantized KV (one token is fed to find out)."""
+    layer, its attention cannot read quantized KV, or some layer computes attention
+    without the rotation the cache is stored under (one token is fed to find out)."""
     if not kv_format.quantized:
         return
-    _no_plain_layers(model, kv_format, model_id)
+    quantized, _ = _no_plain_layers(model, kv_format, model_id)
+    before = rotated_calls()
     try:
         mx.eval(model(mx.array([[0]]), cache=make_request_cache(model, kv_format)))
     except Exception as exc:  # mlx's quantize or the model's attention refused it
@@ -121,6 +123,13 @@ def check_kv_format(model: Any, kv_format: KVFormat, model_id: str) -> None:
             f"model {model_id!r} cannot be served with kv_bits={kv_format.bits}, "
             f"kv_group_size={kv_format.group_size}: {exc}; use another kv_group_size "
             f"({', '.join(map(str, KV_GROUP_SIZES))}) or kv_bits=0 for it") from None
+    read = rotated_calls() - before
+    if read < quantized:
+        raise ValueError(
+            f"model {model_id!r} cannot be served with kv_bits={kv_format.bits}: {quantized - read} "
+            f"of its {quantized} quantized attention layers compute attention without going "
+            "through mlx-lm's scaled_dot_product_attention, so they cannot read the rotated "
+            "quantized cache; allowed for it: kv_bits=0")
 
 
 def check_config_kv_format(config: dict[str, Any], kv_format: KVFormat, model_id: str) -> None:
@@ -134,13 +143,15 @@ def check_config_kv_format(config: dict[str, Any], kv_format: KVFormat, model_id
     _no_plain_layers(model_class(args_class.from_dict(config)), kv_format, model_id)
 
 
-def _no_plain_layers(model: Any, kv_format: KVFormat, model_id: str) -> None:
-    quantized, _ = quantized_layers(model, kv_format)
+def _no_plain_layers(model: Any, kv_format: KVFormat, model_id: str) -> tuple[int, int]:
+    """:func:`quantized_layers`, refused when none would be quantized."""
+    quantized, kept = quantized_layers(model, kv_format)
     if not quantized:
         raise ValueError(
             f"model {model_id!r}: kv_bits={kv_format.bits} needs plain attention layers to "
             "quantize, and this model has none (mlx-lm has no quantized form of its "
             "sliding-window or recurrent caches); allowed for it: kv_bits=0")
+    return quantized, kept
 
 
 def make_request_cache(model: Any, kv_format: KVFormat = FULL_PRECISION) -> list[Any]:
