@@ -159,6 +159,10 @@ class GenerationRequest:
     #: entries apart from those of every other salt and of unsalted requests, so what it
     #: reports as cached tells a client nothing of another's prompts (``None``: unsalted)
     cache_salt: str | None = None
+    #: prompt positions where later requests are likely to part from this one (the end
+    #: of the system prompt, the start of the last message: :meth:`Engine.cache_points`);
+    #: an engine whose cache cannot be cut at any token keeps its state there
+    cache_points: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -461,6 +465,16 @@ class Engine(abc.ABC):
         from omlx_core.models.tokens import token_texts
 
         return token_texts(self.model.path).bytes_of(token_id)
+
+    def cache_points(self, messages: Sequence[Mapping[str, Any]], prompt_tokens: Sequence[int],
+                     **template_kwargs: Any) -> tuple[int, ...]:
+        """Where in ``prompt_tokens`` (what :meth:`tokenize_chat` made of ``messages``) the
+        next requests of the same conversation or client are likely to part from this
+        one, for :attr:`GenerationRequest.cache_points`. An engine that reuses a cached
+        prefix at any token needs none (the default); one whose model has layers that can
+        be resumed only where their state was kept (recurrent, sliding-window) keeps it
+        at these positions. A hint: a wrong one costs reuse, never correctness."""
+        return ()
 
     def cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """Prompt tokens whose KV is already resident and would not be prefilled again."""

@@ -27,7 +27,7 @@ def request(rid: str = "req-1", **sampling) -> GenerationRequest:
         temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**63 - 1, max_tokens=32,
         stop_token_ids=(2,), repetition_penalty=1.1, logit_bias={5: -100.0, 7: 2.5}, logprobs=3,
         grammar=GrammarSpec.json_schema({"type": "object", "properties": {"a": {"enum": [1, 2]}}}),
-        **sampling), cache_salt="tenant-a")
+        **sampling), cache_salt="tenant-a", cache_points=(2,))
 
 
 def test_a_step_round_trips_what_the_engine_uses() -> None:
@@ -94,6 +94,7 @@ def hostile(tmp_path: Path) -> dict[str, bytes]:
         "a huge token": mutated(lambda m: m["body"]["arrivals"][0]["prompt_tokens"].append(2**40)),
         "a bool for an int": mutated(lambda m: m["body"]["arrivals"][0].update(seed=True)),
         "no prompt": mutated(lambda m: m["body"]["arrivals"][0].update(prompt_tokens=[])),
+        "a cache point past the prompt": mutated(lambda m: m["body"]["arrivals"][0].update(cache_points=[4])),
         "NaN": wire.encode_step([(request(), 1)], []).replace(b'"temperature":0.7',
                                                              b'"temperature":NaN'),
         "a grammar over the caps": mutated(lambda m: m["body"]["arrivals"][0]["sampling"]["grammar"]

@@ -380,3 +380,28 @@ def test_without_stop_strings_every_token_is_text() -> None:
     assert "".join(d.text for d in generation.deltas()) == "Hello, world! And more"
     assert generation.finish_reason == "length" and generation.completion_tokens == 6
     generation.close()
+
+
+def test_a_chat_request_carries_the_engines_cache_points_which_are_only_a_hint() -> None:
+    """The pipeline asks the engine where a chat prompt's later requests are likely to
+    part from it (``Engine.cache_points``) and hands that on with the request; an engine
+    whose answer fails (a template that rejects a partial conversation) still serves it."""
+    calls = []
+
+    class Pointing(ScriptedEngine):
+        def cache_points(self, messages, prompt_tokens, **kwargs):
+            calls.append((len(messages), len(prompt_tokens)))
+            if messages[-1]["content"] == "boom":
+                raise ValueError("the template rejects an empty message")
+            return (1, 3)
+
+    engine = Pointing(completes)
+    pipeline, _ = pipeline_for(engine)
+    messages = [{"role": "system", "content": "a b"}, {"role": "user", "content": "c d e"}]
+    pipeline.start(Job("scripted", SamplingParams(), messages=messages)).close()
+    assert engine.submitted[-1].cache_points == (1, 3) and calls == [(2, 5)]
+    pipeline.start(Job("scripted", SamplingParams(), messages=messages[:1] + [
+        {"role": "user", "content": "boom"}])).close()
+    assert engine.submitted[-1].cache_points == ()
+    pipeline.start(Job("scripted", SamplingParams(), text="a b c")).close()
+    assert engine.submitted[-1].cache_points == () and len(calls) == 2  # not asked for text

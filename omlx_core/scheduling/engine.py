@@ -298,6 +298,36 @@ class BatchedEngine(GuardedEngine):
                 [dict(m) for m in messages], add_generation_prompt=True, tokenize=True,
                 **template_kwargs))
 
+    def cache_points(self, messages: Sequence[Mapping[str, Any]], prompt_tokens: Sequence[int],
+                     **template_kwargs: Any) -> tuple[int, ...]:
+        """For a model with layers resumed only where their state was kept (recurrent,
+        sliding-window): the end of the leading system messages and the start of the
+        last message, each where the prompt parts from the conversation rendered up to
+        there with an empty message in the next role. Requests that share a system prompt
+        part at the first; a conversation re-sent with its last message changed (edited,
+        retried, a tool result redone) at the second. Prefill ends a chunk at each and
+        keeps the state there (:meth:`PrefillPlanner.plan`)."""
+        scheduler = self._require_started()
+        if (not self.prefix_cache.enabled or not scheduler.layout.needs_boundaries
+                or len(messages) < 2 or template_kwargs.get("images") is not None):
+            return ()  # (a prompt with images is not the template's tokens alone)
+        system = next((i for i, m in enumerate(messages)
+                       if m.get("role") not in ("system", "developer")), len(messages))
+        partials = [list(messages[:-1]) + [{"role": messages[-1].get("role") or "user", "content": ""}]]
+        if 0 < system < len(messages) - 1:
+            partials.insert(0, list(messages[:system]) + [{"role": "user", "content": ""}])
+        points = []
+        for partial in partials:
+            with self._tokenizer_lock:
+                rendered = self.tokenizer.apply_chat_template(
+                    [dict(m) for m in partial], add_generation_prompt=False, tokenize=True,
+                    **template_kwargs)
+            shared = next((i for i, (a, b) in enumerate(zip(rendered, prompt_tokens)) if a != b),
+                          min(len(rendered), len(prompt_tokens)))
+            if 0 < shared < len(prompt_tokens) - 1 and shared not in points:
+                points.append(shared)
+        return tuple(points)
+
     def tokenize(self, text: str) -> list[int]:
         self._require_started()
         with self._tokenizer_lock:

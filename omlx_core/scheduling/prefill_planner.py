@@ -15,7 +15,9 @@ recently ran over their predictions (:meth:`ChunkCost.margin`, their 90th percen
 which grows on a loaded machine and shrinks back on a quiet one. When nothing decodes,
 the budget is the whole step again. Chunk ends fall on ``plugin.batched.block_size`` boundaries
 where they can, so full blocks (and, for models with non-cuttable layers, their boundary
-states) go into the prefix cache as prefill crosses them. Chunks cover all prompt tokens
+states) go into the prefix cache as prefill crosses them; for such models a chunk also
+ends at each of the request's cache points (the end of the system prompt, the start of the
+last message: ``GenerationRequest.cache_points``), whose state is kept as a tail. Chunks cover all prompt tokens
 but the last, which the first-token forward feeds. Chunks of different requests with
 similar lengths share one forward where the model's caches allow
 (:mod:`~omlx_core.scheduling.batch_prefill`); each request keeps its own cache. A
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -181,11 +183,17 @@ class PrefillPlanner:
             self.cost.observe(self._planned, seconds)
             self._planned = None
 
-    def _chunk_end(self, start: int, target: int, budget: int) -> int:
+    def _chunk_end(self, start: int, target: int, budget: int, points: Sequence[int] = ()) -> int:
         end = min(target, start + budget)
+        if not self.prefix_cache.enabled:
+            return end
+        if self.layout.needs_boundaries:
+            # Where later requests are likely to part from this one (the request's cache
+            # points): its state is kept only where a chunk ends.
+            end = min((p for p in points if start < p < end), default=end)
         block = self.prefix_cache.block_size
         aligned = end - end % block
-        if not self.prefix_cache.enabled or aligned <= start or aligned == end:
+        if aligned <= start or aligned == end or end in points:
             return end
         # Budget-limited chunks end on a block boundary; a final chunk is split at its
         # last boundary only when that boundary needs a state captured there.
@@ -199,13 +207,14 @@ class PrefillPlanner:
         budget = self.step_budget()
         for sequence in self.state.prefilling:
             position, target = sequence.prefilled, sequence.prefill_target
+            points = sequence.request.cache_points
             while budget > 0 and position < target:
                 reach = min(target, position + budget)
-                end = self._chunk_end(position, target, budget)
+                end = self._chunk_end(position, target, budget, points)
                 plan.append((sequence, position, end))
                 budget -= end - position
                 position = end
-                if end < reach < target:
+                if end < reach < target and end not in points:
                     # Cut back to a block boundary: resume there next step rather than
                     # spend the sliver of budget left on a tiny unaligned chunk.
                     break

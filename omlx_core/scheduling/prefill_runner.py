@@ -176,7 +176,7 @@ class PrefillRunner:
             self.finish(sequence, "error", error=str(stopped[1]), rejected=stopped[1])
             return
         self.writer.store_prefill_blocks(sequence)
-        if end == sequence.prefill_target:
+        if end == sequence.prefill_target or end in sequence.request.cache_points:
             self.writer.store_prefill_tail(sequence)
 
     # -- first token -----------------------------------------------------------------

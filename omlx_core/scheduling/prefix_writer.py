@@ -16,8 +16,13 @@ state at its end and is reused only whole. Such tails are kept where a next turn
 diverges: the end of the prompt less its last token (prefill's end: a repeated prompt),
 the end of the whole prompt (:meth:`PrefixCacheWriter.store_prompt_end`: a next turn
 whose re-sent answer differs from the tokens generated) and the end of the completion
-(a next turn re-sending it as generated). They are held, budgeted and evicted like any
-tail, and offered to the lower tier as partial blocks with a boundary state.
+(a next turn re-sending it as generated); and at the request's cache points (the end of
+the system prompt and the start of the last message, where the engine's
+``cache_points`` says later requests are likely to part from this one: a new task under
+the same system prompt, a history whose last message was edited or cut), where the
+planner ends a prefill chunk (:meth:`PrefixCacheWriter.store_prefill_tail`). They are
+held, budgeted and evicted like any tail, and offered to the lower tier as partial blocks
+with a boundary state.
 """
 
 from __future__ import annotations
@@ -76,8 +81,8 @@ class PrefixCacheWriter:
         sequence.stored_blocks = complete
 
     def store_prefill_tail(self, sequence: SequenceState) -> None:
-        """Keep the prompt's last partial block (prefill has fed all but its last token)
-        as a tail."""
+        """Keep the tokens prefill has fed after the last full block as a tail: at the
+        prompt's end (all but its last token) or at one of the request's cache points."""
         end = sequence.prefilled
         self._store_tail(sequence.cache, self.cache_key(sequence, sequence.context[:end]),
                          sequence.block_hashes)

@@ -102,18 +102,42 @@ class Conversation:
         return min((t.reuse for t in self.turns), default=1.0)
 
 
+#: how each turn's messages follow from the turn before's (:func:`converse`):
+#:
+#: - ``"resend"``: the whole history, as it was, then the new message;
+#: - ``"compacted"``: the history with the previous user message cut to a one-line stub
+#:   (agents shorten tool output they have read), then the new message: the turn parts
+#:   from what the server saw at the start of that message's text;
+#: - ``"fresh"``: the system prompt and the new message alone (independent tasks under
+#:   one system prompt): the turn parts from the last one after the system prompt.
+SHAPES = ("resend", "compacted", "fresh")
+
+
+def next_turn(messages: list[dict[str, str]], turn: int, text: str, shape: str = "resend") -> None:
+    """Make ``messages`` (the system prompt, then each turn's user message and answer)
+    turn ``turn``'s (0-based) as ``shape`` says (:data:`SHAPES`), its new user message
+    ``text``."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape {shape!r}: expected one of {', '.join(SHAPES)}")
+    if shape == "fresh":
+        del messages[1:]
+    elif shape == "compacted" and turn:
+        messages[-2] = {"role": "user", "content": f"(tool output of turn {turn} read and cut)"}
+    messages.append({"role": "user", "content": text})
+
+
 def converse(ask: Ask, tokenizer: Any, *, turns: int = 8, system_prompt: str = SYSTEM_PROMPT,
-             message: Callable[[int], str] = user_message) -> Conversation:
+             message: Callable[[int], str] = user_message, shape: str = "resend") -> Conversation:
     """Hold a ``turns``-turn conversation through ``ask``, re-sending the history through
-    ``tokenizer``'s chat template (mlx-lm's tokenizer wrapper) every turn; ``message``
-    gives the user's message of each turn (0-based)."""
+    ``tokenizer``'s chat template (mlx-lm's tokenizer wrapper) every turn as ``shape``
+    says (:data:`SHAPES`); ``message`` gives the user's message of each turn (0-based)."""
     messages = [{"role": "system", "content": system_prompt}]
     stop_ids = sorted(tokenizer.eos_token_ids)
     seen: list[int] = []
     measured: list[Turn] = []
     answers: list[list[int]] = []
     for turn in range(turns):
-        messages.append({"role": "user", "content": message(turn)})
+        next_turn(messages, turn, message(turn), shape)
         prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         reply = ask(list(messages), prompt)
         if turn:
@@ -129,8 +153,10 @@ def engine_asker(engine: Any, tokenizer: Any, max_tokens: int = 24) -> Ask:
     """Greedy turns on ``engine`` (an omlx-core engine, started), by token ids."""
 
     def ask(messages: list[dict[str, str]], prompt: list[int]) -> Reply:
+        # The cache points the serving pipeline would give the request.
         request = GenerationRequest(f"turn-{next(_ids)}", prompt,
-                                    SamplingParams(temperature=0.0, max_tokens=max_tokens))
+                                    SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                    cache_points=engine.cache_points(messages, prompt))
         tokens, last = [], None
         for output in engine_io.collect(engine.submit(request)):
             tokens += output.token_ids
@@ -183,10 +209,10 @@ def _ids_by_bytes(model_dir: Path) -> dict[bytes, int]:
 
 
 def run_conversation(engine: Any, tokenizer: Any, *, turns: int = 8, max_tokens: int = 24,
-                     system_prompt: str = SYSTEM_PROMPT) -> Conversation:
+                     system_prompt: str = SYSTEM_PROMPT, shape: str = "resend") -> Conversation:
     """:func:`converse` with greedy turns on ``engine`` (an omlx-core engine, started)."""
     return converse(engine_asker(engine, tokenizer, max_tokens), tokenizer, turns=turns,
-                    system_prompt=system_prompt)
+                    system_prompt=system_prompt, shape=shape)
 
 
 def reuse_table(rows: Sequence[tuple[str, Conversation]]) -> str:
@@ -200,6 +226,6 @@ def reuse_table(rows: Sequence[tuple[str, Conversation]]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Ask", "Conversation", "Reply", "SYSTEM_PROMPT", "Turn", "converse", "engine_asker",
-           "http_asker", "reuse_table", "run_conversation", "user_message",
+__all__ = ["Ask", "Conversation", "Reply", "SHAPES", "SYSTEM_PROMPT", "Turn", "converse", "engine_asker",
+           "http_asker", "next_turn", "reuse_table", "run_conversation", "user_message",
            "with_tool_output"]

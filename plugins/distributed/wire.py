@@ -213,7 +213,8 @@ def encode_step(arrivals: Sequence[tuple[GenerationRequest, int]], aborts: Seque
         requests.append({"request_id": request.request_id,
                          "prompt_tokens": [int(t) for t in request.prompt_tokens],
                          "sampling": _sampling_body(request.sampling),
-                         "cache_salt": request.cache_salt, "seed": int(seed)})
+                         "cache_salt": request.cache_salt,
+                         "cache_points": [int(p) for p in request.cache_points], "seed": int(seed)})
     return _encode("step", {"arrivals": requests, "aborts": list(aborts)})
 
 
@@ -264,11 +265,16 @@ def _arrival(value: Any, where: str) -> tuple[GenerationRequest, int]:
     body = _object(value, where, {"request_id": _ID,
                                   "prompt_tokens": lambda v, w: _list(v, w, _TOKEN),
                                   "sampling": _sampling, "cache_salt": _optional(_ID),
+                                  "cache_points": lambda v, w: _list(v, w, _TOKEN),
                                   "seed": lambda v, w: _int(v, w, 0, (1 << 64) - 1)})
     if not body["prompt_tokens"]:
         raise WireError(f"{where}.prompt_tokens: empty")
+    if any(point >= len(body["prompt_tokens"]) for point in body["cache_points"]):
+        raise WireError(f"{where}.cache_points: a position past the prompt's "
+                        f"{len(body['prompt_tokens'])} tokens")
+    # Every rank plans its prefill chunks from the same points, so its forwards match.
     request = GenerationRequest(body["request_id"], body["prompt_tokens"], body["sampling"],
-                                cache_salt=body["cache_salt"])
+                                cache_salt=body["cache_salt"], cache_points=tuple(body["cache_points"]))
     return request, body["seed"]
 
 
