@@ -2,7 +2,8 @@
 is resent whole every turn, ``omlx-core serve`` against ``mlx_lm.server``, per family.
 
     python -m benchmarks.agent_turns [--families default,gemma3,qwen3_next,gpt_oss]
-        [--rounds 3] [--turns 8] [--parts ttft,reuse] [--out docs/agent-turns-bench.md]
+        [--rounds 3] [--turns 8] [--parts ttft,reuse] [--shapes resend,compacted,fresh]
+        [--out docs/agent-turns-bench.md]
 
 Every turn the client sends the whole history through the chat endpoint (streaming,
 greedy): a system prompt, then per turn a user message carrying tool output (prose of a
@@ -37,6 +38,11 @@ the SSD tier kept). The tiny families run on engines in this process (the "base"
 blocks, the SSD tier as ``serve`` starts it, :class:`~omlx_core.testing.served.ServedEngine`);
 the default model on ``omlx-core serve`` as above, its answers' token ids read from
 logprobs, a ~1k-token system prompt and 150 tokens of tool output a turn.
+
+``--shapes`` (both parts) adds conversations whose turns part from the last one inside
+it: the previous tool output cut to a stub before the next turn ("compacted"), or a new
+task under the same system prompt each turn ("fresh"). The issue's targets are for the
+history resent as it was ("resend", the default); the others are reported without one.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ from omlx_core.bench.prompts import text_of_tokens
 from omlx_core.bench.servers import (MLX_LM, OMLX, ServerProcess, ServerSettings, ServerSpec,
                                      free_port, fresh_cache_root, mlx_lm_spec, omlx_spec,
                                      wait_quiet)
-from omlx_core.testing.conversation import Conversation, with_tool_output
+from omlx_core.testing.conversation import SHAPES, Conversation, next_turn, with_tool_output
 
 DEFAULT_OUT = Path("docs/agent-turns-bench.md")
 DEFAULT_MODEL = "default"
@@ -97,16 +103,22 @@ class FamilyResult:
     ours_command: str
     runs: dict[str, list[Run]] = field(default_factory=lambda: {OMLX: [], MLX_LM: []})
     peer_missing: str | None = None
+    shape: str = "resend"
+
+    @property
+    def name(self) -> str:
+        return self.family if self.shape == "resend" else f"{self.family}, {self.shape}"
 
 
 def converse(spec: ServerSpec, port: int, system: str, message: Callable[[int], str],
-             turns: int, answer_tokens: int) -> Run:
-    """One conversation of ``turns`` turns on a freshly started server."""
+             turns: int, answer_tokens: int, shape: str = "resend") -> Run:
+    """One conversation of ``turns`` turns on a freshly started server, each turn's
+    messages following the last as ``shape`` says."""
     run = Run()
     messages = [{"role": "system", "content": system}]
     with ServerProcess(spec, port, ready_timeout=600) as server:
         for turn in range(turns):
-            messages.append({"role": "user", "content": message(turn)})
+            next_turn(messages, turn, message(turn), shape)
             wait_quiet([server.pid])
             record = stream_chat(server.host, port, chat_body(spec.model_id, messages, answer_tokens))
             run.ttft.append(record.ttft)
@@ -117,7 +129,8 @@ def converse(spec: ServerSpec, port: int, system: str, message: Callable[[int], 
 
 
 def measure_family(family: str, model_dir: Path, served_id: str | None, settings: ServerSettings,
-                   rounds: int, turns: int, cache_roots: list[Path]) -> FamilyResult:
+                   rounds: int, turns: int, cache_roots: list[Path],
+                   shape: str = "resend") -> FamilyResult:
     context = CONTEXTS.get(family, TINY_CONTEXT)
     system = text_of_tokens(model_dir, context.system_tokens, seed=35,
                             heading="You are an agent. Follow these rules.")
@@ -131,7 +144,8 @@ def measure_family(family: str, model_dir: Path, served_id: str | None, settings
     def theirs(port: int) -> ServerSpec:
         return mlx_lm_spec(model_dir, port, settings)
 
-    result = FamilyResult(family, model_dir, context, ours(0).command().replace(" --port 0", ""))
+    result = FamilyResult(family, model_dir, context, ours(0).command().replace(" --port 0", ""),
+                          shape=shape)
     makers = {OMLX: ours, MLX_LM: theirs}
     for index in range(rounds):
         order = (OMLX, MLX_LM) if index % 2 == 0 else (MLX_LM, OMLX)
@@ -141,7 +155,7 @@ def measure_family(family: str, model_dir: Path, served_id: str | None, settings
             port = free_port()
             try:
                 run = converse(makers[name](port), port, system, message, turns,
-                               context.answer_tokens)
+                               context.answer_tokens, shape)
             except RuntimeError as error:
                 if name != MLX_LM:
                     raise
@@ -151,7 +165,7 @@ def measure_family(family: str, model_dir: Path, served_id: str | None, settings
                       flush=True)
                 continue
             result.runs[name].append(run)
-            print(f"  {family} round {index + 1} {name}: TTFT "
+            print(f"  {result.name} round {index + 1} {name}: TTFT "
                   + " ".join(f"{t:.3f}" for t in run.ttft), flush=True)
     return result
 
@@ -185,7 +199,7 @@ def render_family(result: FamilyResult) -> list[str]:
     context = result.context
     name = f"`{result.model_dir.name}`" if result.family != DEFAULT_MODEL else \
         f"the default model (`{result.model_dir.name}`)"
-    lines = [f"### {result.family}", "",
+    lines = [f"### {result.name}", "",
              f"Model {name}; system prompt {context.system_tokens} tokens, tool output "
              f"{context.tool_tokens} tokens a turn, answers up to {context.answer_tokens} "
              f"tokens; omlx-core: `{result.ours_command}`.", ""]
@@ -204,7 +218,7 @@ def render_family(result: FamilyResult) -> list[str]:
                      f"{_cached(ours, turn)} | {_cached(theirs, turn)} |")
     later = later_turn_ratios(result)
     if later:
-        target = TARGETS.get(result.family)
+        target = TARGETS.get(result.family) if result.shape == "resend" else None
         verdict = ""
         if target is not None:
             met = statistics.median(later) <= target
@@ -222,11 +236,11 @@ def render(results: list[FamilyResult], header: list[str]) -> str:
              "| family | rounds | ours / theirs (median, range) | target |", "|---|---:|---:|---:|"]
     for result in results:
         later = later_turn_ratios(result)
-        target = TARGETS.get(result.family)
+        target = TARGETS.get(result.family) if result.shape == "resend" else None
         verdict = "" if target is None or not later else \
             f"<= {target:g}x {'met' if statistics.median(later) <= target else 'MISSED'}"
         shown = _spread(later, 2) if later else f"peer did not start ({len(result.runs[OMLX])} rounds ours)"
-        lines.append(f"| {result.family} | {len(result.runs[OMLX])} | {shown} | {verdict} |")
+        lines.append(f"| {result.name} | {len(result.runs[OMLX])} | {shown} | {verdict} |")
     lines += ["", "## Per turn", ""]
     for result in results:
         lines += render_family(result)
@@ -240,8 +254,12 @@ REUSE_TOOL_TOKENS = 150
 
 
 def reuse_rows(family: str, model_dir: Path, served_id: str | None, turns: int,
-               settings: ServerSettings, cache_roots: list[Path]) -> list[tuple[str, Conversation]]:
-    """The family's conversation with one server, and with a server restarted every turn."""
+               settings: ServerSettings, cache_roots: list[Path],
+               shape: str = "resend") -> list[tuple[str, Conversation]]:
+    """The family's conversation (``shape``: how each turn follows the last,
+    :data:`~omlx_core.testing.conversation.SHAPES`) with one server, and with a server
+    restarted every turn."""
+    named = family if shape == "resend" else f"{family}, {shape}"
     from mlx_lm.utils import load_tokenizer
 
     from omlx_core.testing.conversation import converse, engine_asker, http_asker
@@ -267,8 +285,8 @@ def reuse_rows(family: str, model_dir: Path, served_id: str | None, turns: int,
             cache_roots.append(Path(tempfile.mkdtemp(prefix="omlx-agent-ssd-")))
             ask, close = asker(cache_roots[-1], restart)
             try:
-                rows.append((f"{family}{', restarts' if restart else ''}",
-                             converse(ask, tokenizer, turns=turns)))
+                rows.append((f"{named}{', restarts' if restart else ''}",
+                             converse(ask, tokenizer, turns=turns, shape=shape)))
             finally:
                 close()
         return rows
@@ -297,9 +315,9 @@ def reuse_rows(family: str, model_dir: Path, served_id: str | None, turns: int,
             return http_asker(client, served_id, model_dir, 24)(messages, prompt)
 
         try:
-            rows.append((f"{family}{', restarts' if restart else ''}",
+            rows.append((f"{named}{', restarts' if restart else ''}",
                          converse(ask, tokenizer, turns=turns, system_prompt=system,
-                                  message=message)))
+                                  message=message, shape=shape)))
         finally:
             for server in held:
                 server.stop()
@@ -330,6 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--parts", default="ttft",
                         help="comma-separated: ttft (the timed comparison), reuse (cached over "
                              "shared tokens per turn, with and without restarts)")
+    parser.add_argument("--shapes", default="resend",
+                        help="comma-separated: resend (the history as it "
+                             "was), compacted (the previous user message cut to a stub), fresh "
+                             "(a new task under the same system prompt each turn)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for omlx-core (printed in the report)")
     parser.add_argument("--out", type=Path, help=f"write the markdown report here (default {DEFAULT_OUT})")
@@ -337,9 +359,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = sorted(set(families) - set(FAMILIES))
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    if unknown or args.rounds < 1 or args.turns < 2 or not parts or parts - {"ttft", "reuse"}:
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    if (unknown or args.rounds < 1 or args.turns < 2 or not parts or parts - {"ttft", "reuse"}
+            or not shapes or set(shapes) - set(SHAPES)):
         raise SystemExit(f"--families takes {', '.join(FAMILIES)} (not {unknown}); --rounds >= 1; "
-                         "--turns >= 2; --parts takes ttft, reuse")
+                         f"--turns >= 2; --parts takes ttft, reuse; --shapes takes {', '.join(SHAPES)}")
 
     import shutil
 
@@ -362,13 +386,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model_dir, served_id = cached_model(family, 0, cache_dir=workdir), None
             model_dir = Path(model_dir).resolve()
             if "reuse" in parts:
-                print(f"{family}: reuse over {args.turns} turns", flush=True)
-                reuse += reuse_rows(family, model_dir, served_id, args.turns, settings,
-                                    cache_roots)
+                for shape in shapes:
+                    print(f"{family}: reuse over {args.turns} turns ({shape})", flush=True)
+                    reuse += reuse_rows(family, model_dir, served_id, args.turns, settings,
+                                        cache_roots, shape)
             if "ttft" in parts:
-                print(f"{family}: {args.rounds} rounds of {args.turns} turns", flush=True)
-                results.append(measure_family(family, model_dir, served_id, settings,
-                                              args.rounds, args.turns, cache_roots))
+                for shape in shapes:
+                    print(f"{family}: {args.rounds} rounds of {args.turns} turns ({shape})", flush=True)
+                    results.append(measure_family(family, model_dir, served_id, settings,
+                                                  args.rounds, args.turns, cache_roots, shape))
     finally:
         for root in cache_roots:
             shutil.rmtree(root, ignore_errors=True)
