@@ -16,9 +16,9 @@ which grows on a loaded machine and shrinks back on a quiet one. When nothing de
 the budget is the whole step again. Chunk ends fall on ``plugin.batched.block_size`` boundaries
 where they can, so full blocks (and, for models with non-cuttable layers, their boundary
 states) go into the prefix cache as prefill crosses them; for such models a chunk also
-ends at each of the request's cache points (the end of the system prompt, the start of the
-last message: ``GenerationRequest.cache_points``), whose state is kept as a tail. Chunks cover all prompt tokens
-but the last, which the first-token forward feeds. Chunks of different requests with
+ends at each of the request's cache points (the end of the system prompt, the start of
+the last message: ``GenerationRequest.cache_points``), whose state is kept as a tail.
+Chunks cover all prompt tokens but the last, which the first-token forward feeds. Chunks of different requests with
 similar lengths share one forward where the model's caches allow
 (:mod:`~omlx_core.scheduling.batch_prefill`); each request keeps its own cache. A
 chunk fed as input embeddings (:class:`~.extensions.ChunkInputs`) runs alone.
