@@ -379,6 +379,19 @@ def _in_the_log(what: str, exc: BaseException) -> str:
 # -- the pipeline ----------------------------------------------------------------------------
 
 
+def cache_points_of(engine: Engine, job: Job, tokens: list[int]) -> tuple[int, ...]:
+    """The engine's :meth:`~omlx_core.engine.Engine.cache_points` of a chat request: a
+    hint, so a template that renders the partial conversations it asks about differently
+    (or not at all) costs reuse, never the request."""
+    if job.messages is None:
+        return ()
+    try:
+        return tuple(engine.cache_points(job.messages, tokens, **job.template_kwargs))
+    except Exception:  # noqa: BLE001 - a hint; the request itself was tokenized fine
+        log.debug("cache points of %s failed", job.model_id, exc_info=True)
+        return ()
+
+
 class ServingPipeline:
     """Starts requests against the engines of a :class:`ServerContext`.
 
@@ -514,7 +527,7 @@ class ServingPipeline:
                 self._check_grammar_supported(engine, job, had_grammar=sampling.grammar is not None)
                 sampling = replace(sampling, grammar=grammar)
             self._check_token_ids(sampling, limits)
-            points = self._cache_points(engine, job, tokens)
+            points = cache_points_of(engine, job, tokens)
             release = self._reserve(engine, request_id, tokens, sampling.max_tokens,
                                     images=len(images), on_checked=on_checked,
                                     salted=job.cache_salt is not None)
@@ -715,19 +728,6 @@ class ServingPipeline:
             raise InvalidRequest(f"{job.prompt_param} is empty after tokenization; give some "
                                  "text", job.prompt_param)
         return list(tokens)
-
-    @staticmethod
-    def _cache_points(engine: Engine, job: Job, tokens: list[int]) -> tuple[int, ...]:
-        """The engine's :meth:`~omlx_core.engine.Engine.cache_points` of a chat request:
-        a hint, so a template that renders the partial conversations it asks about
-        differently (or not at all) costs reuse, never the request."""
-        if job.messages is None:
-            return ()
-        try:
-            return tuple(engine.cache_points(job.messages, tokens, **job.template_kwargs))
-        except Exception:  # noqa: BLE001 - a hint; the request itself was tokenized fine
-            log.debug("cache points of %s failed", job.model_id, exc_info=True)
-            return ()
 
     def _settle_max_tokens(self, job: Job, limits: EngineLimits, prompt_tokens: int) -> SamplingParams:
         requested = job.sampling.max_tokens
