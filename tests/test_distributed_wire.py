@@ -85,7 +85,7 @@ def hostile(tmp_path: Path) -> dict[str, bytes]:
         "not utf-8": b"\xff\xfe\x00{",
         "not json": b"{\"v\": 1, \"kind\": ",
         "a list": b"[1, 2, 3]",
-        "another version": mutated(lambda m: m.update(v=2)),
+        "another version": mutated(lambda m: m.update(v=wire.WIRE_VERSION + 1)),
         "another kind": mutated(lambda m: m.update(kind="exec")),
         "an unknown field": mutated(lambda m: m["body"].update(run="rm -rf /")),
         "a missing field": mutated(lambda m: m["body"].pop("aborts")),
@@ -111,8 +111,8 @@ def test_hostile_bytes_are_refused_and_nothing_in_them_runs(tmp_path) -> None:
         with pytest.raises(wire.WireError):
             wire.decode_step(data)
         assert not (tmp_path / "owned").exists(), name
-    with pytest.raises(wire.WireError, match="version 2"):
-        wire.decode_step(mutated(lambda m: m.update(v=2)))
+    with pytest.raises(wire.WireError, match=f"version {wire.WIRE_VERSION + 1}"):
+        wire.decode_step(mutated(lambda m: m.update(v=wire.WIRE_VERSION + 1)))
     with pytest.raises(wire.WireError, match="refusals"):
         wire.decode_refusals(wire.encode_step([], []))  # a step where refusals were due
 

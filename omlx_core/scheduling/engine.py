@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: what :meth:`BatchedEngine.cache_points` puts as a partial conversation's next message
+#: (a private-use character: no template writes one of its own)
+_CONTENT_MARK = "\ue000"
+
 #: (model path, KV format) pairs whose :func:`~.decode_batch.warm_up` ran in this process
 _warmed: set[tuple[str, str]] = set()
 _warmed_lock = threading.Lock()
@@ -302,31 +306,60 @@ class BatchedEngine(GuardedEngine):
                      **template_kwargs: Any) -> tuple[int, ...]:
         """For a model with layers resumed only where their state was kept (recurrent,
         sliding-window): the end of the leading system messages and the start of the
-        last message, each where the prompt parts from the conversation rendered up to
-        there with an empty message in the next role. Requests that share a system prompt
-        part at the first; a conversation re-sent with its last message changed (edited,
-        retried, a tool result redone) at the second. Prefill ends a chunk at each and
-        keeps the state there (:meth:`PrefillPlanner.plan`)."""
+        last message. Requests that share a system prompt part at the first; a
+        conversation re-sent with its last message changed (edited, retried, a tool
+        result cut) at the second. Prefill ends a chunk at each and keeps the state there
+        (:meth:`PrefillPlanner.plan`).
+
+        Each is found in text: where the conversation rendered up to there, with a marker
+        as the next message, shows the marker. Only the shorter side of that cut is
+        tokenized again (the last message, or the system prompt), and the cut counts only
+        where the prompt's own tokens split there too."""
         scheduler = self._require_started()
         if (not self.prefix_cache.enabled or not scheduler.layout.needs_boundaries
                 or len(messages) < 2 or template_kwargs.get("images") is not None):
             return ()  # (a prompt with images is not the template's tokens alone)
         system = next((i for i, m in enumerate(messages)
                        if m.get("role") not in ("system", "developer")), len(messages))
-        partials = [list(messages[:-1]) + [{"role": messages[-1].get("role") or "user", "content": ""}]]
+        partials = [list(messages[:-1]) + [{"role": messages[-1].get("role") or "user",
+                                            "content": _CONTENT_MARK}]]
         if 0 < system < len(messages) - 1:
-            partials.insert(0, list(messages[:system]) + [{"role": "user", "content": ""}])
-        points = []
+            partials.insert(0, list(messages[:system]) + [{"role": "user", "content": _CONTENT_MARK}])
+        with self._tokenizer_lock:
+            full = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=True, tokenize=False,
+                **template_kwargs)
+        points: list[int] = []
         for partial in partials:
-            with self._tokenizer_lock:
-                rendered = self.tokenizer.apply_chat_template(
-                    [dict(m) for m in partial], add_generation_prompt=False, tokenize=True,
-                    **template_kwargs)
-            shared = next((i for i, (a, b) in enumerate(zip(rendered, prompt_tokens)) if a != b),
-                          min(len(rendered), len(prompt_tokens)))
-            if 0 < shared < len(prompt_tokens) - 1 and shared not in points:
-                points.append(shared)
-        return tuple(points)
+            try:
+                point = self._point_at_mark(full, partial, prompt_tokens, template_kwargs)
+            except Exception:  # noqa: BLE001 - a template that rejects this partial: no point here
+                log.debug("no cache point for a partial conversation of %d messages", len(partial),
+                          exc_info=True)
+                continue
+            if point is not None and 0 < point < len(prompt_tokens) - 1 and point not in points:
+                points.append(point)
+        return tuple(sorted(points))
+
+    def _point_at_mark(self, full: str, partial: list[Mapping[str, Any]], prompt_tokens: Sequence[int],
+                       template_kwargs: Mapping[str, Any]) -> int | None:
+        """The token index in ``prompt_tokens`` (``full`` as text) where ``partial``'s
+        rendering shows :data:`_CONTENT_MARK`, if the two texts agree up to there and the
+        prompt's tokens split there."""
+        with self._tokenizer_lock:
+            text = self.tokenizer.apply_chat_template(
+                [dict(m) for m in partial], add_generation_prompt=False, tokenize=False,
+                **template_kwargs)
+        chars = text.find(_CONTENT_MARK)
+        if chars <= 0 or not full.startswith(text[:chars]):
+            return None
+        with self._tokenizer_lock:
+            if chars <= len(full) - chars:
+                head = list(self.tokenizer.encode(full[:chars], add_special_tokens=False))
+                return len(head) if list(prompt_tokens[:len(head)]) == head else None
+            tail = list(self.tokenizer.encode(full[chars:], add_special_tokens=False))
+        cut = len(prompt_tokens) - len(tail)
+        return cut if cut > 0 and list(prompt_tokens[cut:]) == tail else None
 
     def tokenize(self, text: str) -> list[int]:
         self._require_started()

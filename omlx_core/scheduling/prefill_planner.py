@@ -190,10 +190,12 @@ class PrefillPlanner:
         if self.layout.needs_boundaries:
             # Where later requests are likely to part from this one (the request's cache
             # points): its state is kept only where a chunk ends.
-            end = min((p for p in points if start < p < end), default=end)
+            cut = min((p for p in points if start < p < end), default=None)
+            if cut is not None:
+                return cut
         block = self.prefix_cache.block_size
         aligned = end - end % block
-        if aligned <= start or aligned == end or end in points:
+        if aligned <= start or aligned == end:
             return end
         # Budget-limited chunks end on a block boundary; a final chunk is split at its
         # last boundary only when that boundary needs a state captured there.
@@ -211,6 +213,9 @@ class PrefillPlanner:
             while budget > 0 and position < target:
                 reach = min(target, position + budget)
                 end = self._chunk_end(position, target, budget, points)
+                if (position in points and position != sequence.prefilled
+                        and end < target and end % self.prefix_cache.block_size and end not in points):
+                    break  # the sliver of budget after a cache point: resume there next step
                 plan.append((sequence, position, end))
                 budget -= end - position
                 position = end

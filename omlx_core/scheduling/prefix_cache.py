@@ -343,6 +343,16 @@ class PrefixCache:
             lower = self._lower
         self._write_through(lower, evicted)
 
+    def refresh_tail(self, parent_hash: bytes, tokens: Sequence[int]) -> bool:
+        """Whether a tail of exactly ``tokens`` is kept under ``parent_hash``; if so it
+        counts as just used, and a writer need not copy the same state again."""
+        key = (parent_hash, tuple(int(t) for t in tokens))
+        with self._lock:
+            if not self._held.holds_tail(key):
+                return False
+            self._held.touch_tail(key)
+            return True
+
     def _offer_tail(self, tail: CachedTail, index: int | None) -> None:
         """Hand ``tail`` to the lower tier as a block of its own, under its parent: the
         lower tier offers it back as a continuation of that parent (:meth:`match_prefix`)."""

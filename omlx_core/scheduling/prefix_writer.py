@@ -154,6 +154,8 @@ class PrefixCacheWriter:
             return
         parent = hashes[full - 1] if full else self.prefix_cache.root
         start = full * self.prefix_cache.block_size
+        if self.prefix_cache.refresh_tail(parent, tokens[start:]):
+            return  # the same tail (a shared system prompt's, say) is kept already
         self.prefix_cache.insert_tail(self.layout.make_tail(parent, list(tokens[start:]), cache, start),
                                       index=full)
 

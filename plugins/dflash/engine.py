@@ -248,6 +248,11 @@ class DFlashEngine(GuardedEngine):
     def tokenize(self, text: str) -> list[int]:
         return self._require_started().tokenize(text)
 
+    def cache_points(self, messages: Sequence[Mapping[str, Any]], prompt_tokens: Sequence[int],
+                     **template_kwargs: Any) -> tuple[int, ...]:
+        # The batched fallback's prefix cache is the one that keeps state at them.
+        return self._require_started().cache_points(messages, prompt_tokens, **template_kwargs)
+
     # -- requests --------------------------------------------------------------------
 
     def primary_refusal(self, request: GenerationRequest) -> str | None:

@@ -41,7 +41,7 @@ __all__ = ["MAX_MESSAGE_BYTES", "WIRE_VERSION", "Hello", "Step", "WireError", "d
            "encode_count", "encode_flag", "encode_hello", "encode_plan", "encode_refusals",
            "encode_step", "encode_stop"]
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: a request's cache points
 #: the largest message a rank accepts (a step's new prompts: 64 MiB of JSON is millions
 #: of tokens)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -272,7 +272,8 @@ def _arrival(value: Any, where: str) -> tuple[GenerationRequest, int]:
     if any(point >= len(body["prompt_tokens"]) for point in body["cache_points"]):
         raise WireError(f"{where}.cache_points: a position past the prompt's "
                         f"{len(body['prompt_tokens'])} tokens")
-    # Every rank plans its prefill chunks from the same points, so its forwards match.
+    # Every rank would plan its prefill chunks from the same points, so its forwards match
+    # (empty while the distributed engine runs without a prefix cache).
     request = GenerationRequest(body["request_id"], body["prompt_tokens"], body["sampling"],
                                 cache_salt=body["cache_salt"], cache_points=tuple(body["cache_points"]))
     return request, body["seed"]
