@@ -63,43 +63,54 @@ class Round:
 def ours(model_dir: Path, turns: int, system: str, message, tokenizer: Any,
          tier: str, ssd: bool) -> tuple[list[float], list[int]]:
     """TTFT per turn and prefill forwards per turn of omlx-core's engine, with its SSD
-    tier in a new directory (``ssd``) or none."""
-    from omlx_core.engine import GenerationRequest, SamplingParams
+    tier in a new directory (``ssd``, removed after, whatever happens) or none."""
     from omlx_core.testing.served import ServedEngine
 
     ttft: list[float] = []
     forwards: list[int] = []
-    ids = itertools.count()
     ssd_dir = tempfile.mkdtemp(prefix="omlx-agent-ssd-") if ssd else ""
-    with ServedEngine(model_dir, ssd_dir, tier=tier) as served:
-        engine = served.engine
-
-        def ask(messages: list[dict[str, str]], prompt: list[int]) -> Reply:
-            request = GenerationRequest(f"turn-{next(ids)}", prompt, SamplingParams(
-                temperature=0.0, max_tokens=TINY_CONTEXT.answer_tokens))
-            before = engine.stats()["prefill_forwards"]
-            started = time.perf_counter()
-            handle = engine.submit(request)
-            tokens: list[int] = []
-            while True:
-                output = handle.next_output(timeout=TIMEOUT_S)
-                if output is None:
-                    raise RuntimeError(f"the engine sent nothing for {TIMEOUT_S:.0f} s")
-                if not tokens and output.token_ids:
-                    ttft.append(time.perf_counter() - started)
-                tokens += output.token_ids
-                if output.finished:
-                    break
-            if output.error:
-                raise RuntimeError(f"the turn failed: {output.error}")
-            forwards.append(engine.stats()["prefill_forwards"] - before)
-            return Reply(tokens, tokenizer.decode(tokens), output.finish_reason == "stop",
-                         output.usage.cached_tokens)
-
-        converse(ask, tokenizer, turns=turns, system_prompt=system, message=message)
-    if ssd_dir:
-        shutil.rmtree(ssd_dir, ignore_errors=True)
+    try:
+        with ServedEngine(model_dir, ssd_dir, tier=tier) as served:
+            converse(_timed_asker(served.engine, tokenizer, ttft, forwards), tokenizer,
+                     turns=turns, system_prompt=system, message=message)
+    finally:
+        if ssd_dir:
+            shutil.rmtree(ssd_dir, ignore_errors=True)
     return ttft, forwards
+
+
+def _timed_asker(engine: Any, tokenizer: Any, ttft: list[float], forwards: list[int]):
+    """Greedy turns on ``engine``, as :func:`~omlx_core.testing.conversation.engine_asker`
+    submits them (with the cache points the serving pipeline gives), each turn's TTFT
+    and prefill forwards appended."""
+    from omlx_core.engine import GenerationRequest, SamplingParams
+
+    ids = itertools.count()
+
+    def ask(messages: list[dict[str, str]], prompt: list[int]) -> Reply:
+        request = GenerationRequest(f"turn-{next(ids)}", prompt, SamplingParams(
+            temperature=0.0, max_tokens=TINY_CONTEXT.answer_tokens),
+            cache_points=engine.cache_points(messages, prompt))
+        before = engine.stats()["prefill_forwards"]
+        started = time.perf_counter()
+        handle = engine.submit(request)
+        tokens: list[int] = []
+        while True:
+            output = handle.next_output(timeout=TIMEOUT_S)
+            if output is None:
+                raise RuntimeError(f"the engine sent nothing for {TIMEOUT_S:.0f} s")
+            if not tokens and output.token_ids:
+                ttft.append(time.perf_counter() - started)
+            tokens += output.token_ids
+            if output.finished:
+                break
+        if output.error:
+            raise RuntimeError(f"the turn failed: {output.error}")
+        forwards.append(engine.stats()["prefill_forwards"] - before)
+        return Reply(tokens, tokenizer.decode(tokens), output.finish_reason == "stop",
+                     output.usage.cached_tokens)
+
+    return ask
 
 
 def theirs(model_dir: Path, turns: int, system: str, message, tokenizer: Any,
