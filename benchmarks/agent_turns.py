@@ -107,7 +107,12 @@ class FamilyResult:
 
     @property
     def name(self) -> str:
-        return self.family if self.shape == "resend" else f"{self.family}, {self.shape}"
+        return shape_named(self.family, self.shape)
+
+
+def shape_named(family: str, shape: str) -> str:
+    """A family's name in the reports, with its conversation's shape unless "resend"."""
+    return family if shape == "resend" else f"{family}, {shape}"
 
 
 def converse(spec: ServerSpec, port: int, system: str, message: Callable[[int], str],
@@ -259,7 +264,7 @@ def reuse_rows(family: str, model_dir: Path, served_id: str | None, turns: int,
     """The family's conversation (``shape``: how each turn follows the last,
     :data:`~omlx_core.testing.conversation.SHAPES`) with one server, and with a server
     restarted every turn."""
-    named = family if shape == "resend" else f"{family}, {shape}"
+    named = shape_named(family, shape)
     from mlx_lm.utils import load_tokenizer
 
     from omlx_core.testing.conversation import converse, engine_asker, http_asker

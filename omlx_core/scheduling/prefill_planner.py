@@ -18,10 +18,10 @@ where they can, so full blocks (and, for models with non-cuttable layers, their 
 states) go into the prefix cache as prefill crosses them; for such models a chunk also
 ends at each of the request's cache points (the end of the system prompt, the start of
 the last message: ``GenerationRequest.cache_points``), whose state is kept as a tail.
-Chunks cover all prompt tokens but the last, which the first-token forward feeds. Chunks of different requests with
-similar lengths share one forward where the model's caches allow
-(:mod:`~omlx_core.scheduling.batch_prefill`); each request keeps its own cache. A
-chunk fed as input embeddings (:class:`~.extensions.ChunkInputs`) runs alone.
+Chunks cover all prompt tokens but the last, which the first-token forward feeds.
+Chunks of different requests with similar lengths share one forward where the model's
+caches allow (:mod:`~omlx_core.scheduling.batch_prefill`); each request keeps its own
+cache. A chunk fed as input embeddings (:class:`~.extensions.ChunkInputs`) runs alone.
 
 **Forward gate seam.** Before a step's prefill forwards run, the planned chunks are
 handed to the installed :class:`~omlx_core.memory.gate.ForwardGate` as one
@@ -213,8 +213,8 @@ class PrefillPlanner:
             while budget > 0 and position < target:
                 reach = min(target, position + budget)
                 end = self._chunk_end(position, target, budget, points)
-                if (position in points and position != sequence.prefilled
-                        and end < target and end % self.prefix_cache.block_size and end not in points):
+                sliver = end < target and end % self.prefix_cache.block_size and end not in points
+                if sliver and position in points and position != sequence.prefilled:
                     break  # the sliver of budget after a cache point: resume there next step
                 plan.append((sequence, position, end))
                 budget -= end - position
