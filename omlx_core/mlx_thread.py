@@ -53,6 +53,8 @@ class MLXThread:
         self._cond = threading.Condition()
         self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()
         self._workers: list[Worker] = []
+        #: set while the thread waits for work (no task queued, no worker with work)
+        self._quiet = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -90,6 +92,14 @@ class MLXThread:
         thread, from ``step``."""
         return any(other is not worker and other.has_work() for other in list(self._workers))
 
+    def wait_quiet(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to have nothing to do (no task
+        queued, no worker with work); whether it has. For background work that should
+        leave the cores to forwards while there are any (the SSD tier's writer): the
+        answer can be stale by the time the caller acts on it, so use it to defer work,
+        never to order it."""
+        return self._quiet.wait(timeout)
+
     def wake(self) -> None:
         """Tell the thread that a worker may have new work."""
         with self._cond:
@@ -106,7 +116,9 @@ class MLXThread:
             # has_work() is read under the lock that wake() takes, so a request
             # enqueued before its wake() can never be missed here.
             while not self._tasks and not any(w.has_work() for w in self._workers):
+                self._quiet.set()
                 self._cond.wait(self._idle_timeout())
+            self._quiet.clear()
             tasks = list(self._tasks)
             self._tasks.clear()
             workers = list(self._workers)

@@ -813,3 +813,82 @@ def test_only_the_owner_may_read_the_cache(tmp_path):
         again.close()
     finally:
         os.umask(old_umask)
+
+
+# -- the writer leaves the cores to the forwards ------------------------------------------------
+
+
+class Forwards:
+    """Stands in for the MLX thread's ``wait_quiet``: forwards run until ``quiet`` is set."""
+
+    def __init__(self) -> None:
+        self.quiet = threading.Event()
+        self.asked = threading.Event()
+
+    def wait_quiet(self, timeout: float) -> bool:
+        self.asked.set()
+        return self.quiet.wait(timeout)
+
+
+def test_the_writer_puts_writes_off_while_the_forwards_run(tmp_path):
+    forwards = Forwards()
+    store = make_store(tmp_path, wait_quiet=forwards.wait_quiet)
+    block = make_block(0, seed=40)
+    store.put(block)
+    assert forwards.asked.wait(10)
+    # Put off: still queued (the memory guard can still take its host copy back).
+    assert store.stats()["saves_persisted"] == 0 and store.pending_bytes() == block.nbytes
+    assert store.drop_pending(1) == block.nbytes
+    store.put(make_block(1, seed=40))
+    forwards.quiet.set()
+    assert wait_for(lambda: store.stats()["saves_persisted"] == 1)
+    assert not store.contains(block.block_hash) and store.contains(make_block(1, seed=40).block_hash)
+    store.close()
+
+
+def test_a_pressed_queue_and_a_flush_are_written_while_the_forwards_run(tmp_path):
+    forwards = Forwards()  # never quiet
+    block_bytes = make_block(0, seed=41).nbytes
+    store = make_store(tmp_path, wait_quiet=forwards.wait_quiet, queue_bytes=4 * block_bytes)
+    store.put(make_block(0, seed=41))
+    assert forwards.asked.wait(10)
+    # Half the queue's bytes queued: the writer writes rather than let saves be dropped,
+    # down to under half, then puts the rest off again.
+    store.put(make_block(1, seed=41))
+    assert wait_for(lambda: store.stats()["saves_persisted"] == 1)
+    assert store.pending_bytes() == block_bytes
+    # A flush (shutdown, a test, a benchmark) waits for nobody's forwards.
+    assert store.flush(10) and store.stats()["saves_persisted"] == 2
+    store.close()
+
+
+def test_the_mlx_thread_says_when_it_is_quiet():
+    from omlx_core.mlx_thread import MLXThread
+
+    thread = MLXThread(name="omlx-test-quiet")
+    assert thread.wait_quiet(10)
+
+    class Worker:
+        def __init__(self) -> None:
+            self.work = True
+            self.stepping = threading.Event()
+            self.go = threading.Event()
+
+        def has_work(self) -> bool:
+            return self.work
+
+        def step(self) -> None:
+            self.stepping.set()
+            assert self.go.wait(10)
+            self.work = False
+
+        def fail(self, exc: BaseException) -> None:
+            pass
+
+    worker = Worker()
+    thread.attach(worker)
+    assert worker.stepping.wait(10)
+    assert not thread.wait_quiet(0.05)  # mid-step
+    worker.go.set()
+    assert thread.wait_quiet(10)
+    thread.detach(worker)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from omlx_core.hookspecs import hookimpl
+from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.default import model_cache_dir
 from omlx_core.plugins.ssd_cache.store import DEFAULT_QUEUE_BYTES, DirectoryInUseError, PagedSSDStore
 from omlx_core.settings import Setting
@@ -136,7 +137,8 @@ def create_store(model: Any, config: Any) -> PagedSSDStore | None:
                                       queue_size=int(settings["queue_size"]),
                                       queue_bytes=int(settings["queue_bytes"]),
                                       save_timeout_s=float(settings["save_timeout_s"]),
-                                      eviction_burst=int(settings["eviction_burst"]))
+                                      eviction_burst=int(settings["eviction_burst"]),
+                                      wait_quiet=mlx_thread().wait_quiet)
             except (OSError, DirectoryInUseError) as exc:
                 if automatic:
                     log.warning("model %r: serving without the SSD cache: %s (set plugin.ssd_cache.dir "

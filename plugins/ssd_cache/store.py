@@ -36,7 +36,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from omlx_core.kvblocks import BlockStore, CachedBlock, StoredBlock
 from omlx_core.plugins.ssd_cache.blockfile import (
@@ -79,7 +79,8 @@ class PagedSSDStore(BlockStore):
                  save_timeout_s: float = 0.25,
                  eviction_burst: int = 32, disk_usage_ttl_s: float = 30.0,
                  cleanup_all_timeout_s: float = 5.0, cleanup_request_timeout_s: float = 2.0,
-                 flush_timeout_s: float = 10.0) -> None:
+                 flush_timeout_s: float = 10.0,
+                 wait_quiet: Callable[[float], bool] | None = None) -> None:
         self.directory = Path(directory)
         self.blocks_dir = self.directory / "blocks"
         self.snapshots_dir = self.directory / "snapshots"
@@ -99,7 +100,7 @@ class PagedSSDStore(BlockStore):
         self._quota = DiskQuota(self.blocks_dir, budget=budget, auto_share=auto_share, ttl_s=disk_usage_ttl_s)
         self._writer = BlockWriter(self.directory, index=self._index, quota=self._quota, counters=self._counts,
                                    queue_size=queue_size, queue_bytes=queue_bytes,
-                                   save_timeout_s=save_timeout_s)
+                                   save_timeout_s=save_timeout_s, wait_quiet=wait_quiet)
         self._staging = SnapshotStaging(self.snapshots_dir, identity=identity, index=self._index,
                                         writer=self._writer, cleanup_all_timeout_s=cleanup_all_timeout_s,
                                         cleanup_request_timeout_s=cleanup_request_timeout_s)

@@ -33,6 +33,8 @@ class WorkQueue(Generic[T]):
         self._held: T | None = None
         #: bytes of the queued and held items
         self._bytes = 0
+        #: producers waiting for room
+        self._waiting = 0
         self.lock = threading.Condition()
 
     def _has_room_locked(self, nbytes: int) -> bool:
@@ -49,7 +51,7 @@ class WorkQueue(Generic[T]):
         with self.lock:
             while not self._has_room_locked(nbytes):
                 left = deadline - time.monotonic()
-                if left <= 0 or not self.lock.wait(left):
+                if left <= 0 or not self._wait_for_room(left):
                     if not self._has_room_locked(nbytes):
                         raise queue.Full
             self._items.append(item)
@@ -65,8 +67,23 @@ class WorkQueue(Generic[T]):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self.lock.wait(left)
+                self._wait_for_room(left)
             return True
+
+    def _wait_for_room(self, timeout: float) -> bool:
+        self._waiting += 1
+        try:
+            return self.lock.wait(timeout)
+        finally:
+            self._waiting -= 1
+
+    @property
+    def pressed(self) -> bool:
+        """Whether the consumer should not put its work off: a producer waits for room, or
+        half the items or bytes the queue may hold are queued."""
+        with self.lock:
+            return (self._waiting > 0 or 2 * len(self._items) >= self.maxsize
+                    or (self.max_bytes is not None and 2 * self._bytes >= self.max_bytes))
 
     def put_unbounded(self, item: T) -> None:
         """Append ``item`` even when full (the stop sentinel must always get in)."""
@@ -74,6 +91,12 @@ class WorkQueue(Generic[T]):
             self._items.append(item)
             self._bytes += self._weight(item)
             self.lock.notify_all()
+
+    def wait_for_item(self) -> None:
+        """Wait until an item is queued (it stays queued: :meth:`take` takes it)."""
+        with self.lock:
+            while not self._items:
+                self.lock.wait()
 
     def take(self) -> T:
         """The oldest item, waiting for one; it is *held* until :meth:`release`."""

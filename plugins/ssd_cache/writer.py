@@ -30,6 +30,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -44,6 +45,11 @@ from omlx_core.plugins.ssd_cache.quota import DiskQuota
 from omlx_core.plugins.ssd_cache.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
+
+#: how long the writer puts a write off while the forwards run (see
+#: :meth:`BlockWriter._put_off_while_busy`), and how often it looks again
+DEFAULT_DEFER_S = 30.0
+QUIET_POLL_S = 0.05
 
 
 @dataclass(eq=False)
@@ -87,8 +93,15 @@ class BlockWriter:
     """Writes the files of queued items on a thread of its own, in queue order."""
 
     def __init__(self, directory: Path, *, index: BlockIndex, quota: DiskQuota, counters: Counters,
-                 queue_size: int, queue_bytes: int | None, save_timeout_s: float) -> None:
+                 queue_size: int, queue_bytes: int | None, save_timeout_s: float,
+                 wait_quiet: Callable[[float], bool] | None = None,
+                 defer_s: float = DEFAULT_DEFER_S) -> None:
         self.directory = directory
+        #: waits up to its argument's seconds for the forwards to stop; whether they have
+        self._wait_quiet = wait_quiet
+        self.defer_s = defer_s
+        #: set while someone waits for the queue to drain (flush, stop): nothing is put off
+        self._urgent = threading.Event()
         self.blocks_dir = directory / "blocks"
         self.snapshots_dir = directory / "snapshots"
         self.save_timeout_s = save_timeout_s
@@ -160,7 +173,11 @@ class BlockWriter:
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write is on disk; ``False`` on timeout."""
-        return self._queue.wait_idle(timeout)
+        self._urgent.set()
+        try:
+            return self._queue.wait_idle(timeout)
+        finally:
+            self._urgent.clear()
 
     def discard_queued(self) -> int:
         """Drop every queued item; returns how many there were."""
@@ -168,6 +185,7 @@ class BlockWriter:
 
     def stop(self, timeout: float) -> None:
         """Stop the thread once it has written what is queued (waits up to ``timeout``)."""
+        self._urgent.set()
         self._queue.put_unbounded(STOP)
         self.thread.join(timeout=timeout)
 
@@ -210,6 +228,8 @@ class BlockWriter:
 
     def _write_loop(self) -> None:
         while True:
+            self._queue.wait_for_item()
+            self._put_off_while_busy()
             item = self._queue.take()
             if item is STOP:
                 self._queue.release()
@@ -225,6 +245,20 @@ class BlockWriter:
                 finally:
                     self._retire(item)
             self._queue.release()
+
+    def _put_off_while_busy(self) -> None:
+        """Leave the cores to the forwards: while the MLX thread has work, wait (the
+        queued items stay withdrawable), up to ``defer_s``, and not at all once the queue
+        is pressed (half full, or a save waits for room: writing now keeps saves from
+        being dropped) or someone waits for it to drain. An agent's turn then runs
+        without its own blocks being written beside it; they are written while the
+        agent works between turns."""
+        if self._wait_quiet is None:
+            return
+        deadline = time.monotonic() + self.defer_s
+        while not self._wait_quiet(QUIET_POLL_S):
+            if self._urgent.is_set() or self._queue.pressed or time.monotonic() >= deadline:
+                return
 
     def _retire(self, item: WriteItem) -> None:
         with self._queue.lock:
