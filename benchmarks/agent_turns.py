@@ -71,6 +71,13 @@ DEFAULT_MODEL = "default"
 FAMILIES = (DEFAULT_MODEL, "llama", "qwen3", "qwen3_moe", "gemma3", "qwen3_next", "gpt_oss")
 #: the issue's targets: turns 2-8 TTFT, ours / mlx_lm.server's
 TARGETS = {DEFAULT_MODEL: 0.5, "gemma3": 0.3, "qwen3_next": 0.3, "gpt_oss": 0.3}
+#: ``FAMILY:small``: the family at the default model's width (``omlx_core.testing.SMALL``)
+SMALL_SUFFIX = ":small"
+
+
+def base_family(family: str) -> str:
+    """``gemma3`` of ``gemma3:small``."""
+    return family.removesuffix(SMALL_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -223,7 +230,7 @@ def render_family(result: FamilyResult) -> list[str]:
                      f"{_cached(ours, turn)} | {_cached(theirs, turn)} |")
     later = later_turn_ratios(result)
     if later:
-        target = TARGETS.get(result.family) if result.shape == "resend" else None
+        target = TARGETS.get(base_family(result.family)) if result.shape == "resend" else None
         verdict = ""
         if target is not None:
             met = statistics.median(later) <= target
@@ -241,7 +248,7 @@ def render(results: list[FamilyResult], header: list[str]) -> str:
              "| family | rounds | ours / theirs (median, range) | target |", "|---|---:|---:|---:|"]
     for result in results:
         later = later_turn_ratios(result)
-        target = TARGETS.get(result.family) if result.shape == "resend" else None
+        target = TARGETS.get(base_family(result.family)) if result.shape == "resend" else None
         verdict = "" if target is None or not later else \
             f"<= {target:g}x {'met' if statistics.median(later) <= target else 'MISSED'}"
         shown = _spread(later, 2) if later else f"peer did not start ({len(result.runs[OMLX])} rounds ours)"
@@ -347,7 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.agent_turns", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=",".join(FAMILIES),
-                        help=f"comma-separated, of {', '.join(FAMILIES)} (default: all)")
+                        help=f"comma-separated, of {', '.join(FAMILIES)} (default: all); "
+                             f"FAMILY{SMALL_SUFFIX} is a random-weight family at the default "
+                             "model's width (llama, gemma3, qwen3_next, gpt_oss)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--parts", default="ttft",
@@ -362,12 +371,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help=f"write the markdown report here (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
-    unknown = sorted(set(families) - set(FAMILIES))
+    from omlx_core.testing import SMALL
+
+    known = {*FAMILIES, *(f + SMALL_SUFFIX for f in SMALL)}
+    unknown = sorted(set(families) - known)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     if (unknown or args.rounds < 1 or args.turns < 2 or not parts or parts - {"ttft", "reuse"}
             or not shapes or set(shapes) - set(SHAPES)):
-        raise SystemExit(f"--families takes {', '.join(FAMILIES)} (not {unknown}); --rounds >= 1; "
+        raise SystemExit(f"--families takes {', '.join(sorted(known))} (not {unknown}); --rounds >= 1; "
                          f"--turns >= 2; --parts takes ttft, reuse; --shapes takes {', '.join(SHAPES)}")
 
     import shutil
@@ -388,7 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if family == DEFAULT_MODEL:
                 model_dir, served_id = ensure_default_model(), load_config(None)["server.models"][0]
             else:
-                model_dir, served_id = cached_model(family, 0, cache_dir=workdir), None
+                size = "small" if family.endswith(SMALL_SUFFIX) else "tiny"
+                model_dir = cached_model(base_family(family), 0, cache_dir=workdir, size=size)
+                served_id = None
             model_dir = Path(model_dir).resolve()
             if "reuse" in parts:
                 for shape in shapes:

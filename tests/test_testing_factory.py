@@ -291,3 +291,21 @@ def test_gpt_oss_alternates_sliding_and_full_layers_with_sinks_and_experts(tmp_p
         assert layer.mlp.experts.gate_proj.weight.shape[0] == config["num_local_experts"]
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     assert len(prompt) > config["sliding_window"], "the prompt must overflow the window"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_next", "gpt_oss"])
+def test_small_families_have_the_default_models_width_and_their_familys_layers(family):
+    from omlx_core.testing import SMALL, family_config
+    from omlx_core.testing.models import _model_classes
+
+    config = family_config(family, SMALL[family])
+    model_class, args_class = _model_classes(config)
+    model = model_class(args_class.from_dict(config))  # weights stay lazy: nothing is drawn
+    parameters = sum(value.size for _, value in tree_flatten(model.parameters()))
+    assert 80e6 < parameters < 300e6 and config["hidden_size"] == 576
+    kinds = {type(layer) for layer in make_prompt_cache(model)}
+    assert kinds == {"llama": {KVCache}, "gemma3": {KVCache, RotatingKVCache},
+                     "qwen3_next": {KVCache, ArraysCache},
+                     "gpt_oss": {KVCache, RotatingKVCache}}[family]
+    with pytest.raises(ValueError, match="sizes are tiny"):
+        cached_model("qwen3", size="small")

@@ -8,6 +8,7 @@ ChatML chat template, loaded through the same loader as a real checkpoint.
 from omlx_core.testing.host import make_test_host
 from omlx_core.testing.models import (
     FAMILIES,
+    SMALL,
     build_model,
     build_weights,
     cached_model,
@@ -24,6 +25,7 @@ from omlx_core.testing.tokenizer import (
 __all__ = [
     "CHAT_TEMPLATE",
     "FAMILIES",
+    "SMALL",
     "SPECIAL_TOKENS",
     "VOCAB_SIZE",
     "build_model",

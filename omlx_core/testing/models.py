@@ -121,6 +121,31 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
 }
 
+#: Overrides giving a family the default model's width (SmolLM2-135M: 576 wide, 9 query
+#: heads and 3 KV heads of 64, an MLP of 1,536) at a depth near a real model's, and windows
+#: and experts in the family's proportions. For benchmarks whose ratio must come from the
+#: work a real model does: on a 64-wide model a turn's prefill costs next to nothing, and
+#: fixed per-request costs make every ratio. 100-140M parameters each (float32: ~0.5 GB).
+SMALL: dict[str, dict[str, Any]] = {
+    family: {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+             "head_dim": 64, "intermediate_size": 1536, **extra}
+    for family, extra in {
+        "llama": {"num_hidden_layers": 30},
+        # Gemma 3's 5 local : 1 global layers, a 512-token window (Gemma 3 1B's)
+        "gemma3": {"num_hidden_layers": 30, "query_pre_attn_scalar": 64,
+                   "sliding_window": 512, "sliding_window_pattern": 6},
+        # 3 GatedDeltaNet : 1 attention layer, 8 experts (2 routed per token) + a shared one
+        "qwen3_next": {"num_hidden_layers": 24, "linear_num_key_heads": 4,
+                       "linear_num_value_heads": 8, "linear_key_head_dim": 64,
+                       "linear_value_head_dim": 64, "num_experts": 8,
+                       "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
+        # alternating 128-token windows (gpt-oss's) and full layers, 8 experts of 768
+        "gpt_oss": {"num_hidden_layers": 24, "sliding_window": 128,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12,
+                    "num_local_experts": 8, "intermediate_size": 768},
+    }.items()
+}
+
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -266,10 +291,17 @@ def cached_build(name: str, build: Callable[[Path], Any], seed: int,
         return target
 
 
-def cached_model(family: str, seed: int = 0, *, cache_dir: Path | None = None) -> Path:
-    """Path of a ``family`` model built once per process (float32, no overrides); see
-    :func:`cached_build`."""
-    return cached_build(family, lambda directory: build_model(family, directory, seed=seed),
+def cached_model(family: str, seed: int = 0, *, cache_dir: Path | None = None,
+                 size: str = "tiny") -> Path:
+    """Path of a ``family`` model built once per process (float32), tiny or with the
+    :data:`SMALL` overrides (``size="small"``); see :func:`cached_build`."""
+    if size not in ("tiny", "small") or (size == "small" and family not in SMALL):
+        raise ValueError(f"size {size!r} of {family!r}: sizes are tiny (every family) and "
+                         f"small ({', '.join(sorted(SMALL))})")
+    overrides = SMALL[family] if size == "small" else None
+    name = family if size == "tiny" else f"{family}-small"
+    return cached_build(name, lambda directory: build_model(family, directory, seed=seed,
+                                                            overrides=overrides),
                         seed, cache_dir)
 
 
