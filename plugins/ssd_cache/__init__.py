@@ -20,6 +20,10 @@ work). Through the public hooks:
 - ``register_settings``: the ``[plugin.ssd_cache]`` table;
 - ``shutdown``: staged snapshots removed, queued block writes flushed, writer stopped.
 
+The writer leaves the cores to the forwards: while the MLX thread has work it puts writes
+off (``plugin.ssd_cache.defer_s``, 30 s), unless its queue is half full or a flush waits, so a turn's blocks are
+written while the agent works between turns, not beside the turn's own prefill.
+
 Counters (``saves`` passed the quota gate, ``saves_persisted`` renamed into place, loads,
 hits, misses, evictions, drops, declined, errors) appear in ``/metrics`` as
 ``omlx_engine_prefix_cache_lower_<counter>``. Benchmark:
@@ -40,7 +44,7 @@ from typing import Any, Callable
 from omlx_core.hookspecs import hookimpl
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.default import model_cache_dir
-from omlx_core.plugins.ssd_cache.store import DEFAULT_QUEUE_BYTES, DirectoryInUseError, PagedSSDStore
+from omlx_core.plugins.ssd_cache.store import DEFAULT_DEFER_S, DEFAULT_QUEUE_BYTES, DirectoryInUseError, PagedSSDStore
 from omlx_core.settings import Setting
 
 log = logging.getLogger(__name__)
@@ -89,6 +93,9 @@ SETTINGS = (
             "memory the engine can give back)", minimum=1 << 20, default=DEFAULT_QUEUE_BYTES),
     Setting("save_timeout_s", "float", "how long a save waits for room in a full write queue "
             "before the block is dropped", minimum=0.0, maximum=10.0, default=0.25),
+    Setting("defer_s", "float", "how long the writer puts a write off while the MLX thread has "
+            "work (forwards keep the cores; it writes at once when its queue is half full); 0: "
+            "write beside the forwards", minimum=0.0, maximum=600.0, default=DEFAULT_DEFER_S),
     Setting("eviction_burst", "int", "files one save may unlink to make room; the rest are "
             "evicted by later saves", minimum=1, maximum=4096, default=32),
 )
@@ -138,6 +145,7 @@ def create_store(model: Any, config: Any) -> PagedSSDStore | None:
                                       queue_bytes=int(settings["queue_bytes"]),
                                       save_timeout_s=float(settings["save_timeout_s"]),
                                       eviction_burst=int(settings["eviction_burst"]),
+                                      defer_s=float(settings["defer_s"]),
                                       wait_quiet=mlx_thread().wait_quiet)
             except (OSError, DirectoryInUseError) as exc:
                 if automatic:

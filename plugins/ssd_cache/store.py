@@ -49,13 +49,18 @@ from omlx_core.plugins.ssd_cache.index import BlockIndex
 from omlx_core.plugins.ssd_cache.quota import DiskQuota
 from omlx_core.plugins.ssd_cache.recovery import scan_blocks
 from omlx_core.plugins.ssd_cache.snapshots import SnapshotStaging
-from omlx_core.plugins.ssd_cache.writer import BlockWriter, WriteItem, give_back, host_bytes
+from omlx_core.plugins.ssd_cache.writer import DEFAULT_DEFER_S, BlockWriter, WriteItem, give_back, host_bytes
 from omlx_core.settings import format_size
 
 log = logging.getLogger(__name__)
 
-#: host memory queued block writes may hold (``plugin.ssd_cache.queue_bytes``)
-DEFAULT_QUEUE_BYTES = 64 << 20
+#: host memory queued block writes may hold (``plugin.ssd_cache.queue_bytes``): room for a
+#: turn's writes to wait while the forwards run (the writer puts them off until its queue
+#: is half full). A sliding-window model's block carries its window's state: 20-26 MB on
+#: a 576-wide gemma3 (30 layers, a 512-token window), ~185 MB written a turn of 350 new
+#: tokens; 64 MiB held two of them and the writer ran beside the next prefill. Counted as
+#: memory the engine can give back: the guard drops queued writes before it refuses work.
+DEFAULT_QUEUE_BYTES = 256 << 20
 
 
 def layer_types_of(kv: Sequence[Any], boundary: Sequence[Any] | None) -> list[str]:
@@ -80,7 +85,8 @@ class PagedSSDStore(BlockStore):
                  eviction_burst: int = 32, disk_usage_ttl_s: float = 30.0,
                  cleanup_all_timeout_s: float = 5.0, cleanup_request_timeout_s: float = 2.0,
                  flush_timeout_s: float = 10.0,
-                 wait_quiet: Callable[[float], bool] | None = None) -> None:
+                 wait_quiet: Callable[[float], bool] | None = None,
+                 defer_s: float = DEFAULT_DEFER_S) -> None:
         self.directory = Path(directory)
         self.blocks_dir = self.directory / "blocks"
         self.snapshots_dir = self.directory / "snapshots"
@@ -100,7 +106,8 @@ class PagedSSDStore(BlockStore):
         self._quota = DiskQuota(self.blocks_dir, budget=budget, auto_share=auto_share, ttl_s=disk_usage_ttl_s)
         self._writer = BlockWriter(self.directory, index=self._index, quota=self._quota, counters=self._counts,
                                    queue_size=queue_size, queue_bytes=queue_bytes,
-                                   save_timeout_s=save_timeout_s, wait_quiet=wait_quiet)
+                                   save_timeout_s=save_timeout_s, wait_quiet=wait_quiet,
+                                   defer_s=defer_s)
         self._staging = SnapshotStaging(self.snapshots_dir, identity=identity, index=self._index,
                                         writer=self._writer, cleanup_all_timeout_s=cleanup_all_timeout_s,
                                         cleanup_request_timeout_s=cleanup_request_timeout_s)
@@ -359,7 +366,7 @@ def _arrays_of(value: Any) -> list[Any]:
     return []
 
 
-__all__ = ["COUNTERS", "DEFAULT_QUEUE_BYTES", "DirectoryInUseError", "PagedSSDStore", "layer_types_of"]
+__all__ = ["COUNTERS", "DEFAULT_DEFER_S", "DEFAULT_QUEUE_BYTES", "DirectoryInUseError", "PagedSSDStore", "layer_types_of"]
 
 
 def ends_a_turn(block: CachedBlock) -> bool:

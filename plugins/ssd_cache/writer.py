@@ -253,7 +253,7 @@ class BlockWriter:
         being dropped) or someone waits for it to drain. An agent's turn then runs
         without its own blocks being written beside it; they are written while the
         agent works between turns."""
-        if self._wait_quiet is None:
+        if self._wait_quiet is None or self.defer_s <= 0:
             return
         deadline = time.monotonic() + self.defer_s
         while not self._wait_quiet(QUIET_POLL_S):
