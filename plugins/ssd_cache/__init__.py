@@ -21,8 +21,9 @@ work). Through the public hooks:
 - ``shutdown``: staged snapshots removed, queued block writes flushed, writer stopped.
 
 The writer leaves the cores to the forwards: while the MLX thread has work it puts writes
-off (``plugin.ssd_cache.defer_s``, 30 s), unless its queue is half full or a flush waits, so a turn's blocks are
-written while the agent works between turns, not beside the turn's own prefill.
+off (``plugin.ssd_cache.defer_s``, 30 s), unless its queue is half full or a flush waits,
+so a turn's blocks are written while the agent works between turns, not beside the turn's
+own prefill.
 
 Counters (``saves`` passed the quota gate, ``saves_persisted`` renamed into place, loads,
 hits, misses, evictions, drops, declined, errors) appear in ``/metrics`` as

@@ -100,8 +100,9 @@ class BlockWriter:
         #: waits up to its argument's seconds for the forwards to stop; whether they have
         self._wait_quiet = wait_quiet
         self.defer_s = defer_s
-        #: set while someone waits for the queue to drain (flush, stop): nothing is put off
-        self._urgent = threading.Event()
+        #: how many wait for the queue to drain (flush, stop): while any do, nothing is put off
+        self._draining = 0
+        self._draining_lock = threading.Lock()
         self.blocks_dir = directory / "blocks"
         self.snapshots_dir = directory / "snapshots"
         self.save_timeout_s = save_timeout_s
@@ -173,11 +174,15 @@ class BlockWriter:
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write is on disk; ``False`` on timeout."""
-        self._urgent.set()
+        self._drain(+1)
         try:
             return self._queue.wait_idle(timeout)
         finally:
-            self._urgent.clear()
+            self._drain(-1)
+
+    def _drain(self, change: int) -> None:
+        with self._draining_lock:
+            self._draining += change
 
     def discard_queued(self) -> int:
         """Drop every queued item; returns how many there were."""
@@ -185,7 +190,7 @@ class BlockWriter:
 
     def stop(self, timeout: float) -> None:
         """Stop the thread once it has written what is queued (waits up to ``timeout``)."""
-        self._urgent.set()
+        self._drain(+1)  # never undone: the thread ends
         self._queue.put_unbounded(STOP)
         self.thread.join(timeout=timeout)
 
@@ -257,7 +262,7 @@ class BlockWriter:
             return
         deadline = time.monotonic() + self.defer_s
         while not self._wait_quiet(QUIET_POLL_S):
-            if self._urgent.is_set() or self._queue.pressed or time.monotonic() >= deadline:
+            if self._draining or self._queue.pressed or time.monotonic() >= deadline:
                 return
 
     def _retire(self, item: WriteItem) -> None:
