@@ -98,10 +98,13 @@ class WorkQueue(Generic[T]):
             while not self._items:
                 self.lock.wait()
 
-    def take(self) -> T:
-        """The oldest item, waiting for one; it is *held* until :meth:`release`."""
+    def take(self, wait: bool = True) -> T | None:
+        """The oldest item, waiting for one (``None`` at once when none is queued and not
+        ``wait``); it is *held* until :meth:`release`."""
         with self.lock:
             while not self._items:
+                if not wait:
+                    return None
                 self.lock.wait()
             self._held = self._items.popleft()
             self.lock.notify_all()

@@ -235,7 +235,9 @@ class BlockWriter:
         while True:
             self._queue.wait_for_item()
             self._put_off_while_busy()
-            item = self._queue.take()
+            item = self._queue.take(wait=False)
+            if item is None:
+                continue  # withdrawn while put off (the guard took its memory, a cleanup)
             if item is STOP:
                 self._queue.release()
                 return
