@@ -54,13 +54,14 @@ from omlx_core.settings import format_size
 
 log = logging.getLogger(__name__)
 
-#: host memory queued block writes may hold (``plugin.ssd_cache.queue_bytes``): room for a
-#: turn's writes to wait while the forwards run (the writer puts them off until its queue
-#: is half full). A sliding-window model's block carries its window's state: 20-26 MB on
-#: a 576-wide gemma3 (30 layers, a 512-token window), ~185 MB written a turn of 350 new
-#: tokens; 64 MiB held two of them and the writer ran beside the next prefill. Counted as
-#: memory the engine can give back: the guard drops queued writes before it refuses work.
-DEFAULT_QUEUE_BYTES = 256 << 20
+#: host memory queued block writes may hold (``plugin.ssd_cache.queue_bytes``). The writer
+#: puts writes off while the forwards run until the queue is half full, so this is also how
+#: much of a turn's writes can wait. A sliding-window model's block carries its window's
+#: state (20-26 MB on a 576-wide gemma3: ~185 MB a turn of 350 new tokens), and 64 MiB
+#: holds two: raise it for such a model where memory allows (256 MiB took the SSD tier's
+#: cost off that model's turns). It is not raised by default: the copies are made without
+#: asking the memory guard, which drops them only at its next check (docs/reliability.md).
+DEFAULT_QUEUE_BYTES = 64 << 20
 
 
 def layer_types_of(kv: Sequence[Any], boundary: Sequence[Any] | None) -> list[str]:
