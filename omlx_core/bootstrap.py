@@ -290,6 +290,7 @@ def _lower_tiers(context: ServerContext, model: ModelSpec) -> tuple[BlockStore, 
         store = factory(model, context.config)
         if store is not None:
             log.info("model %r: cache tier %r", model.id, name)
+            store.yield_to(mlx_thread().wait_quiet)
             tiers.append(store)
     return tuple(tiers)
 

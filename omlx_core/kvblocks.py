@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,6 +153,11 @@ class BlockStore(ABC):
     def stats(self) -> Mapping[str, Any]:
         """The tier's counters, shown under the prefix cache's ``lower`` statistics."""
         return {}
+
+    def yield_to(self, wait_quiet: Callable[[float], bool]) -> None:
+        """Core hands every tier the MLX thread's ``wait_quiet`` (wait up to its argument's
+        seconds for the forwards to stop; whether they have): work of the tier's own that
+        can wait (writes) should, rather than take the cores from a forward."""
 
 
 __all__ = ["BlockStore", "CachedBlock", "CachedTail", "StoredBlock"]

@@ -892,3 +892,10 @@ def test_the_mlx_thread_says_when_it_is_quiet():
     worker.go.set()
     assert thread.wait_quiet(10)
     thread.detach(worker)
+
+
+def test_core_hands_the_tier_the_mlx_threads_wait_quiet(tmp_path, tiny_model_path):
+    from omlx_core.testing.served import ServedEngine
+
+    with ServedEngine(tiny_model_path("llama"), tmp_path / "ssd") as served:
+        assert served.store._writer._wait_quiet == mlx_thread().wait_quiet

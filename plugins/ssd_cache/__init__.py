@@ -20,8 +20,8 @@ work). Through the public hooks:
 - ``register_settings``: the ``[plugin.ssd_cache]`` table;
 - ``shutdown``: staged snapshots removed, queued block writes flushed, writer stopped.
 
-The writer leaves the cores to the forwards: while the MLX thread has work it puts writes
-off (``plugin.ssd_cache.defer_s``, 30 s), unless its queue is half full or a flush waits,
+The writer leaves the cores to the forwards: while the MLX thread has work (core hands
+the store its ``wait_quiet``, ``BlockStore.yield_to``) it puts writes off (``plugin.ssd_cache.defer_s``, 30 s), unless its queue is half full or a flush waits,
 so a turn's blocks are written while the agent works between turns, not beside the turn's
 own prefill.
 
@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from omlx_core.hookspecs import hookimpl
-from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.default import model_cache_dir
 from omlx_core.plugins.ssd_cache.store import DEFAULT_DEFER_S, DEFAULT_QUEUE_BYTES, DirectoryInUseError, PagedSSDStore
 from omlx_core.settings import Setting
@@ -146,8 +145,7 @@ def create_store(model: Any, config: Any) -> PagedSSDStore | None:
                                       queue_bytes=int(settings["queue_bytes"]),
                                       save_timeout_s=float(settings["save_timeout_s"]),
                                       eviction_burst=int(settings["eviction_burst"]),
-                                      defer_s=float(settings["defer_s"]),
-                                      wait_quiet=mlx_thread().wait_quiet)
+                                      defer_s=float(settings["defer_s"]))
             except (OSError, DirectoryInUseError) as exc:
                 if automatic:
                     log.warning("model %r: serving without the SSD cache: %s (set plugin.ssd_cache.dir "

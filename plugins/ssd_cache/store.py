@@ -284,6 +284,11 @@ class PagedSSDStore(BlockStore):
             self._counts.add("drops", len(dropped))
         return sum(host_bytes(item) for item in dropped)
 
+    def yield_to(self, wait_quiet: Callable[[float], bool]) -> None:
+        """The writer puts writes off while ``wait_quiet`` says the forwards run (see
+        :meth:`~.writer.BlockWriter.yield_to`)."""
+        self._writer.yield_to(wait_quiet)
+
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = self._counts.snapshot()
         used = self._index.used_bytes

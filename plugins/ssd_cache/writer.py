@@ -122,6 +122,11 @@ class BlockWriter:
     def start(self) -> None:
         self.thread.start()
 
+    def yield_to(self, wait_quiet: Callable[[float], bool]) -> None:
+        """Put writes off while ``wait_quiet`` says the forwards run (see
+        :meth:`_put_off_while_busy`)."""
+        self._wait_quiet = wait_quiet
+
     # -- submitting (MLX thread) -------------------------------------------------------
 
     def has_room(self, nbytes: int) -> bool:
