@@ -832,7 +832,8 @@ class Forwards:
 
 def test_the_writer_puts_writes_off_while_the_forwards_run(tmp_path):
     forwards = Forwards()
-    store = make_store(tmp_path, wait_quiet=forwards.wait_quiet)
+    store = make_store(tmp_path)
+    store.yield_to(forwards.wait_quiet)
     block = make_block(0, seed=40)
     store.put(block)
     assert forwards.asked.wait(10)
@@ -849,7 +850,8 @@ def test_the_writer_puts_writes_off_while_the_forwards_run(tmp_path):
 def test_a_pressed_queue_and_a_flush_are_written_while_the_forwards_run(tmp_path):
     forwards = Forwards()  # never quiet
     block_bytes = make_block(0, seed=41).nbytes
-    store = make_store(tmp_path, wait_quiet=forwards.wait_quiet, queue_bytes=4 * block_bytes)
+    store = make_store(tmp_path, queue_bytes=4 * block_bytes)
+    store.yield_to(forwards.wait_quiet)
     store.put(make_block(0, seed=41))
     assert forwards.asked.wait(10)
     # Half the queue's bytes queued: the writer writes rather than let saves be dropped,

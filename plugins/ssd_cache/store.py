@@ -86,7 +86,6 @@ class PagedSSDStore(BlockStore):
                  eviction_burst: int = 32, disk_usage_ttl_s: float = 30.0,
                  cleanup_all_timeout_s: float = 5.0, cleanup_request_timeout_s: float = 2.0,
                  flush_timeout_s: float = 10.0,
-                 wait_quiet: Callable[[float], bool] | None = None,
                  defer_s: float = DEFAULT_DEFER_S) -> None:
         self.directory = Path(directory)
         self.blocks_dir = self.directory / "blocks"
@@ -107,8 +106,7 @@ class PagedSSDStore(BlockStore):
         self._quota = DiskQuota(self.blocks_dir, budget=budget, auto_share=auto_share, ttl_s=disk_usage_ttl_s)
         self._writer = BlockWriter(self.directory, index=self._index, quota=self._quota, counters=self._counts,
                                    queue_size=queue_size, queue_bytes=queue_bytes,
-                                   save_timeout_s=save_timeout_s, wait_quiet=wait_quiet,
-                                   defer_s=defer_s)
+                                   save_timeout_s=save_timeout_s, defer_s=defer_s)
         self._staging = SnapshotStaging(self.snapshots_dir, identity=identity, index=self._index,
                                         writer=self._writer, cleanup_all_timeout_s=cleanup_all_timeout_s,
                                         cleanup_request_timeout_s=cleanup_request_timeout_s)

@@ -98,14 +98,12 @@ class WorkQueue(Generic[T]):
             while not self._items:
                 self.lock.wait()
 
-    def take(self, wait: bool = True) -> T | None:
-        """The oldest item, waiting for one (``None`` at once when none is queued and not
-        ``wait``); it is *held* until :meth:`release`."""
+    def take(self) -> T | None:
+        """The oldest item, *held* until :meth:`release`; ``None`` when none is queued (the
+        consumer waits with :meth:`wait_for_item`)."""
         with self.lock:
-            while not self._items:
-                if not wait:
-                    return None
-                self.lock.wait()
+            if not self._items:
+                return None
             self._held = self._items.popleft()
             self.lock.notify_all()
             return self._held

@@ -94,11 +94,11 @@ class BlockWriter:
 
     def __init__(self, directory: Path, *, index: BlockIndex, quota: DiskQuota, counters: Counters,
                  queue_size: int, queue_bytes: int | None, save_timeout_s: float,
-                 wait_quiet: Callable[[float], bool] | None = None,
                  defer_s: float = DEFAULT_DEFER_S) -> None:
         self.directory = directory
         #: waits up to its argument's seconds for the forwards to stop; whether they have
-        self._wait_quiet = wait_quiet
+        #: (:meth:`yield_to`; until then nothing is put off)
+        self._wait_quiet: Callable[[float], bool] | None = None
         self.defer_s = defer_s
         #: how many wait for the queue to drain (flush, stop): while any do, nothing is put off
         self._draining = 0
@@ -240,7 +240,7 @@ class BlockWriter:
         while True:
             self._queue.wait_for_item()
             self._put_off_while_busy()
-            item = self._queue.take(wait=False)
+            item = self._queue.take()
             if item is None:
                 continue  # withdrawn while put off (the guard took its memory, a cleanup)
             if item is STOP:
