@@ -13,7 +13,9 @@ the shipped embedding model); what a run adds is printed in the report.
    spread of texts/s, and the batching gain (default / one per forward).
 2. **Against the machine**: tokens/s of the batched runs as a share of what the model's
    FLOPs per token would give at the matmul speed measured here (float32, the model's own
-   shapes, the same BLAS the servers preload).
+   shapes, the same BLAS the servers preload); and, in this process, what batching can
+   give at most: one text's forward against its share of a batched forward's matmuls
+   alone (:class:`Ceiling`), beside the engine's own gain without serving.
 3. **Mixed load under one ceiling**: a server with ``--memory-ceiling``; 8 streaming chats
    alone, then the same 8 with an embedding client sending 32 short texts a request
    until they end, alternating ``--rounds`` times. Refusals (any status but 200, any
@@ -162,6 +164,79 @@ def flops_per_token(config: dict[str, Any], length: float) -> float:
     linear = 4 * hidden * hidden + 2 * hidden * inner
     attention = 2 * length * hidden
     return 2 * config["num_hidden_layers"] * (linear + attention)
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """What batching can give on this machine, measured in this process on the shipped
+    model for one workload's texts (milliseconds per text, best of several runs)."""
+
+    workload: str
+    one_forward: float  # one text per forward, the whole forward
+    batched_forward: float  # the texts of one request in one forward
+    batched_matmuls: float  # that forward's matmuls alone (every linear layer, same rows)
+    rows: int  # token rows of the batched forward
+
+    @property
+    def gain(self) -> float:
+        """The engine's own batching gain, without serving."""
+        return self.one_forward / self.batched_forward
+
+    @property
+    def bound(self) -> float:
+        """The most any batching could give: a text's own forward over its share of the
+        batched forward's matmuls, as if nothing else in that forward took time."""
+        return self.one_forward / self.batched_matmuls
+
+
+#: timed runs of each part of a :class:`Ceiling`; the best is kept (the machine's speed
+#: on a shared host swings by half between runs of the same matmul)
+REPEATS = 15
+
+
+def _best_ms(run: Callable[[], Any], repeats: int) -> float:
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        started_at = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started_at)
+    return best * 1000
+
+
+def ceilings(works: Sequence[Workload]) -> list[Ceiling]:
+    """:class:`Ceiling` per workload kind (short, long): the first request's texts."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from omlx_core.models.default_embedding import ensure_default_embedding_model
+    from omlx_core.models.registry import spec_for_path
+    from omlx_core.plugins.encoder.backbone import PaddedBatch
+    from omlx_core.plugins.encoder.engine import load_backbone
+    from omlx_core.plugins.encoder.layout import read_layout
+
+    spec = spec_for_path(ensure_default_embedding_model(), engine="encoder")
+    config = dict(spec.config)
+    backbone = load_backbone(spec.path, read_layout(spec.path, config, lambda key: None), config)
+    # The encoder's layers only: a pooler or a classifier head takes no part in embedding.
+    linears = [module for name, module in backbone.model.named_modules()
+               if isinstance(module, nn.Linear) and name.startswith("encoder.")]
+    found: list[Ceiling] = []
+    for work in works:
+        if any(c.workload == work.name for c in found):
+            continue
+        inputs = [backbone.tokenize_input(text, "document", None) for text in work.texts[:work.per_request]]
+        rows = sum(len(i) for i in inputs)
+        batch = PaddedBatch.of(inputs, backbone.pad_id)
+        singles = [PaddedBatch.of([i], backbone.pad_id) for i in inputs]
+        one = _best_ms(lambda: [backbone.run(s, "embed") for s in singles], REPEATS) / len(inputs)
+        together = _best_ms(lambda: backbone.run(batch, "embed"), REPEATS) / len(inputs)
+        states = {m.weight.shape[1]: mx.random.normal((rows, m.weight.shape[1])) for m in linears}
+        mx.eval(list(states.values()))
+        matmuls = _best_ms(lambda: mx.eval([states[m.weight.shape[1]] @ m.weight.T for m in linears]),
+                           REPEATS) / len(inputs)
+        found.append(Ceiling(work.name, one, together, matmuls, rows))
+    return found
 
 
 # -- throughput -------------------------------------------------------------------------------
@@ -330,7 +405,7 @@ def peaks() -> str:
 
 def render(header: list[str], results: dict[tuple[str, int, str], Series],
            commands: list[str], machine: float, model_config: dict[str, Any],
-           mixed_result: tuple[list[MixedRound], list[MixedRound], int, int, str] | None) -> str:
+           bounds: Sequence[Ceiling], mixed_result: tuple[list[MixedRound], list[MixedRound], int, int, str] | None) -> str:
     lines = ["# Embeddings: batching, the machine's matmul speed, beside chat", "", *header, "",
              "## Throughput (texts/s, median and range over rounds)", "",
              f"- batched: `{commands[0]}`", f"- one text per forward: `{commands[1]}`", "",
@@ -347,6 +422,19 @@ def render(header: list[str], results: dict[tuple[str, int, str], Series],
     lines += ["", f"Matmul speed measured here: {machine / 1e9:.1f} GFLOP/s float32 (the "
               "model's shapes, best of 5); share = tokens/s x FLOPs per token (projections, "
               "MLP, attention at the texts' mean length) / that.", ""]
+    if bounds:
+        lines += ["## What batching can give on this machine (measured in this process)", "",
+                  f"One request's texts (32 short or 8 long), milliseconds per text, best of {REPEATS}: "
+                  "each text in its own forward; all of them in one forward; and that forward's "
+                  "matmuls alone (every linear layer at the same token rows, nothing else). "
+                  "**bound** = one text's forward over its share of those matmuls: the gain "
+                  "batching would give if everything but the matmuls were free in the batched "
+                  "forward and serving cost nothing.", "",
+                  "| texts | token rows | one per forward | batched forward | its matmuls alone | "
+                  "engine's gain | bound |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {c.workload} | {c.rows} | {c.one_forward:.2f} | {c.batched_forward:.2f} | "
+                  f"{c.batched_matmuls:.2f} | {c.gain:.2f}x | {c.bound:.2f}x |" for c in bounds]
+        lines.append("")
     if mixed_result is not None:
         alone, beside, peak, ceiling, command = mixed_result
         chat_alone = statistics.median(r.chat_tok_s for r in alone)
@@ -401,6 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text, flush=True)
 
     machine = matmul_flops(model_config["hidden_size"], model_config["intermediate_size"])
+    bounds = ceilings(workloads(short, long))
     results, commands = throughput(settings, rounds, short, long, log)
     mixed_result = None if args.no_mixed else mixed(settings, args.ceiling, rounds, log)
     load = os.getloadavg()
@@ -409,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"at the end; tier {settings.tier}; model `{MODEL}`",
               f"- {rounds} round(s), the two servers alternating; clients send 32 short or 8 "
               "long texts per request, one request after another"]
-    publish_report(render(header, results, commands, machine, model_config, mixed_result),
+    publish_report(render(header, results, commands, machine, model_config, bounds, mixed_result),
                    args.out)
     return 0
 
