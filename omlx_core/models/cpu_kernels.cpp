@@ -381,20 +381,6 @@ class Rope : public mx::Primitive {
 
 // -- decode attention -------------------------------------------------------------------
 
-OMLX_CLONES float dot(const float* a, const float* b, int64_t n) {
-  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int k = 0; k < 8; ++k) s[k] += a[i + k] * b[i + k];
-  float out = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  for (; i < n; ++i) out += a[i] * b[i];
-  return out;
-}
-
-OMLX_CLONES void add_scaled(float* y, const float* x, float a, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
 // Where the decode kernels read a key or value row: a float32 row in place, or an
 // mlx-quantized row (affine, ``bits`` 4 or 8, packed little-end first in uint32 words,
 // a float32 scale and bias per ``group`` values) expanded into a row buffer with
@@ -405,6 +391,11 @@ struct FloatRows {
   std::vector<int64_t> strides;  // (batch, kv heads, keys, dim), in floats
   const float* row(int64_t b, int64_t g, int64_t l, float*) const {
     return base + b * strides[0] + g * strides[1] + l * strides[2];
+  }
+  // Rows [l, l + count) of (b, g) where they lie (``*stride`` apart), no copy.
+  const float* block(int64_t b, int64_t g, int64_t l, int64_t, float*, int64_t* stride) const {
+    *stride = strides[2];
+    return row(b, g, l, nullptr);
   }
 };
 
@@ -451,7 +442,110 @@ struct QuantizedRows {
     }
     return buffer;
   }
+  // Rows [l, l + count) of (b, g) expanded into ``buffer`` (count x width floats).
+  const float* block(int64_t b, int64_t g, int64_t l, int64_t count, float* buffer,
+                     int64_t* stride) const {
+    for (int64_t i = 0; i < count; ++i) row(b, g, l + i, buffer + i * width);
+    *stride = width;
+    return buffer;
+  }
 };
+
+// A group's query heads against a block of key rows and back over value rows, with
+// the key (or value) row loaded once for all the group's heads and several independent
+// sums in flight. Computed as one call per row and head, each score was a chain of
+// dependent adds behind a call through the clones' resolver: ~13 ms of a 16-row step of
+// the default model at 100 cached tokens. The arithmetic is theirs, lane
+// for lane: a score sums the products in 8 lanes (lane k: elements k, k + 8, ...), then
+// ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), then the tail in order; an output
+// element adds weight x value key after key, in key order.
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+static inline __attribute__((always_inline)) float lanes_sum(v8f s) {
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+// scores[r * keys + l] = query row r . key row l for l in [0, count), ``R`` query rows
+// (``width`` apart) and keys ``stride`` apart.
+template <int R>
+static inline __attribute__((always_inline)) void block_scores(
+    const float* query, const float* key, int64_t stride, int64_t count, int64_t width,
+    float* scores, int64_t keys) {
+  int64_t full = width / 8 * 8;
+  for (int64_t l = 0; l < count; ++l) {
+    const float* k = key + l * stride;
+    v8f acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = v8f{0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t d = 0; d < full; d += 8) {
+      v8f kv = load8(k + d);
+      for (int r = 0; r < R; ++r) acc[r] += load8(query + r * width + d) * kv;
+    }
+    for (int r = 0; r < R; ++r) {
+      float out = lanes_sum(acc[r]);
+      for (int64_t d = full; d < width; ++d) out += query[r * width + d] * k[d];
+      scores[r * keys + l] = out;
+    }
+  }
+}
+
+// y[r] += weight[r * keys + l] x value row l, keys in order, skipping hidden ones.
+template <int R>
+static inline __attribute__((always_inline)) void block_values(
+    const float* weights, const float* value, int64_t stride, int64_t count, int64_t width,
+    const bool* shown, int64_t shown_stride, float* y, int64_t keys) {
+  for (int64_t l = 0; l < count; ++l) {
+    if (shown != nullptr && !shown[l * shown_stride]) continue;  // its weight is exactly 0
+    const float* v = value + l * stride;
+    for (int r = 0; r < R; ++r) {
+      float a = weights[r * keys + l];
+      float* yr = y + r * width;
+      for (int64_t d = 0; d < width; ++d) yr[d] += a * v[d];
+    }
+  }
+}
+
+template <int R>
+static inline __attribute__((always_inline)) void group_block(
+    bool values, const float* query, const float* rows, int64_t stride, int64_t count,
+    int64_t width, float* scores, int64_t keys, const bool* shown, int64_t shown_stride,
+    float* y) {
+  if (values) {
+    block_values<R>(scores, rows, stride, count, width, shown, shown_stride, y, keys);
+  } else {
+    block_scores<R>(query, rows, stride, count, width, scores, keys);
+  }
+}
+
+// One block of a group's keys (``values`` false: their scores) or values (true: their
+// weighted sum into y), for ``repeats`` query heads.
+OMLX_CLONES void attend_block(bool values, int64_t repeats, const float* query,
+                              const float* rows, int64_t stride, int64_t count, int64_t width,
+                              float* scores, int64_t keys, const bool* shown,
+                              int64_t shown_stride, float* y) {
+  switch (repeats) {
+    case 1: return group_block<1>(values, query, rows, stride, count, width, scores, keys, shown, shown_stride, y);
+    case 2: return group_block<2>(values, query, rows, stride, count, width, scores, keys, shown, shown_stride, y);
+    case 3: return group_block<3>(values, query, rows, stride, count, width, scores, keys, shown, shown_stride, y);
+    case 4: return group_block<4>(values, query, rows, stride, count, width, scores, keys, shown, shown_stride, y);
+    case 5: return group_block<5>(values, query, rows, stride, count, width, scores, keys, shown, shown_stride, y);
+    case 6: return group_block<6>(values, query, rows, stride, count, width, scores, keys, shown, shown_stride, y);
+    case 7: return group_block<7>(values, query, rows, stride, count, width, scores, keys, shown, shown_stride, y);
+    case 8: return group_block<8>(values, query, rows, stride, count, width, scores, keys, shown, shown_stride, y);
+    default:
+      for (int64_t r = 0; r < repeats; ++r)
+        group_block<1>(values, query + r * width, rows, stride, count, width, scores + r * keys,
+                       keys, shown, shown_stride, y + r * width);
+  }
+}
+
+// Keys (and values) a group reads per block: a quantized cache expands a block at a time.
+constexpr int64_t kDecodeBlock = 256;
 
 // One query row per (sequence, head): softmax(q k^T * scale, masked) v, reading the
 // keys and values through ``Rows``. The mask, when there is one, is a bool (batch or 1,
@@ -469,16 +563,20 @@ void decode_attention_rows(const float* qp, const std::vector<int64_t>& qs, cons
       const float* qr = qp + b * qs[0] + (g * repeats + r) * qs[1];
       for (int64_t d = 0; d < width; ++d) query[r * width + d] = qr[d * qs[3]] * scale;
     }
+    const bool* shown = mp == nullptr ? nullptr : mp + b * ms[0];
+    int64_t shown_stride = mp == nullptr ? 0 : ms[3];
+    int64_t stride = 0;
+    for (int64_t l = 0; l < keys; l += kDecodeBlock) {
+      int64_t count = std::min(kDecodeBlock, keys - l);
+      const float* rows = kr.block(b, g, l, count, buffer.data(), &stride);
+      attend_block(false, repeats, query.data(), rows, stride, count, width, scores.data() + l,
+                   keys, nullptr, 0, nullptr);
+    }
     const float hidden = -std::numeric_limits<float>::max();
-    for (int64_t l = 0; l < keys; ++l) {
-      bool shown = mp == nullptr || mp[b * ms[0] + l * ms[3]];
-      if (!shown) {
-        for (int64_t r = 0; r < repeats; ++r) scores[r * keys + l] = hidden;
-        continue;
-      }
-      const float* key = kr.row(b, g, l, buffer.data());
-      for (int64_t r = 0; r < repeats; ++r)
-        scores[r * keys + l] = dot(query.data() + r * width, key, width);
+    if (shown != nullptr) {
+      for (int64_t l = 0; l < keys; ++l)
+        if (!shown[l * shown_stride])
+          for (int64_t r = 0; r < repeats; ++r) scores[r * keys + l] = hidden;
     }
     float* yg = y + (b * heads + g * repeats) * width;
     std::fill(yg, yg + repeats * width, 0.0f);
@@ -488,16 +586,17 @@ void decode_attention_rows(const float* qp, const std::vector<int64_t>& qs, cons
       exp_shifted(sr, sr, keys, m);
       scale_row(sr, keys, 1.0f / row_sum(sr, keys));
     }
-    for (int64_t l = 0; l < keys; ++l) {
-      if (mp != nullptr && !mp[b * ms[0] + l * ms[3]]) continue;  // its weight is exactly 0
-      const float* value = vr.row(b, g, l, buffer.data());
-      for (int64_t r = 0; r < repeats; ++r)
-        add_scaled(yg + r * width, value, scores[r * keys + l], width);
+    for (int64_t l = 0; l < keys; l += kDecodeBlock) {
+      int64_t count = std::min(kDecodeBlock, keys - l);
+      const float* rows = vr.block(b, g, l, count, buffer.data(), &stride);
+      attend_block(true, repeats, nullptr, rows, stride, count, width, scores.data() + l, keys,
+                   shown == nullptr ? nullptr : shown + l * shown_stride, shown_stride, yg);
     }
   };
   int64_t groups = batch * kv_heads;
   auto run = [&](int64_t first, int64_t last) {
-    std::vector<float> query(repeats * width), scores(repeats * keys), buffer(width);
+    std::vector<float> query(repeats * width), scores(repeats * keys),
+        buffer(kDecodeBlock * width);
     for (int64_t i = first; i < last; ++i)
       one_group(i / kv_heads, i % kv_heads, query, scores, buffer);
   };
