@@ -225,7 +225,8 @@ def ceilings(works: Sequence[Workload]) -> list[Ceiling]:
     for work in works:
         if any(c.workload == work.name for c in found):
             continue
-        inputs = [backbone.tokenize_input(text, "document", None) for text in work.texts[:work.per_request]]
+        inputs = [backbone.tokenize_input(text, "document", None)
+                  for text in work.texts[:work.per_request]]
         rows = sum(len(i) for i in inputs)
         batch = PaddedBatch.of(inputs, backbone.pad_id)
         singles = [PaddedBatch.of([i], backbone.pad_id) for i in inputs]
@@ -233,8 +234,11 @@ def ceilings(works: Sequence[Workload]) -> list[Ceiling]:
         together = _best_ms(lambda: backbone.run(batch, "embed"), REPEATS) / len(inputs)
         states = {m.weight.shape[1]: mx.random.normal((rows, m.weight.shape[1])) for m in linears}
         mx.eval(list(states.values()))
-        matmuls = _best_ms(lambda: mx.eval([states[m.weight.shape[1]] @ m.weight.T for m in linears]),
-                           REPEATS) / len(inputs)
+
+        def products() -> None:
+            mx.eval([states[m.weight.shape[1]] @ m.weight.T for m in linears])
+
+        matmuls = _best_ms(products, REPEATS) / len(inputs)
         found.append(Ceiling(work.name, one, together, matmuls, rows))
     return found
 
@@ -405,7 +409,8 @@ def peaks() -> str:
 
 def render(header: list[str], results: dict[tuple[str, int, str], Series],
            commands: list[str], machine: float, model_config: dict[str, Any],
-           bounds: Sequence[Ceiling], mixed_result: tuple[list[MixedRound], list[MixedRound], int, int, str] | None) -> str:
+           bounds: Sequence[Ceiling],
+           mixed_result: tuple[list[MixedRound], list[MixedRound], int, int, str] | None) -> str:
     lines = ["# Embeddings: batching, the machine's matmul speed, beside chat", "", *header, "",
              "## Throughput (texts/s, median and range over rounds)", "",
              f"- batched: `{commands[0]}`", f"- one text per forward: `{commands[1]}`", "",
@@ -424,9 +429,10 @@ def render(header: list[str], results: dict[tuple[str, int, str], Series],
               "MLP, attention at the texts' mean length) / that.", ""]
     if bounds:
         lines += ["## What batching can give on this machine (measured in this process)", "",
-                  f"One request's texts (32 short or 8 long), milliseconds per text, best of {REPEATS}: "
-                  "each text in its own forward; all of them in one forward; and that forward's "
-                  "matmuls alone (every linear layer at the same token rows, nothing else). "
+                  "One request's texts (32 short or 8 long), milliseconds per text, best of "
+                  f"{REPEATS}: each text in its own forward; all of them in one forward; and "
+                  "that forward's matmuls alone (every linear layer at the same token rows, "
+                  "nothing else). "
                   "**bound** = one text's forward over its share of those matmuls: the gain "
                   "batching would give if everything but the matmuls were free in the batched "
                   "forward and serving cost nothing.", "",
@@ -498,8 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"at the end; tier {settings.tier}; model `{MODEL}`",
               f"- {rounds} round(s), the two servers alternating; clients send 32 short or 8 "
               "long texts per request, one request after another"]
-    publish_report(render(header, results, commands, machine, model_config, bounds, mixed_result),
-                   args.out)
+    publish_report(render(header, results, commands, machine, model_config, bounds,
+                          mixed_result), args.out)
     return 0
 
 
