@@ -539,8 +539,8 @@ OMLX_CLONES void attend_block(bool values, int64_t repeats, const float* query,
     case 8: return group_block<8>(values, query, rows, stride, count, width, scores, keys, shown, shown_stride, y);
     default:
       for (int64_t r = 0; r < repeats; ++r)
-        group_block<1>(values, query + r * width, rows, stride, count, width, scores + r * keys,
-                       keys, shown, shown_stride, y + r * width);
+        group_block<1>(values, values ? nullptr : query + r * width, rows, stride, count, width,
+                       scores + r * keys, keys, shown, shown_stride, values ? y + r * width : nullptr);
   }
 }
 
