@@ -32,8 +32,8 @@ anything else in :func:`kernel_attention`, the same graph as mlx's fallback with
 kernels' softmax (vectorized, and evaluated with the rest of the step, so a decode step
 keeps its overlap with the next step's graph); mlx-lm's own function where those
 kernels are not built. A float32 decode step over a quantized KV cache goes to the
-kernels' quantized decode attention, which expands one key or value row at a time with
-``mx.dequantize``'s arithmetic (bit for bit the float32 kernel's result over the
+kernels' quantized decode attention, which expands the key or value rows a block of 256
+at a time with ``mx.dequantize``'s arithmetic (bit for bit the float32 kernel's result over the
 dequantized cache); any other float32 call over one has its layer's keys and values
 dequantized first and then goes the same way (mlx's quantized matmuls are scalar loops
 on the CPU backend). Non-float32 activations, attention sinks and every GPU
@@ -300,7 +300,7 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: An
                 and _row_mask(mask) and keys[1].dtype == values[1].dtype == mx.float32
                 and cache.bits in (4, 8) and cache.group_size <= 256
                 and queries.shape[-1] % cache.group_size == 0):
-            # A decode step: the kernel expands one key or value row at a time.
+            # A decode step: the kernel expands 256 key or value rows at a time.
             return kernels.quantized_decode_attention(
                 queries, *keys, *values, mask if isinstance(mask, mx.array) else None, scale,
                 cache.group_size, cache.bits)

@@ -665,7 +665,8 @@ class DecodeAttention : public mx::Primitive {
 
 // The same over an mlx-quantized KV cache: inputs q, the keys' words, scales and
 // biases, the values' words, scales and biases, then the mask if any. No layer's keys
-// and values are expanded whole: one row at a time, into a buffer the size of a row.
+// and values are expanded whole: a block of up to 256 rows at a time (kDecodeBlock), into
+// a buffer of that size per thread.
 class QuantizedDecodeAttention : public mx::Primitive {
  public:
   QuantizedDecodeAttention(mx::Stream s, float scale, int group, int bits, bool masked)
