@@ -204,20 +204,27 @@ def _best_ms(run: Callable[[], Any], repeats: int) -> float:
     return best * 1000
 
 
-def ceilings(works: Sequence[Workload]) -> list[Ceiling]:
-    """:class:`Ceiling` per workload kind (short, long): the first request's texts."""
-    import mlx.core as mx
-    import mlx.nn as nn
-
+def shipped_backbone() -> tuple[Any, dict[str, Any]]:
+    """The shipped embedding model loaded in this process as the encoder engine loads it,
+    and its config."""
     from omlx_core.models.default_embedding import ensure_default_embedding_model
     from omlx_core.models.registry import spec_for_path
-    from omlx_core.plugins.encoder.backbone import PaddedBatch
     from omlx_core.plugins.encoder.engine import load_backbone
     from omlx_core.plugins.encoder.layout import read_layout
 
     spec = spec_for_path(ensure_default_embedding_model(), engine="encoder")
     config = dict(spec.config)
-    backbone = load_backbone(spec.path, read_layout(spec.path, config, lambda key: None), config)
+    return load_backbone(spec.path, read_layout(spec.path, config, lambda key: None), config), config
+
+
+def ceilings(works: Sequence[Workload]) -> list[Ceiling]:
+    """:class:`Ceiling` per workload kind (short, long): the first request's texts."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from omlx_core.plugins.encoder.backbone import PaddedBatch
+
+    backbone, _ = shipped_backbone()
     # The encoder's layers only: a pooler or a classifier head takes no part in embedding.
     linears = [module for name, module in backbone.model.named_modules()
                if isinstance(module, nn.Linear) and name.startswith("encoder.")]
@@ -375,16 +382,10 @@ def peaks() -> str:
     import mlx.core as mx
 
     from omlx_core.memory.types import PeakQuery
-    from omlx_core.models.default_embedding import ensure_default_embedding_model
-    from omlx_core.models.registry import spec_for_path
     from omlx_core.plugins.encoder.backbone import PaddedBatch
-    from omlx_core.plugins.encoder.engine import load_backbone
-    from omlx_core.plugins.encoder.layout import read_layout
     from omlx_core.plugins.estimator import estimate_peak
 
-    spec = spec_for_path(ensure_default_embedding_model(), engine="encoder")
-    config = dict(spec.config)
-    backbone = load_backbone(spec.path, read_layout(spec.path, config, lambda key: None), config)
+    backbone, config = shipped_backbone()
     mx.set_cache_limit(0)
     lines = ["| rows x tokens | measured | estimate | estimate / measured |", "|---|---|---|---|"]
     for rows, width in ((1, 8), (1, 256), (32, 16), (256, 16), (16, 128), (32, 256)):

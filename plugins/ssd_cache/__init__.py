@@ -21,8 +21,9 @@ work). Through the public hooks:
 - ``shutdown``: staged snapshots removed, queued block writes flushed, writer stopped.
 
 The writer leaves the cores to the forwards: while the MLX thread has work (core hands
-the store its ``wait_quiet``, ``BlockStore.yield_to``) it puts writes off (``plugin.ssd_cache.defer_s``, 30 s), unless its queue is half full or a flush waits,
-so a turn's blocks are written while the agent works between turns, not beside the turn's
+the store its ``wait_quiet``, ``BlockStore.yield_to``) it puts writes off
+(``plugin.ssd_cache.defer_s``, 30 s), unless its queue is half full or a flush waits, so
+a turn's blocks are written while the agent works between turns, not beside the turn's
 own prefill.
 
 Counters (``saves`` passed the quota gate, ``saves_persisted`` renamed into place, loads,
@@ -44,7 +45,8 @@ from typing import Any, Callable
 
 from omlx_core.hookspecs import hookimpl
 from omlx_core.models.default import model_cache_dir
-from omlx_core.plugins.ssd_cache.store import DEFAULT_DEFER_S, DEFAULT_QUEUE_BYTES, DirectoryInUseError, PagedSSDStore
+from omlx_core.plugins.ssd_cache.store import (DEFAULT_DEFER_S, DEFAULT_QUEUE_BYTES, DirectoryInUseError,
+                                              PagedSSDStore)
 from omlx_core.settings import Setting
 
 log = logging.getLogger(__name__)
