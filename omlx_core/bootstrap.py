@@ -168,6 +168,10 @@ def check_kv_formats(config: Config) -> None:
         bits = config["engine.kv_bits"] if bits is None else bits
         group = entry.get("kv_group_size") or config["engine.kv_group_size"]
         kv_format = KVFormat.from_settings(bits, group)
+        try:
+            kv_format.check_block_size(int(config.get("plugin.batched.block_size", 64)))
+        except ValueError as exc:
+            raise ModelError(f"model {model_id!r}: {exc}") from None
         path = entry.get("path")
         if not kv_format.quantized or not path or not Path(path).expanduser().is_dir():
             continue

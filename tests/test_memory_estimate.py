@@ -448,6 +448,7 @@ def test_real_prefill_with_quantized_kv(bits):
     from benchmarks.estimator import measure_prefill_peak, random_prompt
     from omlx_core.models.loader import install_cpu_routes, model_classes
     from omlx_core.scheduling.kv_cache import RotatedQuantizedKVCache
+    from omlx_core.scheduling.kv_tiles import TiledKVCache
 
     config = family_config("llama", {"head_dim": 64, "num_hidden_layers": 3})
     model_class, args_class = model_classes(config)
@@ -457,7 +458,9 @@ def test_real_prefill_with_quantized_kv(bits):
     estimate = estimate_for_config(config, 2048, 0, 512, kv_bits=bits, first_token=False)
 
     def measure() -> int:
-        cache = [RotatedQuantizedKVCache(group_size=64, bits=bits) for _ in range(3)]
+        # The served format: 4-bit keys per channel in tiles, 8-bit rows.
+        cache = [TiledKVCache(64, bits) if bits == 4 else RotatedQuantizedKVCache(group_size=64, bits=bits)
+                 for _ in range(3)]
         return measure_prefill_peak(model, random_prompt(2048, 512), 512, first_token=False,
                                     cache=cache).peak_bytes
 

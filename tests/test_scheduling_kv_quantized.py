@@ -113,7 +113,9 @@ def test_quantized_kv_gives_the_tokens_of_a_requests_own_cache(quantizable, fami
     """Rows of different lengths decoding together (left padding, masked) give each row
     the tokens it gets alone over its own quantized cache."""
     path = quantizable(family)
-    engine = start(path, **{"engine.kv_bits": bits, "plugin.batched.prefill_step_size": 256})
+    # 4-bit keys sit in tiles of 64 tokens, and a prefix-cache block holds whole tiles.
+    engine = start(path, **{"engine.kv_bits": bits, "plugin.batched.prefill_step_size": 256,
+                            **({"plugin.batched.block_size": 64} if bits == 4 else {})})
     try:
         prompts = [prompt_of(engine, words, salt) for words, salt in ((3, 1), (11, 2), (25, 3))]
         handles = [submit(engine, prompt, GREEDY) for prompt in prompts]
@@ -127,7 +129,8 @@ def test_quantized_kv_gives_the_tokens_of_a_requests_own_cache(quantizable, fami
     for output, reference in zip(outputs, references):
         assert output == reference[:len(output)]
         assert len(output) == GREEDY.max_tokens or reference[len(output)] in (0, 1, 2)
-    assert stats["kv_cache"].startswith(f"{bits}-bit (group 64, rotated)")
+    assert stats["kv_cache"].startswith(engine.kv_format.describe())
+    assert ("keys per channel" in stats["kv_cache"]) == (bits == 4)
 
 
 def _outlier_rows(shape: tuple[int, ...], seed: int) -> mx.array:
@@ -302,7 +305,8 @@ def test_heads_narrower_than_a_group_are_refused_at_start(tiny_model_path):
     """The tiny models' heads are 16 wide; mlx quantizes groups of 32 at least."""
     with pytest.raises(ModelError, match=r"cannot be served with kv_bits=4, kv_group_size=32: .*"
                                          r"divisible by the quantization group size 32"):
-        start(tiny_model_path("llama"), **{"engine.kv_bits": 4, "engine.kv_group_size": 32})
+        start(tiny_model_path("llama"), **{"engine.kv_bits": 4, "engine.kv_group_size": 32,
+                                           "plugin.batched.block_size": 64})
 
 
 @pytest.mark.parametrize("value", ["3", "16", "-8"])

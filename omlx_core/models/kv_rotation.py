@@ -2,7 +2,8 @@
 over such a cache (:mod:`omlx_core.scheduling.kv_cache` says why).
 
 A cache stored rotated has a ``rotation`` attribute: ``(R for its key head size, R for
-its value head size)``, each an orthonormal, symmetric Hadamard matrix
+its value head size)`` (``None`` for keys stored unrotated, per channel:
+:mod:`~omlx_core.scheduling.kv_tiles`), each an orthonormal, symmetric Hadamard matrix
 (:func:`kv_rotation`). :func:`rotated_attention` wraps any function with mlx-lm's
 ``scaled_dot_product_attention`` contract: queries rotated in, the output rotated back.
 """
@@ -55,7 +56,9 @@ def rotated_attention(attend: Any, queries: mx.array, keys: Any, values: Any, ca
         return attend(queries, keys, values, cache, *args, **kwargs)
     _calls.count = rotated_calls() + 1
     key_rotation, value_rotation = rotation
-    output = attend(queries @ key_rotation.astype(queries.dtype), keys, values, cache, *args, **kwargs)
+    if key_rotation is not None:  # keys stored per channel are not rotated
+        queries = queries @ key_rotation.astype(queries.dtype)
+    output = attend(queries, keys, values, cache, *args, **kwargs)
     return output @ value_rotation.astype(output.dtype)
 
 

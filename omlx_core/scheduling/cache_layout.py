@@ -3,7 +3,8 @@
 A plain attention layer (``KVCache``, or ``RotatedQuantizedKVCache`` in a quantized KV format)
 can be cut at any token: a block keeps just its own tokens' keys and values (a
 quantized layer: its packed values, scales and biases, six arrays, stored as they are
-and restored without quantizing again), and a prefix is rebuilt by concatenating blocks. Every other layer
+and restored without quantizing again; keys quantized per channel are cut on whole tiles,
+a tail's keys in float: :meth:`~.kv_tiles.TiledKVCache.cut`), and a prefix is rebuilt by concatenating blocks. Every other layer
 type (``RotatingKVCache`` windows, ``ArraysCache`` recurrent state, ``CacheList``...)
 cannot be cut back to an earlier token count, so it is captured whole at a block
 boundary (a *boundary state*) and restored only at exactly that boundary.
@@ -26,6 +27,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx_core.kvblocks import CachedBlock, CachedTail
 from omlx_core.scheduling.kv_cache import FULL_PRECISION, KVFormat, RotatedQuantizedKVCache, make_request_cache
+from omlx_core.scheduling.kv_tiles import TiledKVCache
 
 
 def _is_cuttable(layer: Any) -> bool:
@@ -123,7 +125,9 @@ class CacheLayout:
         views of ``cache``, which :meth:`make_block` and :meth:`make_tail` copy."""
         kv: list[Any] = []
         for layer, cuttable in zip(cache, self.cuttable):
-            if cuttable:
+            if isinstance(layer, TiledKVCache):
+                kv.append(layer.cut(start, end))
+            elif cuttable:
                 kv.append(tuple(a[..., start:end, :] for a in _layer_arrays(layer)))
             else:
                 kv.append(None)
@@ -189,6 +193,9 @@ class CacheLayout:
         for layer, cuttable, parts in zip(cache, self.cuttable, kv):
             if not cuttable:
                 continue
+            if isinstance(layer, TiledKVCache):
+                written += layer.write(start, parts, tokens)
+                continue
             if layer.keys is None:
                 _adopt_arrays(layer, [mx.zeros((*a.shape[:2], self.capacity(end), a.shape[3]), a.dtype)
                                       for a in parts])
@@ -206,7 +213,9 @@ class CacheLayout:
         take ``boundary``, the state at that token (``None``: leave them empty)."""
         adopted = []
         for index, cuttable in enumerate(self.cuttable):
-            if cuttable:
+            if isinstance(cache[index], TiledKVCache):
+                cache[index].offset = end  # checks what the writes left
+            elif cuttable:
                 if cache[index].keys is not None:
                     cache[index].offset = end
             elif boundary is not None:

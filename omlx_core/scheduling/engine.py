@@ -85,6 +85,10 @@ def create_prefix_cache(model: ModelSpec, host: EngineHost) -> PrefixCache:
     tiers behind it."""
     settings = EngineSettings.from_config(host.config)
     kv_format = kv_format_of(host)
+    try:
+        kv_format.check_block_size(settings.block_size)
+    except ValueError as exc:
+        raise ModelError(f"model {model.id!r}: {exc}") from None
     # Blocks of another KV format never match: the format is part of every block's key.
     namespace = f"{model.id}\0{model.path}"
     if kv_format.quantized:

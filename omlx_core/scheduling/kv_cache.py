@@ -41,6 +41,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from omlx_core.models.kv_rotation import kv_rotation, rotated_calls, stored_rotation
+from omlx_core.scheduling.kv_tiles import BatchTiledKVCache, TiledKVCache
 
 #: the KV bits a model may be served with (``None``: full precision)
 KV_BITS = (8, 4)
@@ -73,15 +74,37 @@ class KVFormat:
     def quantized(self) -> bool:
         return self.bits is not None
 
+    @property
+    def keys_per_channel(self) -> bool:
+        """Whether keys are quantized per channel over tiles of ``group_size`` tokens
+        (4 bits: :mod:`~omlx_core.scheduling.kv_tiles`) rather than per row."""
+        return self.bits == 4
+
     def describe(self, dtype_name: str = "full precision") -> str:
-        """``"8-bit (group 64, rotated)"``, or ``dtype_name`` for full precision."""
+        """``"8-bit (group 64, rotated)"``, ``"4-bit (keys per channel over 64-token
+        tiles, values group 64, rotated)"``, or ``dtype_name`` for full precision."""
+        if self.keys_per_channel:
+            return (f"{self.bits}-bit (keys per channel over {self.group_size}-token tiles, "
+                    f"values group {self.group_size}, rotated)")
         return f"{self.bits}-bit (group {self.group_size}, rotated)" if self.bits else dtype_name
 
     @property
     def tag(self) -> str:
         """What a stored block's key says of its format (``""``: full precision): blocks
-        of another format, or of this one before the rotation, never match."""
+        of another format, or of this one before the rotation or the tiles, never match."""
+        if self.keys_per_channel:
+            return f"kv{self.bits}g{self.group_size}t"
         return f"kv{self.bits}g{self.group_size}h" if self.bits else ""
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise ``ValueError`` when prefix-cache blocks of ``block_size`` tokens cannot
+        hold whole tiles of this format's keys (see :attr:`keys_per_channel`)."""
+        if self.keys_per_channel and block_size % self.group_size:
+            raise ValueError(
+                f"kv_bits={self.bits} stores keys per channel in tiles of kv_group_size="
+                f"{self.group_size} tokens, and a prefix-cache block must hold whole tiles: "
+                f"plugin.batched.block_size={block_size} is not a multiple of {self.group_size}; "
+                f"set it to one (the base tier's 64 is) or use kv_bits=8")
 
     def element_bytes(self, dtype_bytes: int) -> float:
         """Bytes one K or V element takes, its share of its group's scale and bias
@@ -157,7 +180,10 @@ def _no_plain_layers(model: Any, kv_format: KVFormat, model_id: str) -> tuple[in
 def make_request_cache(model: Any, kv_format: KVFormat = FULL_PRECISION) -> list[Any]:
     """A fresh cache for one request, its plain attention layers in ``kv_format``."""
     cache = make_prompt_cache(model)
-    if kv_format.quantized:
+    if kv_format.keys_per_channel:
+        cache = [TiledKVCache(kv_format.group_size, kv_format.bits) if _is_plain(layer) else layer
+                 for layer in cache]
+    elif kv_format.quantized:
         cache = [RotatedQuantizedKVCache(group_size=kv_format.group_size, bits=kv_format.bits)
                  if _is_plain(layer) else layer for layer in cache]
     return cache
@@ -179,7 +205,7 @@ class RotatedQuantizedKVCache(QuantizedKVCache):
 
 
 def is_quantized(layer: Any) -> bool:
-    return isinstance(layer, (QuantizedKVCache, BatchQuantizedKVCache))
+    return isinstance(layer, (QuantizedKVCache, BatchQuantizedKVCache, TiledKVCache, BatchTiledKVCache))
 
 
 def position_bytes(cache: Sequence[Any]) -> int:
@@ -192,6 +218,8 @@ def position_bytes(cache: Sequence[Any]) -> int:
         elif type(layer) is RotatedQuantizedKVCache and layer.keys is not None:
             length = layer.keys[0].shape[2]
             total += sum(a.nbytes for a in (*layer.keys, *layer.values)) // length
+        elif type(layer) is TiledKVCache:
+            total += layer.position_bytes()
     return total
 
 
@@ -202,6 +230,8 @@ def merge_layers(caches: Sequence[Sequence[Any]]) -> list[Any]:
         layers = [cache[index] for cache in caches]
         if type(first) is RotatedQuantizedKVCache:
             merged.append(BatchQuantizedKVCache.merge(layers))
+        elif type(first) is TiledKVCache:
+            merged.append(BatchTiledKVCache.merge(layers))
         else:
             merged.append(first.merge(layers))
     return merged
@@ -220,7 +250,7 @@ def reserve_positions(layer: Any, count: int) -> bool:
     (:meth:`~.decode_batch.Lane.reserve`). The growth is the one the forward would have
     made (same capacity), so the KV the guard counts does not change. Layers of other
     kinds (sliding-window, recurrent) are left alone."""
-    if isinstance(layer, BatchQuantizedKVCache):
+    if isinstance(layer, (BatchQuantizedKVCache, BatchTiledKVCache)):
         return layer.reserve(count)
     if type(layer) is not BatchKVCache:
         return False

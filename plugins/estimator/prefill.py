@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from omlx_core.memory.types import KV_STEP, PeakEstimate
-from omlx_core.plugins.estimator.dims import FULL, LINEAR, SLIDING, ModelDims
+from omlx_core.plugins.estimator.dims import FULL, LINEAR, SLIDING, ModelDims, quantized_row_bytes
 
 # mlx's CPU eval loop allocates the outputs of up to ~50 queued ops before the worker
 # thread computes them (10 tasks of 10 dispatches, two dispatches an op), which is about
@@ -110,6 +110,17 @@ def dequantized_kv_bytes(dims: ModelDims, key_tokens: int, dtype_bytes: int) -> 
     return key_tokens * dims.num_kv_heads * (dims.head_dim + dims.v_head_dim) * dtype_bytes
 
 
+def tiled_kv_copy_bytes(dims: ModelDims, key_tokens: int, new_tokens: int, dtype_bytes: int,
+                        value_row: int) -> int:
+    """What a 4-bit cache with keys per channel (``omlx_core/scheduling/kv_tiles.py``)
+    holds besides :func:`dequantized_kv_bytes` while one layer attends: the expanded
+    tiles' keys before they are joined to the window's (a second copy of the keys), the
+    values' stored rows joined before they are expanded, and the new tokens' keys joined
+    to the window, transposed and quantized."""
+    keys = dims.num_kv_heads * dims.head_dim * dtype_bytes
+    return key_tokens * (keys + dims.num_kv_heads * value_row) + 3 * new_tokens * keys
+
+
 def latent_attention_bytes(dims: ModelDims, query_tokens: int, key_tokens: int, dtype_bytes: int) -> int:
     """deepseek_v3-style prefill: rope scores and the full scores both materialize, and
     the latent cache is expanded to per-head keys and values over the whole context."""
@@ -175,7 +186,7 @@ def logits_bytes(dims: ModelDims, tokens: int, dtype_bytes: int) -> int:
 
 
 #: the components that are cache the prefill leaves held (the rest is freed after its step)
-CACHE_COMPONENTS = ("kv_cache", "window_cache", "recurrent_state")
+CACHE_COMPONENTS = ("kv_cache", "window_cache", "recurrent_state", "kv_tile_window")
 
 
 @dataclass(frozen=True)
@@ -300,6 +311,25 @@ class _Settings:
         return self.dims.kv_bytes_per_token(self.dtype_bytes)
 
     @property
+    def tiled(self) -> bool:
+        """Whether keys are quantized per channel in tiles (4 bits), with a window of
+        up to ``kv_group_size`` float keys per layer (``omlx_core/scheduling/kv_tiles.py``)."""
+        return self.kv_bits == 4
+
+    @property
+    def value_row(self) -> int:
+        """Bytes of one head's quantized value row."""
+        return quantized_row_bytes(self.dims.v_head_dim, self.dtype_bytes, self.kv_bits, self.kv_group_size)
+
+    @property
+    def tile_window(self) -> int:
+        """Bytes a tiled layer's window holds at most: ``kv_group_size`` tokens' float
+        keys and quantized values."""
+        if not self.tiled:
+            return 0
+        return self.kv_group_size * self.dims.num_kv_heads * (self.dims.head_dim * self.dtype_bytes + self.value_row)
+
+    @property
     def growing_kv_row(self) -> int:
         """Bytes one more token adds over every full and sliding layer (a sliding layer
         stops growing at its window; counting it anyway never undercounts)."""
@@ -363,7 +393,8 @@ def _cache_bytes(s: _Settings, state: _CacheState) -> dict[str, int]:
         linear = dims.count(LINEAR) * dims.linear.state_bytes(s.dtype_bytes)
     return {"kv_cache": dims.count(FULL) * state.full_capacity * s.kv_row,
             "window_cache": dims.count(SLIDING) * state.window_length * s.window_row,
-            "recurrent_state": linear}
+            "recurrent_state": linear,
+            "kv_tile_window": dims.count(FULL) * s.tile_window if state.offset else 0}
 
 
 def _cache_components(s: _Settings, state: _CacheState, start: dict[str, int]) -> dict[str, int]:
@@ -412,8 +443,10 @@ def _chunk_peak(s: _Settings, before: _CacheState, tokens: int, start: dict[str,
     if FULL in computed or SLIDING in computed:
         layer["attention_scores"] = scores
         layer["activations"] = attention_activation_bytes(dims, tokens, wide)
-    if FULL in computed and s.kv_bits and s.backend == "cpu":
+    if FULL in computed and s.kv_bits and (s.backend == "cpu" or s.tiled):
         layer["dequantized_kv"] = dequantized_kv_bytes(dims, after.offset, b)
+    if FULL in computed and s.tiled:
+        layer["tiled_kv_copies"] = tiled_kv_copy_bytes(dims, after.offset, tokens, b, s.value_row)
     if computed:
         dense = mlp_bytes(dims, tokens, wide) if dims.intermediate_size else 0
         expert = moe_bytes(dims, tokens, wide)
@@ -462,8 +495,10 @@ def _join_peak(s: _Settings, before: _CacheState, start: dict[str, int]) -> Peak
                                  + max(mlp_bytes(dims, 1, wide), moe_bytes(dims, 1, wide))
                                  + attention_scores_bytes(dims.num_heads, 1, after.full_capacity, b,
                                                           dims.attention_sinks))
-    if dims.count(FULL) and s.kv_bits and s.backend == "cpu":
+    if dims.count(FULL) and s.kv_bits and (s.backend == "cpu" or s.tiled):
         components["dequantized_kv"] = dequantized_kv_bytes(dims, after.full_capacity, b)
+    if dims.count(FULL) and s.tiled:
+        components["tiled_kv_copies"] = tiled_kv_copy_bytes(dims, after.full_capacity, 1, b, s.value_row)
     components["overhead"] = FIXED_OVERHEAD_BYTES
     return PeakBreakdown(sum(components.values()), components, f"first token over {offset}")
 
