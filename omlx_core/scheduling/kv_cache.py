@@ -20,7 +20,13 @@ the output rotated back (``R`` is symmetric and its own inverse: ``(qR)(kR)^T = 
 function. On the default model's perplexity text 4-bit KV costs +16 % unrotated and
 +5.6 % rotated, at the same bytes (BENCHMARKS.md). :class:`RotatedQuantizedKVCache` is a
 request's cache in this format, :class:`BatchQuantizedKVCache` a decode lane's; the
-``rotation`` attribute of both is ``(R for keys, R for values)``.
+``rotation`` attribute of both is ``(R for keys, R for values)``. This is the 8-bit
+format.
+
+**4 bits: keys per channel.** At 4 bits rotated rows still cost +5 % to +12 % on four
+texts; keys quantized per channel over tiles of ``group_size`` tokens, values as above,
+cost +0.9 % to +4.1 % served, at the same bytes (:mod:`~omlx_core.scheduling.kv_tiles`,
+:class:`~omlx_core.scheduling.kv_tiles.TiledKVCache` and its lane form).
 
 **Batch caches.** A decode lane holds its rows' caches merged, one batch cache per
 layer, each row left-padded to the lane's longest (:func:`merge_layers`); mlx-lm's
