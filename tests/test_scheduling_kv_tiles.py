@@ -138,7 +138,7 @@ def test_a_lanes_rows_each_read_their_own_cache():
             mask = lane.make_mask(1)
             lane.reserve(1)
             new = rows_of(100 + step, 1, rows=3)
-            keys, values = lane.update_and_fetch(new, -new)
+            keys, values = lane.update_and_fetch(new, -new)[0].expand()
             checks.append(mask.shape[-1] == keys.shape[2])
             for row, cache in enumerate(own):
                 mine = cache.update_and_fetch(new[row:row + 1], -new[row:row + 1])
@@ -153,6 +153,44 @@ def test_a_lanes_rows_each_read_their_own_cache():
         return checks
 
     assert all(mlx_thread().run(run))
+
+
+def test_the_decode_kernel_reads_a_lanes_tiles_as_their_float_expansion():
+    """The CPU kernels' tiled decode attention, reading tiles and windows as stored,
+    gives the float decode kernel's result over the lane's expansion, masked the same:
+    before any row has a tile, across tile boundaries and blocks of 256 keys."""
+    from omlx_core.models.cpu_kernels import kernels
+
+    built = kernels()
+    if built is None:
+        pytest.skip("the CPU kernels are not built here")
+
+    def run() -> list[float]:
+        own = []
+        for seed, length in ((1, 20), (2, 300), (3, 40)):
+            cache = TiledKVCache(G, 4)
+            cache.update_and_fetch(rows_of(seed, length), rows_of(seed + 10, length))
+            own.append(cache)
+        lane = BatchTiledKVCache.merge([own[0]])
+        gaps = []
+        for step in range(80):
+            if step == 30:
+                lane.extend(BatchTiledKVCache.merge(own[1:]))
+            rows = len(lane.full)
+            mask = lane.make_mask(1)
+            lane.reserve(1)
+            new = rows_of(200 + step, 1, rows=rows)
+            read, _ = lane.update_and_fetch(new, new * 0.5)
+            queries = mx.random.normal((rows, 4, 1, 64), key=mx.random.key(step))
+            tiles, window_keys, window_values = read.stored()
+            ours = built.tiled_decode_attention(queries, tiles, window_keys, window_values, mask, 0.125, G, 4)
+            keys, values = read.expand()
+            reference = built.decode_attention(queries, keys, values, mask, 0.125)
+            gaps.append(mx.max(mx.abs(ours - reference)).item())
+        return gaps
+
+    gaps = mlx_thread().run(run)
+    assert max(gaps) == 0.0, gaps
 
 
 def test_blocks_are_whole_tiles_and_a_tail_keeps_float_keys():

@@ -16,8 +16,9 @@ TIER_FILE_KEYS = ("base", "description")
 KV_BITS = (0, 8, 4)
 KV_GROUP_SIZES = (32, 64, 128)
 KV_BITS_DOC = ("bits per element of the KV cache of the plain attention layers: 8 or 4 "
-               "quantize it (in groups of kv_group_size, a scale and a bias each), 0 keeps "
-               "the activation dtype; sliding-window and recurrent layers stay unquantized")
+               "quantize it (in groups of kv_group_size, a scale and a bias each; at 4 bits "
+               "keys per channel over tiles of kv_group_size tokens), 0 keeps the activation "
+               "dtype; sliding-window and recurrent layers stay unquantized")
 KV_GROUP_DOC = "elements per quantization group of a quantized KV cache (kv_bits 8 or 4)"
 
 

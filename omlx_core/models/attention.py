@@ -292,6 +292,18 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: An
     (:func:`_taken`); every other call it supports in the graph with the CPU kernels'
     softmax (:func:`kernel_attention`) where they are built, and ``fallback`` (mlx-lm's
     function) the rest."""
+    expand = getattr(keys, "expand", None)
+    if expand is not None:
+        # A decode lane's tiled KV (omlx_core/scheduling/kv_tiles.py): the kernel reads
+        # the tiles as stored; anything else attends their float expansion.
+        kernels = cpu_kernels.kernels()
+        if (kernels is not None and queries.shape[2] == 1 and sinks is None
+                and queries.dtype == mx.float32 and mx.default_device().type == mx.cpu
+                and isinstance(mask, mx.array) and _row_mask(mask)):
+            tiles, window_keys, window_values = keys.stored()
+            return kernels.tiled_decode_attention(queries, tiles, window_keys, window_values, mask,
+                                                  scale, keys.group_size, keys.bits)
+        keys, values = expand()
     if _quantized_on_cpu(queries, keys, cache):
         # mlx's quantized attention on the CPU backend runs its quantized matmuls one
         # scalar at a time (8 decode streams over 8-bit KV: 0.45x the float32 rate).
@@ -430,8 +442,13 @@ def install_kv_rotation(model: Any) -> list[str]:
 
     original = base.scaled_dot_product_attention
 
+    def expanded(queries, keys, values, cache, scale, mask, sinks=None):
+        if hasattr(keys, "expand"):  # a decode lane's tiled KV: its float expansion
+            keys, values = keys.expand()
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        return rotated_attention(original, queries, keys, values, cache, scale, mask, sinks)
+        return rotated_attention(expanded, queries, keys, values, cache, scale, mask, sinks)
 
     setattr(scaled_dot_product_attention, _ROTATION_MARK, True)
     installed = []

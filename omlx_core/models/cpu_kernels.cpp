@@ -35,6 +35,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
@@ -451,6 +452,73 @@ struct QuantizedRows {
   }
 };
 
+// Keys quantized per channel over tiles of ``group`` tokens (omlx_core/scheduling/
+// kv_tiles.py), stored in arrays shaped like per-row groups: a tile's words are its
+// ``width`` channels one after another, each its ``group`` codes packed low bits first,
+// and its ``width`` scales (and biases) are consecutive. Expanded a tile at a time with
+// mx.dequantize's arithmetic (code * scale + bias), so both paths compute on the same
+// floats. ``l`` and ``count`` are whole tiles.
+struct TiledRows {
+  const uint8_t* words;
+  std::vector<int64_t> word_strides;  // in bytes
+  const float* scales;
+  std::vector<int64_t> scale_strides;  // in floats
+  const float* biases;
+  std::vector<int64_t> bias_strides;
+  int64_t width, group, bits;
+  const float* block(int64_t b, int64_t g, int64_t l, int64_t count, float* buffer,
+                     int64_t* stride) const {
+    const int64_t tile_bytes = group * bits / 8;
+    for (int64_t first = l; first < l + count; first += group) {
+      const uint8_t* w = words + b * word_strides[0] + g * word_strides[1] + first * word_strides[2];
+      const float* s = scales + b * scale_strides[0] + g * scale_strides[1] + first * scale_strides[2];
+      const float* z = biases + b * bias_strides[0] + g * bias_strides[1] + first * bias_strides[2];
+      float* out = buffer + (first - l) * width;
+      for (int64_t d = 0; d < width; ++d) {
+        const uint8_t* codes = w + d * tile_bytes;
+        const float scale = s[d], bias = z[d];
+        if (bits == 8) {
+          for (int64_t j = 0; j < group; ++j) out[j * width + d] = static_cast<float>(codes[j]) * scale + bias;
+        } else {
+          for (int64_t j = 0; j < group; j += 2) {
+            out[j * width + d] = static_cast<float>(codes[j / 2] & 0x0F) * scale + bias;
+            out[(j + 1) * width + d] = static_cast<float>(codes[j / 2] >> 4) * scale + bias;
+          }
+        }
+      }
+    }
+    *stride = width;
+    return buffer;
+  }
+};
+
+// Rows [0, split) from ``head`` and the rest from ``tail`` (its row 0 at ``split``): a
+// decode lane's tiles, then its window. A block across the split is gathered into the
+// buffer (``split`` is a whole number of tiles, so the head's part is too).
+template <typename Head, typename Tail>
+struct SplitRows {
+  Head head;
+  Tail tail;
+  int64_t split, width;
+  const float* block(int64_t b, int64_t g, int64_t l, int64_t count, float* buffer,
+                     int64_t* stride) const {
+    if (l + count <= split) return head.block(b, g, l, count, buffer, stride);
+    if (l >= split) return tail.block(b, g, l - split, count, buffer, stride);
+    int64_t first = split - l, inner = 0;
+    const float* rows = head.block(b, g, l, first, buffer, &inner);
+    if (rows != buffer) {
+      for (int64_t i = 0; i < first; ++i) std::memcpy(buffer + i * width, rows + i * inner, width * sizeof(float));
+    }
+    rows = tail.block(b, g, 0, count - first, buffer + first * width, &inner);
+    if (rows != buffer + first * width) {
+      for (int64_t i = 0; i < count - first; ++i)
+        std::memcpy(buffer + (first + i) * width, rows + i * inner, width * sizeof(float));
+    }
+    *stride = width;
+    return buffer;
+  }
+};
+
 // A group's query heads against a block of key rows and back over value rows, with
 // the key (or value) row loaded once for all the group's heads and several independent
 // sums in flight. Computed as one call per row and head, each score was a chain of
@@ -550,9 +618,9 @@ constexpr int64_t kDecodeBlock = 256;
 // One query row per (sequence, head): softmax(q k^T * scale, masked) v, reading the
 // keys and values through ``Rows``. The mask, when there is one, is a bool (batch or 1,
 // 1, 1, keys) array (a decode lane's left padding).
-template <typename Rows>
-void decode_attention_rows(const float* qp, const std::vector<int64_t>& qs, const Rows& kr,
-                           const Rows& vr, const bool* mp, const std::vector<int64_t>& ms,
+template <typename KeyRows, typename ValueRows>
+void decode_attention_rows(const float* qp, const std::vector<int64_t>& qs, const KeyRows& kr,
+                           const ValueRows& vr, const bool* mp, const std::vector<int64_t>& ms,
                            float* y, int64_t batch, int64_t heads, int64_t kv_heads,
                            int64_t keys, int64_t width, float scale) {
   int64_t repeats = heads / kv_heads;
@@ -712,6 +780,66 @@ class QuantizedDecodeAttention : public mx::Primitive {
   int group_;
   int bits_;
   bool masked_;
+};
+
+QuantizedRows quantized_rows(const std::vector<mx::array>& inputs, size_t first, int64_t width,
+                             int64_t group, int64_t bits) {
+  auto word_strides = strides_of(inputs[first]);
+  for (auto& stride : word_strides) stride *= 4;  // uint32 words, read as bytes
+  return QuantizedRows{reinterpret_cast<const uint8_t*>(inputs[first].data<uint32_t>()),
+                       word_strides, inputs[first + 1].data<float>(), strides_of(inputs[first + 1]),
+                       inputs[first + 2].data<float>(), strides_of(inputs[first + 2]), width, group,
+                       bits};
+}
+
+// The same over a decode lane's tiled KV (omlx_core/scheduling/kv_tiles.py): inputs q,
+// the tiles' key words, scales, biases and value words, scales, biases (positions
+// [0, split)), the window's float keys and value words, scales, biases (the next
+// positions), then the mask. A block of up to 256 rows is expanded at a time.
+class TiledDecodeAttention : public mx::Primitive {
+ public:
+  TiledDecodeAttention(mx::Stream s, float scale, int group, int bits)
+      : mx::Primitive(s), scale_(scale), group_(group), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& q = inputs[0];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    int64_t width = q.shape(3), split = inputs[1].shape(2);
+    auto word_strides = strides_of(inputs[1]);
+    for (auto& stride : word_strides) stride *= 4;
+    TiledRows tiles{reinterpret_cast<const uint8_t*>(inputs[1].data<uint32_t>()), word_strides,
+                    inputs[2].data<float>(), strides_of(inputs[2]), inputs[3].data<float>(),
+                    strides_of(inputs[3]), width, group_, bits_};
+    SplitRows<TiledRows, FloatRows> kr{tiles, FloatRows{inputs[7].data<float>(), strides_of(inputs[7])},
+                                       split, width};
+    SplitRows<QuantizedRows, QuantizedRows> vr{quantized_rows(inputs, 4, width, group_, bits_),
+                                               quantized_rows(inputs, 8, width, group_, bits_), split, width};
+    auto [mp, ms] = mask_of(inputs[11]);
+    encoder.dispatch([qp = q.data<float>(), qs = strides_of(q), kr, vr, mp, ms, y = out.data<float>(),
+                      batch = q.shape(0), heads = q.shape(1), kv_heads = inputs[7].shape(1),
+                      keys = split + inputs[7].shape(2), width, scale = scale_]() {
+      decode_attention_rows(qp, qs, kr, vr, mp, ms, y, batch, heads, kv_heads, keys, width, scale);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("omlx tiled_decode_attention: CPU only");
+  }
+  const char* name() const override { return "OmlxTiledDecodeAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const TiledDecodeAttention&>(other);
+    return scale_ == o.scale_ && group_ == o.group_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float scale_;
+  int group_;
+  int bits_;
 };
 
 // -- encoder layers: exact GELU, layer norm, short-sequence attention ------------------
@@ -1075,6 +1203,51 @@ mx::array quantized_decode_attention(const mx::array& q, const mx::array& k_word
                    inputs);
 }
 
+mx::array tiled_decode_attention(const mx::array& q, const std::vector<mx::array>& tiles,
+                                 const mx::array& window_keys, const std::vector<mx::array>& window_values,
+                                 const mx::array& mask, float scale, int group_size, int bits) {
+  bool shapes = q.ndim() == 4 && q.shape(2) == 1 && q.dtype() == mx::float32 && tiles.size() == 6 &&
+                window_values.size() == 3 && (bits == 4 || bits == 8) && group_size >= 32 &&
+                group_size <= 256 && q.shape(3) % group_size == 0 && window_keys.ndim() == 4 &&
+                window_keys.dtype() == mx::float32 && window_keys.shape(0) == q.shape(0) &&
+                window_keys.shape(3) == q.shape(3) && q.shape(1) % window_keys.shape(1) == 0;
+  std::vector<mx::array> inputs{q};
+  for (const auto& a : tiles) inputs.push_back(a);
+  inputs.push_back(window_keys);
+  for (const auto& a : window_values) inputs.push_back(a);
+  for (size_t i = 1; shapes && i < 11; ++i) {
+    if (i == 7) continue;
+    const auto& a = inputs[i];
+    bool words = i == 1 || i == 4 || i == 8;
+    int64_t last = words ? q.shape(3) * bits / 32 : q.shape(3) / group_size;
+    shapes = a.ndim() == 4 && a.shape(0) == q.shape(0) && a.shape(1) == window_keys.shape(1) &&
+             a.shape(2) == (i < 7 ? tiles[0].shape(2) : window_keys.shape(2)) && a.shape(3) == last &&
+             a.dtype() == (words ? mx::uint32 : mx::float32);
+  }
+  shapes = shapes && tiles[0].shape(2) % group_size == 0;
+  if (!shapes) {
+    throw std::invalid_argument(
+        "tiled_decode_attention: needs float32 q (B, H, 1, D); tiles of keys and values as "
+        "uint32 words (B, Hkv, T, D * bits / 32) with float32 scales and biases "
+        "(B, Hkv, T, D / group_size), T whole tiles; window keys float32 (B, Hkv, W, D) and "
+        "window values quantized like the tiles'");
+  }
+  auto s = cpu_stream();
+  // The kernel reads a tile's words, scales and biases as one dense block.
+  for (size_t i = 1; i < inputs.size(); ++i) {
+    const auto& a = inputs[i];
+    if (a.strides()[3] != 1 || (i < 7 && a.strides()[2] != a.shape(3))) inputs[i] = mx::contiguous(a, false, s);
+  }
+  if (mask.dtype() != mx::bool_ || mask.ndim() != 4 || mask.shape(1) != 1 || mask.shape(2) != 1 ||
+      (mask.shape(0) != 1 && mask.shape(0) != q.shape(0)) ||
+      mask.shape(3) != tiles[0].shape(2) + window_keys.shape(2)) {
+    throw std::invalid_argument("tiled_decode_attention: the mask must be bool (B or 1, 1, 1, T + W)");
+  }
+  inputs.push_back(mask);
+  return mx::array(q.shape(), mx::float32,
+                   std::make_shared<TiledDecodeAttention>(s, scale, group_size, bits), inputs);
+}
+
 mx::array gelu(const mx::array& x) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("gelu: needs a float32 array");
   auto s = cpu_stream();
@@ -1146,4 +1319,9 @@ NB_MODULE(_omlx_cpu_kernels, m) {
         nb::arg("group_size"), nb::arg("bits"),
         "decode_attention over mlx-quantized keys and values (affine, 4 or 8 bits), read a "
         "row at a time.");
+  m.def("tiled_decode_attention", &tiled_decode_attention, nb::arg("q"), nb::arg("tiles"),
+        nb::arg("window_keys"), nb::arg("window_values"), nb::arg("mask"), nb::arg("scale"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "decode_attention over a decode lane's tiled KV: keys per channel in tiles, then a "
+        "window of float keys; values quantized per row.");
 }

@@ -36,6 +36,7 @@ per-request constant (``kv_window``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -78,6 +79,14 @@ def _grow(arrays: tuple[mx.array, ...], used: int, needed: int) -> tuple[mx.arra
     positions, in whole :data:`TILE_STEP` steps (the used part copied)."""
     capacity = -(-needed // TILE_STEP) * TILE_STEP
     return tuple(mx.pad(a[..., :used, :], [(0, 0), (0, 0), (0, capacity - used), (0, 0)]) for a in arrays)
+
+
+def _after(arrays: tuple[mx.array, ...], new: mx.array | None) -> tuple[mx.array, ...]:
+    """``arrays`` (a layer's stored tiles), computed on only once ``new`` (the layer's
+    new keys) is: a forward's graph otherwise lets mlx expand every layer's tiles, which
+    depend on nothing the forward computes, before the first layer runs, and hold them
+    all at once (12 rows of 1,500 tokens: 306 MiB for one step, 7 layers' worth)."""
+    return arrays if new is None else tuple(mx.depends(list(arrays), [new]))
 
 
 def _zeros_like_rows(arrays: tuple[mx.array, ...], rows: int, positions: int) -> tuple[mx.array, ...]:
@@ -168,7 +177,7 @@ class TiledKVCache:
         if start < used:
             stop = min(end, used)
             last = -(-stop // self.group_size) * self.group_size
-            tiles = tuple(a[..., start:last, :] for a in self.tiles[:3])  # type: ignore[index]
+            tiles = _after(tuple(a[..., start:last, :] for a in self.tiles[:3]), self.window_keys)  # type: ignore[index]
             parts.append(dequantize_tiles(*tiles, self.group_size, self.kv_bits)[..., :stop - start, :])
         if end > used:
             parts.append(self.window_keys[..., max(start, used) - used:end - used, :])  # type: ignore[index]
@@ -269,6 +278,42 @@ class TiledKVCache:
         return n
 
 
+@dataclass(frozen=True)
+class TiledRead:
+    """What a decode lane's attention reads (:meth:`BatchTiledKVCache.update_and_fetch`
+    returns it for keys and for values alike): every row's tiles (``tiles``: the used
+    positions of the six tile arrays, ``None`` before any row has a tile), then its
+    window. The CPU kernels' ``tiled_decode_attention`` reads it as stored; any other
+    attention gets float arrays from :meth:`expand`. The lane's mask says which
+    positions each row reads."""
+
+    tiles: tuple[mx.array, ...] | None
+    window_keys: mx.array
+    window_values: tuple[mx.array, ...]
+    group_size: int
+    bits: int
+
+    def expand(self) -> tuple[mx.array, mx.array]:
+        """Float keys and rotated float values, tiles then window, per row."""
+        keys, values = self.window_keys, self.window_values
+        if self.tiles is not None:
+            keys = mx.concatenate([dequantize_tiles(*self.tiles[:3], self.group_size, self.bits), keys], axis=2)
+            values = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(self.tiles[3:], values))
+        return keys, mx.dequantize(*values, group_size=self.group_size, bits=self.bits)
+
+    def stored(self) -> tuple[list[mx.array], mx.array, list[mx.array]]:
+        """``(tiles, window keys, window values)`` as the kernel reads them (tiles of no
+        positions before any row has one)."""
+        tiles = self.tiles
+        if tiles is None:
+            rows, heads, _, dim = self.window_keys.shape
+            keys = ((dim * self.bits // 32, mx.uint32), (dim // self.group_size, self.window_keys.dtype),
+                    (dim // self.group_size, self.window_keys.dtype))
+            tiles = (*(mx.zeros((rows, heads, 0, last), dtype) for last, dtype in keys),
+                     *(mx.zeros((rows, heads, 0, a.shape[3]), a.dtype) for a in self.window_values))
+        return list(tiles), self.window_keys, list(self.window_values)
+
+
 class BatchTiledKVCache:
     """A decode lane's rows in the tiled format (see the module): tiles
     ``(rows, kv_heads, capacity, .)`` with row ``i``'s first ``full[i]`` tiles, a window
@@ -331,15 +376,9 @@ class BatchTiledKVCache:
         self.full, self.pending = full, pending
         self.offset = mx.array(self.lengths, dtype=mx.int32)
         used = max(full) * self.group_size
-        window_values = self.window_values
-        if used:
-            tiles = tuple(a[..., :used, :] for a in self.tiles)  # type: ignore[union-attr]
-            keys = mx.concatenate([dequantize_tiles(*tiles[:3], self.group_size, self.kv_bits),
-                                   self.window_keys], axis=2)
-            window_values = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(tiles[3:], window_values))  # type: ignore[arg-type]
-        else:
-            keys = self.window_keys
-        return keys, mx.dequantize(*window_values, group_size=self.group_size, bits=self.kv_bits)  # type: ignore[arg-type, misc]
+        tiles = None if not used else _after(tuple(a[..., :used, :] for a in self.tiles), keys)  # type: ignore[union-attr]
+        read = TiledRead(tiles, self.window_keys, self.window_values, self.group_size, self.kv_bits)  # type: ignore[arg-type]
+        return read, read
 
     def _flush(self, row: int, tile: int) -> None:
         """Row ``row``'s full window becomes its tile number ``tile``."""
