@@ -299,8 +299,10 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: An
         kernels = cpu_kernels.kernels()
         if (kernels is not None and queries.shape[2] == 1 and sinks is None
                 and queries.dtype == mx.float32 and mx.default_device().type == mx.cpu
-                and isinstance(mask, mx.array) and _row_mask(mask)):
+                and (mask is None or isinstance(mask, mx.array) and _row_mask(mask))):
             tiles, window_keys, window_values = keys.stored()
+            if mask is None:  # a request's own rows: every position is read
+                mask = mx.ones((1, 1, 1, tiles[0].shape[2] + window_keys.shape[2]), dtype=mx.bool_)
             return kernels.tiled_decode_attention(queries, tiles, window_keys, window_values, mask,
                                                   scale, keys.group_size, keys.bits)
         keys, values = expand()

@@ -194,7 +194,7 @@ class CacheLayout:
             if not cuttable:
                 continue
             if isinstance(layer, TiledKVCache):
-                written += layer.write(start, parts, tokens)
+                written += layer.write(start, parts, tokens, self.capacity(end))
                 continue
             if layer.keys is None:
                 _adopt_arrays(layer, [mx.zeros((*a.shape[:2], self.capacity(end), a.shape[3]), a.dtype)

@@ -21,17 +21,21 @@ rotated per row (BENCHMARKS.md, "4-bit KV perplexity"); values stay per row, rot
 - *window*: the tokens after the last complete tile (fewer than ``group_size``), keys
   in float, values quantized per row; when a token completes a tile the window's keys
   are quantized into the next tile and its values copied there. A tile's codes depend
-  only on its own float keys: nothing is ever quantized twice.
+  only on its own float keys, and a stored tile is restored as it is (only part of a
+  block, restored, is fed again: its keys expanded).
 
-Attention reads float keys (the tiles expanded, then the window's) and values expanded
-from their rotated rows: it takes the float path of every attention function, and the
-output is rotated back (``rotation = (None, R)``, see
-:func:`~omlx_core.models.kv_rotation.rotated_attention`). A decode lane's rows have
-different lengths: their tiles and windows are concatenated per row with a mask that
-hides the unused positions (:meth:`BatchTiledKVCache.make_mask`), so no row is padded
-to another's tile boundary. The expanded keys and values of one layer are a transient
-the memory estimate counts (``dequantized_kv``), and the window's float keys a
-per-request constant (``kv_window``).
+A request's cache gives attention float keys (the tiles expanded, then the window's)
+and values expanded from their rotated rows, so a prefill chunk takes any attention
+function's float path; the output is rotated back (``rotation = (None, R)``, see
+:func:`~omlx_core.models.kv_rotation.rotated_attention`). A decode lane gives a
+:class:`TiledRead` instead, which the CPU kernels' ``tiled_decode_attention`` reads as
+stored (256 keys expanded at a time: 12 rows of 1,500 tokens took 0.22-0.25 s a step,
+float32 KV 0.19 s; expanded in the graph, 1.4 s) and any other attention expands. A
+lane's rows have different lengths: their tiles and windows are concatenated per row
+with a mask that hides the unused positions (:meth:`BatchTiledKVCache.make_mask`), so
+no row is padded to another's tile boundary. An expansion in the graph is a transient of
+one layer the memory estimate counts (``dequantized_kv``, ``tiled_kv_copies``), and the
+window's float keys a per-request constant (``kv_tile_window``).
 """
 
 from __future__ import annotations
@@ -132,8 +136,14 @@ class TiledKVCache:
         rotated = values @ kv_rotation(values.shape[-1], values.dtype)
         return tuple(mx.quantize(rotated, group_size=self.group_size, bits=self.kv_bits))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         self._append(keys, self.quantize_values(values))
+        used = self.full * self.group_size
+        if keys.shape[2] == 1 and used:
+            # A one-token forward (a prompt's last token): read as a decode lane's rows are.
+            tiles = _after(tuple(a[..., :used, :] for a in self.tiles), self.window_keys)  # type: ignore[union-attr]
+            read = TiledRead(tiles, self.window_keys, self.window_values, self.group_size, self.kv_bits)  # type: ignore[arg-type]
+            return read, read
         return self.fetch()
 
     def _append(self, keys: mx.array, values: tuple[mx.array, ...]) -> None:
@@ -147,19 +157,21 @@ class TiledKVCache:
         if complete:
             self._store_tiles((*quantize_tiles(keys[..., :complete, :], self.group_size, self.kv_bits),
                                *(a[..., :complete, :] for a in values)), complete)
-        self.window_keys = keys[..., complete:, :]
-        self.window_values = tuple(a[..., complete:, :] for a in values)
+        if complete:  # copies: a view would pin the chunk's keys until the next update
+            keys, values = mx.array(keys[..., complete:, :]), tuple(mx.array(a[..., complete:, :]) for a in values)
+        self.window_keys, self.window_values = keys, values
         self.pending = count - complete
 
-    def _store_tiles(self, parts: Sequence[mx.array], tokens: int) -> None:
+    def _store_tiles(self, parts: Sequence[mx.array], tokens: int, capacity: int = 0) -> None:
         """Copy ``tokens`` positions (whole tiles) of the six tile arrays ``parts`` after
-        the complete tiles."""
+        the complete tiles; a first or a growing buffer takes room for ``capacity``
+        positions at least (a restore knows where it ends: one buffer, not one per step)."""
         start = self.full * self.group_size
         end = start + tokens
         if self.tiles is None:
-            self.tiles = _grow(tuple(mx.zeros_like(p[..., :0, :]) for p in parts), 0, end)
+            self.tiles = _grow(tuple(mx.zeros_like(p[..., :0, :]) for p in parts), 0, max(end, capacity))
         elif end > self.tiles[0].shape[2]:
-            self.tiles = _grow(self.tiles, start, end)
+            self.tiles = _grow(self.tiles, start, max(end, capacity))
         for buffer, part in zip(self.tiles, parts):
             buffer[..., start:end, :] = part[..., :tokens, :]
         self.full += tokens // self.group_size
@@ -214,9 +226,10 @@ class TiledKVCache:
             return tuple(a[..., start:end, :] for a in self.tiles)  # type: ignore[union-attr]
         return (self._float_keys(start, end), *self._values(start, end))
 
-    def write(self, start: int, parts: Sequence[mx.array], tokens: int) -> list[mx.array]:
+    def write(self, start: int, parts: Sequence[mx.array], tokens: int, end: int = 0) -> list[mx.array]:
         """Restore the first ``tokens`` tokens of a cut (:meth:`cut`) at token ``start``,
-        the cache's end; returns the arrays written, to evaluate. Whole tiles are copied
+        the cache's end (``end``: where the whole restore ends); returns the arrays
+        written, to evaluate. Whole tiles are copied
         as stored; part of a tile, or a tail, is appended as if fed (a part tile's keys
         expanded; values are never quantized again)."""
         if start != self.offset:
@@ -226,7 +239,7 @@ class TiledKVCache:
                              "cache 6 (4 for a tail): blocks of another KV format")
         whole = tokens // self.group_size * self.group_size if len(parts) == 6 and not self.pending else 0
         if whole:
-            self._store_tiles(parts, whole)
+            self._store_tiles(parts, whole, end)
             if self.window_keys is None:
                 dim = parts[0].shape[3] * 32 // self.kv_bits
                 self.window_keys = mx.zeros((*parts[0].shape[:2], 0, dim), parts[1].dtype)

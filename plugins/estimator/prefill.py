@@ -116,9 +116,9 @@ def tiled_kv_copy_bytes(dims: ModelDims, key_tokens: int, new_tokens: int, dtype
     holds besides :func:`dequantized_kv_bytes` while one layer attends: the expanded
     tiles' keys before they are joined to the window's (a second copy of the keys), the
     values' stored rows joined before they are expanded, and the new tokens' keys joined
-    to the window, transposed and quantized."""
+    to the window (transposed and quantized before attention, then let go)."""
     keys = dims.num_kv_heads * dims.head_dim * dtype_bytes
-    return key_tokens * (keys + dims.num_kv_heads * value_row) + 3 * new_tokens * keys
+    return key_tokens * (keys + dims.num_kv_heads * value_row) + new_tokens * keys
 
 
 def latent_attention_bytes(dims: ModelDims, query_tokens: int, key_tokens: int, dtype_bytes: int) -> int:
