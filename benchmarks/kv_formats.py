@@ -13,12 +13,14 @@ up over 30 layers (``4-bit rotated``: +5.97 % here, +5.62 % served, on the fixed
 Formats (4 or 8 bits, mlx's affine quantization: a scale and a bias per group):
 
 - ``8-bit``, ``4-bit``: groups of 64 along each token's row (mlx-lm's ``QuantizedKVCache``).
-- ``... rotated``: the rows multiplied by the Hadamard rotation first (what ``--kv-bits``
+- ``... rotated``: the rows multiplied by the Hadamard rotation first (what ``--kv-bits 8``
   stores, ``omlx_core/models/kv_rotation.py``).
 - ``4-bit, keys per channel (N tokens), values rotated``: keys quantized along the token
   axis instead, each channel in groups of N consecutive tokens (KIVI's layout for keys,
   arXiv:2402.02750); a chunk's last tokens short of a group stay in float, as KIVI's
-  residual of the newest tokens does.
+  residual of the newest tokens does. With 64 tokens it is what ``--kv-bits 4`` stores
+  (``omlx_core/scheduling/kv_tiles.py``, where the residual is quantized once it fills a
+  tile).
 - ``keys 8-bit, values 4-bit rotated``: mixed widths, for scale.
 
     python -m benchmarks.kv_formats [--text FILE ...] [--formats NAME,...] [--out FILE]
