@@ -223,12 +223,15 @@ def test_a_model_whose_attention_skips_the_rotation_is_refused_at_start(quantiza
         mlx_thread().run(check)
 
 
-def test_a_quantized_prefix_is_restored_as_stored(quantizable):
-    """Blocks are kept quantized (six arrays a layer) and restored without quantizing
-    again: a prefix hit gives the same tokens as the first time."""
-    engine = start(quantizable("llama"), **{"engine.kv_bits": 8})
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_prefix_is_restored_as_stored(quantizable, bits):
+    """Blocks are kept quantized (six arrays a layer; at 4 bits whole tiles of keys per
+    channel, the tail's keys in float) and restored without quantizing again: a prefix
+    hit gives the same tokens as the first time."""
+    tiles = {"plugin.batched.block_size": 64} if bits == 4 else {}
+    engine = start(quantizable("llama"), **{"engine.kv_bits": bits, **tiles})
     try:
-        prompt = prompt_of(engine, 40, 7)
+        prompt = prompt_of(engine, 90 if tiles else 40, 7)
         first = collect(submit(engine, prompt, GREEDY))
         wait_idle(engine)
         cache = engine.prefix_cache
@@ -242,16 +245,25 @@ def test_a_quantized_prefix_is_restored_as_stored(quantizable):
     assert again.token_ids == first.token_ids
 
 
-def test_a_quantized_block_survives_the_ssd_tier(tmp_path):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_a_quantized_block_survives_the_ssd_tier(tmp_path, tiled):
+    """Six arrays a layer, per-row groups or a tile of keys per channel alike."""
     from omlx_core.plugins.ssd_cache.blockfile import kv_of, payload_of_kv, read_arrays, write_payload
+    from omlx_core.scheduling.kv_tiles import TiledKVCache
 
     def roundtrip() -> bool:
-        cache = RotatedQuantizedKVCache(group_size=64, bits=4)
-        keys = mx.random.normal((1, 2, 8, 64), key=mx.random.key(1))
-        cache.update_and_fetch(keys, -keys)
-        kv = (tuple(mx.array(a[..., :8, :]) for a in (*cache.keys, *cache.values)), None)
+        size = 64 if tiled else 8
+        keys = mx.random.normal((1, 2, size, 64), key=mx.random.key(1))
+        if tiled:
+            cache = TiledKVCache(64, 4)
+            cache.update_and_fetch(keys, -keys)
+            kv = (tuple(mx.array(a) for a in cache.cut(0, size)), None)
+        else:
+            cache = RotatedQuantizedKVCache(group_size=64, bits=4)
+            cache.update_and_fetch(keys, -keys)
+            kv = (tuple(mx.array(a[..., :size, :]) for a in (*cache.keys, *cache.values)), None)
         payload = payload_of_kv(kv, block_hash=b"h" * 16, parent_hash=b"p" * 16, index=0,
-                                block_size=8, identity="m", layer_types=["QuantizedKVCache", "uncut"])
+                                block_size=size, identity="m", layer_types=["QuantizedKVCache", "uncut"])
         write_payload(payload.to_host(), tmp_path / "block.safetensors")
         _, arrays = read_arrays(tmp_path / "block.safetensors")
         (back, missing) = kv_of(arrays, 2)

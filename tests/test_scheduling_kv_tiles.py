@@ -1,6 +1,7 @@
 """4-bit KV with keys per channel in tiles (``omlx_core/scheduling/kv_tiles.py``): the
 stored format, a request's cache, a decode lane's rows, prefix-cache blocks and tails,
-the SSD tier, and the start-up refusal of blocks that cannot hold whole tiles.
+and the start-up refusal of blocks that cannot hold whole tiles (the SSD tier and a
+prefix hit's tokens: ``test_scheduling_kv_quantized``).
 
 The reference for what attention reads is the format's definition written out here:
 each key channel of each complete tile of ``group_size`` tokens quantized over those
@@ -17,11 +18,9 @@ import pytest
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.kv_rotation import kv_rotation, rotated_attention
 from omlx_core.models.registry import ModelError
-from omlx_core.scheduling.kv_cache import KVFormat
 from omlx_core.scheduling.kv_tiles import BatchTiledKVCache, TiledKVCache, dequantize_tiles, quantize_tiles
 
-from tests.test_batched_engine import collect, prompt_of, submit, wait_idle
-from tests.test_scheduling_kv_quantized import GREEDY, quantizable, start  # noqa: F401 - fixture
+from tests.test_scheduling_kv_quantized import quantizable, start  # noqa: F401 - fixture
 
 G = 64
 
@@ -219,45 +218,7 @@ def test_blocks_are_whole_tiles_and_a_tail_keeps_float_keys():
     assert all(mlx_thread().run(run))
 
 
-def test_a_tiled_block_survives_the_ssd_tier(tmp_path):
-    from omlx_core.plugins.ssd_cache.blockfile import kv_of, payload_of_kv, read_arrays, write_payload
-
-    def roundtrip() -> bool:
-        cache = TiledKVCache(G, 4)
-        cache.update_and_fetch(rows_of(1, 64), rows_of(2, 64))
-        kv = (tuple(mx.array(a) for a in cache.cut(0, 64)), None)
-        payload = payload_of_kv(kv, block_hash=b"h" * 16, parent_hash=b"p" * 16, index=0,
-                                block_size=64, identity="m", layer_types=["QuantizedKVCache", "uncut"])
-        write_payload(payload.to_host(), tmp_path / "block.safetensors")
-        _, arrays = read_arrays(tmp_path / "block.safetensors")
-        back, missing = kv_of(arrays, 2)
-        return missing is None and all(mx.array_equal(a, b).item() for a, b in zip(back, kv[0]))
-
-    assert mlx_thread().run(roundtrip)
-
-
 def test_blocks_that_cannot_hold_whole_tiles_are_refused_at_start(quantizable):  # noqa: F811 - fixture
     with pytest.raises(ModelError, match=r"kv_bits=4 stores keys per channel in tiles of kv_group_size=64 "
                                          r"tokens.*plugin.batched.block_size=8 is not a multiple of 64"):
         start(quantizable("llama"), **{"engine.kv_bits": 4})
-
-
-def test_a_4_bit_prefix_is_restored_as_stored(quantizable):  # noqa: F811 - fixture
-    """Blocks of whole tiles are kept (six arrays a layer) and restored as stored, the
-    tail's keys in float: a prefix hit gives the same tokens as the first time."""
-    engine = start(quantizable("llama"), **{"engine.kv_bits": 4, "plugin.batched.block_size": 64})
-    try:
-        assert engine.kv_format == KVFormat(bits=4)
-        prompt = prompt_of(engine, 90, 7)
-        first = collect(submit(engine, prompt, GREEDY))
-        wait_idle(engine)
-        cache = engine.prefix_cache
-        blocks = mlx_thread().run(lambda: [cache.get(h) for h in cache.hashes(prompt[:-1])])
-        again = collect(submit(engine, prompt, GREEDY))
-    finally:
-        engine.shutdown()
-    held = [block for block in blocks if block is not None]
-    assert len(prompt) > 130 and len(held) >= 2
-    assert all(len(parts) == 6 for block in held for parts in block.kv if parts is not None)
-    assert again.usage.cached_tokens >= 128
-    assert again.token_ids == first.token_ids

@@ -731,6 +731,17 @@ class DecodeAttention : public mx::Primitive {
   bool masked_;
 };
 
+// Rows of the quantized triple at ``inputs[first]``, ``first + 1``, ``first + 2``.
+QuantizedRows quantized_rows(const std::vector<mx::array>& inputs, size_t first, int64_t width,
+                             int64_t group, int64_t bits) {
+  auto word_strides = strides_of(inputs[first]);
+  for (auto& stride : word_strides) stride *= 4;  // uint32 words, read as bytes
+  return QuantizedRows{reinterpret_cast<const uint8_t*>(inputs[first].data<uint32_t>()),
+                       word_strides, inputs[first + 1].data<float>(), strides_of(inputs[first + 1]),
+                       inputs[first + 2].data<float>(), strides_of(inputs[first + 2]), width, group,
+                       bits};
+}
+
 // The same over an mlx-quantized KV cache: inputs q, the keys' words, scales and
 // biases, the values' words, scales and biases, then the mask if any. No layer's keys
 // and values are expanded whole: a block of up to 256 rows at a time (kDecodeBlock), into
@@ -747,16 +758,10 @@ class QuantizedDecodeAttention : public mx::Primitive {
     for (const auto& in : inputs) encoder.set_input_array(in);
     encoder.set_output_array(out);
     int64_t width = q.shape(3);
-    auto rows = [&](size_t first) {
-      auto word_strides = strides_of(inputs[first]);
-      for (auto& stride : word_strides) stride *= 4;  // uint32 words, read as bytes
-      return QuantizedRows{reinterpret_cast<const uint8_t*>(inputs[first].data<uint32_t>()),
-                           word_strides, inputs[first + 1].data<float>(),
-                           strides_of(inputs[first + 1]), inputs[first + 2].data<float>(),
-                           strides_of(inputs[first + 2]), width, group_, bits_};
-    };
     auto [mp, ms] = masked_ ? mask_of(inputs[7]) : std::pair<const bool*, std::vector<int64_t>>{};
-    encoder.dispatch([qp = q.data<float>(), qs = strides_of(q), kr = rows(1), vr = rows(4), mp,
+    encoder.dispatch([qp = q.data<float>(), qs = strides_of(q),
+                      kr = quantized_rows(inputs, 1, width, group_, bits_),
+                      vr = quantized_rows(inputs, 4, width, group_, bits_), mp,
                       ms, y = out.data<float>(), batch = q.shape(0), heads = q.shape(1),
                       kv_heads = inputs[1].shape(1), keys = inputs[1].shape(2), width,
                       scale = scale_]() {
@@ -781,16 +786,6 @@ class QuantizedDecodeAttention : public mx::Primitive {
   int bits_;
   bool masked_;
 };
-
-QuantizedRows quantized_rows(const std::vector<mx::array>& inputs, size_t first, int64_t width,
-                             int64_t group, int64_t bits) {
-  auto word_strides = strides_of(inputs[first]);
-  for (auto& stride : word_strides) stride *= 4;  // uint32 words, read as bytes
-  return QuantizedRows{reinterpret_cast<const uint8_t*>(inputs[first].data<uint32_t>()),
-                       word_strides, inputs[first + 1].data<float>(), strides_of(inputs[first + 1]),
-                       inputs[first + 2].data<float>(), strides_of(inputs[first + 2]), width, group,
-                       bits};
-}
 
 // The same over a decode lane's tiled KV (omlx_core/scheduling/kv_tiles.py): inputs q,
 // the tiles' key words, scales, biases and value words, scales, biases (positions
