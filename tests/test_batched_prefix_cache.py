@@ -131,6 +131,18 @@ def test_lower_tier_receives_every_block_and_serves_misses():
     assert len(cache.lookup(cache.hashes(tokens))) == 3
 
 
+def test_a_prefix_the_lower_tier_holds_counts_as_cached_for_the_estimate():
+    """What a request would reuse (preflight and admission cost it by this) includes
+    the blocks only the lower tier holds: they are read, not prefilled."""
+    cache = PrefixCache(BLOCK, 250, "m")
+    cache.attach_lower(DictStore())
+    tokens = list(range(12))
+    cache.insert(blocks_for(cache, tokens))
+    assert cache.peek(cache.hashes(tokens)) == 2  # in memory
+    assert cache.peek_prefix(cache.hashes(tokens), tokens) == 12
+    assert cache.stats()["evictions"] == 1  # peeking promoted nothing
+
+
 def _prefill(model, cache, tokens, step):
     for start in range(0, len(tokens), step):
         logits = model(mx.array(tokens[start:start + step])[None], cache=cache)
