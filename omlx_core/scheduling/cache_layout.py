@@ -1,13 +1,14 @@
 """How one model's per-layer caches become prefix-cache blocks and back.
 
-A plain attention layer (``KVCache``, or ``RotatedQuantizedKVCache`` in a quantized KV format)
-can be cut at any token: a block keeps just its own tokens' keys and values (a
-quantized layer: its packed values, scales and biases, six arrays, stored as they are
-and restored without quantizing again; keys quantized per channel are cut on whole tiles,
-a tail's keys in float: :meth:`~.kv_tiles.TiledKVCache.cut`), and a prefix is rebuilt by concatenating blocks. Every other layer
-type (``RotatingKVCache`` windows, ``ArraysCache`` recurrent state, ``CacheList``...)
-cannot be cut back to an earlier token count, so it is captured whole at a block
-boundary (a *boundary state*) and restored only at exactly that boundary.
+A plain attention layer (``KVCache``, or in a quantized KV format
+``RotatedQuantizedKVCache`` or ``TiledKVCache``) can be cut at any token: a block keeps
+just its own tokens' keys and values (a quantized layer: its packed values, scales and
+biases, six arrays, stored as they are and restored without quantizing again; keys
+quantized per channel are cut on whole tiles, a tail's keys in float:
+:meth:`~.kv_tiles.TiledKVCache.cut`), and a prefix is rebuilt by concatenating blocks.
+Every other layer type (``RotatingKVCache`` windows, ``ArraysCache`` recurrent state,
+``CacheList``...) cannot be cut back to an earlier token count, so it is captured whole
+at a block boundary (a *boundary state*) and restored only at exactly that boundary.
 
 Stored arrays are compact copies: a view would pin the whole buffer it was cut from
 and make the byte budget a lie. For the same reason a block's or tail's arrays share a
