@@ -80,6 +80,19 @@ def test_per_channel_tiles_keep_keys_closer_than_rotated_rows():
     assert channels < 0.8 * rotated_rows, (rotated_rows, channels)
 
 
+def test_a_tokens_bytes_are_4_bit_groups_before_and_after_the_first_tile():
+    """What lane placement weighs padding by: the tiles' bytes per token, the same
+    before a request has a tile (a short first request) as after."""
+    def run() -> tuple[int, int, int]:
+        short, long = TiledKVCache(G, 4), TiledKVCache(G, 4)
+        short.update_and_fetch(rows_of(1, 10), rows_of(2, 10))
+        long.update_and_fetch(rows_of(1, 300), rows_of(2, 300))
+        per_row = sum(a.nbytes for a in mx.quantize(rows_of(3, 1), group_size=G, bits=4))
+        return short.position_bytes(), long.position_bytes(), 2 * per_row
+
+    assert len(set(mlx_thread().run(run))) == 1
+
+
 def test_a_requests_cache_reads_what_the_format_keeps():
     """Fed a chunk, then token by token across tile boundaries: attention reads the
     complete tiles per channel, the window in float, the values rotated per row."""

@@ -266,11 +266,13 @@ class TiledKVCache:
         return sum(a.nbytes for a in self.state)
 
     def position_bytes(self) -> int:
-        """Bytes one token takes in the tiles (keys and values)."""
-        arrays = self.tiles if self.tiles is not None else None
-        if arrays is None:
+        """Bytes one token takes in the tiles (keys and values), known from the window's
+        shapes before the first tile is (a short first request must not read as 0)."""
+        if self.window_keys is None:
             return 0
-        return sum(a.nbytes for a in arrays) // arrays[0].shape[2]
+        heads, dim = self.window_keys.shape[1], self.window_keys.shape[3]
+        keys = heads * (dim * self.kv_bits // 8 + 2 * (dim // self.group_size) * self.window_keys.itemsize)
+        return keys + sum(a.shape[1] * a.shape[3] * a.itemsize for a in self.window_values)  # type: ignore[union-attr]
 
     def size(self) -> int:
         return self.offset
