@@ -415,13 +415,8 @@ class PrefixCache:
     def peek_prefix(self, hashes: Sequence[bytes], tokens: Sequence[int], *,
                     needs_boundaries: bool = False) -> int:
         """How many of ``tokens`` a request would reuse now, from memory or the lower
-        tier (``hashes``: the chain of their full blocks; ``needs_boundaries``: as for
-        :meth:`match_prefix`); changes nothing. A prefix the lower tier holds is read
-        into the request's cache, not prefilled: its KV is new memory all the same (the
-        estimate counts a reused prefix's KV as new), and the read asks the forward gate
-        for its room first. Counted as not cached, a continuation of a 4k-token prefix
-        held on the SSD tier was costed as a 4k-token prefill (134 MiB at 4-bit KV, 68 of
-        them attention scores it never computes), and admission held it back."""
+        tier (read in, not prefilled; its KV still counts as new memory); ``hashes`` and
+        ``needs_boundaries`` as for :meth:`match_prefix`. Changes nothing."""
         with self._lock:
             lower = self._lower
         match = self._match(hashes, tokens, needs_boundaries, lower)
