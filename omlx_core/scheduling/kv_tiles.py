@@ -141,8 +141,7 @@ class TiledKVCache:
         used = self.full * self.group_size
         if keys.shape[2] == 1 and used:
             # A one-token forward (a prompt's last token): read as a decode lane's rows are.
-            tiles = _after(tuple(a[..., :used, :] for a in self.tiles), self.window_keys)  # type: ignore[union-attr]
-            read = TiledRead(tiles, self.window_keys, self.window_values, self.group_size, self.kv_bits)  # type: ignore[arg-type]
+            read = _read(self, used, self.window_keys)
             return read, read
         return self.fetch()
 
@@ -178,8 +177,7 @@ class TiledKVCache:
 
     def fetch(self) -> tuple[mx.array, mx.array]:
         """Float keys and rotated float values of every token, in order."""
-        keys, values = self._float_keys(0, self.offset), self._values(0, self.offset)
-        return keys, mx.dequantize(*values, group_size=self.group_size, bits=self.kv_bits)
+        return _read(self, self.full * self.group_size, self.window_keys).expand()
 
     def _float_keys(self, start: int, end: int) -> mx.array:
         """Float keys of tokens ``[start, end)`` (``start`` on a tile boundary): the
@@ -312,8 +310,12 @@ class TiledRead:
         """Float keys and rotated float values, tiles then window, per row."""
         keys, values = self.window_keys, self.window_values
         if self.tiles is not None:
-            keys = mx.concatenate([dequantize_tiles(*self.tiles[:3], self.group_size, self.bits), keys], axis=2)
-            values = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(self.tiles[3:], values))
+            tiled = dequantize_tiles(*self.tiles[:3], self.group_size, self.bits)
+            if not keys.shape[2]:  # an empty window (a chunk ending on a tile): no copy
+                keys, values = tiled, self.tiles[3:]
+            else:
+                keys = mx.concatenate([tiled, keys], axis=2)
+                values = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(self.tiles[3:], values))
         return keys, mx.dequantize(*values, group_size=self.group_size, bits=self.bits)
 
     def stored(self) -> tuple[list[mx.array], mx.array, list[mx.array]]:
@@ -327,6 +329,13 @@ class TiledRead:
             tiles = (*(mx.zeros((rows, heads, 0, last), dtype) for last, dtype in keys),
                      *(mx.zeros((rows, heads, 0, a.shape[3]), a.dtype) for a in self.window_values))
         return list(tiles), self.window_keys, list(self.window_values)
+
+
+def _read(cache: Any, used: int, new: mx.array | None) -> TiledRead:
+    """What ``cache`` (a request's or a lane's) holds: its first ``used`` tile positions,
+    expanded only after ``new`` (:func:`_after`), then its window."""
+    tiles = _after(tuple(a[..., :used, :] for a in cache.tiles), new) if used else None
+    return TiledRead(tiles, cache.window_keys, cache.window_values, cache.group_size, cache.kv_bits)
 
 
 class BatchTiledKVCache:
@@ -391,8 +400,7 @@ class BatchTiledKVCache:
         self.full, self.pending = full, pending
         self.offset = mx.array(self.lengths, dtype=mx.int32)
         used = max(full) * self.group_size
-        tiles = None if not used else _after(tuple(a[..., :used, :] for a in self.tiles), keys)  # type: ignore[union-attr]
-        read = TiledRead(tiles, self.window_keys, self.window_values, self.group_size, self.kv_bits)  # type: ignore[arg-type]
+        read = _read(self, used, keys)
         return read, read
 
     def _flush(self, row: int, tile: int) -> None:
