@@ -10,12 +10,14 @@ with the CPU kernels (:mod:`omlx_core.models.cpu_kernels`: the softmax and SwiGL
 decode step vectorized, in the graph) and with mlx's own ops (what ``mlx_lm.server``
 runs). It prints the median step time of each and the median of the per-round ratios,
 checks that both give the same greedy tokens, and times the two kernels alone against
-mlx's ops at a 16-row step's sizes.
+mlx's ops at a 16-row step's sizes. The linear layers stay on mlx's matmul on both sides
+(``OMLX_PACKED_LINEAR=0``; ``python -m benchmarks.packed_linear`` measures the packed ones).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -24,7 +26,7 @@ from typing import Sequence
 SHAPES = ((1, 400), (8, 400), (16, 400), (8, 1000), (16, 1000))
 
 
-def _decode(model, cache, first, steps: int) -> tuple[float, list[list[int]]]:
+def decode_steps(model, cache, first, steps: int) -> tuple[float, list[list[int]]]:
     """Seconds per step and the tokens of ``steps`` pipelined greedy steps; the cache is
     rolled back after."""
     import mlx.core as mx
@@ -88,7 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omlx_core.models import cpu_kernels
     from omlx_core.models.default import ensure_default_model
     from omlx_core.models.loader import load_model
+    from omlx_core.models.packed_linear import OFF_ENV
 
+    # Linear layers through mlx's matmul on both sides: the A/B toggles the kernels module,
+    # which the packed layers need (benchmarks/packed_linear.py measures those).
+    os.environ[OFF_ENV] = "0"
     model, _ = load_model(ensure_default_model(progress=True))
     kernels = cpu_kernels.kernels()
     if kernels is None:
@@ -109,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for round_ in range(args.rounds + 1):  # the first round warms both up
             for name, module in (("mlx", None), ("kernels", kernels)):
                 cpu_kernels._loaded["module"] = module
-                elapsed, tokens = _decode(model, cache, first, args.steps)
+                elapsed, tokens = decode_steps(model, cache, first, args.steps)
                 outputs.setdefault(name, tokens)
                 if round_:
                     timings[name].append(elapsed)

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from omlx_core.bench.bound import model_weights
+from omlx_core.bench.bound import Bound, measure_bound, model_weights
 from omlx_core.bench.client import StreamRecord, chat_body
 from omlx_core.bench.phases import Drafts, Observations, batch_decode_rate
 from omlx_core.bench.prompts import OPEN_ENDED, repeated_share
@@ -104,6 +104,20 @@ def test_the_bound_reads_every_weight_of_the_model():
     assert weights.dtype == "F32" and weights.hidden_size > 0
     # the files hold the tensors and their JSON headers
     assert on_disk - 100_000 < weights.bytes <= on_disk
+
+
+def test_the_bound_is_the_faster_way_to_multiply_on_this_machine():
+    from omlx_core.bench.servers import preload_env
+    from omlx_core.models.packed_linear import packed_bits
+
+    weights = model_weights(cached_model("llama"))
+    bound = Bound(weights, {"blas": {1: 0.040, 16: 0.060}, "packed": {1: 0.020, 16: 0.070}})
+    described = bound.describe()  # the faster way counts, at each row count
+    assert "in 20.0 ms (mlx's matmul (the BLAS) 40.0 ms, omlx-core's packed kernel 20.0 ms" in described
+    assert "in 60.0 ms (mlx's matmul (the BLAS) 60.0 ms, omlx-core's packed kernel 70.0 ms" in described
+    measured = measure_bound(cached_model("llama"), [1, 4], preload_env())
+    assert set(measured.ways) == ({"blas", "packed"} if packed_bits() else {"blas"})
+    assert all(set(rows) == {1, 4} for rows in measured.ways.values())
 
 
 @pytest.mark.slow  # a real server and a bench run

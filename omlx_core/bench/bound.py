@@ -2,11 +2,15 @@
 
 A decode step of ``r`` streams reads every weight of the model once (the logits' matmul
 reads the tied embedding too), so it takes at least as long as one matmul of ``r`` rows
-against a matrix of the model's size. :func:`measure_bound` times that matmul (``x @
-w.T``, as a linear layer computes it, in the weights' dtype) in a fresh process with
-the environment the servers get (the same BLAS), and divides: at most ``r / seconds``
-tokens per second at ``r`` streams, whatever a server does around its matmuls.
-Speculation can pass it: a verify step decodes several tokens per weight pass.
+against a matrix of the model's size. :func:`measure_bound` times that matmul in a fresh
+process with the environment the servers get, two ways, and keeps the faster: mlx's
+``x @ w.T`` in the weights' dtype (the BLAS, as an unpacked linear layer computes it),
+and, where this machine runs it, the CPU kernels' packed product that omlx-core's float32
+linear layers use (:mod:`omlx_core.models.packed_linear`; on the default model 2-2.5x
+faster than OpenBLAS: a bound timed with the BLAS alone would no longer bound our
+server). It divides: at most ``r / seconds`` tokens per second at ``r`` streams,
+whatever a server does around its matmuls. Speculation can pass it: a verify step
+decodes several tokens per weight pass.
 
     python -m omlx_core.bench.bound MODEL_DIR [--rows 1 16]   # prints one JSON line
 """
@@ -21,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 #: bytes per element of the safetensors dtypes a model's floats come in
 FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
@@ -68,37 +72,68 @@ def model_weights(model_dir: Path) -> Weights:
     return Weights(total, dtype, hidden)
 
 
-def time_matmul(weights: Weights, rows: Sequence[int]) -> dict[int, float]:
-    """The fastest of :data:`REPEATS` timings of one ``rows x hidden`` by ``hidden x
-    (elements / hidden)`` matmul per row count (run in this process: call it where the
-    servers' BLAS is loaded). The fastest, not the median: a bound is what the machine
-    can do, and on a shared machine the same matmul's times spread widely (42-65 ms at
-    one row for the default model in one run of 29, 2026-11-28); a median read 57 ms in
-    one bench run, 42 ms in another, and a decode step then ran faster than its bound."""
+def _fastest(run: Callable[[], Any]) -> float:
+    """The fastest of :data:`REPEATS` timings of ``run()`` evaluated (after two warm-ups).
+    The fastest, not the median: a bound is what the machine can do, and on a shared
+    machine the same matmul's times spread widely (42-65 ms at one row for the default
+    model in one run of 29, 2026-11-28); a median read 57 ms in one bench run, 42 ms in
+    another, and a decode step then ran faster than its bound."""
     import mlx.core as mx
+
+    times = []
+    for _ in range(REPEATS + 2):
+        started = time.perf_counter()
+        mx.eval(run())
+        times.append(time.perf_counter() - started)
+    return min(times[2:])
+
+
+def time_matmul(weights: Weights, rows: Sequence[int]) -> dict[str, dict[int, float]]:
+    """Seconds of one ``rows x hidden`` by ``hidden x (elements / hidden)`` matmul per row
+    count, by way: ``"blas"`` (mlx's matmul) and, where this machine runs it on float32
+    weights, ``"packed"`` (the packed kernel over the same shape, its columns rounded down
+    to whole panels and the time scaled back up). Run in this process: call it where the
+    servers' BLAS is loaded."""
+    import mlx.core as mx
+
+    from omlx_core.models.packed_linear import packed_bits
 
     dtype = getattr(mx, MLX_DTYPES[weights.dtype])
     columns = weights.elements // weights.hidden_size
     matrix = mx.random.normal((columns, weights.hidden_size)).astype(dtype)
-    mx.eval(matrix)
-    seconds: dict[int, float] = {}
+    inputs = {count: mx.random.normal((count, weights.hidden_size)).astype(dtype) for count in rows}
+    mx.eval(matrix, inputs)
+    ways: dict[str, dict[int, float]] = {"blas": {}}
     for count in rows:
-        inputs = mx.random.normal((count, weights.hidden_size)).astype(dtype)
-        mx.eval(inputs)
-        times = []
-        for _ in range(REPEATS + 2):
-            started = time.perf_counter()
-            mx.eval(inputs @ matrix.T)
-            times.append(time.perf_counter() - started)
-        seconds[count] = min(times[2:])
-    return seconds
+        ways["blas"][count] = _fastest(lambda: inputs[count] @ matrix.T)
+    del matrix
+    bits = packed_bits()
+    if bits and dtype == mx.float32:
+        from omlx_core.models.cpu_kernels import kernels
+
+        panels = mx.random.normal((columns // 48, weights.hidden_size, 48))
+        mx.eval(panels)
+        scale = columns / (columns // 48 * 48)
+        ways["packed"] = {count: _fastest(lambda: kernels().packed_matmul(inputs[count], panels, bits))
+                          * scale for count in rows}
+    return ways
+
+
+#: what each way of timing the matmul is called in a report
+WAY_NAMES = {"blas": "mlx's matmul (the BLAS)", "packed": "omlx-core's packed kernel"}
 
 
 @dataclass(frozen=True)
 class Bound:
     weights: Weights
-    #: seconds of one matmul, by rows
-    seconds: dict[int, float]
+    #: seconds of one matmul, by way (:func:`time_matmul`), by rows
+    ways: dict[str, dict[int, float]]
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        """Seconds of one matmul by rows: the fastest way's."""
+        rows = set().union(*(times.keys() for times in self.ways.values()))
+        return {r: min(times[r] for times in self.ways.values() if r in times) for r in rows}
 
     def tokens_per_s(self, rows: int) -> float:
         return rows / self.seconds[rows]
@@ -106,10 +141,17 @@ class Bound:
     def describe(self) -> str:
         columns = self.weights.elements // self.weights.hidden_size
         shape = f"{self.weights.hidden_size} x {columns} {MLX_DTYPES[self.weights.dtype]}"
+        seconds = self.seconds
+
+        def timings(rows: int) -> str:
+            return ", ".join(f"{WAY_NAMES.get(way, way)} {times[rows] * 1000:.1f} ms"
+                             for way, times in self.ways.items() if rows in times)
+
         return "; ".join(
             f"{rows} x {shape} ({self.weights.bytes / 2**20:.0f} MiB, the model's weights) in "
-            f"{self.seconds[rows] * 1000:.1f} ms: at most {self.tokens_per_s(rows):.1f} tokens/s "
-            f"at {rows} stream(s)" for rows in sorted(self.seconds))
+            f"{seconds[rows] * 1000:.1f} ms ({timings(rows)}; the faster counts): at most "
+            f"{self.tokens_per_s(rows):.1f} tokens/s at {rows} stream(s)"
+            for rows in sorted(seconds))
 
 
 def measure_bound(model_dir: Path, rows: Sequence[int], env: dict[str, str]) -> Bound:
@@ -121,7 +163,8 @@ def measure_bound(model_dir: Path, rows: Sequence[int], env: dict[str, str]) -> 
     if done.returncode != 0:
         raise RuntimeError(f"the weight-streaming matmul failed: {done.stderr[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    return Bound(model_weights(model_dir), {int(k): v for k, v in result["seconds"].items()})
+    ways = {way: {int(k): v for k, v in times.items()} for way, times in result["ways"].items()}
+    return Bound(model_weights(model_dir), ways)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,8 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     args = parser.parse_args(argv)
-    seconds = time_matmul(model_weights(args.model_dir), args.rows)
-    print(json.dumps({"seconds": seconds}))
+    ways = time_matmul(model_weights(args.model_dir), args.rows)
+    print(json.dumps({"ways": ways}))
     return 0
 
 

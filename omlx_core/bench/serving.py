@@ -234,7 +234,7 @@ def _header(args: argparse.Namespace, plan: Plan, model_dir: Path, settings: Ser
         f"`--decode-concurrency`, `--prompt-concurrency`) and prefill step "
         f"({settings.prefill_step_size}: `--prefill-step-size`)",
         f"- weight-streaming bound (one matmul of the model's size, timed on this machine "
-        f"with the servers' BLAS): {bound.describe()}",
+        f"two ways in the servers' environment, the faster counting): {bound.describe()}",
         "- rounds: every server started afresh each round, in an order rotated from round to "
         "round; its first request sent as soon as it answers `GET /v1/models`, then a "
         "warm-up; then each phase on every server in turn, each once no server used over 5% "

@@ -23,15 +23,22 @@
 // them (as mlx's own softmax does), so the memory a forward needs is unchanged.
 // Built and loaded by omlx_core/models/cpu_kernels.py.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <sched.h>
 #include <stdexcept>
 #include <thread>
 #include <vector>
+
+#include <pthread.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -162,6 +169,122 @@ void allocate_like(const mx::array& in, mx::array& out) {
   } else {
     out.set_data(mx::allocator::malloc(out.nbytes()));
   }
+}
+
+// -- threads -------------------------------------------------------------------------
+
+// The CPUs this process may run on (its affinity), at least 1.
+int64_t usable_cores() {
+  static const int64_t cores = [] {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max<int64_t>(1, CPU_COUNT(&set));
+    return std::max<int64_t>(1, std::thread::hardware_concurrency());
+  }();
+  return cores;
+}
+
+// Helper threads kept between calls: a decode step runs ~200 products and ~30 attention
+// calls, and a thread started per call costs tens of microseconds. ``run`` hands out a
+// call's chunks one at a time to whoever asks first, this thread included, so a helper
+// that is slow to wake (the machine is shared) delays nothing: this thread takes the
+// chunks it has not, and waits only for chunks a helper already took. A helper spins a
+// little for the next call, then sleeps on a futex (std::atomic::wait). One call uses the
+// helpers at a time (another stream's call meanwhile runs on its own thread); after a
+// fork the child runs every chunk itself.
+class Helpers {
+ public:
+  static Helpers& shared() {
+    static Helpers* helpers = new Helpers(usable_cores() - 1);  // never joined: lives to exit
+    return *helpers;
+  }
+
+  // fn(chunk) once for every chunk in [0, chunks), on this thread and the helpers.
+  template <typename F>
+  void run(int64_t chunks, F& fn) {
+    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+    if (chunks <= 1 || slots_.empty() || forked_ || !lock.owns_lock()) {
+      for (int64_t c = 0; c < chunks; ++c) fn(c);
+      return;
+    }
+    job_ = [](void* f, int64_t c) { (*static_cast<F*>(f))(c); };
+    arg_ = &fn;
+    chunks_ = chunks;
+    next_.store(0, std::memory_order_relaxed);
+    open_.store(true);
+    for (size_t i = 0; i < slots_.size() && i + 1 < static_cast<size_t>(chunks); ++i) {
+      slots_[i].go.fetch_add(1, std::memory_order_release);
+      slots_[i].go.notify_one();
+    }
+    work();
+    open_.store(false);  // a helper waking from now on finds nothing to join
+    while (active_.load() != 0) spin_pause();
+  }
+
+  int64_t threads() const { return static_cast<int64_t>(slots_.size()) + 1; }
+
+ private:
+  struct Slot {
+    std::atomic<uint32_t> go{0};
+  };
+
+  explicit Helpers(int64_t count) : slots_(std::max<int64_t>(0, count)) {
+    pthread_atfork(nullptr, nullptr, [] { forked_ = true; });
+    for (size_t i = 0; i < slots_.size(); ++i) std::thread([this, i] { loop(i); }).detach();
+  }
+
+  static void spin_pause() {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  void work() {
+    for (int64_t c = next_.fetch_add(1); c < chunks_; c = next_.fetch_add(1)) job_(arg_, c);
+  }
+
+  void loop(size_t index) {
+    auto& go = slots_[index].go;
+    uint32_t seen = 0;
+    for (;;) {
+      uint32_t now = go.load(std::memory_order_acquire);
+      for (int spin = 0; spin < 20000 && now == seen; ++spin) {  // ~50-100 us, then sleep
+        spin_pause();
+        now = go.load(std::memory_order_acquire);
+      }
+      if (now == seen) {
+        go.wait(seen, std::memory_order_acquire);
+        continue;
+      }
+      seen = now;
+      // Counted before looking: run() returns only once no helper is counted and the
+      // call is closed, so a helper inside never outlives the call it works on.
+      active_.fetch_add(1);
+      if (open_.load()) work();
+      active_.fetch_sub(1);
+    }
+  }
+
+  std::vector<Slot> slots_;
+  std::mutex busy_;
+  std::atomic<bool> open_{false};
+  std::atomic<int64_t> active_{0};
+  std::atomic<int64_t> next_{0};
+  int64_t chunks_ = 0;
+  void (*job_)(void*, int64_t) = nullptr;
+  void* arg_ = nullptr;
+  static inline std::atomic<bool> forked_{false};
+};
+
+// fn(first, last) over [0, count) in contiguous chunks of at least ``min_part`` (a
+// helper's wake-up costs microseconds: small work stays on this thread), up to 8 a thread,
+// spread over the helper threads (:class:`Helpers`).
+template <typename F>
+void parallel_parts(int64_t count, int64_t min_part, F fn) {
+  auto& helpers = Helpers::shared();
+  int64_t chunks = std::clamp<int64_t>(count / std::max<int64_t>(1, min_part), 1,
+                                       8 * helpers.threads());
+  auto chunk = [&](int64_t c) { fn(count * c / chunks, count * (c + 1) / chunks); };
+  helpers.run(chunks, chunk);
 }
 
 class RowSoftmax : public mx::Primitive {
@@ -668,14 +791,9 @@ void decode_attention_rows(const float* qp, const std::vector<int64_t>& qs, cons
     for (int64_t i = first; i < last; ++i)
       one_group(i / kv_heads, i % kv_heads, query, scores, buffer);
   };
-  // Two halves on two threads once there is enough work to pay for a thread.
-  if (groups >= 2 && groups * repeats * keys * width >= (1 << 18)) {
-    std::thread other(run, groups / 2, groups);
-    run(0, groups / 2);
-    other.join();
-  } else {
-    run(0, groups);
-  }
+  // Over the helper threads once a chunk has enough work to pay for a wake-up.
+  parallel_parts(groups, std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, repeats * keys * width)),
+                 run);
 }
 
 std::vector<int64_t> strides_of(const mx::array& a) {
@@ -838,32 +956,6 @@ class TiledDecodeAttention : public mx::Primitive {
 };
 
 // -- encoder layers: exact GELU, layer norm, short-sequence attention ------------------
-
-// The CPUs this process may run on (its affinity), at least 1.
-int64_t usable_cores() {
-  static const int64_t cores = [] {
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max<int64_t>(1, CPU_COUNT(&set));
-    return std::max<int64_t>(1, std::thread::hardware_concurrency());
-  }();
-  return cores;
-}
-
-// fn(first, last) over [0, count) in contiguous parts, one per core, each at least
-// ``min_part`` long (a thread costs tens of microseconds: small work stays on this one).
-template <typename F>
-void parallel_parts(int64_t count, int64_t min_part, F fn) {
-  int64_t parts = std::min(usable_cores(), count / std::max<int64_t>(1, min_part));
-  if (parts <= 1) {
-    fn(int64_t{0}, count);
-    return;
-  }
-  std::vector<std::thread> others;
-  for (int64_t p = 1; p < parts; ++p)
-    others.emplace_back(fn, count * p / parts, count * (p + 1) / parts);
-  fn(int64_t{0}, count / parts);
-  for (auto& t : others) t.join();
-}
 
 // 0.5 x (1 + erf(x / sqrt 2)), erf by Abramowitz and Stegun 7.1.26 (absolute error under
 // 1.5e-7, float32's own rounding): erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z), z >= 0;
@@ -1089,6 +1181,160 @@ class PackedAttention : public mx::Primitive {
   float scale_;
 };
 
+// -- linear layers: a weight packed in panels ----------------------------------------
+
+// y = x w^T for a float32 linear layer whose weight (N outputs x K inputs) is stored in
+// panels of W outputs (48, 32 or 16: the widest that divides N), each panel K x W (an
+// output's weights down a column): a row of x times a panel is W running sums that read
+// the panel once, front to back, in full vector loads. BLAS packs the weight into a layout like this on every call; for the
+// few rows of a decode step that copy is most of the product (on the default model, a
+// 16-row product of all its linear layers: 60 ms in OpenBLAS, 25 ms here). Every output
+// is one chain of fused multiply-adds over k = 0 .. K-1 from zero, whatever the rows, the
+// vector width or the thread: a row's result does not depend on what it is batched with.
+
+#if defined(__x86_64__)
+// MB rows of x times one panel of 16 NV outputs: y[r, 0 : 16 NV] for r < MB, NV 16-wide
+// running sums a row (AVX-512: 8 rows x 3 sums is 24 of its 32 registers).
+template <int MB, int NV>
+__attribute__((target("avx512f"))) void panel_rows_512(const float* x, int64_t ldx,
+                                                       const float* panel, int64_t k_len,
+                                                       float* y, int64_t ldy) {
+  __m512 acc[MB][NV];
+  for (int r = 0; r < MB; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_len; ++k) {
+    const float* w = panel + k * 16 * NV;
+    __m512 wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = _mm512_loadu_ps(w + 16 * j);
+    for (int r = 0; r < MB; ++r) {
+      __m512 v = _mm512_set1_ps(x[r * ldx + k]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(v, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MB; ++r)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(y + r * ldy + 16 * j, acc[r][j]);
+}
+
+// The same with AVX2 (16 registers): 16 outputs (two 8-wide sums) at a time.
+template <int MB, int NV>
+__attribute__((target("avx2,fma"))) void panel_rows_256(const float* x, int64_t ldx,
+                                                        const float* panel, int64_t k_len,
+                                                        float* y, int64_t ldy) {
+  for (int part = 0; part < NV; ++part) {
+    __m256 acc[MB][2];
+    for (int r = 0; r < MB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k_len; ++k) {
+      const float* w = panel + k * 16 * NV + 16 * part;
+      __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+      for (int r = 0; r < MB; ++r) {
+        __m256 v = _mm256_set1_ps(x[r * ldx + k]);
+        acc[r][0] = _mm256_fmadd_ps(v, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(v, w1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MB; ++r) {
+      _mm256_storeu_ps(y + r * ldy + 16 * part, acc[r][0]);
+      _mm256_storeu_ps(y + r * ldy + 16 * part + 8, acc[r][1]);
+    }
+  }
+}
+#endif
+
+// The vector width the CPU runs the product at: 512, 256, or 0 (not at all here).
+int packed_matmul_bits() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return 512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 256;
+#endif
+  return 0;
+}
+
+// Rows [0, rows) of x times panels [first, last) of 16 NV outputs each: rows in chunks
+// of 64 (a chunk of x stays in L2 while it meets each panel), each chunk 8, 4, 2, then 1
+// rows at a time (AVX2: 4, 2, 1).
+template <int NV>
+void panels_times_rows(const float* x, int64_t rows, int64_t k_len, const float* packed,
+                       int64_t first, int64_t last, float* y, int64_t n, int bits) {
+  constexpr int64_t width = 16 * NV;
+  for (int64_t chunk = 0; chunk < rows; chunk += 64) {
+    int64_t chunk_end = std::min(rows, chunk + 64);
+    for (int64_t p = first; p < last; ++p) {
+      const float* panel = packed + p * k_len * width;
+      int64_t r = chunk;
+      auto go = [&](auto block, int64_t mb) {
+        for (; r + mb <= chunk_end; r += mb)
+          block(x + r * k_len, k_len, panel, k_len, y + r * n + p * width, n);
+      };
+#if defined(__x86_64__)
+      if (bits == 512) {
+        go(panel_rows_512<8, NV>, 8);
+        go(panel_rows_512<4, NV>, 4);
+        go(panel_rows_512<2, NV>, 2);
+        go(panel_rows_512<1, NV>, 1);
+      } else {
+        go(panel_rows_256<4, NV>, 4);
+        go(panel_rows_256<2, NV>, 2);
+        go(panel_rows_256<1, NV>, 1);
+      }
+#else
+      (void)go;  // packed_matmul_bits() is 0: the product is never built here
+#endif
+    }
+  }
+}
+
+class PackedMatmul : public mx::Primitive {
+ public:
+  PackedMatmul(mx::Stream s, int bits) : mx::Primitive(s), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    // inputs: x (..., K) and the panels (N / W, K, W), W 48, 32 or 16, both row-contiguous
+    const auto& x = inputs[0];
+    const auto& packed = inputs[1];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(packed);
+    encoder.set_output_array(out);
+    int64_t k_len = packed.shape(1);
+    int64_t panels = packed.shape(0);
+    int64_t width = packed.shape(2);
+    encoder.dispatch([xp = x.data<float>(), wp = packed.data<float>(), yp = out.data<float>(),
+                      rows = static_cast<int64_t>(x.size()) / k_len, k_len, panels, width,
+                      bits = bits_]() {
+      int64_t n = panels * width;
+      auto& helpers = Helpers::shared();
+      // Chunks of at least ~64k multiply-adds (a helper's wake-up costs microseconds), up
+      // to 8 a thread (what a thread that starts late leaves is taken by the others).
+      int64_t chunks = std::min({8 * helpers.threads(), panels,
+                                 std::max<int64_t>(1, rows * n * k_len / (1 << 16))});
+      auto chunk = [&](int64_t c) {
+        int64_t first = panels * c / chunks, last = panels * (c + 1) / chunks;
+        if (width == 48) panels_times_rows<3>(xp, rows, k_len, wp, first, last, yp, n, bits);
+        else if (width == 32) panels_times_rows<2>(xp, rows, k_len, wp, first, last, yp, n, bits);
+        else panels_times_rows<1>(xp, rows, k_len, wp, first, last, yp, n, bits);
+      };
+      helpers.run(chunks, chunk);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("omlx packed_matmul: CPU only");
+  }
+  const char* name() const override { return "OmlxPackedMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return bits_ == static_cast<const PackedMatmul&>(other).bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0) * inputs[1].shape(2);
+    return {shape};
+  }
+
+ private:
+  int bits_;
+};
+
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
 
 mx::array softmax(const mx::array& x) {
@@ -1283,10 +1529,34 @@ mx::array packed_attention(const mx::array& qkv, const mx::array& offsets, int h
                    {mx::contiguous(qkv, false, s), mx::contiguous(offsets, false, s)});
 }
 
+mx::array packed_matmul(const mx::array& x, const mx::array& packed, int bits) {
+  bool fits = x.dtype() == mx::float32 && packed.dtype() == mx::float32 && x.ndim() >= 1 &&
+              packed.ndim() == 3 && x.shape().back() == packed.shape(1) &&
+              (packed.shape(2) == 48 || packed.shape(2) == 32 || packed.shape(2) == 16);
+  if (!fits) {
+    throw std::invalid_argument("packed_matmul: needs float32 x (..., K) and float32 panels "
+                                "(N / W, K, W), W 48, 32 or 16");
+  }
+  if ((bits != 512 && bits != 256) || bits > packed_matmul_bits()) {
+    throw std::invalid_argument("packed_matmul: bits must be 512 or 256, at most "
+                                "packed_matmul_bits() (what this CPU has)");
+  }
+  auto s = cpu_stream();
+  auto shape = x.shape();
+  shape.back() = packed.shape(0) * packed.shape(2);
+  return mx::array(shape, mx::float32, std::make_shared<PackedMatmul>(s, bits),
+                   {mx::contiguous(x, false, s), mx::contiguous(packed, false, s)});
+}
+
 }  // namespace
 
 NB_MODULE(_omlx_cpu_kernels, m) {
   m.doc() = "float32 softmax, SwiGLU, RMS norm, RoPE, decode attention (over float32 or quantized KV), GELU, layer norm and packed attention primitives for mlx's CPU backend";
+  m.def("packed_matmul", &packed_matmul, nb::arg("x"), nb::arg("packed"), nb::arg("bits"),
+        "x w^T for a float32 weight w (N x K) packed as panels (N / W, K, W), W 48, 32 or 16: "
+        "panel p, row k is w[W p : W p + W, k]; bits: the vector width (packed_matmul_bits()).");
+  m.def("packed_matmul_bits", &packed_matmul_bits,
+        "The vector width packed_matmul runs at on this CPU: 512, 256, or 0 (it cannot).");
   m.def("softmax", &softmax, nb::arg("x"),
         "Softmax over the last axis of a float32 array (mlx CPU stream).");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"), "silu(gate) * x, float32.");

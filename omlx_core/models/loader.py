@@ -30,18 +30,21 @@ def load_model(path: Path | str) -> tuple[Any, Any]:
 
 
 def install_cpu_routes(model: Any) -> None:
-    """Put a loaded model's attention, SwiGLU, RMS norms and rotary embeddings on the CPU
-    routes and kernels (each does nothing off the CPU backend or where it does not
-    apply): :mod:`~omlx_core.models.attention`, :mod:`~omlx_core.models.mlp_route`,
-    :mod:`~omlx_core.models.layer_kernels`."""
+    """Put a loaded model's attention, SwiGLU, RMS norms, rotary embeddings and float32
+    linear layers on the CPU routes and kernels (each does nothing off the CPU backend or
+    where it does not apply): :mod:`~omlx_core.models.attention`,
+    :mod:`~omlx_core.models.mlp_route`, :mod:`~omlx_core.models.layer_kernels`,
+    :mod:`~omlx_core.models.packed_linear`."""
     from omlx_core.models.attention import install_cpu_attention, install_kv_rotation
     from omlx_core.models.layer_kernels import install_cpu_layer_kernels
     from omlx_core.models.mlp_route import install_cpu_swiglu
+    from omlx_core.models.packed_linear import install_packed_linears
 
     install_cpu_attention(model)
     install_kv_rotation(model)  # a quantized KV cache is read rotated on every model
     install_cpu_swiglu(model)
     install_cpu_layer_kernels(model)
+    install_packed_linears(model)
 
 
 def hf_tokenizer(tokenizer: Any) -> Any:

@@ -82,8 +82,9 @@ def _entry_for(path: Path, source: str) -> ModelEntry | None:
     return ModelEntry(path.name, fields)
 
 
-def weights_bytes(path: Path) -> int:
-    """The bytes of every tensor in ``path``'s ``*.safetensors`` files, from their headers.
+def tensor_headers(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, dtype)`` of every tensor in ``path``'s ``*.safetensors`` files, from
+    their headers (nothing is loaded).
 
     :raises ModelError: a file's header cannot be read (a truncated or corrupt file).
     """
@@ -92,15 +93,24 @@ def weights_bytes(path: Path) -> int:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{path} has no *.safetensors weights")
-    total = 0
+    tensors = []
     for file in files:
         try:
             with safe_open(str(file), framework="numpy") as weights:
                 for name in weights.keys():
                     piece = weights.get_slice(name)
-                    total += math.prod(piece.get_shape()) * DTYPE_BYTES.get(piece.get_dtype(), 4)
+                    tensors.append((name, tuple(piece.get_shape()), piece.get_dtype()))
         except Exception as exc:  # safetensors raises its own SafetensorError, and OSError
             raise ModelError(f"{file.name}: the safetensors header cannot be read "
                              f"({type(exc).__name__}: {exc}); the file is truncated or "
                              "corrupt: convert or download the model again") from None
-    return total
+    return tensors
+
+
+def weights_bytes(path: Path) -> int:
+    """The bytes of every tensor in ``path``'s ``*.safetensors`` files, from their headers.
+
+    :raises ModelError: a file's header cannot be read (a truncated or corrupt file).
+    """
+    return sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4)
+               for _, shape, dtype in tensor_headers(path))

@@ -7,12 +7,13 @@ composes them under its lock."""
 from __future__ import annotations
 
 import gc
+import math
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from omlx_core.memory.types import PeakQuery, Rejection, RequestRejected
-from omlx_core.pool.catalog import weights_bytes
+from omlx_core.pool.catalog import DTYPE_BYTES, tensor_headers
 from omlx_core.pool.records import RESIDENT, UNLOADING, ModelRecord
 from omlx_core.settings import format_size
 
@@ -33,16 +34,22 @@ class LoadPlan:
 
 
 def plan_load(spec: ModelSpec, estimate_peak: Callable[..., Any] | None, backend: str) -> LoadPlan:
-    """Weights from the safetensors headers, plus the ``estimate_peak`` answer for one
-    512-token prefill chunk (none without the hook or an answer)."""
-    weights = weights_bytes(spec.path)
+    """Weights from the safetensors headers, plus the more of: the ``estimate_peak``
+    answer for one 512-token prefill chunk (none without the hook or an answer), and what
+    the load itself holds beyond the weights (a weight packed for the CPU kernels is held
+    twice while it is copied: :func:`~omlx_core.models.packed_linear.packing_bytes`)."""
+    from omlx_core.models.packed_linear import packing_bytes
+
+    tensors = tensor_headers(spec.path)
+    weights = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for _, shape, dtype in tensors)
     working = 0
     if estimate_peak is not None:
         query = PeakQuery(model_config=dict(spec.config), new_tokens=512, model_id=spec.id,
                           backend=backend)
         estimate = estimate_peak(query=query)
         working = estimate.total if estimate is not None else 0
-    return LoadPlan(weights, weights + working, context_length(spec.config))
+    loading = packing_bytes((shape, dtype) for _, shape, dtype in tensors)
+    return LoadPlan(weights, weights + max(working, loading), context_length(spec.config))
 
 
 def context_length(config: Any) -> int | None:

@@ -285,6 +285,8 @@ class DecoderBackbone:
         head = getattr(self.model, "lm_head", None)
         if head is None:
             return self.model.model.embed_tokens(token_ids)
+        if hasattr(head, "rows"):  # held packed (omlx_core.models.packed_linear)
+            return head.rows(token_ids)
         if hasattr(head, "scales"):
             biases = head.get("biases") if isinstance(head, dict) else getattr(head, "biases", None)
             return mx.dequantize(head.weight[token_ids], head.scales[token_ids],

@@ -1,0 +1,178 @@
+"""A loaded model's float32 linear layers on the CPU kernels' packed product.
+
+On the CPU backend mlx computes ``x @ w.T`` with the BLAS, which copies the weight into
+its own panel layout on every call. For the few rows of a decode step that copy is most
+of the product: a 16-row decode step of the default model spent ~60 ms in its linear
+layers, half of it in OpenBLAS's packing, on a machine that streams all of the model's
+weights in 17 ms. :func:`install_packed_linears` stores each float32 ``nn.Linear``'s
+weight packed once, in the kernel's panels (:class:`PackedLinear`), and every product of
+the layer (a decode step's, a prefill chunk's, a verify step's) is the kernel's
+``packed_matmul``: same bytes held, the weight read once per product, front to back.
+
+Numbers: every output is one chain of fused multiply-adds over the inputs in order, so a
+row's result does not depend on the rows it is batched with (which BLAS does not promise)
+and differs from BLAS's in rounding only (``tests/test_models_packed_linear.py``).
+
+Which layers: exactly ``nn.Linear`` (a quantized or a family's own projection is left
+alone) whose weight is float32 with a multiple of 16 outputs (panels of 48, 32 or 16
+outputs, the widest that divides them), and exactly
+``nn.Embedding`` likewise (a tied output head is its ``as_linear``: :class:`PackedEmbedding`
+reads a token's row out of its panel), on the CPU backend where the kernels are built
+and the CPU has AVX2 and FMA or AVX-512. ``OMLX_PACKED_LINEAR=0`` keeps mlx's product
+(A/B measurements).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterable, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from omlx_core.models import cpu_kernels
+
+__all__ = ["PackedEmbedding", "PackedLinear", "install_packed_linears", "pack_weight", "packed_bits",
+           "packing_bytes", "panel_width"]
+
+#: outputs per panel the kernel takes, widest first (a weight takes the widest that
+#: divides its outputs)
+PANELS = (48, 32, 16)
+OFF_ENV = "OMLX_PACKED_LINEAR"
+
+
+def packed_bits() -> int:
+    """The vector width the packed product runs at here (512 or 256), or 0 where it does
+    not run (off the CPU backend, kernels not built, a CPU without AVX2 and FMA, or turned
+    off by ``OMLX_PACKED_LINEAR=0``)."""
+    if os.environ.get(OFF_ENV, "1") == "0" or mx.default_device().type != mx.cpu:
+        return 0
+    kernels = cpu_kernels.kernels()
+    if kernels is None or not hasattr(kernels, "packed_matmul"):
+        return 0
+    return int(kernels.packed_matmul_bits())
+
+
+def panel_width(outputs: int) -> int | None:
+    """The panel width for a weight of ``outputs`` rows: the widest of :data:`PANELS` that
+    divides it, or ``None``."""
+    return next((width for width in PANELS if outputs % width == 0), None)
+
+
+def pack_weight(weight: mx.array) -> mx.array:
+    """``weight`` (N outputs x K inputs; :func:`panel_width` of N is W) as the kernel's
+    panels (N / W, K, W): panel ``p``, row ``k`` holds ``weight[W p : W p + W, k]``."""
+    outputs, inputs = weight.shape
+    width = panel_width(outputs)
+    return mx.contiguous(weight.reshape(outputs // width, width, inputs).swapaxes(1, 2))
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight is held packed (:func:`pack_weight`) and multiplied by
+    the kernel's ``packed_matmul``."""
+
+    def __init__(self, linear: nn.Linear, bits: int) -> None:
+        super().__init__()
+        outputs, inputs = linear.weight.shape
+        self.packed = pack_weight(linear.weight)
+        if "bias" in linear:
+            self.bias = linear.bias
+        self.input_dims, self.output_dims = inputs, outputs
+        self._bits = bits
+
+    def _extra_repr(self) -> str:
+        return f"input_dims={self.input_dims}, output_dims={self.output_dims}, packed"
+
+    def rows(self, outputs: mx.array) -> mx.array:
+        """The weight's rows of ``outputs`` (output indices): ``weight[outputs]`` as the
+        unpacked weight would give them (a reranker reads a head's rows of a few tokens)."""
+        packed = self["packed"]
+        return packed[outputs // packed.shape[2], :, outputs % packed.shape[2]]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        kernels = cpu_kernels.kernels()
+        y = kernels.packed_matmul(x.astype(mx.float32), self["packed"], self._bits)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class PackedEmbedding(nn.Module):
+    """An ``nn.Embedding`` whose table is held packed (:func:`pack_weight`): a token's row
+    is read out of its panel, and ``as_linear`` (a tied output head) is the kernel's
+    ``packed_matmul``."""
+
+    def __init__(self, embedding: nn.Embedding, bits: int) -> None:
+        super().__init__()
+        self.packed = pack_weight(embedding.weight)
+        self.num_embeddings, self.dims = embedding.weight.shape
+        self._bits = bits
+
+    def _extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.dims}, packed"
+
+    @property
+    def weight(self) -> mx.array:
+        """The table unpacked, (num_embeddings, dims): lazy, so reading its shape costs
+        nothing; evaluating it makes a copy of the whole table."""
+        return self["packed"].swapaxes(1, 2).reshape(self.num_embeddings, self.dims)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        packed = self["packed"]
+        return packed[x // packed.shape[2], :, x % packed.shape[2]]
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return cpu_kernels.kernels().packed_matmul(x.astype(mx.float32), self["packed"], self._bits)
+
+
+def _packed_kind(module: Any) -> type | None:
+    """The packed class ``module`` is swapped for, or ``None`` where it stays (see the
+    module)."""
+    kind = {nn.Linear: PackedLinear, nn.Embedding: PackedEmbedding}.get(type(module))
+    if (kind is None or module.weight.dtype != mx.float32
+            or panel_width(module.weight.shape[0]) is None):
+        return None
+    return kind
+
+
+def packing_bytes(tensors: Iterable[tuple[Sequence[int], str]]) -> int:
+    """What packing a model's weights holds beyond them at load, from its tensors' shapes
+    and safetensors dtypes: the largest float32 matrix whose rows fit a panel (packed one
+    at a time, each held twice while it is copied), or 0 where nothing is packed here."""
+    if packed_bits() == 0:
+        return 0
+    return max((math.prod(shape) * 4 for shape, dtype in tensors
+                if dtype == "F32" and len(shape) == 2 and panel_width(shape[0]) is not None),
+               default=0)
+
+
+def _places(model: nn.Module) -> list[tuple[Any, Any]]:
+    """``(container, key)`` of every layer :func:`install_packed_linears` swaps."""
+    places: list[tuple[Any, Any]] = []
+    for _, parent in model.named_modules():
+        for name, child in parent.items():
+            if isinstance(child, list):
+                places += [(child, index) for index, item in enumerate(child)
+                           if _packed_kind(item) is not None]
+            elif _packed_kind(child) is not None:
+                places.append((parent, name))
+    return places
+
+
+def install_packed_linears(model: nn.Module) -> int:
+    """Swap ``model``'s packable ``nn.Linear`` and ``nn.Embedding`` layers (see the module)
+    for :class:`PackedLinear` and :class:`PackedEmbedding`; how many were swapped. Each
+    weight is packed and evaluated, and its old buffer let go, before the next: the load
+    holds one weight twice at most (:func:`packing_bytes`). (The places are found first,
+    and the list of every module let go: while it lived it held every old weight, and the
+    default model's load peaked at twice its weights.)"""
+    bits = packed_bits()
+    if bits == 0:
+        return 0
+    places = _places(model)
+    for container, key in places:
+        container[key] = _packed_kind(container[key])(container[key], bits)
+        mx.eval(container[key].parameters())
+    mx.clear_cache()  # the unpacked weights' buffers, back to the system
+    return len(places)
