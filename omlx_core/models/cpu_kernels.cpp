@@ -187,8 +187,9 @@ int64_t usable_cores() {
 // calls, and a thread started per call costs tens of microseconds. ``run`` hands out a
 // call's chunks one at a time to whoever asks first, this thread included, so a helper
 // that is slow to wake (the machine is shared) delays nothing: this thread takes the
-// chunks it has not, and waits only for chunks a helper already took. A helper spins a
-// little for the next call, then sleeps on a futex (std::atomic::wait). One call uses the
+// chunks it has not, and waits only for chunks a helper already took. A helper spins
+// for the next call (20,000 pauses: 0.49 ms on the development machine's CPU, longer than
+// the gaps between a step's calls), then sleeps on a futex (std::atomic::wait). One call uses the
 // helpers at a time (another stream's call meanwhile runs on its own thread); after a
 // fork the child runs every chunk itself.
 class Helpers {
@@ -247,7 +248,7 @@ class Helpers {
     uint32_t seen = 0;
     for (;;) {
       uint32_t now = go.load(std::memory_order_acquire);
-      for (int spin = 0; spin < 20000 && now == seen; ++spin) {  // ~50-100 us, then sleep
+      for (int spin = 0; spin < 20000 && now == seen; ++spin) {  // ~0.5 ms here, then sleep
         spin_pause();
         now = go.load(std::memory_order_acquire);
       }
