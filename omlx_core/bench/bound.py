@@ -96,7 +96,7 @@ def time_matmul(weights: Weights, rows: Sequence[int]) -> dict[str, dict[int, fl
     servers' BLAS is loaded."""
     import mlx.core as mx
 
-    from omlx_core.models.packed_linear import packed_bits
+    from omlx_core.models.packed_linear import PANELS, packed_bits
 
     dtype = getattr(mx, MLX_DTYPES[weights.dtype])
     columns = weights.elements // weights.hidden_size
@@ -111,9 +111,10 @@ def time_matmul(weights: Weights, rows: Sequence[int]) -> dict[str, dict[int, fl
     if bits and dtype == mx.float32:
         from omlx_core.models.cpu_kernels import kernels
 
-        panels = mx.random.normal((columns // 48, weights.hidden_size, 48))
+        width = PANELS[0]
+        panels = mx.random.normal((columns // width, weights.hidden_size, width))
         mx.eval(panels)
-        scale = columns / (columns // 48 * 48)
+        scale = columns / (columns // width * width)
         ways["packed"] = {count: _fastest(lambda: kernels().packed_matmul(inputs[count], panels, bits))
                           * scale for count in rows}
     return ways

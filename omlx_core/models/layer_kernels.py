@@ -21,14 +21,14 @@ on (the estimate is measured against it), stays as it was (with the kernels in a
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from omlx_core.models import cpu_kernels
 
-__all__ = ["KernelRMSNorm", "KernelRoPE", "install_cpu_layer_kernels"]
+__all__ = ["KernelRMSNorm", "KernelRoPE", "install_cpu_layer_kernels", "layer_places"]
 
 
 def _decode_step(x: mx.array, positions_axis: int) -> Any:
@@ -73,15 +73,27 @@ class KernelRoPE(nn.RoPE):
                             self.traditional, self.scale)
 
 
-def _replacement(module: Any) -> Any | None:
+def _replacement(module: nn.RMSNorm | nn.RoPE) -> nn.Module:
     if type(module) is nn.RMSNorm:
         norm = KernelRMSNorm(module.weight.shape[0], eps=module.eps)
         norm.weight = module.weight
         return norm
-    if type(module) is nn.RoPE:
-        return KernelRoPE(module.dims, traditional=module.traditional, base=module.base,
-                          scale=module.scale)
-    return None
+    return KernelRoPE(module.dims, traditional=module.traditional, base=module.base,
+                      scale=module.scale)
+
+
+def layer_places(model: nn.Module, wanted: Callable[[Any], bool]) -> list[tuple[Any, Any]]:
+    """``(container, key)`` of every module of ``model`` that ``wanted`` picks: a module's
+    child, or an item of a module's list of layers (``container[key] = ...`` swaps it).
+    Found before anything is swapped, and the list of every module let go on return."""
+    places: list[tuple[Any, Any]] = []
+    for _, parent in model.named_modules():
+        for name, child in parent.items():
+            if isinstance(child, list):
+                places += [(child, index) for index, item in enumerate(child) if wanted(item)]
+            elif wanted(child):
+                places.append((parent, name))
+    return places
 
 
 def install_cpu_layer_kernels(model: nn.Module) -> int:
@@ -89,17 +101,7 @@ def install_cpu_layer_kernels(model: nn.Module) -> int:
     ones (on the CPU backend only, where the kernels are built); how many were swapped."""
     if mx.default_device().type != mx.cpu or cpu_kernels.kernels() is None:
         return 0
-    swapped = 0
-    for _, parent in model.named_modules():
-        for name, child in list(parent.items()):
-            replacement = _replacement(child)
-            if replacement is not None:
-                parent[name] = replacement
-                swapped += 1
-            elif isinstance(child, list):
-                for index, item in enumerate(child):
-                    replacement = _replacement(item)
-                    if replacement is not None:
-                        child[index] = replacement
-                        swapped += 1
-    return swapped
+    places = layer_places(model, lambda module: type(module) in (nn.RMSNorm, nn.RoPE))
+    for container, key in places:
+        container[key] = _replacement(container[key])
+    return len(places)

@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from omlx_core.models import cpu_kernels
+from omlx_core.models.layer_kernels import layer_places
 
 __all__ = ["PackedEmbedding", "PackedLinear", "install_packed_linears", "pack_weight", "packed_bits",
            "packing_bytes", "panel_width"]
@@ -68,6 +69,16 @@ def pack_weight(weight: mx.array) -> mx.array:
     return mx.contiguous(weight.reshape(outputs // width, width, inputs).swapaxes(1, 2))
 
 
+def _product(x: mx.array, packed: mx.array, bits: int) -> mx.array:
+    return cpu_kernels.kernels().packed_matmul(x.astype(mx.float32), packed, bits)
+
+
+def _rows(packed: mx.array, indices: mx.array) -> mx.array:
+    """Rows ``indices`` of the weight ``packed`` holds, read out of their panels."""
+    width = packed.shape[2]
+    return packed[indices // width, :, indices % width]
+
+
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose weight is held packed (:func:`pack_weight`) and multiplied by
     the kernel's ``packed_matmul``."""
@@ -87,12 +98,10 @@ class PackedLinear(nn.Module):
     def rows(self, outputs: mx.array) -> mx.array:
         """The weight's rows of ``outputs`` (output indices): ``weight[outputs]`` as the
         unpacked weight would give them (a reranker reads a head's rows of a few tokens)."""
-        packed = self["packed"]
-        return packed[outputs // packed.shape[2], :, outputs % packed.shape[2]]
+        return _rows(self["packed"], outputs)
 
     def __call__(self, x: mx.array) -> mx.array:
-        kernels = cpu_kernels.kernels()
-        y = kernels.packed_matmul(x.astype(mx.float32), self["packed"], self._bits)
+        y = _product(x, self["packed"], self._bits)
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -119,11 +128,10 @@ class PackedEmbedding(nn.Module):
         return self["packed"].swapaxes(1, 2).reshape(self.num_embeddings, self.dims)
 
     def __call__(self, x: mx.array) -> mx.array:
-        packed = self["packed"]
-        return packed[x // packed.shape[2], :, x % packed.shape[2]]
+        return _rows(self["packed"], x)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return cpu_kernels.kernels().packed_matmul(x.astype(mx.float32), self["packed"], self._bits)
+        return _product(x, self["packed"], self._bits)
 
 
 def _packed_kind(module: Any) -> type | None:
@@ -147,30 +155,18 @@ def packing_bytes(tensors: Iterable[tuple[Sequence[int], str]]) -> int:
                default=0)
 
 
-def _places(model: nn.Module) -> list[tuple[Any, Any]]:
-    """``(container, key)`` of every layer :func:`install_packed_linears` swaps."""
-    places: list[tuple[Any, Any]] = []
-    for _, parent in model.named_modules():
-        for name, child in parent.items():
-            if isinstance(child, list):
-                places += [(child, index) for index, item in enumerate(child)
-                           if _packed_kind(item) is not None]
-            elif _packed_kind(child) is not None:
-                places.append((parent, name))
-    return places
-
-
 def install_packed_linears(model: nn.Module) -> int:
     """Swap ``model``'s packable ``nn.Linear`` and ``nn.Embedding`` layers (see the module)
     for :class:`PackedLinear` and :class:`PackedEmbedding`; how many were swapped. Each
     weight is packed and evaluated, and its old buffer let go, before the next: the load
     holds one weight twice at most (:func:`packing_bytes`). (The places are found first,
-    and the list of every module let go: while it lived it held every old weight, and the
-    default model's load peaked at twice its weights.)"""
+    and the list of every module let go (:func:`~.layer_kernels.layer_places`): while it
+    lived it held every old weight, and the default model's load peaked at twice its
+    weights.)"""
     bits = packed_bits()
     if bits == 0:
         return 0
-    places = _places(model)
+    places = layer_places(model, lambda module: _packed_kind(module) is not None)
     for container, key in places:
         container[key] = _packed_kind(container[key])(container[key], bits)
         mx.eval(container[key].parameters())

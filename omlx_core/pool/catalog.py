@@ -19,7 +19,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from omlx_core.config import ModelEntry, Sourced
 from omlx_core.models.errors import ModelError
@@ -107,10 +107,14 @@ def tensor_headers(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
     return tensors
 
 
+def tensors_bytes(tensors: Iterable[tuple[str, tuple[int, ...], str]]) -> int:
+    """The bytes of ``tensors`` (:func:`tensor_headers`' rows)."""
+    return sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for _, shape, dtype in tensors)
+
+
 def weights_bytes(path: Path) -> int:
     """The bytes of every tensor in ``path``'s ``*.safetensors`` files, from their headers.
 
     :raises ModelError: a file's header cannot be read (a truncated or corrupt file).
     """
-    return sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4)
-               for _, shape, dtype in tensor_headers(path))
+    return tensors_bytes(tensor_headers(path))

@@ -7,13 +7,12 @@ composes them under its lock."""
 from __future__ import annotations
 
 import gc
-import math
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from omlx_core.memory.types import PeakQuery, Rejection, RequestRejected
-from omlx_core.pool.catalog import DTYPE_BYTES, tensor_headers
+from omlx_core.pool.catalog import tensor_headers, tensors_bytes
 from omlx_core.pool.records import RESIDENT, UNLOADING, ModelRecord
 from omlx_core.settings import format_size
 
@@ -41,7 +40,7 @@ def plan_load(spec: ModelSpec, estimate_peak: Callable[..., Any] | None, backend
     from omlx_core.models.packed_linear import packing_bytes
 
     tensors = tensor_headers(spec.path)
-    weights = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for _, shape, dtype in tensors)
+    weights = tensors_bytes(tensors)
     working = 0
     if estimate_peak is not None:
         query = PeakQuery(model_config=dict(spec.config), new_tokens=512, model_id=spec.id,
