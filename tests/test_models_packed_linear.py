@@ -114,6 +114,56 @@ def test_bad_input_is_refused_with_what_is_wrong(bits):
         kernels.packed_matmul(mx.zeros((2, 8)), panels, 128)
 
 
+def test_a_split_product_is_each_siblings_own_product_bit_for_bit(bits):
+    kernels = cpu_kernels.kernels()
+    keys = mx.random.split(mx.random.key(8), 4)
+    weights = [mx.random.normal((n, 40), key=k) for n, k in zip((96, 48, 48), keys)]
+    x = mx.random.normal((5, 1, 40), key=keys[3])
+    joined = mx.concatenate([pack_weight(w) for w in weights], axis=0)
+    outputs = kernels.packed_matmul_split(x, joined, bits, [2, 1, 1])
+    assert [o.shape for o in outputs] == [(5, 1, 96), (5, 1, 48), (5, 1, 48)]
+    for out, weight in zip(outputs, weights):
+        assert mx.array_equal(out, kernels.packed_matmul(x, pack_weight(weight), bits)).item()
+    with pytest.raises(ValueError, match="add up to the panels"):
+        kernels.packed_matmul_split(x, joined, bits, [2, 1])
+    with pytest.raises(ValueError, match="every split needs a panel"):
+        kernels.packed_matmul_split(x, joined, bits, [4, 0])
+
+
+def test_siblings_are_one_weight_and_one_product(tiny_model_path, bits):
+    """q/k/v and gate/up are packed as one weight (each layer's ``packed`` a view of it,
+    the bytes counted once) and multiplied in one call; the model's outputs are bit for
+    bit those of each layer multiplying alone, and a sibling called with another input
+    gets its own product of it."""
+    from omlx_core.models.loader import load_model
+
+    model, _ = load_model(tiny_model_path("llama"))
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    shared = {id(layer._shared) for layer in (attention.q_proj, attention.k_proj, attention.v_proj)}
+    assert len(shared) == 1 and attention.q_proj._shared is not None
+    assert mlp.gate_proj._shared is mlp.up_proj._shared is not None
+    assert mlp.down_proj._shared is None and attention.o_proj._shared is None
+    tokens = mx.array([[5, 9, 31, 2, 77, 120, 4]])
+    joined = model(tokens)
+    mx.eval(joined)
+    for _, module in model.named_modules():
+        if isinstance(module, PackedLinear):
+            module._shared = None
+    assert mx.array_equal(joined, model(tokens)).item()
+
+    model, _ = load_model(tiny_model_path("llama"))
+    attention = model.model.layers[0].self_attn
+    x, other = (mx.random.normal((2, 3, attention.q_proj.input_dims), key=mx.random.key(s)) for s in (1, 2))
+    alone = [layer.packed for layer in (attention.q_proj, attention.k_proj)]
+    q, k_other = attention.q_proj(x), attention.k_proj(other)
+    assert mx.array_equal(q, cpu_kernels.kernels().packed_matmul(x, alone[0], bits)).item()
+    assert mx.array_equal(k_other, cpu_kernels.kernels().packed_matmul(other, alone[1], bits)).item()
+    # once each sibling took its output, nothing of the call is held
+    outputs = [layer(x) for layer in (attention.q_proj, attention.k_proj, attention.v_proj)]
+    assert attention.q_proj._shared._held.value is None
+    assert mx.array_equal(outputs[1], cpu_kernels.kernels().packed_matmul(x, alone[1], bits)).item()
+
+
 def test_panels_are_the_widest_that_divide_the_outputs():
     assert [panel_width(n) for n in (576, 4096, 80, 49152, 100)] == [48, 32, 16, 48, None]
     weight = mx.arange(64 * 3, dtype=mx.float32).reshape(64, 3)
@@ -187,7 +237,7 @@ def test_packing_holds_one_weight_twice_at_most(monkeypatch):
     monkeypatch.setenv(packed_linear.OFF_ENV, "0")
     model, _ = load_model(path)
     monkeypatch.delenv(packed_linear.OFF_ENV)
-    extra = packed_linear.packing_bytes((shape, dtype) for _, shape, dtype in tensor_headers(path))
+    extra = packed_linear.packing_bytes(tensor_headers(path))
     weights = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
     assert 0 < extra < weights / 4
     mx.synchronize()
@@ -198,8 +248,17 @@ def test_packing_holds_one_weight_twice_at_most(monkeypatch):
     assert sum(a.nbytes for _, a in tree_flatten(model.parameters())) == weights
 
 
-def test_nothing_is_planned_for_packing_where_nothing_is_packed(monkeypatch):
-    tensors = [((49152, 576), "F32"), ((576, 1536), "F32"), ((100, 7), "F32"), ((4096, 9), "BF16")]
+def test_packing_plans_the_largest_weight_or_twice_a_set_of_siblings(monkeypatch):
+    tensors = [("model.embed_tokens.weight", (49152, 576), "F32"),
+               ("model.layers.0.mlp.down_proj.weight", (576, 1536), "F32"),
+               ("model.layers.0.norm.weight", (100, 7), "F32"),
+               ("model.layers.1.mlp.down_proj.weight", (4096, 9), "BF16")]
     assert packed_linear.packing_bytes(tensors) == (49152 * 576 * 4 if packed_bits() else 0)
+    # gate and up of one layer are packed as one: 2 x (2 x 16384 x 576) floats beat the table
+    siblings = [(f"model.layers.3.mlp.{name}.weight", (16384, 576), "F32")
+                for name in ("gate_proj", "up_proj")]
+    others = [("model.layers.4.mlp.gate_proj.weight", (16384, 576), "F32")]
+    assert packed_linear.packing_bytes(tensors + siblings + others) == (
+        2 * 2 * 16384 * 576 * 4 if packed_bits() else 0)
     monkeypatch.setenv(packed_linear.OFF_ENV, "0")
-    assert packed_linear.packing_bytes(tensors) == 0
+    assert packed_linear.packing_bytes(tensors + siblings) == 0

@@ -188,10 +188,18 @@ int64_t usable_cores() {
 // call's chunks one at a time to whoever asks first, this thread included, so a helper
 // that is slow to wake (the machine is shared) delays nothing: this thread takes the
 // chunks it has not, and waits only for chunks a helper already took. A helper spins
-// for the next call (20,000 pauses: 0.49 ms on the development machine's CPU, longer than
-// the gaps between a step's calls), then sleeps on a futex (std::atomic::wait). One call uses the
+// for the next call a little (kHelperSpin pauses), then sleeps on a futex
+// (std::atomic::wait). It spun 20,000 pauses (0.49 ms here) before: through every gap
+// between a step's products it held the core the step's other threads need (the
+// Python thread building the next step's graph, the server's HTTP threads), and a
+// 16-row step of the default model ran no faster for it (39.7-42.2 ms spinning 20,000,
+// 2,000, 200 or 0 pauses), a 1-row step 22.8 ms spinning none against 24.6-25.1 ms. One call uses the
 // helpers at a time (another stream's call meanwhile runs on its own thread); after a
 // fork the child runs every chunk itself.
+// Pauses a helper spins for the next call before it sleeps (~25 us here): long enough for
+// back-to-back products, short of the gaps between a layer's parts.
+constexpr int kHelperSpin = 1000;
+
 class Helpers {
  public:
   static Helpers& shared() {
@@ -248,7 +256,7 @@ class Helpers {
     uint32_t seen = 0;
     for (;;) {
       uint32_t now = go.load(std::memory_order_acquire);
-      for (int spin = 0; spin < 20000 && now == seen; ++spin) {  // ~0.5 ms here, then sleep
+      for (int spin = 0; spin < kHelperSpin && now == seen; ++spin) {
         spin_pause();
         now = go.load(std::memory_order_acquire);
       }
@@ -664,13 +672,37 @@ static inline __attribute__((always_inline)) float lanes_sum(v8f s) {
 }
 
 // scores[r * keys + l] = query row r . key row l for l in [0, count), ``R`` query rows
-// (``width`` apart) and keys ``stride`` apart.
+// (``width`` apart) and keys ``stride`` apart. ``KT`` keys at a time: each score is a
+// chain of dependent adds, and R chains alone left the adder waiting on its latency
+// (a 16-row step's attention at 170 cached tokens took 5.6 ms).
 template <int R>
 static inline __attribute__((always_inline)) void block_scores(
     const float* query, const float* key, int64_t stride, int64_t count, int64_t width,
     float* scores, int64_t keys) {
+  constexpr int KT = R <= 2 ? 8 : (R <= 4 ? 4 : 2);
   int64_t full = width / 8 * 8;
-  for (int64_t l = 0; l < count; ++l) {
+  auto finish = [&](const v8f& acc, int r, const float* k, int64_t l) {
+    float out = lanes_sum(acc);
+    for (int64_t d = full; d < width; ++d) out += query[r * width + d] * k[d];
+    scores[r * keys + l] = out;
+  };
+  int64_t l = 0;
+  for (; l + KT <= count; l += KT) {
+    v8f acc[KT][R];
+    for (int j = 0; j < KT; ++j)
+      for (int r = 0; r < R; ++r) acc[j][r] = v8f{0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t d = 0; d < full; d += 8) {
+      v8f kv[KT];
+      for (int j = 0; j < KT; ++j) kv[j] = load8(key + (l + j) * stride + d);
+      for (int r = 0; r < R; ++r) {
+        v8f q = load8(query + r * width + d);
+        for (int j = 0; j < KT; ++j) acc[j][r] += q * kv[j];
+      }
+    }
+    for (int j = 0; j < KT; ++j)
+      for (int r = 0; r < R; ++r) finish(acc[j][r], r, key + (l + j) * stride, l + j);
+  }
+  for (; l < count; ++l) {
     const float* k = key + l * stride;
     v8f acc[R];
     for (int r = 0; r < R; ++r) acc[r] = v8f{0, 0, 0, 0, 0, 0, 0, 0};
@@ -678,26 +710,45 @@ static inline __attribute__((always_inline)) void block_scores(
       v8f kv = load8(k + d);
       for (int r = 0; r < R; ++r) acc[r] += load8(query + r * width + d) * kv;
     }
-    for (int r = 0; r < R; ++r) {
-      float out = lanes_sum(acc[r]);
-      for (int64_t d = full; d < width; ++d) out += query[r * width + d] * k[d];
-      scores[r * keys + l] = out;
-    }
+    for (int r = 0; r < R; ++r) finish(acc[r], r, k, l);
   }
 }
 
-// y[r] += weight[r * keys + l] x value row l, keys in order, skipping hidden ones.
+// y[r] += weight[r * keys + l] x value row l, keys in order, skipping hidden ones. The
+// R output rows are held in registers ``DC`` vectors at a time over the block's keys
+// (added to in memory, every key loaded and stored all of y again).
 template <int R>
 static inline __attribute__((always_inline)) void block_values(
     const float* weights, const float* value, int64_t stride, int64_t count, int64_t width,
     const bool* shown, int64_t shown_stride, float* y, int64_t keys) {
+  constexpr int DC = R <= 3 ? 4 : (R <= 6 ? 2 : 1);
+  auto hidden = [&](int64_t l) { return shown != nullptr && !shown[l * shown_stride]; };
+  int64_t d0 = 0;
+  for (; d0 + 8 * DC <= width; d0 += 8 * DC) {
+    v8f acc[R][DC];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < DC; ++c) acc[r][c] = load8(y + r * width + d0 + 8 * c);
+    for (int64_t l = 0; l < count; ++l) {
+      if (hidden(l)) continue;  // its weight is exactly 0
+      const float* v = value + l * stride + d0;
+      v8f vv[DC];
+      for (int c = 0; c < DC; ++c) vv[c] = load8(v + 8 * c);
+      for (int r = 0; r < R; ++r) {
+        float a = weights[r * keys + l];
+        for (int c = 0; c < DC; ++c) acc[r][c] += a * vv[c];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < DC; ++c) std::memcpy(y + r * width + d0 + 8 * c, &acc[r][c], sizeof(v8f));
+  }
+  if (d0 == width) return;
   for (int64_t l = 0; l < count; ++l) {
-    if (shown != nullptr && !shown[l * shown_stride]) continue;  // its weight is exactly 0
+    if (hidden(l)) continue;
     const float* v = value + l * stride;
     for (int r = 0; r < R; ++r) {
       float a = weights[r * keys + l];
       float* yr = y + r * width;
-      for (int64_t d = 0; d < width; ++d) yr[d] += a * v[d];
+      for (int64_t d = d0; d < width; ++d) yr[d] += a * v[d];
     }
   }
 }
@@ -1285,36 +1336,49 @@ void panels_times_rows(const float* x, int64_t rows, int64_t k_len, const float*
   }
 }
 
+// One product, one or several outputs: output i is the product of panels
+// [splits[0] + ... + splits[i - 1], ... + splits[i]) (sibling layers called on one
+// input, q/k/v or gate/up, are one weight and one call: their own outputs, no slices).
 class PackedMatmul : public mx::Primitive {
  public:
-  PackedMatmul(mx::Stream s, int bits) : mx::Primitive(s), bits_(bits) {}
+  PackedMatmul(mx::Stream s, int bits, std::vector<int64_t> splits)
+      : mx::Primitive(s), bits_(bits), splits_(std::move(splits)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     // inputs: x (..., K) and the panels (N / W, K, W), W 48, 32 or 16, both row-contiguous
     const auto& x = inputs[0];
     const auto& packed = inputs[1];
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
     encoder.set_input_array(packed);
-    encoder.set_output_array(out);
+    std::vector<float*> ys;
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+      ys.push_back(out.data<float>());
+    }
     int64_t k_len = packed.shape(1);
     int64_t panels = packed.shape(0);
     int64_t width = packed.shape(2);
-    encoder.dispatch([xp = x.data<float>(), wp = packed.data<float>(), yp = out.data<float>(),
-                      rows = static_cast<int64_t>(x.size()) / k_len, k_len, panels, width,
-                      bits = bits_]() {
-      int64_t n = panels * width;
+    encoder.dispatch([xp = x.data<float>(), wp = packed.data<float>(), ys = std::move(ys),
+                      splits = splits_, rows = static_cast<int64_t>(x.size()) / k_len, k_len,
+                      panels, width, bits = bits_]() {
       auto& helpers = Helpers::shared();
       // Chunks of at least ~64k multiply-adds (a helper's wake-up costs microseconds), up
       // to 8 a thread (what a thread that starts late leaves is taken by the others).
       int64_t chunks = std::min({8 * helpers.threads(), panels,
-                                 std::max<int64_t>(1, rows * n * k_len / (1 << 16))});
+                                 std::max<int64_t>(1, rows * panels * width * k_len / (1 << 16))});
       auto chunk = [&](int64_t c) {
         int64_t first = panels * c / chunks, last = panels * (c + 1) / chunks;
-        if (width == 48) panels_times_rows<3>(xp, rows, k_len, wp, first, last, yp, n, bits);
-        else if (width == 32) panels_times_rows<2>(xp, rows, k_len, wp, first, last, yp, n, bits);
-        else panels_times_rows<1>(xp, rows, k_len, wp, first, last, yp, n, bits);
+        int64_t start = 0;  // the first panel of output i
+        for (size_t i = 0; i < splits.size(); start += splits[i], ++i) {
+          int64_t from = std::max(first, start), to = std::min(last, start + splits[i]);
+          if (from >= to) continue;
+          const float* w = wp + start * k_len * width;
+          int64_t n = splits[i] * width;
+          if (width == 48) panels_times_rows<3>(xp, rows, k_len, w, from - start, to - start, ys[i], n, bits);
+          else if (width == 32) panels_times_rows<2>(xp, rows, k_len, w, from - start, to - start, ys[i], n, bits);
+          else panels_times_rows<1>(xp, rows, k_len, w, from - start, to - start, ys[i], n, bits);
+        }
       };
       helpers.run(chunks, chunk);
     });
@@ -1324,16 +1388,22 @@ class PackedMatmul : public mx::Primitive {
   }
   const char* name() const override { return "OmlxPackedMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return bits_ == static_cast<const PackedMatmul&>(other).bits_;
+    const auto& o = static_cast<const PackedMatmul&>(other);
+    return bits_ == o.bits_ && splits_ == o.splits_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    auto shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(0) * inputs[1].shape(2);
-    return {shape};
+    std::vector<mx::Shape> shapes;
+    for (int64_t panels : splits_) {
+      auto shape = inputs[0].shape();
+      shape.back() = static_cast<int>(panels * inputs[1].shape(2));
+      shapes.push_back(shape);
+    }
+    return shapes;
   }
 
  private:
   int bits_;
+  std::vector<int64_t> splits_;
 };
 
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
@@ -1530,7 +1600,8 @@ mx::array packed_attention(const mx::array& qkv, const mx::array& offsets, int h
                    {mx::contiguous(qkv, false, s), mx::contiguous(offsets, false, s)});
 }
 
-mx::array packed_matmul(const mx::array& x, const mx::array& packed, int bits) {
+std::vector<mx::array> packed_matmul_split(const mx::array& x, const mx::array& packed, int bits,
+                                           std::vector<int64_t> splits) {
   bool fits = x.dtype() == mx::float32 && packed.dtype() == mx::float32 && x.ndim() >= 1 &&
               packed.ndim() == 3 && x.shape().back() == packed.shape(1) &&
               (packed.shape(2) == 48 || packed.shape(2) == 32 || packed.shape(2) == 16);
@@ -1542,11 +1613,33 @@ mx::array packed_matmul(const mx::array& x, const mx::array& packed, int bits) {
     throw std::invalid_argument("packed_matmul: bits must be 512 or 256, at most "
                                 "packed_matmul_bits() (what this CPU has)");
   }
+  int64_t total = 0;
+  for (int64_t panels : splits) {
+    if (panels <= 0) throw std::invalid_argument("packed_matmul_split: every split needs a panel");
+    total += panels;
+  }
+  if (splits.empty() || total != packed.shape(0)) {
+    throw std::invalid_argument("packed_matmul_split: the splits must add up to the panels");
+  }
   auto s = cpu_stream();
-  auto shape = x.shape();
-  shape.back() = packed.shape(0) * packed.shape(2);
-  return mx::array(shape, mx::float32, std::make_shared<PackedMatmul>(s, bits),
-                   {mx::contiguous(x, false, s), mx::contiguous(packed, false, s)});
+  auto primitive = std::make_shared<PackedMatmul>(s, bits, splits);
+  // A sibling's own panels are a slice of the weights packed as one: dense, but mlx's
+  // contiguous() copies a slice (1.3 MB for a 576 x 576 weight, every call).
+  bool dense = packed.is_available() && packed.flags().row_contiguous;
+  std::vector<mx::array> inputs = {mx::contiguous(x, false, s),
+                                   dense ? packed : mx::contiguous(packed, false, s)};
+  auto shapes = primitive->output_shapes(inputs);
+  return mx::array::make_arrays(std::move(shapes),
+                                std::vector<mx::Dtype>(shapes.size(), mx::float32), primitive,
+                                inputs);
+}
+
+mx::array packed_matmul(const mx::array& x, const mx::array& packed, int bits) {
+  if (packed.ndim() != 3) {
+    throw std::invalid_argument("packed_matmul: needs float32 x (..., K) and float32 panels "
+                                "(N / W, K, W), W 48, 32 or 16");
+  }
+  return packed_matmul_split(x, packed, bits, {static_cast<int64_t>(packed.shape(0))})[0];
 }
 
 }  // namespace
@@ -1556,6 +1649,10 @@ NB_MODULE(_omlx_cpu_kernels, m) {
   m.def("packed_matmul", &packed_matmul, nb::arg("x"), nb::arg("packed"), nb::arg("bits"),
         "x w^T for a float32 weight w (N x K) packed as panels (N / W, K, W), W 48, 32 or 16: "
         "panel p, row k is w[W p : W p + W, k]; bits: the vector width (packed_matmul_bits()).");
+  m.def("packed_matmul_split", &packed_matmul_split, nb::arg("x"), nb::arg("packed"),
+        nb::arg("bits"), nb::arg("splits"),
+        "packed_matmul's product as one output per split: output i is the product of the next "
+        "splits[i] panels (sibling layers' weights packed as one).");
   m.def("packed_matmul_bits", &packed_matmul_bits,
         "The vector width packed_matmul runs at on this CPU: 512, 256, or 0 (it cannot).");
   m.def("softmax", &softmax, nb::arg("x"),

@@ -47,7 +47,7 @@ def plan_load(spec: ModelSpec, estimate_peak: Callable[..., Any] | None, backend
                           backend=backend)
         estimate = estimate_peak(query=query)
         working = estimate.total if estimate is not None else 0
-    loading = packing_bytes((shape, dtype) for _, shape, dtype in tensors)
+    loading = packing_bytes(tensors)
     return LoadPlan(weights, weights + max(working, loading), context_length(spec.config))
 
 
