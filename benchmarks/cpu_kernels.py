@@ -1,6 +1,7 @@
 """Decode steps of the default model with the CPU kernels and without, paired.
 
     python -m benchmarks.cpu_kernels [--rounds 5] [--steps 8]
+    python -m benchmarks.cpu_kernels --alone   # the kernels alone only, no model
 
 Loads the default model as the server does (its attention and SwiGLU routes installed),
 fills a batch cache of ``rows`` sequences of ``context`` tokens, then decodes ``steps``
@@ -9,8 +10,9 @@ queued while the host reads this step's tokens) and rolls the cache back; altern
 with the CPU kernels (:mod:`omlx_core.models.cpu_kernels`: the softmax and SwiGLU of a
 decode step vectorized, in the graph) and with mlx's own ops (what ``mlx_lm.server``
 runs). It prints the median step time of each and the median of the per-round ratios,
-checks that both give the same greedy tokens, and times the two kernels alone against
-mlx's ops at a 16-row step's sizes. The linear layers stay on mlx's matmul on both sides
+checks that both give the same greedy tokens, and times the kernels alone against mlx's
+ops at a 16-row step's sizes (the softmax, the SwiGLU, and one step's decode attention
+over 30 layers' own keys and values). The linear layers stay on mlx's matmul on both sides
 (``OMLX_PACKED_LINEAR=0``; ``python -m benchmarks.packed_linear`` measures the packed ones).
 """
 
@@ -68,10 +70,23 @@ def _kernel_alone(rounds: int) -> list[tuple[str, float, float]]:
             times.append(time.perf_counter() - started)
         return statistics.median(times) * 1000
 
-    return [("softmax, 16 x 9 x 400 scores", median_ms(lambda: mx.softmax(scores, axis=-1, precise=True)),
+    rows = [("softmax, 16 x 9 x 400 scores", median_ms(lambda: mx.softmax(scores, axis=-1, precise=True)),
              median_ms(lambda: kernels.softmax(scores))),
             ("SwiGLU, 16 x 1536", median_ms(lambda: nn.silu(gate) * up),
              median_ms(lambda: kernels.swiglu(gate, up)))]
+    for keys in (170, 1000):
+        # one step's attention: 30 layers, each its own keys and values (a step reads
+        # them all from memory, as the model's cache holds them: 256-row slabs, sliced)
+        q = mx.random.normal((16, 1, 9, 64)).transpose(0, 2, 1, 3)
+        layers = [[mx.random.normal((16, 3, keys + 256, 64))[:, :, :keys] for _ in range(2)]
+                  for _ in range(30)]
+        mx.eval(q, layers)
+        rows.append((f"decode attention, 30 layers x 16 rows x 9 heads (3 KV) x {keys} keys",
+                     median_ms(lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+                                        for k, v in layers]),
+                     median_ms(lambda: [kernels.decode_attention(q, k, v, None, 0.125)
+                                        for k, v in layers])))
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="paired rounds per shape")
     parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    parser.add_argument("--alone", action="store_true",
+                        help="only the kernels alone against mlx's ops (no model)")
     args = parser.parse_args(argv)
 
     import mlx.core as mx
@@ -92,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omlx_core.models.loader import load_model
     from omlx_core.models.packed_linear import OFF_ENV
 
+    if args.alone:
+        _print_alone(args.rounds)
+        return 0
     # Linear layers through mlx's matmul on both sides: the A/B toggles the kernels module,
     # which the packed layers need (benchmarks/packed_linear.py measures those).
     os.environ[OFF_ENV] = "0"
@@ -133,11 +153,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rows, context, base, fast, ratio, low, high, same in rows_out:
         print(f"| {rows} x {context} | {base:.1f} | {fast:.1f} | {ratio:.2f}x | "
               f"{low:.2f}-{high:.2f}x | {'yes' if same else 'NO'} |")
-    print("\n| alone | mlx's ops, ms | CPU kernel, ms | ratio |")
-    print("|---|---:|---:|---:|")
-    for name, base, fast in _kernel_alone(args.rounds):
-        print(f"| {name} | {base:.3f} | {fast:.3f} | {base / fast:.1f}x |")
+    _print_alone(args.rounds)
     return 0 if all(row[-1] for row in rows_out) else 1
+
+
+def _print_alone(rounds: int) -> None:
+    print("\n| alone (median) | mlx's ops, ms | CPU kernel, ms | ratio |")
+    print("|---|---:|---:|---:|")
+    for name, base, fast in _kernel_alone(rounds):
+        print(f"| {name} | {base:.3f} | {fast:.3f} | {base / fast:.1f}x |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ the median step of each, the median of the per-round ratios and its range, and w
 the greedy tokens agree (the two round differently). Then a 2,048-token prefill in
 512-token chunks, paired the same way, and the machine's bound: one matmul of the
 model's size timed both ways, with each variant's 16-row step as a share of the faster.
+
+    python -m benchmarks.packed_linear --siblings [--rounds 5] [--steps 8]
+
+pairs the packed product's two ways instead: sibling layers (q/k/v, gate/up) packed as
+one weight and multiplied in one call (the default), and each layer alone
+(``OMLX_PACKED_SIBLINGS=0``).
 """
 
 from __future__ import annotations
@@ -30,20 +36,21 @@ SHAPES = ((1, 128), (8, 128), (16, 128), (16, 1000))
 PREFILL_TOKENS, PREFILL_CHUNK = 2048, 512
 
 
-def _load(packed: bool) -> Any:
+def _load(env: dict[str, str]) -> Any:
+    """The default model loaded with ``env`` set (and put back after)."""
     from omlx_core.models.default import ensure_default_model
     from omlx_core.models.loader import load_model
-    from omlx_core.models.packed_linear import OFF_ENV
 
-    before = os.environ.get(OFF_ENV)
-    os.environ[OFF_ENV] = "1" if packed else "0"
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         return load_model(ensure_default_model(progress=True))[0]
     finally:
-        if before is None:
-            del os.environ[OFF_ENV]
-        else:
-            os.environ[OFF_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def _prefill_seconds(model: Any, prompt: Any) -> float:
@@ -65,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="paired rounds per shape")
     parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    parser.add_argument("--siblings", action="store_true",
+                        help="pair siblings packed as one against each layer alone")
     args = parser.parse_args(argv)
 
     import mlx.core as mx
@@ -72,20 +81,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from omlx_core.bench.bound import WAY_NAMES, model_weights, time_matmul
     from omlx_core.models.default import ensure_default_model
-    from omlx_core.models.packed_linear import PackedLinear, packed_bits
+    from omlx_core.models.packed_linear import OFF_ENV, SIBLINGS_ENV, PackedLinear, packed_bits
 
     bits = packed_bits()
     if bits == 0:
         print("the packed product does not run here (no CPU kernels, or a CPU without AVX2 "
               "and FMA)", file=sys.stderr)
         return 1
-    models = {"BLAS": _load(False), "packed": _load(True)}
-    assert any(isinstance(m, PackedLinear) for _, m in models["packed"].named_modules())
+    if args.siblings:
+        base, fast = "each layer alone", "siblings as one"
+        models = {base: _load({OFF_ENV: "1", SIBLINGS_ENV: "0"}), fast: _load({OFF_ENV: "1"})}
+    else:
+        base, fast = "BLAS", "packed"
+        models = {base: _load({OFF_ENV: "0"}), fast: _load({OFF_ENV: "1"})}
+    assert any(isinstance(m, PackedLinear) for _, m in models[fast].named_modules())
     print(f"default model, float32, CPU backend, BLAS: {blas_in_use()}, packed product at "
           f"{bits} bits; {args.rounds} paired rounds of {args.steps} pipelined greedy decode "
           "steps per shape", flush=True)
     rows_out = []
-    #: milliseconds of a step (BLAS, packed) by rows, at the shortest context
+    #: milliseconds of a step (base, fast) by rows, at the shortest context
     shares: dict[int, tuple[float, float]] = {}
     for rows, context in SHAPES:
         prompt = mx.random.randint(0, 20000, (rows, context), key=mx.random.key(rows + context))
@@ -102,11 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 outputs.setdefault(name, tokens)
                 if round_:
                     timings[name].append(elapsed)
-        ratios = [a / b for a, b in zip(timings["BLAS"], timings["packed"])]
-        same = sum(a == b for step_a, step_b in zip(outputs["BLAS"], outputs["packed"])
+        ratios = [a / b for a, b in zip(timings[base], timings[fast])]
+        same = sum(a == b for step_a, step_b in zip(outputs[base], outputs[fast])
                    for a, b in zip(step_a, step_b))
-        rows_out.append((f"{rows} x {context}", statistics.median(timings["BLAS"]) * 1000,
-                         statistics.median(timings["packed"]) * 1000, ratios,
+        rows_out.append((f"{rows} x {context}", statistics.median(timings[base]) * 1000,
+                         statistics.median(timings[fast]) * 1000, ratios,
                          f"{same}/{rows * args.steps}"))
         if context == SHAPES[0][1]:
             shares[rows] = (rows_out[-1][1], rows_out[-1][2])
@@ -119,16 +133,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             seconds = _prefill_seconds(model, prompt)
             if round_:
                 prefill[name].append(seconds)
-    ratios = [a / b for a, b in zip(prefill["BLAS"], prefill["packed"])]
+    ratios = [a / b for a, b in zip(prefill[base], prefill[fast])]
     rows_out.append((f"prefill {PREFILL_TOKENS} tokens ({PREFILL_CHUNK}-token chunks)",
-                     statistics.median(prefill["BLAS"]) * 1000,
-                     statistics.median(prefill["packed"]) * 1000, ratios, "-"))
+                     statistics.median(prefill[base]) * 1000,
+                     statistics.median(prefill[fast]) * 1000, ratios, "-"))
 
-    print("\n| step | BLAS, ms | packed, ms | BLAS / packed (median of rounds) | range | "
+    print(f"\n| step | {base}, ms | {fast}, ms | {base} / {fast} (median of rounds) | range | "
           "same greedy tokens |")
     print("|---|---:|---:|---:|---|---|")
-    for shape, base, fast, ratios, same in rows_out:
-        print(f"| {shape} | {base:.1f} | {fast:.1f} | {statistics.median(ratios):.2f}x | "
+    for shape, base_ms, fast_ms, ratios, same in rows_out:
+        print(f"| {shape} | {base_ms:.1f} | {fast_ms:.1f} | {statistics.median(ratios):.2f}x | "
               f"{min(ratios):.2f}-{max(ratios):.2f}x | {same} |")
 
     ways = time_matmul(model_weights(ensure_default_model(progress=False)), [1, 16])
@@ -139,9 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"| {count} | " + " | ".join(f"{ways[w][count] * 1000:.1f}" for w in ways) + " |")
     for count in (1, 16):
         fastest = min(times[count] for times in ways.values()) * 1000
-        base, fast = shares[count]
-        print(f"- {count} x {SHAPES[0][1]}: a step's share of the bound: BLAS {fastest / base:.2f}, "
-              f"packed {fastest / fast:.2f}")
+        base_ms, fast_ms = shares[count]
+        print(f"- {count} x {SHAPES[0][1]}: a step's share of the bound: {base} "
+              f"{fastest / base_ms:.2f}, {fast} {fastest / fast_ms:.2f}")
     return 0
 
 

@@ -28,7 +28,8 @@ decode step of the default model makes 120 products instead of 210, and a produc
 fixed cost (its helpers' hand-off, the last chunk's wait) is paid per call. Each
 layer's ``packed`` is its own panels, a view of the shared weight (the bytes counted
 once). A layer called with an input its siblings were not called with gets its own
-product of that input: right, only not shared.
+product of that input: right, only not shared. ``OMLX_PACKED_SIBLINGS=0`` packs each
+layer alone (A/B measurements).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ __all__ = ["PackedEmbedding", "PackedLinear", "SIBLINGS", "install_packed_linear
 #: divides its outputs)
 PANELS = (48, 32, 16)
 OFF_ENV = "OMLX_PACKED_LINEAR"
+#: ``OMLX_PACKED_SIBLINGS=0`` packs each sibling layer alone (A/B measurements)
+SIBLINGS_ENV = "OMLX_PACKED_SIBLINGS"
 #: names of sibling layers a block calls on one input, packed as one weight (see the module)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -261,7 +264,7 @@ def install_packed_linears(model: nn.Module) -> int:
     if bits == 0:
         return 0
     places = layer_places(model, lambda module: _packed_kind(module) is not None)
-    groups = _sibling_groups(places)
+    groups = _sibling_groups(places) if os.environ.get(SIBLINGS_ENV, "1") != "0" else []
     in_groups = {(id(container), key) for group in groups for container, key in group}
     for group in groups:
         _install_siblings(group, bits)
