@@ -672,37 +672,13 @@ static inline __attribute__((always_inline)) float lanes_sum(v8f s) {
 }
 
 // scores[r * keys + l] = query row r . key row l for l in [0, count), ``R`` query rows
-// (``width`` apart) and keys ``stride`` apart. ``KT`` keys at a time: each score is a
-// chain of dependent adds, and R chains alone left the adder waiting on its latency
-// (a 16-row step's attention at 170 cached tokens took 5.6 ms).
+// (``width`` apart) and keys ``stride`` apart.
 template <int R>
 static inline __attribute__((always_inline)) void block_scores(
     const float* query, const float* key, int64_t stride, int64_t count, int64_t width,
     float* scores, int64_t keys) {
-  constexpr int KT = R <= 2 ? 8 : (R <= 4 ? 4 : 2);
   int64_t full = width / 8 * 8;
-  auto finish = [&](const v8f& acc, int r, const float* k, int64_t l) {
-    float out = lanes_sum(acc);
-    for (int64_t d = full; d < width; ++d) out += query[r * width + d] * k[d];
-    scores[r * keys + l] = out;
-  };
-  int64_t l = 0;
-  for (; l + KT <= count; l += KT) {
-    v8f acc[KT][R];
-    for (int j = 0; j < KT; ++j)
-      for (int r = 0; r < R; ++r) acc[j][r] = v8f{0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t d = 0; d < full; d += 8) {
-      v8f kv[KT];
-      for (int j = 0; j < KT; ++j) kv[j] = load8(key + (l + j) * stride + d);
-      for (int r = 0; r < R; ++r) {
-        v8f q = load8(query + r * width + d);
-        for (int j = 0; j < KT; ++j) acc[j][r] += q * kv[j];
-      }
-    }
-    for (int j = 0; j < KT; ++j)
-      for (int r = 0; r < R; ++r) finish(acc[j][r], r, key + (l + j) * stride, l + j);
-  }
-  for (; l < count; ++l) {
+  for (int64_t l = 0; l < count; ++l) {
     const float* k = key + l * stride;
     v8f acc[R];
     for (int r = 0; r < R; ++r) acc[r] = v8f{0, 0, 0, 0, 0, 0, 0, 0};
@@ -710,45 +686,26 @@ static inline __attribute__((always_inline)) void block_scores(
       v8f kv = load8(k + d);
       for (int r = 0; r < R; ++r) acc[r] += load8(query + r * width + d) * kv;
     }
-    for (int r = 0; r < R; ++r) finish(acc[r], r, k, l);
+    for (int r = 0; r < R; ++r) {
+      float out = lanes_sum(acc[r]);
+      for (int64_t d = full; d < width; ++d) out += query[r * width + d] * k[d];
+      scores[r * keys + l] = out;
+    }
   }
 }
 
-// y[r] += weight[r * keys + l] x value row l, keys in order, skipping hidden ones. The
-// R output rows are held in registers ``DC`` vectors at a time over the block's keys
-// (added to in memory, every key loaded and stored all of y again).
+// y[r] += weight[r * keys + l] x value row l, keys in order, skipping hidden ones.
 template <int R>
 static inline __attribute__((always_inline)) void block_values(
     const float* weights, const float* value, int64_t stride, int64_t count, int64_t width,
     const bool* shown, int64_t shown_stride, float* y, int64_t keys) {
-  constexpr int DC = R <= 3 ? 4 : (R <= 6 ? 2 : 1);
-  auto hidden = [&](int64_t l) { return shown != nullptr && !shown[l * shown_stride]; };
-  int64_t d0 = 0;
-  for (; d0 + 8 * DC <= width; d0 += 8 * DC) {
-    v8f acc[R][DC];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < DC; ++c) acc[r][c] = load8(y + r * width + d0 + 8 * c);
-    for (int64_t l = 0; l < count; ++l) {
-      if (hidden(l)) continue;  // its weight is exactly 0
-      const float* v = value + l * stride + d0;
-      v8f vv[DC];
-      for (int c = 0; c < DC; ++c) vv[c] = load8(v + 8 * c);
-      for (int r = 0; r < R; ++r) {
-        float a = weights[r * keys + l];
-        for (int c = 0; c < DC; ++c) acc[r][c] += a * vv[c];
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < DC; ++c) std::memcpy(y + r * width + d0 + 8 * c, &acc[r][c], sizeof(v8f));
-  }
-  if (d0 == width) return;
   for (int64_t l = 0; l < count; ++l) {
-    if (hidden(l)) continue;
+    if (shown != nullptr && !shown[l * shown_stride]) continue;  // its weight is exactly 0
     const float* v = value + l * stride;
     for (int r = 0; r < R; ++r) {
       float a = weights[r * keys + l];
       float* yr = y + r * width;
-      for (int64_t d = d0; d < width; ++d) yr[d] += a * v[d];
+      for (int64_t d = 0; d < width; ++d) yr[d] += a * v[d];
     }
   }
 }
