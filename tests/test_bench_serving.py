@@ -115,6 +115,9 @@ def test_the_bound_is_the_faster_way_to_multiply_on_this_machine():
     described = bound.describe()  # the faster way counts, at each row count
     assert "in 20.0 ms (mlx's matmul (the BLAS) 40.0 ms, omlx-core's packed kernel 20.0 ms" in described
     assert "in 60.0 ms (mlx's matmul (the BLAS) 60.0 ms, omlx-core's packed kernel 70.0 ms" in described
+    again = bound.faster(Bound(weights, {"blas": {1: 0.030, 16: 0.065}}))
+    assert again.ways == {"blas": {1: 0.030, 16: 0.060}, "packed": {1: 0.020, 16: 0.070}}
+    assert again.timed == 2 and again.describe().startswith("the fastest of 2 timings of ")
     measured = measure_bound(cached_model("llama"), [1, 4], preload_env())
     assert set(measured.ways) == ({"blas", "packed"} if packed_bits() else {"blas"})
     assert all(set(rows) == {1, 4} for rows in measured.ways.values())

@@ -129,12 +129,26 @@ class Bound:
     weights: Weights
     #: seconds of one matmul, by way (:func:`time_matmul`), by rows
     ways: dict[str, dict[int, float]]
+    #: how many times it was timed (:meth:`faster` keeps the fastest of them)
+    timed: int = 1
 
     @property
     def seconds(self) -> dict[int, float]:
         """Seconds of one matmul by rows: the fastest way's."""
         rows = set().union(*(times.keys() for times in self.ways.values()))
         return {r: min(times[r] for times in self.ways.values() if r in times) for r in rows}
+
+    def faster(self, other: Bound) -> Bound:
+        """Each way's faster timing of this bound and ``other`` (the same matmul timed
+        again), by rows: a bench times it before every round and keeps the fastest, as
+        the memory bandwidth this machine gives swings with its neighbours (one row read
+        12.7-21.1 ms in four runs of 2026-11-29)."""
+        ways: dict[str, dict[int, float]] = {}
+        for way in {*self.ways, *other.ways}:
+            mine, theirs = self.ways.get(way, {}), other.ways.get(way, {})
+            ways[way] = {rows: min(t for t in (mine.get(rows), theirs.get(rows)) if t is not None)
+                         for rows in {*mine, *theirs}}
+        return Bound(self.weights, ways, self.timed + other.timed)
 
     def tokens_per_s(self, rows: int) -> float:
         return rows / self.seconds[rows]
@@ -148,7 +162,8 @@ class Bound:
             return ", ".join(f"{WAY_NAMES.get(way, way)} {times[rows] * 1000:.1f} ms"
                              for way, times in self.ways.items() if rows in times)
 
-        return "; ".join(
+        timed = f"the fastest of {self.timed} timings of {REPEATS}; " if self.timed > 1 else ""
+        return timed + "; ".join(
             f"{rows} x {shape} ({self.weights.bytes / 2**20:.0f} MiB, the model's weights) in "
             f"{seconds[rows] * 1000:.1f} ms ({timings(rows)}; the faster counts): at most "
             f"{self.tokens_per_s(rows):.1f} tokens/s at {rows} stream(s)"
