@@ -192,9 +192,10 @@ int64_t usable_cores() {
 // (std::atomic::wait). It spun 20,000 pauses (0.49 ms here) before: through every gap
 // between a step's products it held the core the step's other threads need (the
 // Python thread building the next step's graph, the server's HTTP threads), and the
-// default model's steps ran no faster for it: over 12 alternating processes a 16-row
-// step read 39.4-46.5 ms and a 1-row step 21.2-23.2 ms whether it spun 20,000, 1,000 or
-// 0 pauses or yielded the core instead, the machine's swings. One call uses the
+// default model's steps ran no faster for it: 16-row steps 40.5-44.0 ms and 1-row
+// steps 21.7-25.1 ms spinning 20,000 (3 runs), and over 12 alternating runs spinning
+// 1,000 or 0 or yielding the core instead 39.5-46.5 and 21.2-23.2 ms, the machine's
+// swings. One call uses the
 // helpers at a time (another stream's call meanwhile runs on its own thread); after a
 // fork the child runs every chunk itself.
 // Pauses a helper spins for the next call before it sleeps (~25 us here): long enough for
