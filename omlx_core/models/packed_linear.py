@@ -240,10 +240,10 @@ def _install_siblings(group: list[tuple[Any, Any]], bits: int) -> int:
     """Swap a set of siblings for packed ones sharing one weight; the bytes let go."""
     layers = [container[key] for container, key in group]
     panels = [pack_weight(layer.weight) for layer in layers]
+    splits = [part.shape[0] for part in panels]
     packed = mx.concatenate(panels, axis=0)
     mx.eval(packed)
     del panels
-    splits = [layer.weight.shape[0] // panel_width(layer.weight.shape[0]) for layer in layers]
     shared = _SharedProduct(packed, splits, bits)
     start = 0
     for index, ((container, key), layer) in enumerate(zip(group, layers)):
