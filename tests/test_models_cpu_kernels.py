@@ -123,14 +123,18 @@ def test_rope_is_mlx_bit_for_bit(kernels, traditional, shape, offsets):
     assert mx.array_equal(got, want).item()
 
 
-@pytest.mark.parametrize("batch,heads,kv_heads,keys", [(1, 9, 3, 256), (16, 9, 3, 300), (4, 4, 4, 17)])
+@pytest.mark.parametrize("batch,heads,kv_heads,keys,width", [
+    (1, 9, 3, 256, 64), (16, 9, 3, 300, 64), (4, 4, 4, 17, 64),
+    # wider heads (strips of 64 outputs, query heads of a group 3 at a time), a width
+    # that is no multiple of 64, key counts that are no multiple of 4
+    (2, 16, 4, 131, 128), (3, 10, 1, 7, 80), (2, 8, 2, 258, 32)])
 @pytest.mark.parametrize("masked", [True, False])
-def test_decode_attention_equals_mlx(kernels, batch, heads, kv_heads, keys, masked):
+def test_decode_attention_equals_mlx(kernels, batch, heads, kv_heads, keys, width, masked):
     """Scores, a decode lane's left-padding mask, softmax and values: mlx's within float32
     rounding of a dot product's order (keys and values as the cache's strided views)."""
-    q = mx.random.normal((batch, 1, heads, 64), key=mx.random.key(15)).transpose(0, 2, 1, 3)
-    k = mx.random.normal((batch, kv_heads, keys + 256, 64), key=mx.random.key(16))[:, :, :keys]
-    v = mx.random.normal((batch, kv_heads, keys + 256, 64), key=mx.random.key(17))[:, :, :keys]
+    q = mx.random.normal((batch, 1, heads, width), key=mx.random.key(15)).transpose(0, 2, 1, 3)
+    k = mx.random.normal((batch, kv_heads, keys + 256, width), key=mx.random.key(16))[:, :, :keys]
+    v = mx.random.normal((batch, kv_heads, keys + 256, width), key=mx.random.key(17))[:, :, :keys]
     mask = None
     if masked:
         mask = (mx.arange(keys)[None] >= mx.array([3 * i for i in range(batch)])[:, None])[:, None, None, :]
