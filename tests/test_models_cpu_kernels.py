@@ -107,17 +107,22 @@ def test_rms_norm_is_mlx_bit_for_bit(kernels, shape):
 
 @pytest.mark.parametrize("traditional", [True, False])
 @pytest.mark.parametrize("shape,offsets", [((1, 9, 1, 64), 4095), ((16, 9, 1, 64), "rows"),
-                                           ((1, 4, 37, 64), 5), ((2, 3, 4, 32), "rows")])
+                                           ((1, 4, 37, 64), 5), ((2, 3, 4, 32), "rows"),
+                                           ((5, 2, 1, 16), "strided rows")])
 def test_rope_is_mlx_bit_for_bit(kernels, traditional, shape, offsets):
     import math
 
     batch, heads, steps, dim = shape
     # (batch, positions, heads, dim) transposed: the strided view attention passes.
     x = mx.random.normal((batch, steps, heads, dim), key=mx.random.key(14)).transpose(0, 2, 1, 3)
-    given = mx.array([37 * i + 3 for i in range(batch)], dtype=mx.int32) if offsets == "rows" else offsets
+    given = mx.array([37 * i + 3 for i in range(2 * batch)], dtype=mx.int32)
+    given = {"rows": given[:batch], "strided rows": given[::2]}.get(offsets, offsets)
     base, half = 100000.0, dim // 2
     inverse = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(base) / half))
     offset = given if isinstance(given, mx.array) else mx.array(given, dtype=mx.int32)
+    if offsets == "strided rows":
+        # the kernel reads the offsets and frequencies where they lie, views too
+        inverse = mx.stack([inverse, inverse * 2]).T[:, 0]
     got = kernels.rope(x, offset, inverse, dim, traditional, 1.0)
     want = mx.fast.rope(x, dim, traditional=traditional, base=base, scale=1.0, offset=given)
     assert mx.array_equal(got, want).item()
