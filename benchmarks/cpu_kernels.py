@@ -2,6 +2,7 @@
 
     python -m benchmarks.cpu_kernels [--rounds 5] [--steps 8]
     python -m benchmarks.cpu_kernels --alone   # the kernels alone only, no model
+    python -m benchmarks.cpu_kernels --against REV   # this checkout's kernels vs REV's
 
 Loads the default model as the server does (its attention and SwiGLU routes installed),
 fills a batch cache of ``rows`` sequences of ``context`` tokens, then decodes ``steps``
@@ -14,6 +15,12 @@ checks that both give the same greedy tokens, and times the kernels alone agains
 ops at a 16-row step's sizes (the softmax, the SwiGLU, and one step's decode attention
 over 30 layers' own keys and values). The linear layers stay on mlx's matmul on both sides
 (``OMLX_PACKED_LINEAR=0``; ``python -m benchmarks.packed_linear`` measures the packed ones).
+
+``--against REV`` pairs this checkout's kernels with those of a git revision instead
+(its ``cpu_kernels.cpp`` built beside them), both under the model as the server runs it
+(packed linear layers): decode steps at 1 and 16 rows, same greedy tokens checked, and
+one step's decode attention over 30 layers' own keys and values, each alternating which
+goes first.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import time
 from typing import Sequence
 
 SHAPES = ((1, 400), (8, 400), (16, 400), (8, 1000), (16, 1000))
+#: decode steps ``--against`` pairs: the bench's streams (128 tokens) and long contexts
+AGAINST_SHAPES = ((1, 128), (16, 128), (16, 1000))
 
 
 def decode_steps(model, cache, first, steps: int) -> tuple[float, list[list[int]]]:
@@ -75,18 +84,106 @@ def _kernel_alone(rounds: int) -> list[tuple[str, float, float]]:
             ("SwiGLU, 16 x 1536", median_ms(lambda: nn.silu(gate) * up),
              median_ms(lambda: kernels.swiglu(gate, up)))]
     for keys in (170, 1000):
-        # one step's attention: 30 layers, each its own keys and values (a step reads
-        # them all from memory, as the model's cache holds them: 256-row slabs, sliced)
-        q = mx.random.normal((16, 1, 9, 64)).transpose(0, 2, 1, 3)
-        layers = [[mx.random.normal((16, 3, keys + 256, 64))[:, :, :keys] for _ in range(2)]
-                  for _ in range(30)]
-        mx.eval(q, layers)
+        q, layers = _step_attention_inputs(keys)
         rows.append((f"decode attention, 30 layers x 16 rows x 9 heads (3 KV) x {keys} keys",
                      median_ms(lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
                                         for k, v in layers]),
                      median_ms(lambda: [kernels.decode_attention(q, k, v, None, 0.125)
                                         for k, v in layers])))
     return rows
+
+
+def _step_attention_inputs(keys: int):
+    """One 16-row step's attention inputs: 30 layers, each its own keys and values (a
+    step reads them all from memory, as the model's cache holds them: 256-row slabs,
+    sliced)."""
+    import mlx.core as mx
+
+    q = mx.random.normal((16, 1, 9, 64)).transpose(0, 2, 1, 3)
+    layers = [[mx.random.normal((16, 3, keys + 256, 64))[:, :, :keys] for _ in range(2)]
+              for _ in range(30)]
+    mx.eval(q, layers)
+    return q, layers
+
+
+def _in_turn(variants: dict, round_: int) -> list:
+    """The variants in this round's order: each goes first every other round."""
+    return list(variants.items())[::-1 if round_ % 2 else 1]
+
+
+def against(revision: str, rounds: int, steps: int) -> int:
+    """This checkout's kernels paired with ``revision``'s (see the module)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from omlx_core.models import cpu_kernels
+    from omlx_core.models.default import ensure_default_model
+    from omlx_core.models.loader import load_model
+
+    ours = cpu_kernels.kernels()
+    if ours is None:
+        print(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}",
+              file=sys.stderr)
+        return 1
+    root = Path(__file__).resolve().parent.parent
+    shown = subprocess.run(["git", "show", f"{revision}:omlx_core/models/cpu_kernels.cpp"],
+                           cwd=root, capture_output=True, text=True)
+    if shown.returncode != 0:
+        print(f"no kernels at {revision!r}: {shown.stderr.strip()}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as scratch:
+        source = Path(scratch) / "cpu_kernels.cpp"
+        source.write_text(shown.stdout)
+        print(f"building {revision}'s kernels (~15 s)", flush=True)
+        variants = {revision: cpu_kernels.build_source(source, Path(scratch) / "build"),
+                    "this checkout": ours}
+        model, _ = load_model(ensure_default_model(progress=True))
+        print(f"default model as the server runs it; {rounds} paired rounds of {steps} "
+              "pipelined greedy decode steps per shape, which goes first alternating")
+        table = []
+        for rows, context in AGAINST_SHAPES:
+            cache = [BatchKVCache([0] * rows) for _ in model.layers]
+            prompt = mx.random.randint(0, 20000, (rows, context),
+                                       key=mx.random.key(rows + context))
+            mx.eval(model(prompt, cache=cache))
+            first = mx.random.randint(0, 20000, (rows, 1), key=mx.random.key(7))
+            timings = {name: [] for name in variants}
+            outputs = {}
+            for round_ in range(rounds + 1):  # the first round warms both up
+                for name, module in _in_turn(variants, round_):
+                    with cpu_kernels.using(module):
+                        elapsed, tokens = decode_steps(model, cache, first, steps)
+                    outputs.setdefault(name, tokens)
+                    if round_:
+                        timings[name].append(elapsed * 1000)
+            table.append((f"decode step, {rows} x {context}", timings,
+                          "yes" if len({str(t) for t in outputs.values()}) == 1 else "NO"))
+            print(f"  {rows} rows x {context}: done", flush=True)
+        for keys in (170, 1000):
+            q, layers = _step_attention_inputs(keys)
+            timings = {name: [] for name in variants}
+            for round_ in range(rounds * 4 + 1):
+                for name, module in _in_turn(variants, round_):
+                    started = time.perf_counter()
+                    mx.eval([module.decode_attention(q, k, v, None, 0.125) for k, v in layers])
+                    if round_:
+                        timings[name].append((time.perf_counter() - started) * 1000)
+            table.append((f"decode attention alone, 30 layers x 16 rows x {keys} keys",
+                          timings, "-"))
+    old, new = variants
+    print(f"\n| ms (median) | {old} | {new} | {old} / {new} (median of pairs) | range | "
+          "same greedy tokens |")
+    print("|---|---:|---:|---:|---|---|")
+    for name, timings, same in table:
+        ratios = [a / b for a, b in zip(timings[old], timings[new])]
+        print(f"| {name} | {statistics.median(timings[old]):.1f} | "
+              f"{statistics.median(timings[new]):.1f} | {statistics.median(ratios):.2f}x | "
+              f"{min(ratios):.2f}-{max(ratios):.2f}x | {same} |")
+    return 0 if all(same != "NO" for _, _, same in table) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,7 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
     parser.add_argument("--alone", action="store_true",
                         help="only the kernels alone against mlx's ops (no model)")
+    parser.add_argument("--against", metavar="REV",
+                        help="pair this checkout's kernels with a git revision's")
     args = parser.parse_args(argv)
+    if args.against:
+        return against(args.against, args.rounds, args.steps)
 
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
@@ -134,12 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         outputs = {}
         for round_ in range(args.rounds + 1):  # the first round warms both up
             for name, module in (("mlx", None), ("kernels", kernels)):
-                cpu_kernels._loaded["module"] = module
-                elapsed, tokens = decode_steps(model, cache, first, args.steps)
+                with cpu_kernels.using(module):
+                    elapsed, tokens = decode_steps(model, cache, first, args.steps)
                 outputs.setdefault(name, tokens)
                 if round_:
                     timings[name].append(elapsed)
-        cpu_kernels._loaded["module"] = kernels
         ratios = [a / b for a, b in zip(timings["mlx"], timings["kernels"])]
         same = outputs["mlx"] == outputs["kernels"]
         rows_out.append((rows, context, statistics.median(timings["mlx"]) * 1000,

@@ -83,6 +83,15 @@ def test_strided_inputs_are_made_contiguous_first(kernels):
     assert mx.allclose(kernels.swiglu(gate, up), nn.silu(gate) * up, rtol=1e-5, atol=1e-6).item()
 
 
+def test_using_swaps_the_kernels_for_a_block_and_puts_them_back(kernels):
+    with cpu_kernels.using(None):
+        assert cpu_kernels.kernels() is None
+    assert cpu_kernels.kernels() is kernels
+    with pytest.raises(RuntimeError), cpu_kernels.using(None):
+        raise RuntimeError("the block failed")
+    assert cpu_kernels.kernels() is kernels
+
+
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")

@@ -41,11 +41,13 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["DISABLE_ENV", "MODULE_NAME", "SOURCE", "build", "build_dir", "kernels",
-           "unavailable_reason"]
+__all__ = ["DISABLE_ENV", "MODULE_NAME", "SOURCE", "build", "build_dir", "build_source",
+           "kernels", "unavailable_reason", "using"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ def _library_path(directory: Path) -> Path:
     return directory / f"{MODULE_NAME}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
 
 
-def _compile_command(output: Path) -> list[str]:
+def _compile_command(output: Path, source: Path = SOURCE) -> list[str]:
     import mlx.core as mx
     import nanobind
 
@@ -109,7 +111,7 @@ def _compile_command(output: Path) -> list[str]:
             "-ffp-contract=off",
             f"-I{nb_root / 'include'}", f"-I{nb_root / 'ext' / 'robin_map' / 'include'}",
             f"-I{mlx_root / 'include'}", f"-I{python_include}",
-            str(SOURCE), str(nb_root / "src" / "nb_combined.cpp"),
+            str(source), str(nb_root / "src" / "nb_combined.cpp"),
             f"-L{mlx_root / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_root / 'lib'}",
             "-o", str(output)]
 
@@ -139,6 +141,35 @@ def build(*, force: bool = False, announce=print) -> Path:
                                        f"{result.stderr[-4000:]}")
             os.replace(output, library)
     return library
+
+
+def build_source(source: Path, directory: Path) -> ModuleType:
+    """The kernels built from another ``source`` (a past revision's, for a paired
+    benchmark) into ``directory`` and imported beside the ones :func:`kernels` loads.
+
+    :raises KernelBuildError: it did not compile (the compiler's message)."""
+    library = _library_path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(_compile_command(library, source), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise KernelBuildError(f"{_COMPILER} failed ({result.returncode}):\n"
+                               f"{result.stderr[-4000:]}")
+    module = _import(library)
+    _self_check(module)
+    return module
+
+
+@contextmanager
+def using(module: ModuleType | None) -> Iterator[None]:
+    """:func:`kernels` answers ``module`` inside the block (``None``: mlx's ops), for
+    paired measurements in one process; what it answered before, after."""
+    kernels()
+    before = _loaded["module"]
+    _loaded["module"] = module
+    try:
+        yield
+    finally:
+        _loaded["module"] = before
 
 
 def _import(library: Path) -> ModuleType:
