@@ -94,7 +94,7 @@ def _library_path(directory: Path) -> Path:
     return directory / f"{MODULE_NAME}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
 
 
-def _compile_command(output: Path, source: Path = SOURCE) -> list[str]:
+def _compile_command(output: Path, source: Path) -> list[str]:
     import mlx.core as mx
     import nanobind
 
@@ -135,12 +135,16 @@ def build(*, force: bool = False, announce=print) -> Path:
         announce(f"== building the CPU kernels (once, ~10 s) into {directory}")
         with tempfile.TemporaryDirectory(dir=directory) as scratch:
             output = Path(scratch) / library.name
-            result = subprocess.run(_compile_command(output), capture_output=True, text=True)
-            if result.returncode != 0:
-                raise KernelBuildError(f"{_COMPILER} failed ({result.returncode}):\n"
-                                       f"{result.stderr[-4000:]}")
+            _compile(SOURCE, output)
             os.replace(output, library)
     return library
+
+
+def _compile(source: Path, output: Path) -> None:
+    result = subprocess.run(_compile_command(output, source), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise KernelBuildError(f"{_COMPILER} failed ({result.returncode}):\n"
+                               f"{result.stderr[-4000:]}")
 
 
 def build_source(source: Path, directory: Path) -> ModuleType:
@@ -150,10 +154,7 @@ def build_source(source: Path, directory: Path) -> ModuleType:
     :raises KernelBuildError: it did not compile (the compiler's message)."""
     library = _library_path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(_compile_command(library, source), capture_output=True, text=True)
-    if result.returncode != 0:
-        raise KernelBuildError(f"{_COMPILER} failed ({result.returncode}):\n"
-                               f"{result.stderr[-4000:]}")
+    _compile(source, library)
     module = _import(library)
     _self_check(module)
     return module
