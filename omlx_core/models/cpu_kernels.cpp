@@ -664,7 +664,7 @@ struct SplitRows {
 // the default model at 100 cached tokens. Four keys' scores are summed side by side, a
 // value row is added into output rows held in registers, and rows 8 ahead are fetched
 // while these are summed: over 30 layers' keys and values read from memory, a 16-row
-// step's attention 1.2-1.3x as fast (BENCHMARKS.md). The arithmetic is theirs, lane
+// step's attention 1.15-1.18x as fast, paired (BENCHMARKS.md). The arithmetic is theirs, lane
 // for lane: a score sums the products in 8 lanes (lane k: elements k, k + 8, ...), then
 // ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), then the tail in order; an output
 // element adds weight x value key after key, in key order.
