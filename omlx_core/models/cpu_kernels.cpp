@@ -741,10 +741,7 @@ static inline __attribute__((always_inline)) void strip_values(
     for (int c = 0; c < 8; ++c) acc[r][c] = load8(y + r * width + c * 8);
   for (int64_t l = 0; l < count; ++l) {
     const float* v = value + l * stride;
-    __builtin_prefetch(v + 8 * stride);
-    __builtin_prefetch(v + 8 * stride + 16);
-    __builtin_prefetch(v + 8 * stride + 32);
-    __builtin_prefetch(v + 8 * stride + 48);
+    for (int d = 0; d < 64; d += 16) __builtin_prefetch(v + 8 * stride + d);
     if (shown != nullptr && !shown[l * shown_stride]) continue;  // its weight is exactly 0
     v8f vc[8];
     for (int c = 0; c < 8; ++c) vc[c] = load8(v + c * 8);
@@ -888,22 +885,6 @@ void decode_attention_rows(const float* qp, const std::vector<int64_t>& qs, cons
 
 std::vector<int64_t> strides_of(const mx::array& a) {
   return std::vector<int64_t>(a.strides().begin(), a.strides().end());
-}
-
-// The float32 elements of a view (``shape`` and ``strides`` in elements, at least one
-// axis) into ``y``, row-major.
-void copy_dense(const float* x, const mx::Shape& shape, const std::vector<int64_t>& strides,
-                float* y) {
-  int64_t inner = shape.back(), step = strides.back(), rows = 1;
-  for (size_t a = 0; a + 1 < shape.size(); ++a) rows *= shape[a];
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t left = r, at = 0;
-    for (int a = static_cast<int>(shape.size()) - 2; a >= 0; --a) {
-      at += (left % shape[a]) * strides[a];
-      left /= shape[a];
-    }
-    for (int64_t i = 0; i < inner; ++i) y[r * inner + i] = x[at + i * step];
-  }
 }
 
 // The mask's pointer and strides (a batch of one broadcast over the batch).
@@ -1422,13 +1403,13 @@ class PackedMatmul : public mx::Primitive {
       dense = copy.data<float>();
       encoder.add_temporary(std::move(copy));
     }
-    encoder.dispatch([source = x.data<float>(), shape = x.shape(), xs = strides_of(x), dense,
+    encoder.dispatch([source = x.data<float>(), layout = Strided(x), dense,
                       wp = packed.data<float>(), ys = std::move(ys),
                       splits = splits_, rows = static_cast<int64_t>(x.size()) / k_len, k_len,
                       panels, width, bits = bits_]() {
       const float* xp = source;
       if (dense != nullptr) {
-        copy_dense(source, shape, xs, dense);
+        gather(source, layout, dense, rows * k_len);
         xp = dense;
       }
       auto& helpers = Helpers::shared();
