@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from benchmarks.cpu_kernels import decode_steps
+from benchmarks.cpu_kernels import decode_steps, in_turn
 
 SHAPES = ((1, 128), (8, 128), (16, 128), (16, 1000))
 PREFILL_TOKENS, PREFILL_CHUNK = 2048, 512
@@ -52,12 +52,6 @@ def _load(env: dict[str, str]) -> Any:
                 del os.environ[name]
             else:
                 os.environ[name] = value
-
-
-def _in_turn(models: dict[str, Any], round_: int) -> list[tuple[str, Any]]:
-    """The models in the order of this round: each goes first every other round (the one
-    run second in every round measured up to 8 % slower at a 2,048-token prefill)."""
-    return list(models.items())[::-1 if round_ % 2 else 1]
 
 
 def _prefill_seconds(model: Any, prompt: Any) -> float:
@@ -118,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timings: dict[str, list[float]] = {name: [] for name in models}
         outputs = {}
         for round_ in range(args.rounds + 1):  # the first round warms both up
-            for name, model in _in_turn(models, round_):
+            for name, model in in_turn(models, round_):
                 elapsed, tokens = decode_steps(model, caches[name], first, args.steps)
                 outputs.setdefault(name, tokens)
                 if round_:
@@ -136,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompt = mx.random.randint(0, 20000, (1, PREFILL_TOKENS), key=mx.random.key(11))
     prefill: dict[str, list[float]] = {name: [] for name in models}
     for round_ in range(args.rounds + 1):
-        for name, model in _in_turn(models, round_):
+        for name, model in in_turn(models, round_):
             seconds = _prefill_seconds(model, prompt)
             if round_:
                 prefill[name].append(seconds)
