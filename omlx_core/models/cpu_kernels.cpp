@@ -1280,16 +1280,19 @@ class PackedAttention : public mx::Primitive {
 // vector width or the thread: a row's result does not depend on what it is batched with.
 
 #if defined(__x86_64__)
-// MB rows of x times one panel of 16 NV outputs: y[r, 0 : 16 NV] for r < MB, NV 16-wide
-// running sums a row (AVX-512: 8 rows x 3 sums is 24 of its 32 registers).
+// MB rows of x times one panel of 16 NV outputs over k in [k0, k1): y[r, 0 : 16 NV] for
+// r < MB, NV 16-wide running sums a row (AVX-512: 8 rows x 3 sums is 24 of its 32
+// registers). From zero when k0 is 0, else from y, where the same sums left off: a sum
+// stored and loaded again is the same float32, so the chain over k is unbroken.
 template <int MB, int NV>
 __attribute__((target("avx512f"))) void panel_rows_512(const float* x, int64_t ldx,
-                                                       const float* panel, int64_t k_len,
+                                                       const float* panel, int64_t k0, int64_t k1,
                                                        float* y, int64_t ldy) {
   __m512 acc[MB][NV];
   for (int r = 0; r < MB; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_len; ++k) {
+    for (int j = 0; j < NV; ++j)
+      acc[r][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * ldy + 16 * j);
+  for (int64_t k = k0; k < k1; ++k) {
     const float* w = panel + k * 16 * NV;
     __m512 wv[NV];
     for (int j = 0; j < NV; ++j) wv[j] = _mm512_loadu_ps(w + 16 * j);
@@ -1305,12 +1308,19 @@ __attribute__((target("avx512f"))) void panel_rows_512(const float* x, int64_t l
 // The same with AVX2 (16 registers): 16 outputs (two 8-wide sums) at a time.
 template <int MB, int NV>
 __attribute__((target("avx2,fma"))) void panel_rows_256(const float* x, int64_t ldx,
-                                                        const float* panel, int64_t k_len,
+                                                        const float* panel, int64_t k0, int64_t k1,
                                                         float* y, int64_t ldy) {
   for (int part = 0; part < NV; ++part) {
     __m256 acc[MB][2];
-    for (int r = 0; r < MB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < k_len; ++k) {
+    for (int r = 0; r < MB; ++r) {
+      if (k0 == 0) {
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      } else {
+        acc[r][0] = _mm256_loadu_ps(y + r * ldy + 16 * part);
+        acc[r][1] = _mm256_loadu_ps(y + r * ldy + 16 * part + 8);
+      }
+    }
+    for (int64_t k = k0; k < k1; ++k) {
       const float* w = panel + k * 16 * NV + 16 * part;
       __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
       for (int r = 0; r < MB; ++r) {
@@ -1339,34 +1349,45 @@ int packed_matmul_bits() {
 
 // Rows [0, rows) of x times panels [first, last) of 16 NV outputs each: rows in chunks
 // of 64 (a chunk of x stays in L2 while it meets each panel), each chunk 8, 4, 2, then 1
-// rows at a time (AVX2: 4, 2, 1).
+// rows at a time (AVX2: 4, 2, 1). Where a chunk is more than one such block, every block
+// meets a slice of kPanelSlice k's of the panel before the next slice: the panel comes
+// from memory once, while all the chunk's rows are summed (block by block over the whole
+// panel, the first block waited for memory with a quarter of the multiply-adds to hide
+// it, the others found it in L2 with nothing left to fetch).
+constexpr int64_t kPanelSlice = 64;
+
 template <int NV>
 void panels_times_rows(const float* x, int64_t rows, int64_t k_len, const float* packed,
                        int64_t first, int64_t last, float* y, int64_t n, int bits) {
   constexpr int64_t width = 16 * NV;
+  const int64_t widest = bits == 512 ? 8 : 4;  // rows of the largest block
   for (int64_t chunk = 0; chunk < rows; chunk += 64) {
     int64_t chunk_end = std::min(rows, chunk + 64);
+    int64_t slice = chunk_end - chunk > widest ? kPanelSlice : k_len;
     for (int64_t p = first; p < last; ++p) {
       const float* panel = packed + p * k_len * width;
-      int64_t r = chunk;
-      auto go = [&](auto block, int64_t mb) {
-        for (; r + mb <= chunk_end; r += mb)
-          block(x + r * k_len, k_len, panel, k_len, y + r * n + p * width, n);
-      };
+      for (int64_t k0 = 0; k0 < k_len; k0 += slice) {
+        int64_t k1 = std::min(k_len, k0 + slice);
+        int64_t r = chunk;
+        auto go = [&](auto block, int64_t mb) {
+          for (; r + mb <= chunk_end; r += mb)
+            block(x + r * k_len, k_len, panel, k0, k1, y + r * n + p * width, n);
+        };
 #if defined(__x86_64__)
-      if (bits == 512) {
-        go(panel_rows_512<8, NV>, 8);
-        go(panel_rows_512<4, NV>, 4);
-        go(panel_rows_512<2, NV>, 2);
-        go(panel_rows_512<1, NV>, 1);
-      } else {
-        go(panel_rows_256<4, NV>, 4);
-        go(panel_rows_256<2, NV>, 2);
-        go(panel_rows_256<1, NV>, 1);
-      }
+        if (bits == 512) {
+          go(panel_rows_512<8, NV>, 8);
+          go(panel_rows_512<4, NV>, 4);
+          go(panel_rows_512<2, NV>, 2);
+          go(panel_rows_512<1, NV>, 1);
+        } else {
+          go(panel_rows_256<4, NV>, 4);
+          go(panel_rows_256<2, NV>, 2);
+          go(panel_rows_256<1, NV>, 1);
+        }
 #else
-      (void)go;  // packed_matmul_bits() is 0: the product is never built here
+        (void)go;  // packed_matmul_bits() is 0: the product is never built here
 #endif
+      }
     }
   }
 }
