@@ -46,14 +46,15 @@ def test_the_product_is_x_times_the_weights_transpose(bits, rows, outputs, input
     assert np.abs(got - want).max(initial=0.0) <= 1e-6 * inputs * np.sqrt(inputs) + 1e-6
 
 
-@pytest.mark.parametrize("outputs", [1536, 64, 80])
-def test_a_rows_result_does_not_depend_on_its_batch_or_the_vector_width(bits, outputs):
+@pytest.mark.parametrize("outputs,inputs", [(1536, 576), (64, 576), (80, 576), (80, 100)])
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_vector_width(bits, outputs, inputs):
     """Every output is one chain of multiply-adds in input order: a row alone, the same
-    row among 70 others (chunks, threads, 8/4/2/1-row blocks) and the AVX2 build agree
-    bit for bit."""
+    row among 70 others (chunks, threads, 8/4/2/1-row blocks, each meeting the panel 64
+    inputs at a time, the last slice shorter where 64 does not divide the inputs) and the
+    AVX2 build agree bit for bit."""
     keys = mx.random.split(mx.random.key(3), 2)
-    x = mx.random.normal((71, 576), key=keys[0])
-    weight = mx.random.normal((outputs, 576), key=keys[1])
+    x = mx.random.normal((71, inputs), key=keys[0])
+    weight = mx.random.normal((outputs, inputs), key=keys[1])
     batch = product(x, weight, bits)
     for row in (0, 7, 64, 70):
         assert mx.array_equal(product(x[row:row + 1], weight, bits)[0], batch[row]).item()
