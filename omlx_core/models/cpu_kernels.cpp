@@ -1349,8 +1349,8 @@ int packed_matmul_bits() {
 
 // Rows [0, rows) of x times panels [first, last) of 16 NV outputs each: rows in chunks
 // of 64 (a chunk of x stays in L2 while it meets each panel), each chunk 8, 4, 2, then 1
-// rows at a time (AVX2: 4, 2, 1). Where a chunk is more than one such block, every block
-// meets a slice of kPanelSlice k's of the panel before the next slice: the panel comes
+// rows at a time (AVX2: 4, 2, 1). Where a chunk has more rows than the largest block, every
+// block meets a slice of kPanelSlice k's of the panel before the next slice: the panel comes
 // from memory once, while all the chunk's rows are summed (block by block over the whole
 // panel, the first block waited for memory with a quarter of the multiply-adds to hide
 // it, the others found it in L2 with nothing left to fetch).
