@@ -22,7 +22,7 @@ from mlx_lm.models import base
 from mlx_lm.models.cache import QuantizedKVCache
 
 from omlx_core.models.attention import cpu_attention, install_kv_rotation
-from omlx_core.models.kv_rotation import kv_rotation, rotated_attention
+from omlx_core.models.kv_rotation import rotate, rotated_attention
 from omlx_core.engine import SamplingParams
 from omlx_core.mlx_thread import mlx_thread
 from omlx_core.models.loader import load_model
@@ -142,7 +142,7 @@ def _outlier_rows(shape: tuple[int, ...], seed: int) -> mx.array:
 def _unrotated(triple: tuple[mx.array, ...], fmt: KVFormat) -> mx.array:
     """Stored rows dequantized and rotated back: the KV the rotated attention reads."""
     rows = mx.dequantize(*triple, group_size=fmt.group_size, bits=fmt.bits)
-    return rows @ kv_rotation(rows.shape[-1])
+    return rotate(rows)
 
 
 def _mlx_lm_attention(queries, keys, values, cache, scale, mask, sinks=None):

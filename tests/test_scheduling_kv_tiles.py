@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from omlx_core.mlx_thread import mlx_thread
-from omlx_core.models.kv_rotation import kv_rotation, rotated_attention
+from omlx_core.models.kv_rotation import kv_rotation, rotate, rotated_attention
 from omlx_core.models.registry import ModelError
 from omlx_core.scheduling.kv_tiles import BatchTiledKVCache, TiledKVCache, dequantize_tiles, quantize_tiles
 
@@ -39,7 +39,7 @@ def channel_reference(keys: mx.array, group: int = G) -> mx.array:
 
 def value_reference(values: mx.array, group: int = G) -> mx.array:
     """Values as attention reads them: rotated rows, quantized per row, expanded."""
-    rotated = values @ kv_rotation(values.shape[-1])
+    rotated = rotate(values)
     return mx.dequantize(*mx.quantize(rotated, group_size=group, bits=4), group_size=group, bits=4)
 
 

@@ -46,6 +46,19 @@ def kv_rotation(head_dim: int, dtype: mx.Dtype = mx.float32) -> mx.array:
 _ROTATIONS: dict[tuple[int, mx.Dtype], mx.array] = {}
 
 
+def rotate(x: mx.array) -> mx.array:
+    """``x @ kv_rotation(d)`` (``d`` its last axis) as a Walsh-Hadamard butterfly per
+    block, in float32, rounded once to ``x``'s dtype: each row's result depends on that
+    row alone. A matmul's may not: OpenBLAS's Zen kernels round a row differently by how
+    many rows are multiplied together (3 rows against each alone: up to 7e-7 apart), so a
+    row fed in one chunk, token by token or in a lane would store other quantized codes.
+    The rotation is symmetric and orthonormal: ``rotate(rotate(x))`` is ``x``."""
+    dim = x.shape[-1]
+    block = min(dim & -dim, MAX_ROTATION_BLOCK)
+    blocks = x.astype(mx.float32).reshape(*x.shape[:-1], dim // block, block)
+    return mx.hadamard_transform(blocks, scale=1.0 / math.sqrt(block)).reshape(x.shape).astype(x.dtype)
+
+
 def rotated_attention(attend: Any, queries: mx.array, keys: Any, values: Any, cache: Any,
                       *args: Any, **kwargs: Any) -> mx.array:
     """``attend(queries, keys, values, cache, ...)`` (mlx-lm's attention contract) over a
@@ -83,4 +96,5 @@ def stored_rotation(keys: Sequence[mx.array] | None, values: Sequence[mx.array] 
             kv_rotation(values[0].shape[-1] * 32 // bits, values[1].dtype))
 
 
-__all__ = ["MAX_ROTATION_BLOCK", "kv_rotation", "rotated_attention", "rotated_calls", "stored_rotation"]
+__all__ = ["MAX_ROTATION_BLOCK", "kv_rotation", "rotate", "rotated_attention", "rotated_calls",
+           "stored_rotation"]

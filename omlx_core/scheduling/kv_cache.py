@@ -46,7 +46,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
-from omlx_core.models.kv_rotation import kv_rotation, rotated_calls, stored_rotation
+from omlx_core.models.kv_rotation import rotate, rotated_calls, stored_rotation
 from omlx_core.scheduling.kv_tiles import BatchTiledKVCache, TiledKVCache
 
 #: the KV bits a model may be served with (``None``: full precision)
@@ -202,8 +202,7 @@ class RotatedQuantizedKVCache(QuantizedKVCache):
     :func:`~omlx_core.models.kv_rotation.rotated_attention`."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
-        return super().update_and_fetch(keys @ kv_rotation(keys.shape[-1], keys.dtype),
-                                        values @ kv_rotation(values.shape[-1], values.dtype))
+        return super().update_and_fetch(rotate(keys), rotate(values))
 
     @property
     def rotation(self) -> tuple[mx.array, mx.array] | None:
@@ -316,8 +315,7 @@ class BatchQuantizedKVCache:
             self._allocate(keys, values, count)
         else:
             self.reserve(count)
-        keys = keys @ kv_rotation(keys.shape[-1], keys.dtype)
-        values = values @ kv_rotation(values.shape[-1], values.dtype)
+        keys, values = rotate(keys), rotate(values)
         quantized_keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
         quantized_values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
         for buffer, part in zip((*self.keys, *self.values), (*quantized_keys, *quantized_values)):  # type: ignore[misc]

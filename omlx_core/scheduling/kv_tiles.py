@@ -46,7 +46,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from omlx_core.models.kv_rotation import kv_rotation
+from omlx_core.models.kv_rotation import kv_rotation, rotate
 
 #: tile capacity grows in whole steps of this many positions (as mlx-lm's caches do)
 TILE_STEP = 256
@@ -133,7 +133,7 @@ class TiledKVCache:
         return None, kv_rotation(dim, dtype)
 
     def quantize_values(self, values: mx.array) -> tuple[mx.array, ...]:
-        rotated = values @ kv_rotation(values.shape[-1], values.dtype)
+        rotated = rotate(values)
         return tuple(mx.quantize(rotated, group_size=self.group_size, bits=self.kv_bits))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
