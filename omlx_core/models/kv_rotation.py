@@ -20,6 +20,13 @@ import mlx.core as mx
 MAX_ROTATION_BLOCK = 128
 
 
+def rotation_block(head_dim: int) -> int:
+    """The Hadamard block size of a ``head_dim`` rotation: the largest power of two
+    dividing it, at most :data:`MAX_ROTATION_BLOCK` (:func:`kv_rotation` and
+    :func:`rotate` share it, so they are one rotation)."""
+    return min(head_dim & -head_dim, MAX_ROTATION_BLOCK)
+
+
 def kv_rotation(head_dim: int, dtype: mx.Dtype = mx.float32) -> mx.array:
     """The orthonormal, symmetric ``head_dim x head_dim`` matrix quantized KV rows are
     rotated by: Sylvester Hadamard blocks of the largest power of two dividing
@@ -28,7 +35,7 @@ def kv_rotation(head_dim: int, dtype: mx.Dtype = mx.float32) -> mx.array:
     key = (head_dim, dtype)
     rotation = _ROTATIONS.get(key)
     if rotation is None:
-        block = min(head_dim & -head_dim, MAX_ROTATION_BLOCK)
+        block = rotation_block(head_dim)
         hadamard = mx.array([[1.0]])
         while hadamard.shape[0] < block:
             hadamard = mx.concatenate([mx.concatenate([hadamard, hadamard], axis=1),
@@ -54,7 +61,7 @@ def rotate(x: mx.array) -> mx.array:
     row fed in one chunk, token by token or in a lane would store other quantized codes.
     The rotation is symmetric and orthonormal: ``rotate(rotate(x))`` is ``x``."""
     dim = x.shape[-1]
-    block = min(dim & -dim, MAX_ROTATION_BLOCK)
+    block = rotation_block(dim)
     blocks = x.astype(mx.float32).reshape(*x.shape[:-1], dim // block, block)
     return mx.hadamard_transform(blocks, scale=1.0 / math.sqrt(block)).reshape(x.shape).astype(x.dtype)
 
@@ -96,5 +103,5 @@ def stored_rotation(keys: Sequence[mx.array] | None, values: Sequence[mx.array] 
             kv_rotation(values[0].shape[-1] * 32 // bits, values[1].dtype))
 
 
-__all__ = ["MAX_ROTATION_BLOCK", "kv_rotation", "rotate", "rotated_attention", "rotated_calls",
+__all__ = ["MAX_ROTATION_BLOCK", "kv_rotation", "rotate", "rotated_attention", "rotated_calls", "rotation_block",
            "stored_rotation"]
