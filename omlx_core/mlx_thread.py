@@ -86,6 +86,11 @@ class MLXThread:
             if worker in self._workers:
                 self._workers.remove(worker)
 
+    def workers(self) -> list[Worker]:
+        """The workers attached now (a copy)."""
+        with self._cond:
+            return list(self._workers)
+
     def others_busy(self, worker: Worker) -> bool:
         """Whether a worker other than ``worker`` has work now: for a worker that yields
         to the others (an embedding engine paces itself beside chat). Call it on the MLX

@@ -377,6 +377,21 @@ def largest_peak(measure, estimate_bytes: int, bound: float) -> int:  # type: ig
     return peak
 
 
+def process_state() -> str:
+    """What else in this process could have used mlx beside a measurement, for an
+    undercount's message: threads alive and the MLX thread's workers."""
+    import threading
+
+    import mlx.core as mx
+
+    from omlx_core.mlx_thread import mlx_thread
+
+    workers = [f"{type(w).__name__} (work: {w.has_work()})" for w in mlx_thread().workers()]
+    return (f"{threading.active_count()} threads; MLX thread workers: {workers or 'none'}; "
+            f"mlx memory limit {mx.get_memory_limit() / MIB:.0f} MiB, cache "
+            f"{mx.get_cache_memory() / MIB:.1f} MiB")
+
+
 @pytest.fixture(scope="module")
 def loaded_models(tmp_path_factory):
     from omlx_core.models.loader import load_model
@@ -410,7 +425,8 @@ def test_real_prefill_never_undercounts(loaded_models, family, prompt_tokens, ch
         # Seen once in a CI run (qwen3_next, 2048/2048: 5.5 MiB over the usual peak) and
         # never when repeated: say whether the same prefill measures the same again.
         again = measure_prefill_peak(loaded_models(family), random_prompt(prompt_tokens, 512), chunk)
-        detail += f"; measured again at once: {again.peak_bytes / MIB:.2f} MiB"
+        detail += (f"; measured again at once: {again.peak_bytes / MIB:.2f} MiB; "
+                   f"{process_state()}")
     assert ratio >= 1.0, "undercount: " + detail
     assert ratio <= bound, "overcount: " + detail
 
