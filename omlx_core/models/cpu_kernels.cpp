@@ -1305,63 +1305,34 @@ __attribute__((target("avx512f"))) void panel_rows_512(const float* x, int64_t l
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(y + r * ldy + 16 * j, acc[r][j]);
 }
 
-// The same with AVX2 (16 registers): 16 outputs (two 8-wide sums) at a time.
-template <int MB, int NV>
+// The same with AVX2 (16 registers): the panel's 16 NV outputs in parts of VP 8-wide sums
+// a row. Parts of 16 (VP 2: MB x 2 sums) fit any panel; a 48-output panel's four rows run
+// as two parts of 24 (VP 3: twelve sums), so a k's three weight loads and four broadcasts
+// feed twelve multiply-adds, not eight: twelve independent sums keep both FMA units busy
+// through their latency where eight barely do (a 256-row prefill chunk's products are
+// compute bound). Each output is the same chain over k whatever the part width.
+template <int MB, int NV, int VP = 2>
 __attribute__((target("avx2,fma"))) void panel_rows_256(const float* x, int64_t ldx,
                                                         const float* panel, int64_t k0, int64_t k1,
                                                         float* y, int64_t ldy) {
-  for (int part = 0; part < NV; ++part) {
-    __m256 acc[MB][2];
-    for (int r = 0; r < MB; ++r) {
-      if (k0 == 0) {
-        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      } else {
-        acc[r][0] = _mm256_loadu_ps(y + r * ldy + 16 * part);
-        acc[r][1] = _mm256_loadu_ps(y + r * ldy + 16 * part + 8);
-      }
-    }
+  static_assert((2 * NV) % VP == 0, "a panel is whole parts");
+  for (int part = 0; part < 2 * NV / VP; ++part) {
+    float* out = y + 8 * VP * part;
+    __m256 acc[MB][VP];
+    for (int r = 0; r < MB; ++r)
+      for (int j = 0; j < VP; ++j)
+        acc[r][j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + r * ldy + 8 * j);
     for (int64_t k = k0; k < k1; ++k) {
-      const float* w = panel + k * 16 * NV + 16 * part;
-      __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+      const float* w = panel + k * 16 * NV + 8 * VP * part;
+      __m256 wv[VP];
+      for (int j = 0; j < VP; ++j) wv[j] = _mm256_loadu_ps(w + 8 * j);
       for (int r = 0; r < MB; ++r) {
         __m256 v = _mm256_set1_ps(x[r * ldx + k]);
-        acc[r][0] = _mm256_fmadd_ps(v, w0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(v, w1, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < MB; ++r) {
-      _mm256_storeu_ps(y + r * ldy + 16 * part, acc[r][0]);
-      _mm256_storeu_ps(y + r * ldy + 16 * part + 8, acc[r][1]);
-    }
-  }
-}
-
-// A 48-output panel (NV 3) with AVX2, four rows at a time: two halves of 24 outputs
-// (three 8-wide sums a row), so a k's two weight loads and four broadcasts feed twelve
-// multiply-adds, not eight as in 16-output parts: twelve independent sums keep both FMA
-// units busy through their latency where eight barely do (a 256-row prefill chunk's
-// products: compute, not memory, bound). The same chains over k as panel_rows_256.
-template <int MB>
-__attribute__((target("avx2,fma"))) void panel_rows_256_wide(const float* x, int64_t ldx,
-                                                             const float* panel, int64_t k0,
-                                                             int64_t k1, float* y, int64_t ldy) {
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[MB][3];
-    for (int r = 0; r < MB; ++r)
-      for (int j = 0; j < 3; ++j)
-        acc[r][j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy + 24 * half + 8 * j);
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* w = panel + k * 48 + 24 * half;
-      __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16);
-      for (int r = 0; r < MB; ++r) {
-        __m256 v = _mm256_broadcast_ss(x + r * ldx + k);
-        acc[r][0] = _mm256_fmadd_ps(v, w0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(v, w1, acc[r][1]);
-        acc[r][2] = _mm256_fmadd_ps(v, w2, acc[r][2]);
+        for (int j = 0; j < VP; ++j) acc[r][j] = _mm256_fmadd_ps(v, wv[j], acc[r][j]);
       }
     }
     for (int r = 0; r < MB; ++r)
-      for (int j = 0; j < 3; ++j) _mm256_storeu_ps(y + r * ldy + 24 * half + 8 * j, acc[r][j]);
+      for (int j = 0; j < VP; ++j) _mm256_storeu_ps(out + r * ldy + 8 * j, acc[r][j]);
   }
 }
 #endif
@@ -1378,8 +1349,8 @@ int packed_matmul_bits() {
 
 // Rows [0, rows) of x times panels [first, last) of 16 NV outputs each: rows in chunks
 // of 64 (a chunk of x stays in L2 while it meets each panel), each chunk 8, 4, 2, then 1
-// rows at a time (AVX2: 4, 2, 1; four rows of a 48-output panel as two halves of 24). Where a chunk has more rows than the largest block, every
-// block meets a slice of kPanelSlice k's of the panel before the next slice: the panel comes
+// rows at a time (AVX2: 4, 2, 1). Where a chunk has more rows than the largest block,
+// every block meets a slice of kPanelSlice k's of the panel before the next slice: the panel comes
 // from memory once, while all the chunk's rows are summed (block by block over the whole
 // panel, the first block waited for memory with a quarter of the multiply-adds to hide
 // it, the others found it in L2 with nothing left to fetch).
@@ -1409,8 +1380,7 @@ void panels_times_rows(const float* x, int64_t rows, int64_t k_len, const float*
           go(panel_rows_512<2, NV>, 2);
           go(panel_rows_512<1, NV>, 1);
         } else {
-          if constexpr (NV == 3) go(panel_rows_256_wide<4>, 4);
-          go(panel_rows_256<4, NV>, 4);
+          go(panel_rows_256<4, NV, NV == 3 ? 3 : 2>, 4);
           go(panel_rows_256<2, NV>, 2);
           go(panel_rows_256<1, NV>, 1);
         }
